@@ -1,0 +1,117 @@
+"""Results are plain records: frozen dataclasses -> JSON / JSONL / Parquet, written atomically.
+
+Run folders (``runs/<job>-<timestamp>/``) hold the resolved config, an environment snapshot,
+the records, ``summary.json`` and a human report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses, paths, tuples, numpy scalars and non-finite floats -> plain JSON values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        return to_jsonable(obj.item())
+    return str(obj)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def dumps(obj: Any, *, indent: int | None = 2) -> str:
+    return json.dumps(to_jsonable(obj), indent=indent, sort_keys=False, ensure_ascii=False)
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    atomic_write_bytes(path, (dumps(obj) + "\n").encode("utf-8"))
+    return Path(path)
+
+
+def write_jsonl(path: str | Path, records: Iterable[Any]) -> Path:
+    lines = "".join(dumps(r, indent=None) + "\n" for r in records)
+    atomic_write_bytes(path, lines.encode("utf-8"))
+    return Path(path)
+
+
+def append_jsonl(path: str | Path, record: Any) -> None:
+    """Append one record (for logs written while a run goes on)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(dumps(record, indent=None) + "\n")
+
+
+def write_parquet(path: str | Path, records: list[Any]) -> Path:
+    """Records (dataclasses or dicts) -> one Parquet table; nested values are stored as JSON text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [to_jsonable(r) for r in records]
+    columns: dict[str, list[Any]] = {}
+    for row in rows:
+        for key in row:
+            columns.setdefault(key, [])
+    for key in columns:
+        values = [row.get(key) for row in rows]
+        if any(isinstance(v, (dict, list)) for v in values):
+            values = [None if v is None else json.dumps(v) for v in values]
+        columns[key] = values
+    table = pa.table(columns) if columns else pa.table({})
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def make_run_dir(job: str, root: str | Path = "runs") -> Path:
+    """Create ``root/<job>-<UTC timestamp>[-N]/`` and return it."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        run = root / (f"{job}-{stamp}" if n == 0 else f"{job}-{stamp}-{n}")
+        try:
+            run.mkdir()
+            return run
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a run folder under {root}")
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

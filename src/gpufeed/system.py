@@ -1,0 +1,100 @@
+"""Facts about the machine this process runs on. No torch at import time."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def usable_cpus() -> int:
+    """CPUs this process may actually use: CPU affinity, then the cgroup CPU quota (containers, SLURM).
+
+    ``os.cpu_count()`` reports the host's CPUs, which over-subscribes containers and batch jobs.
+    """
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS / Windows
+        n = os.process_cpu_count() if hasattr(os, "process_cpu_count") else (os.cpu_count() or 1)  # noqa
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        n = min(n, max(1, int(quota + 0.999)))
+    return max(1, n)
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """CPU quota in CPUs from cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``; None when unlimited."""
+    try:
+        text = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if text and text[0] != "max":
+            return int(text[0]) / int(text[1])
+        return None
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        if quota > 0 and period > 0:
+            return quota / period
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def total_ram_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def environment_snapshot(*, with_torch: bool = True) -> dict[str, Any]:
+    """Versions and hardware facts stored next to every record. Imports torch only when asked."""
+    import psutil
+
+    from gpufeed import __version__
+
+    snap: dict[str, Any] = {
+        "gpufeed": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "hostname": platform.node(),
+        "usable_cpus": usable_cpus(),
+        "ram_bytes": int(psutil.virtual_memory().total),
+    }
+    for mod in ("webdataset", "PIL", "numpy", "pyarrow", "simplejpeg"):
+        try:
+            m = __import__(mod)
+            snap[f"{mod.lower()}_version"] = getattr(m, "__version__", "unknown")
+        except Exception:  # optional package missing or broken
+            snap[f"{mod.lower()}_version"] = None
+    if with_torch:
+        import torch
+
+        snap["torch_version"] = torch.__version__
+        snap["torchvision_version"] = _torchvision_version()
+        snap["cuda_available"] = torch.cuda.is_available()
+        snap["cuda_version"] = torch.version.cuda
+        snap["cudnn_version"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        if torch.cuda.is_available():
+            snap["gpus"] = [
+                {"name": torch.cuda.get_device_name(i),
+                 "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
+                for i in range(torch.cuda.device_count())
+            ]
+            try:
+                snap["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+            except Exception:
+                snap["nccl_version"] = None
+    return snap
+
+
+def _torchvision_version() -> str | None:
+    try:
+        import torchvision
+
+        return torchvision.__version__
+    except Exception:
+        return None

@@ -1,0 +1,978 @@
+"""``gpufeed shard SRC DEST``: an ImageFolder -> deterministic WebDataset tar shards + manifest.
+
+Pipeline (DESIGN §1): scan -> validate (parallel, batched per task) -> plan (seeded shuffle, N equal
+shards) -> write (parallel over shards, each to a temporary name, then renamed) -> ``index.parquet``,
+timm's ``_info.json`` and, last and atomically, ``manifest.json``. No torch import anywhere on this path.
+
+Input rules
+-----------
+* Classes are the sorted names of the non-hidden folders in SRC (``entry.is_dir()``, symlinks followed), so
+  labels agree with ``torchvision.datasets.ImageFolder`` (which would also count hidden folders as classes).
+* Inside a class folder every sub-folder is walked (as ImageFolder does), symlinks followed, loops cut.
+  Candidates carry one of ImageFolder's extensions (``.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp``,
+  any case). A directory named ``x.jpg`` is just a folder. Hidden files/folders, other extensions, stray
+  files at SRC's root, special files (FIFOs, sockets) are *ignored* (file + reason in the report).
+* A candidate is *rejected* (file + reason in the report, never an exception) when it is empty, a
+  dangling symlink, not an image, undecodable or truncated (``--check full`` decodes every image;
+  ``--check header`` only parses headers), or larger than ``max_pixels`` (decompression bombs; Pillow's own
+  ``MAX_IMAGE_PIXELS`` guard is never disabled).
+* An empty class (no accepted image) is an error naming the folder; with ``allow_empty_classes`` it keeps its
+  label (no renumbering) and the report warns.
+
+Stored bytes, colour modes and orientation
+------------------------------------------
+* The image member's extension names the real encoded format (``jpg``, ``png`` or ``webp``), never the input
+  file name: a PNG saved as ``x.jpg`` is stored as ``KEY.png``.
+* By default image bytes pass through unchanged ("copy"). Grayscale, palette, 1-bit, alpha (LA/RGBA/PA) and
+  16-bit *RGB* images pass through: Pillow's ``Image.open(...).convert("RGB")`` yields 3-channel RGB for them
+  (alpha is dropped, not flattened, exactly as ImageFolder's loader does).
+* A few inputs are transcoded (counted in the report under ``transforms``) because a plain
+  ``.convert("RGB")`` or a libjpeg-turbo / nvjpeg decoder would get them wrong:
+  - ``cmyk_to_rgb_jpeg``: CMYK/YCCK JPEGs are converted to RGB by Pillow (which handles Adobe's inverted CMYK)
+    and re-encoded as JPEG at quality 95 (or ``--quality``): simplejpeg / nvjpeg cannot convert CMYK.
+  - ``16bit_to_png8``: 16-bit / 32-bit grayscale (Pillow mode ``I;16``/``I``/``F``) is scaled to 8 bits
+    (``>> 8``) and stored as an 8-bit PNG, because ``.convert("RGB")`` would clip it to white.
+  - ``to_png``: BMP/TIFF/PPM/PGM content is stored losslessly as an RGB PNG.
+* ``--max-size PX`` re-encodes images whose long side exceeds PX (resized down with Lanczos, never up; other
+  images pass through); ``--quality Q`` re-encodes every image. Re-encoded output is always RGB JPEG
+  (quality Q, default 90, 4:2:0, baseline, no metadata); alpha is dropped as above.
+* EXIF orientation is **not applied**, consistently for every path: pass-through bytes keep their EXIF but
+  are stored pixel-for-pixel, which is what ImageFolder's PIL loader, webdataset, simplejpeg and nvjpeg
+  decode by default; re-encoded images are encoded from the stored pixel order and carry no EXIF.
+  The tag is recorded as ``exif_orientation`` in ``KEY.json`` (when it is not 1) and counted in the report.
+
+Members and keys
+----------------
+A sample is ``KEY.<jpg|png|webp>``, ``KEY.cls`` (label, ASCII decimal) and ``KEY.json`` (``source`` path
+relative to SRC, ``class``, ``label``, stored ``width``/``height``, ``format``, ``sha256`` of the image
+member, optional ``exif_orientation``, ``orig_width``/``orig_height`` when resized). KEY is
+``{label:05d}_{n:07d}`` with n the position of the file among its class' accepted files in sorted path
+order: no dots, unique, deterministic. Tar headers are fixed (USTAR, mtime 0, uid/gid 0, empty user/group
+names, mode 0644) and members are written in plan order, so the bytes do not depend on ``--workers``.
+
+Resume
+------
+The plan (fingerprint of the scanned files' paths, sizes and mtimes and of every output-affecting option,
+plus the validated sample list) is kept in ``DEST/.gpufeed/plan.json``; each completed shard leaves
+``DEST/.gpufeed/<shard>.done.json`` with its size and sha256. A re-run with the same fingerprint skips shards
+whose file matches its sidecar and writes the rest; a different fingerprint is refused unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import re
+import shutil
+import stat
+import sys
+import tarfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from gpufeed.config import ShardConfig
+from gpufeed.errors import DataError
+
+CANDIDATE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+"""torchvision ImageFolder's IMG_EXTENSIONS: the files considered images (matched case-insensitively)."""
+STATE_DIR = ".gpufeed"
+PLAN_NAME = "plan.json"
+PLAN_VERSION = 1
+DEFAULT_REENCODE_QUALITY = 90
+CMYK_QUALITY = 95
+_SHARD_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.tar$")
+_CHUNK = 32  # files per validation task: amortises IPC, small enough for a smooth bar and balance
+_TAR_OVERHEAD_PER_SAMPLE = 3 * 1024 + 300  # 3 headers + padding + json member, roughly
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class FileIssue:
+    """One input file that was rejected or ignored, and why."""
+
+    path: str
+    """Path relative to SRC."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """What ``write_shards`` did. ``ok`` is False only when ``strict`` and something was rejected."""
+
+    src: str
+    dest: str
+    prefix: str
+    num_classes: int
+    num_samples: int
+    """Images converted into the shard set."""
+    num_rejected: int
+    num_ignored: int
+    num_shards: int
+    num_shards_written: int
+    num_shards_skipped: int
+    """Shards already complete from an earlier, interrupted run (resume)."""
+    total_bytes: int
+    """Sum of shard file sizes."""
+    input_bytes: int
+    """Bytes of the accepted input files."""
+    elapsed_s: float
+    validate_s: float
+    write_s: float
+    samples_per_s: float
+    mb_per_s: float
+    """Input MB (1e6 bytes) per second over the whole run."""
+    workers: int
+    strict: bool
+    resumed: bool
+    transforms: dict[str, int]
+    """Samples per storage action: copy, reencode, cmyk_to_rgb_jpeg, 16bit_to_png8, to_png."""
+    num_exif_oriented: int
+    """Images with an EXIF orientation other than 1 (recorded, not applied)."""
+    classes: list[str]
+    empty_classes: list[str]
+    warnings: list[str]
+    rejected: list[FileIssue]
+    ignored: list[FileIssue]
+    shards: list[str]
+    url_pattern: str
+    manifest: str
+    ok: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ok", not (self.strict and self.num_rejected > 0))
+
+
+# --------------------------------------------------------------------------- scan
+
+
+@dataclass
+class _Scan:
+    classes: list[str]
+    candidates: list[tuple[str, int, int, int]]  # (relpath, label, size, mtime_ns)
+    ignored: list[FileIssue]
+    rejected: list[FileIssue]
+    class_counts: list[int]
+
+
+def _rel(path: str, root: str) -> str:
+    rel = os.path.relpath(path, root).replace(os.sep, "/")
+    # Names that are not valid UTF-8 (surrogate-escaped) are recorded with replacement characters.
+    return rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _scan(src: str) -> _Scan:
+    classes: list[str] = []
+    ignored: list[FileIssue] = []
+    rejected: list[FileIssue] = []
+    with os.scandir(src) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if e.name.startswith("."):
+            ignored.append(FileIssue(_rel(e.path, src), "hidden (never a class)"))
+        elif e.is_dir():
+            classes.append(e.name)
+        elif e.is_symlink() and not os.path.exists(e.path):
+            ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
+        else:
+            ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
+    candidates: list[tuple[str, int, int, int]] = []
+    counts = []
+    for label, name in enumerate(classes):
+        before = len(candidates)
+        _walk_class(src, os.path.join(src, name), label, candidates, ignored, rejected)
+        counts.append(len(candidates) - before)
+    candidates.sort(key=lambda c: (c[1], c[0]))
+    ignored.sort(key=lambda i: i.path)
+    return _Scan(classes, candidates, ignored, rejected, counts)
+
+
+def _walk_class(src: str, top: str, label: int, out: list, ignored: list, rejected: list) -> None:
+    seen: set[tuple[int, int]] = set()
+    stack = [top]
+    while stack:
+        d = stack.pop()
+        try:
+            st = os.stat(d)
+        except OSError as exc:
+            ignored.append(FileIssue(_rel(d, src), f"unreadable folder ({exc.strerror})"))
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            ignored.append(FileIssue(_rel(d, src), "folder already visited (symlink loop)"))
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        try:
+            with os.scandir(d) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            ignored.append(FileIssue(_rel(d, src), f"unreadable folder ({exc.strerror})"))
+            continue
+        subdirs = []
+        for e in entries:
+            rel = _rel(e.path, src)
+            if e.name.startswith("."):
+                ignored.append(FileIssue(rel, "hidden file or folder"))
+                continue
+            is_image_name = e.name.lower().endswith(CANDIDATE_EXTENSIONS)
+            try:
+                if e.is_dir():
+                    subdirs.append(e.path)
+                    continue
+                if e.is_symlink() and not os.path.exists(e.path):
+                    (rejected if is_image_name else ignored).append(FileIssue(rel, "dangling symlink"))
+                    continue
+                if not e.is_file():
+                    ignored.append(FileIssue(rel, "not a regular file"))
+                    continue
+                if not is_image_name:
+                    ext = os.path.splitext(e.name)[1] or "(none)"
+                    ignored.append(FileIssue(rel, f"not an image file extension ({ext})"))
+                    continue
+                st = e.stat()
+            except OSError as exc:
+                rejected.append(FileIssue(rel, f"unreadable ({exc.strerror})"))
+                continue
+            if st.st_size == 0:
+                rejected.append(FileIssue(rel, "empty file (0 bytes)"))
+                continue
+            out.append((rel, label, st.st_size, st.st_mtime_ns))
+        stack.extend(reversed(subdirs))
+
+
+# --------------------------------------------------------------------------- validation (worker side)
+
+
+def _detect(data: bytes) -> str | None:
+    if data[:3] == b"\xff\xd8\xff":
+        return "JPEG"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "PNG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return None
+
+
+def _out_size(w: int, h: int, max_size: int | None) -> tuple[int, int]:
+    if not max_size or max(w, h) <= max_size:
+        return w, h
+    s = max_size / max(w, h)
+    return max(1, round(w * s)), max(1, round(h * s))
+
+
+def _to_rgb(im: Any) -> Any:
+    """Any Pillow image -> RGB, scaling 16/32-bit grayscale to 8 bits instead of clipping it."""
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        im = _to_8bit_gray(im)
+    return im if im.mode == "RGB" else im.convert("RGB")
+
+
+def _to_8bit_gray(im: Any) -> Any:
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(im)
+    if im.mode == "F":
+        a = np.clip(a, 0, 255)
+    elif a.dtype.itemsize >= 2:
+        a = np.clip(a.astype(np.int64), 0, 65535) >> 8
+    return Image.fromarray(a.astype(np.uint8), "L")
+
+
+def _action(fmt: str, mode: str, w: int, h: int, max_size: int | None, quality: int | None) -> str:
+    if quality is not None or (max_size is not None and max(w, h) > max_size):
+        return "reencode"
+    if fmt == "JPEG" and mode in ("CMYK", "YCCK"):
+        return "cmyk_to_rgb_jpeg"
+    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        return "16bit_to_png8"
+    if fmt not in ("JPEG", "PNG", "WEBP"):
+        return "to_png"
+    return "copy"
+
+
+_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+
+
+def _encode(data: bytes, action: str, opts: dict[str, Any]) -> tuple[bytes, str, int, int]:
+    """Apply a storage action -> (bytes, ext, width, height). Deterministic for given input and options."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        im = Image.open(io.BytesIO(data))
+        if action == "reencode":
+            target = _out_size(im.width, im.height, opts["max_size"])
+            if im.format == "JPEG" and target != im.size:
+                im.draft("RGB", target)  # DCT-domain downscale: still decodes the whole bitstream
+            im = _to_rgb(im)
+            if im.size != target:
+                im = im.resize(target, Image.Resampling.LANCZOS)
+            q = opts["quality"] or DEFAULT_REENCODE_QUALITY
+            buf = io.BytesIO()
+            im.save(buf, "JPEG", quality=q)
+            return buf.getvalue(), "jpg", im.width, im.height
+        if action == "cmyk_to_rgb_jpeg":
+            im = _to_rgb(im)
+            buf = io.BytesIO()
+            im.save(buf, "JPEG", quality=opts["quality"] or CMYK_QUALITY)
+            return buf.getvalue(), "jpg", im.width, im.height
+        if action == "16bit_to_png8":
+            im = _to_8bit_gray(im)
+        else:  # to_png
+            im = _to_rgb(im)
+        buf = io.BytesIO()
+        im.save(buf, "PNG")
+        return buf.getvalue(), "png", im.width, im.height
+    raise AssertionError(action)  # pragma: no cover
+
+
+def _inspect(path: str, opts: dict[str, Any]) -> tuple:
+    """Validate one file -> (ok, reason_or_action, fmt, width, height, orientation)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        return (False, f"unreadable ({exc.strerror or exc})", None, 0, 0, 1)
+    if not data:
+        return (False, "empty file (0 bytes)", None, 0, 0, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            im = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as exc:
+            return (False, f"decompression bomb ({exc})", None, 0, 0, 1)
+        except UnidentifiedImageError:
+            return (False, "not an image (content not recognised)", None, 0, 0, 1)
+        except Exception as exc:  # noqa: BLE001 - any parser failure is a per-file reject
+            return (False, f"unreadable image header ({type(exc).__name__}: {exc})", None, 0, 0, 1)
+        fmt, mode, (w, h) = im.format or "", im.mode, im.size
+        if w <= 0 or h <= 0:
+            return (False, f"image has no pixels ({w}x{h})", fmt, w, h, 1)
+        if w * h > opts["max_pixels"]:
+            return (False, f"decompression bomb: {w}x{h} = {w * h} pixels > max_pixels {opts['max_pixels']}",
+                    fmt, w, h, 1)
+        if fmt in ("JPEG", "PNG", "WEBP") and _detect(data) != fmt:
+            return (False, f"unsupported {fmt} variant", fmt, w, h, 1)
+        try:
+            orientation = int(im.getexif().get(0x0112, 1) or 1)
+        except Exception:  # noqa: BLE001 - a broken EXIF block is not a broken image
+            orientation = 1
+        action = _action(fmt, mode, w, h, opts["max_size"], opts["quality"])
+        try:
+            if action != "copy":
+                # Transcoding decodes the whole image (the validation) and its output is kept for the writer.
+                out, ext, ow, oh = _encode(data, action, opts)
+                return (True, action, fmt, w, h, orientation, (out, ext, ow, oh))
+            if opts["check"] == "full":
+                im.load()
+                if mode not in ("RGB", "L"):
+                    im.convert("RGB")
+        except Exception as exc:  # noqa: BLE001 - truncated / corrupt data is a per-file reject
+            return (False, f"decode failed ({type(exc).__name__}: {exc})", fmt, w, h, orientation)
+    return (True, action, fmt, w, h, orientation, None)
+
+
+def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = None) -> list[tuple]:
+    """Validate a batch of files. Transcoded outputs go to one cache file per batch: (offset, length, ext, w, h)."""
+    results = []
+    blobs = []
+    offset = 0
+    for p in paths:
+        r = _inspect(p, opts)
+        if r[0] and r[6] is not None:
+            out, ext, ow, oh = r[6]
+            blobs.append(out)
+            r = r[:6] + ((offset, len(out), ext, ow, oh),)
+            offset += len(out)
+        else:
+            r = r[:6] + (None,)
+        results.append(r)
+    if blobs:
+        assert cache is not None
+        from gpufeed.records import atomic_write_bytes
+
+        atomic_write_bytes(cache, b"".join(blobs))
+    return results
+
+
+# --------------------------------------------------------------------------- writing (worker side)
+
+_PROGRESS: Any = None
+
+
+def _init_worker(progress: Any) -> None:
+    global _PROGRESS
+    _PROGRESS = progress
+
+
+def _tick(n: int) -> None:
+    if _PROGRESS is not None and n:
+        with _PROGRESS.get_lock():
+            _PROGRESS.value += n
+
+
+class _HashingWriter:
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.h = hashlib.sha256()
+        self.n = 0
+
+    def write(self, b: bytes) -> int:
+        self.h.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+    def tell(self) -> int:
+        return self.n
+
+
+def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.size = size
+    ti.mtime = 0
+    ti.mode = 0o644
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = ""
+    ti.type = tarfile.REGTYPE
+    return ti
+
+
+def _write_shard(dest: str, name: str, samples: list[tuple], opts: dict[str, Any],
+                 tick: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Write one shard to a temporary name, fsync, rename, then leave its ``.done.json`` sidecar."""
+    from gpufeed.records import atomic_write_bytes
+
+    tick = tick or _tick
+    final = os.path.join(dest, name)
+    tmp = os.path.join(dest, f".{name}.tmp")
+    rows = []
+    pending = 0
+    with open(tmp, "wb") as raw:
+        hw = _HashingWriter(raw)
+        with tarfile.open(fileobj=hw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for key, path, label, cname, rel, action, orientation, ext, w, h, enc in samples:
+                ow, oh = w, h
+                if enc is None:  # pass through, byte for byte
+                    with open(path, "rb") as f:
+                        data = f.read()
+                else:  # transcoded during validation; read it back from the batch cache
+                    cache, offset, length, ext, w, h = enc
+                    with open(cache, "rb") as f:
+                        f.seek(offset)
+                        data = f.read(length)
+                    if len(data) != length:
+                        raise DataError(f"the transcode cache {cache} is incomplete; re-run with --overwrite")
+                digest = hashlib.sha256(data).hexdigest()
+                meta: dict[str, Any] = {"source": rel, "class": cname, "label": label, "width": w,
+                                        "height": h, "format": ext, "sha256": digest}
+                if orientation != 1:
+                    meta["exif_orientation"] = orientation
+                if (ow, oh) != (w, h):
+                    meta["orig_width"], meta["orig_height"] = ow, oh
+                cls_b = str(label).encode("ascii")
+                json_b = json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
+                for ext_, payload in sorted([(ext, data), ("cls", cls_b), ("json", json_b)]):
+                    tar.addfile(_tarinfo(f"{key}.{ext_}", len(payload)), io.BytesIO(payload))
+                rows.append((key, len(data), w, h))
+                pending += 1
+                if pending >= 16:
+                    tick(pending)
+                    pending = 0
+        raw.flush()
+        os.fsync(raw.fileno())
+    tick(pending)
+    os.replace(tmp, final)
+    result = {"name": name, "num_samples": len(samples), "bytes": hw.n, "sha256": hw.h.hexdigest(), "rows": rows}
+    atomic_write_bytes(os.path.join(dest, STATE_DIR, f"{name}.done.json"), json.dumps(result).encode())
+    return result
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _shard_complete(dest: str, name: str) -> dict[str, Any] | None:
+    """The sidecar of a complete shard whose file still matches it, else None."""
+    side = os.path.join(dest, STATE_DIR, f"{name}.done.json")
+    path = os.path.join(dest, name)
+    try:
+        info = json.loads(Path(side).read_text())
+        if os.path.getsize(path) == info["bytes"] and _sha256_file(path) == info["sha256"]:
+            return info
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _options(cfg: ShardConfig) -> dict[str, Any]:
+    return {"seed": cfg.seed, "shard_samples": cfg.shard_samples, "shard_bytes": cfg.shard_bytes,
+            "multiple_of": cfg.multiple_of, "prefix": cfg.prefix, "max_size": cfg.max_size,
+            "quality": cfg.quality, "check": cfg.check, "max_pixels": cfg.max_pixels,
+            "allow_empty_classes": cfg.allow_empty_classes}
+
+
+def _fingerprint(scan: _Scan, options: dict[str, Any]) -> str:
+    from gpufeed import __version__
+
+    h = hashlib.sha256()
+    h.update(json.dumps({"plan_version": PLAN_VERSION, "gpufeed": __version__, "options": options,
+                         "classes": scan.classes}, sort_keys=True).encode())
+    for rel, label, size, mtime in scan.candidates:
+        h.update(f"{label}\0{rel}\0{size}\0{mtime}\n".encode("utf-8", "surrogateescape"))
+    for issue in scan.rejected:
+        h.update(f"r\0{issue.path}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def plan_num_shards(num_samples: int, num_bytes: int, cfg: ShardConfig) -> int:
+    """max(ceil(n / shard_samples), ceil(bytes / shard_bytes)), at least 1, rounded up to multiple_of."""
+    n = max(1, math.ceil(num_samples / cfg.shard_samples), math.ceil(num_bytes / cfg.shard_bytes))
+    return math.ceil(n / cfg.multiple_of) * cfg.multiple_of
+
+
+def split_sizes(num_samples: int, num_shards: int) -> list[int]:
+    """Shard sizes that differ by at most one, larger ones first."""
+    q, r = divmod(num_samples, num_shards)
+    return [q + 1 if i < r else q for i in range(num_shards)]
+
+
+def _shard_names(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}-{i:06d}.tar" for i in range(n)]
+
+
+# --------------------------------------------------------------------------- the job
+
+
+def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
+    """Convert ``cfg.src`` (an ImageFolder) into a deterministic WebDataset shard set at ``cfg.dest``."""
+    t0 = time.perf_counter()
+    if not cfg.src or not cfg.dest:
+        raise DataError("shard needs SRC (an image folder) and DEST (the output folder)")
+    src = os.path.abspath(cfg.src)
+    dest = os.path.abspath(cfg.dest)
+    if not os.path.isdir(src):
+        raise DataError(f"SRC {cfg.src} is not a folder" if os.path.exists(src) else f"SRC {cfg.src} does not exist")
+    if os.path.commonpath([src, dest]) == src:
+        raise DataError(f"DEST {cfg.dest} is inside SRC {cfg.src}; choose a folder outside the input")
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise DataError(f"DEST {cfg.dest} exists and is not a folder")
+    from gpufeed.system import usable_cpus
+
+    workers = cfg.workers or usable_cpus()
+    options = _options(cfg)
+    opts = {"check": cfg.check, "max_pixels": cfg.max_pixels, "max_size": cfg.max_size, "quality": cfg.quality}
+
+    scan = _scan(src)
+    if not scan.classes:
+        raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder reads)")
+    warn: list[str] = []
+    _check_empty(cfg, scan.classes, scan.class_counts, warn)
+    fingerprint = _fingerprint(scan, options)
+
+    os.makedirs(dest, exist_ok=True)
+    state = os.path.join(dest, STATE_DIR)
+    plan = _load_plan(dest, fingerprint, cfg)
+    resumed = plan is not None
+
+    bar = _Bar(progress)
+    pool = None
+    try:
+        t_val = time.perf_counter()
+        if plan is None:
+            os.makedirs(state, exist_ok=True)
+            if workers > 1 and len(scan.candidates) > _CHUNK:
+                pool = _make_pool(workers)
+            results = _validate(scan, src, state, opts, pool, bar)
+            plan = _make_plan(cfg, scan, results, fingerprint, options)
+            _check_empty(cfg, scan.classes, plan["class_counts"], warn, after_validation=True)
+            from gpufeed.records import atomic_write_bytes
+
+            atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(plan).encode("utf-8"))
+        else:
+            bar.note("resume: the plan matches; validation skipped")
+            _check_empty(cfg, plan["classes"], plan["class_counts"], warn, after_validation=True)
+        validate_s = time.perf_counter() - t_val
+
+        # ---- write
+        t_w = time.perf_counter()
+        names = [s["name"] for s in plan["shards"]]
+        done: dict[str, dict[str, Any]] = {}
+        for name in names:
+            info = _shard_complete(dest, name)
+            if info is not None:
+                done[name] = info
+        todo = [s for s in plan["shards"] if s["name"] not in done]
+        _check_free_space(dest, sum(s["est_bytes"] for s in todo), cfg)
+        for leftover in os.listdir(dest):
+            if leftover.startswith(".") and leftover.endswith(".tar.tmp"):
+                os.unlink(os.path.join(dest, leftover))
+        samples = plan["samples"]
+        tasks = []
+        for s in todo:
+            rows = [samples[i] for i in s["samples"]]
+            tasks.append((s["name"], [
+                (r["key"], os.path.join(src, r["source"]), r["label"], plan["classes"][r["label"]], r["source"],
+                 r["action"], r["orientation"], r["ext"], r["width"], r["height"],
+                 None if r["enc"] is None else (os.path.join(state, r["enc"][0]), *r["enc"][1:]))
+                for r in rows], sum(r["bytes"] for r in rows)))
+        if pool is None and workers > 1 and len(tasks) > 1:
+            pool = _make_pool(workers)
+        written = _write_all(dest, tasks, opts, pool, bar)
+        done.update(written)
+        write_s = time.perf_counter() - t_w
+    finally:
+        bar.close()
+        if pool is not None:
+            pool[0].shutdown(wait=True, cancel_futures=True)
+
+    # ---- index, timm info, manifest (last)
+    infos = [done[n] for n in names]
+    manifest = _finish(dest, cfg, plan, infos, options)
+    for name in os.listdir(state):  # the transcode cache is only needed until every shard is complete
+        if name.startswith("enc-") and name.endswith(".bin"):
+            os.unlink(os.path.join(state, name))
+    input_bytes = sum(r["bytes"] for r in plan["samples"])
+    elapsed = time.perf_counter() - t0
+    transforms: dict[str, int] = {}
+    for r in plan["samples"]:
+        transforms[r["action"]] = transforms.get(r["action"], 0) + 1
+    rejected = [FileIssue(**i) for i in plan["rejected"]]
+    ignored = scan.ignored
+    if rejected:
+        warn.append(f"{len(rejected)} file(s) rejected")
+    return ShardReport(
+        src=src, dest=dest, prefix=cfg.prefix, num_classes=len(plan["classes"]),
+        num_samples=len(plan["samples"]), num_rejected=len(rejected), num_ignored=len(ignored),
+        num_shards=len(names), num_shards_written=len(written), num_shards_skipped=len(names) - len(written),
+        total_bytes=manifest.total_bytes, input_bytes=input_bytes, elapsed_s=elapsed, validate_s=validate_s,
+        write_s=write_s, samples_per_s=len(plan["samples"]) / elapsed if elapsed > 0 else 0.0,
+        mb_per_s=input_bytes / 1e6 / elapsed if elapsed > 0 else 0.0, workers=workers, strict=cfg.strict,
+        resumed=resumed, transforms=dict(sorted(transforms.items())),
+        num_exif_oriented=sum(1 for r in plan["samples"] if r["orientation"] != 1),
+        classes=list(plan["classes"]), empty_classes=list(plan["empty_classes"]), warnings=warn,
+        rejected=rejected, ignored=ignored, shards=names, url_pattern=manifest.url_pattern,
+        manifest=os.path.join(dest, "manifest.json"),
+    )
+
+
+def _check_empty(cfg: ShardConfig, classes: list[str], counts: list[int], warn: list[str],
+                 after_validation: bool = False) -> None:
+    empty = [c for c, n in zip(classes, counts) if n == 0]
+    if not empty:
+        return
+    what = "has no valid image after validation" if after_validation else "holds no image file"
+    shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+    if not cfg.allow_empty_classes:
+        raise DataError(
+            f"class folder(s) {shown} {what}; remove them or pass --allow-empty-classes to keep their labels"
+        )
+    for c in empty:
+        msg = f"class {c!r} (label {classes.index(c)}) is empty; its label is kept (no renumbering)"
+        if msg not in warn:
+            warn.append(msg)
+
+
+def _our_outputs(dest: str) -> list[str]:
+    out = []
+    for name in sorted(os.listdir(dest)):
+        if name in ("manifest.json", "index.parquet", "_info.json", STATE_DIR) or _SHARD_RE.match(name) \
+                or (name.startswith(".") and name.endswith(".tar.tmp")):
+            out.append(name)
+    return out
+
+
+def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> dict[str, Any] | None:
+    """The stored plan when it matches; refuse a different one unless overwrite (then clear our files)."""
+    if not os.path.isdir(dest):
+        return None
+    plan_path = os.path.join(dest, STATE_DIR, PLAN_NAME)
+    existing = _our_outputs(dest)
+    if not existing:
+        return None
+    if os.path.exists(plan_path):
+        try:
+            plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            plan = None
+        if plan is not None and plan.get("fingerprint") == fingerprint:
+            return plan
+        why = "was planned from different input files or options"
+    else:
+        why = "already holds a shard set not written by this command"
+    if not cfg.overwrite:
+        raise DataError(f"DEST {cfg.dest} {why}; re-run with --overwrite to replace it")
+    # Manifest first, so a half-cleared folder is never taken for a complete set.
+    for name in ["manifest.json"] + [n for n in existing if n != "manifest.json"]:
+        p = os.path.join(dest, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        elif os.path.lexists(p):
+            os.unlink(p)
+    return None
+
+
+def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig) -> None:
+    if est_bytes <= 0:
+        return
+    needed = int(est_bytes * 1.02) + (16 << 20)
+    free = shutil.disk_usage(dest).free
+    if free < needed:
+        raise DataError(
+            f"DEST {cfg.dest} has {free / 1e6:.1f} MB free but the shards need about {needed / 1e6:.1f} MB "
+            f"({needed} bytes needed, {free} bytes free); free space or choose another DEST"
+        )
+
+
+def _make_plan(cfg: ShardConfig, scan: _Scan, results: list[tuple], fingerprint: str,
+               options: dict[str, Any]) -> dict[str, Any]:
+    accepted = []
+    rejected = list(scan.rejected)
+    for (rel, label, size, _mtime), res in zip(scan.candidates, results):
+        ok, what, fmt, w, h, orientation, enc = res
+        if not ok:
+            rejected.append(FileIssue(rel, what))
+            continue
+        sample = {"source": rel, "label": label, "bytes": size, "action": what, "ext": _EXT.get(fmt, ""),
+                  "width": w, "height": h, "orientation": orientation, "enc": None, "est_bytes": size}
+        if enc is not None:
+            sample["enc"] = list(enc)  # [cache file, offset, length, ext, width, height]
+            sample["est_bytes"] = enc[2]
+        accepted.append(sample)
+    rejected.sort(key=lambda i: i.path)
+    counts = [0] * len(scan.classes)
+    for a in accepted:  # already sorted by (label, source)
+        a["key"] = f"{a['label']:05d}_{counts[a['label']]:07d}"
+        counts[a["label"]] += 1
+    if not accepted:
+        raise DataError(f"SRC {cfg.src} holds no valid image ({len(rejected)} rejected)")
+    order = list(range(len(accepted)))
+    random.Random(cfg.seed).shuffle(order)
+    est_total = sum(a["est_bytes"] + _TAR_OVERHEAD_PER_SAMPLE for a in accepted)
+    n_shards = plan_num_shards(len(accepted), est_total, cfg)
+    if n_shards > len(accepted):
+        raise DataError(
+            f"{n_shards} shards (a multiple of --multiple-of {cfg.multiple_of}) need at least {n_shards} images, "
+            f"but only {len(accepted)} were accepted; lower --multiple-of"
+        )
+    shards = []
+    pos = 0
+    for name, k in zip(_shard_names(cfg.prefix, n_shards), split_sizes(len(accepted), n_shards)):
+        idx = order[pos:pos + k]
+        pos += k
+        shards.append({"name": name, "samples": idx,
+                       "est_bytes": sum(accepted[i]["est_bytes"] + _TAR_OVERHEAD_PER_SAMPLE for i in idx)})
+    return {"plan_version": PLAN_VERSION, "fingerprint": fingerprint, "options": options,
+            "classes": scan.classes, "class_counts": counts,
+            "empty_classes": [c for c, n in zip(scan.classes, counts) if n == 0],
+            "samples": accepted, "shards": shards, "rejected": [i.__dict__ for i in rejected],
+            "warnings": []}
+
+
+def _finish(dest: str, cfg: ShardConfig, plan: dict[str, Any], infos: list[dict[str, Any]],
+            options: dict[str, Any]) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gpufeed import __version__
+    from gpufeed.manifest import INDEX_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
+    from gpufeed.records import atomic_write_bytes
+
+    by_key = {s["key"]: s for s in plan["samples"]}
+    cols: dict[str, list[Any]] = {c: [] for c in ("key", "shard", "class", "label", "source", "bytes",
+                                                    "width", "height")}
+    for info in infos:
+        for key, nbytes, w, h in info["rows"]:
+            s = by_key[key]
+            cols["key"].append(key)
+            cols["shard"].append(info["name"])
+            cols["class"].append(plan["classes"][s["label"]])
+            cols["label"].append(s["label"])
+            cols["source"].append(s["source"])
+            cols["bytes"].append(nbytes)
+            cols["width"].append(w)
+            cols["height"].append(h)
+    table = pa.table({
+        "key": pa.array(cols["key"], pa.string()), "shard": pa.array(cols["shard"], pa.string()),
+        "class": pa.array(cols["class"], pa.string()), "label": pa.array(cols["label"], pa.int64()),
+        "source": pa.array(cols["source"], pa.string()), "bytes": pa.array(cols["bytes"], pa.int64()),
+        "width": pa.array(cols["width"], pa.int32()), "height": pa.array(cols["height"], pa.int32()),
+    })
+    tmp = os.path.join(dest, f".{INDEX_NAME}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, os.path.join(dest, INDEX_NAME))
+
+    names = [i["name"] for i in infos]
+    shard_infos = [ShardInfo(name=i["name"], num_samples=i["num_samples"], bytes=i["bytes"], sha256=i["sha256"])
+                   for i in infos]
+    total = sum(i["bytes"] for i in infos)
+    n = sum(i["num_samples"] for i in infos)
+    timm = {"name": os.path.basename(dest.rstrip("/")) or "gpufeed", "num_classes": len(plan["classes"]),
+            "splits": {cfg.prefix: {"name": cfg.prefix, "num_samples": n, "filenames": names,
+                                    "shard_lengths": [i["num_samples"] for i in infos]}}}
+    atomic_write_bytes(os.path.join(dest, TIMM_INFO_NAME), (json.dumps(timm, indent=2) + "\n").encode())
+    manifest = Manifest(
+        prefix=cfg.prefix, classes=list(plan["classes"]), shards=shard_infos, num_samples=n,
+        num_rejected=len(plan["rejected"]), total_bytes=total, mean_sample_bytes=total / n if n else 0.0,
+        url_pattern=brace_pattern(names), options=options, created_by="gpufeed shard",
+        gpufeed_version=__version__,
+    )
+    write_manifest(dest, manifest)
+    return manifest
+
+
+# --------------------------------------------------------------------------- parallel plumbing
+
+
+class _Bar:
+    """One tqdm bar on stderr: samples/s, plus MB/s in the postfix."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar = None
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self.mb = 0.0
+
+    def start(self, desc: str, total: int) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=desc, unit="img", file=sys.stderr, dynamic_ncols=True,
+                            smoothing=0.1)
+        else:
+            self.bar.reset(total=total)
+            self.bar.set_description(desc)
+        self.t0 = time.perf_counter()
+        self.mb = 0.0
+
+    def update(self, n: int, nbytes: int = 0) -> None:
+        if self.bar is None:
+            return
+        self.mb += nbytes / 1e6
+        self.bar.update(n)
+        dt = time.perf_counter() - self.t0
+        if dt > 0:
+            self.bar.set_postfix_str(f"{self.mb / dt:.1f} MB/s", refresh=False)
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _make_pool(workers: int) -> tuple[cf.ProcessPoolExecutor, Any]:
+    """A spawn-context process pool plus a shared progress counter the workers tick."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # no fork: safe with threads in the caller (tqdm, pyarrow, torch)
+    counter = ctx.Value("q", 0)
+    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                                initargs=(counter,))
+    return ex, counter
+
+
+def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any, bar: _Bar) -> list[tuple]:
+    paths = [os.path.join(src, c[0]) for c in scan.candidates]
+    sizes = [c[2] for c in scan.candidates]
+    bar.start("validate", len(paths))
+    chunks = [(i, paths[i:i + _CHUNK]) for i in range(0, len(paths), _CHUNK)]
+    results: list[Any] = [None] * len(chunks)
+    cache = [f"enc-{j:06d}.bin" for j in range(len(chunks))]
+    if pool is None:
+        for j, (i, chunk) in enumerate(chunks):
+            results[j] = _validate_chunk(chunk, opts, os.path.join(state, cache[j]))
+            bar.update(len(chunk), sum(sizes[i:i + len(chunk)]))
+    else:
+        ex = pool[0]
+        futs = {ex.submit(_validate_chunk, chunk, opts, os.path.join(state, cache[j])): (j, i, len(chunk))
+                for j, (i, chunk) in enumerate(chunks)}
+        for fut in cf.as_completed(futs):
+            j, i, k = futs[fut]
+            results[j] = fut.result()
+            bar.update(k, sum(sizes[i:i + k]))
+    out = []
+    for j, chunk_results in enumerate(results):
+        for r in chunk_results:
+            out.append(r if r[6] is None else r[:6] + ((cache[j], *r[6]),))
+    return out
+
+
+def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, bar: _Bar) -> dict[str, Any]:
+    total = sum(len(t[1]) for t in tasks)
+    bar.start("write", total)
+    out: dict[str, Any] = {}
+    if not tasks:
+        return out
+    mean = sum(t[2] for t in tasks) / max(1, total)
+    if pool is None:
+        for name, samples, _b in tasks:
+            out[name] = _write_shard(dest, name, samples, opts, tick=lambda n: bar.update(n, int(n * mean)))
+        return out
+    ex, counter = pool
+    with counter.get_lock():
+        counter.value = 0
+    futs = {ex.submit(_write_shard, dest, name, samples, opts): name for name, samples, _b in tasks}
+    seen = 0
+    pending = set(futs)
+    while pending:
+        finished, pending = cf.wait(pending, timeout=0.25, return_when=cf.FIRST_COMPLETED)
+        for fut in finished:
+            out[futs[fut]] = fut.result()
+        now = counter.value
+        if now > seen:
+            bar.update(now - seen, int((now - seen) * mean))
+            seen = now
+    return out
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render_shard(report: ShardReport, max_items: int = 20) -> str:
+    """A short human summary: converted, rejected (file + reason), ignored (file + reason), shards, bytes."""
+    r = report
+    lines = [
+        f"converted {r.num_samples} images in {r.num_classes} classes -> {r.num_shards} shards "
+        f"({r.url_pattern}) in {r.dest}",
+        f"  {r.total_bytes / 1e6:.1f} MB written from {r.input_bytes / 1e6:.1f} MB input in {r.elapsed_s:.1f} s "
+        f"({r.samples_per_s:.0f} images/s, {r.mb_per_s:.1f} MB/s, {r.workers} workers; "
+        f"validate {r.validate_s:.1f} s, write {r.write_s:.1f} s)",
+    ]
+    if r.resumed:
+        lines.append(f"  resumed: {r.num_shards_skipped} complete shard(s) kept, {r.num_shards_written} written")
+    stored = ", ".join(f"{k} {v}" for k, v in r.transforms.items())
+    lines.append(f"  stored: {stored}; EXIF orientation recorded, not applied: {r.num_exif_oriented}")
+    for title, items in (("rejected", r.rejected), ("ignored", r.ignored)):
+        lines.append(f"  {title}: {len(items)}")
+        for it in items[:max_items]:
+            lines.append(f"    {it.path}: {it.reason}")
+        if len(items) > max_items:
+            lines.append(f"    ... and {len(items) - max_items} more (see --json)")
+    for w in r.warnings:
+        lines.append(f"  warning: {w}")
+    if not r.ok:
+        lines.append(f"FAILED (--strict): {r.num_rejected} file(s) rejected")
+    return "\n".join(lines)

@@ -68,6 +68,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     compression: str | None = None
     """None for plain tar; 'gzip' for .tgz/.tar.gz shards (foreign sets)."""
+    root: str | None = None
+    """Folder holding the shards, absolute or relative to the manifest's folder; None = the manifest's folder."""
 
     @property
     def num_classes(self) -> int:
@@ -114,6 +116,7 @@ class Manifest:
                 format=str(d["format"]),
                 format_version=int(d.get("format_version", FORMAT_VERSION)),
                 compression=d.get("compression"),
+                root=d.get("root"),
             )
         except DataError:
             raise

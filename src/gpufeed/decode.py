@@ -1,0 +1,214 @@
+"""Per-sample CPU work of the loader: decode, crop, resize, flip, all in uint8.
+
+Crop parameters are drawn from the stored image size (read from the header, before decoding), exactly
+as torchvision defines them, then the crop region alone is resized to ``size x size``:
+
+- train: ``RandomResizedCrop(size, scale=(0.08, 1), ratio=(3/4, 4/3))`` (same sampling as
+  ``torchvision.transforms.RandomResizedCrop.get_params``) + ``RandomHorizontalFlip()``;
+- eval: ``Resize(int(size / crop_ratio))`` (shorter side) + ``CenterCrop(size)``, mapped back to a box
+  in the stored image so the crop happens before the resize.
+
+PIL's ``resize(..., box=...)`` over the crop box gives the same filter scale and centre as torchvision's
+crop-then-resize (train) and resize-then-crop (eval), so the PIL full-decode path reproduces torchvision.
+Reduced-size decodes (PIL ``draft``, simplejpeg ``min_width``/``min_height``) pick a DCT scale that keeps
+the crop region at least ``size`` pixels on both sides, so no resolution is lost.
+
+Every path returns 3-channel RGB (CMYK, gray, palette and alpha are converted as PIL's ``convert("RGB")``
+does, which is what torchvision's ImageFolder loader does). Non-JPEG images always go through PIL.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from PIL import Image
+
+from gpufeed.errors import ConfigError
+
+DecodeMethod = Literal["pil", "pil-draft", "simplejpeg", "gpu"]
+JPEG_EXTENSIONS = ("jpg", "jpeg")
+
+_BILINEAR = Image.Resampling.BILINEAR
+_FLIP = Image.Transpose.FLIP_LEFT_RIGHT
+
+
+@dataclass(frozen=True)
+class Crop:
+    """A crop of the stored image: ``(left, top, right, bottom)`` in stored pixels, plus a flip."""
+
+    box: tuple[float, float, float, float]
+    flip: bool = False
+
+    @property
+    def width(self) -> float:
+        return self.box[2] - self.box[0]
+
+    @property
+    def height(self) -> float:
+        return self.box[3] - self.box[1]
+
+
+# --------------------------------------------------------------------------- crop parameters
+
+
+def random_resized_crop_params(width: int, height: int, rng: random.Random,
+                               scale: tuple[float, float] = (0.08, 1.0),
+                               ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
+    """``(top, left, h, w)`` as ``torchvision.transforms.RandomResizedCrop.get_params`` draws them.
+
+    Same algorithm (10 attempts of area/log-ratio sampling, then the centre-crop fallback clamped to
+    ``ratio``); the random numbers come from ``rng`` instead of torch's global generator.
+    """
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect_ratio = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            i = rng.randint(0, height - h)
+            j = rng.randint(0, width - w)
+            return i, j, h, w
+    # Fallback to central crop
+    in_ratio = float(width) / float(height)
+    if in_ratio < min(ratio):
+        w = width
+        h = int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        h = height
+        w = int(round(h * max(ratio)))
+    else:  # whole image
+        w = width
+        h = height
+    i = (height - h) // 2
+    j = (width - w) // 2
+    return i, j, h, w
+
+
+def train_crop(width: int, height: int, rng: random.Random) -> Crop:
+    """RandomResizedCrop(scale=(0.08, 1), ratio=(3/4, 4/3)) + horizontal flip with p=0.5."""
+    i, j, h, w = random_resized_crop_params(width, height, rng)
+    return Crop((j, i, j + w, i + h), flip=rng.random() < 0.5)
+
+
+def eval_crop(width: int, height: int, size: int, crop_ratio: float = 0.875) -> Crop:
+    """``Resize(int(size / crop_ratio))`` on the shorter side then ``CenterCrop(size)``, as a box in the stored image.
+
+    Output sizes and offsets follow torchvision's ``_compute_resized_output_size`` and ``center_crop``.
+    """
+    resize = int(size / crop_ratio)
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = resize, int(resize * long / short)
+    rw, rh = (new_short, new_long) if width <= height else (new_long, new_short)
+    if rw < size or rh < size:  # torchvision pads here; crop_ratio <= 1 makes it impossible
+        raise ConfigError(f"eval resize {resize} is smaller than image_size {size} (crop_ratio must be <= 1)")
+    top = int(round((rh - size) / 2.0))
+    left = int(round((rw - size) / 2.0))
+    sx, sy = width / rw, height / rh
+    return Crop((left * sx, top * sy, (left + size) * sx, (top + size) * sy), flip=False)
+
+
+def draft_scale(crop: Crop, size: int) -> int:
+    """Largest JPEG DCT scale (1, 2, 4, 8) that keeps the crop region >= ``size`` pixels on both sides."""
+    for s in (8, 4, 2):
+        if crop.width / s >= size and crop.height / s >= size:
+            return s
+    return 1
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """``(width, height)`` from the header only (no pixel decode)."""
+    with Image.open(io.BytesIO(data)) as img:
+        return img.size
+
+
+def _finish(img: Image.Image, crop: Crop, size: int, out: np.ndarray, scale_x: float = 1.0,
+            scale_y: float = 1.0, reducing_gap: float | None = None) -> None:
+    """Resize the crop box of ``img`` (box given in stored pixels, mapped by ``scale``) into ``out`` [S,S,3]."""
+    if img.mode not in ("RGB", "L"):
+        img = img.convert("RGB")  # as ImageFolder: palette, alpha, CMYK, 16-bit -> RGB before any resize
+    l, t, r, b = crop.box
+    box = (l * scale_x, t * scale_y, r * scale_x, b * scale_y)
+    img = img.resize((size, size), _BILINEAR, box=box, reducing_gap=reducing_gap)
+    if crop.flip:
+        img = img.transpose(_FLIP)
+    if img.mode == "L":
+        out[...] = np.asarray(img)[:, :, None]
+    else:
+        out[...] = np.asarray(img)
+
+
+def decode_pil(data: bytes, crop_fn, size: int, out: np.ndarray, *, draft: bool = False,
+               reducing_gap: float | None = None) -> None:
+    """PIL decode (full, or reduced-size DCT with ``draft`` for JPEG), crop, resize into ``out``."""
+    img = Image.open(io.BytesIO(data))
+    w, h = img.size
+    crop = crop_fn(w, h)
+    sx = sy = 1.0
+    if draft and img.format == "JPEG":
+        s = draft_scale(crop, size)
+        if s > 1:
+            img.draft("RGB", (max(1, w // s), max(1, h // s)))
+            sx = sy = 1.0 / s
+    img.load()
+    _finish(img, crop, size, out, sx, sy, reducing_gap)
+
+
+_simplejpeg = None
+
+
+def _import_simplejpeg():
+    global _simplejpeg
+    if _simplejpeg is None:
+        try:
+            import simplejpeg
+        except ImportError:
+            raise ConfigError(
+                "decode = 'simplejpeg' needs the simplejpeg package (libjpeg-turbo): "
+                "pip install 'gpufeed[turbo]' or choose decode = 'pil-draft'"
+            ) from None
+        _simplejpeg = simplejpeg
+    return _simplejpeg
+
+
+def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *,
+                      reducing_gap: float | None = None) -> None:
+    """libjpeg-turbo decode at the smallest M/8 scale that keeps the crop >= ``size``; CMYK goes to PIL."""
+    sj = _import_simplejpeg()
+    h, w, colorspace, _ = sj.decode_jpeg_header(data)
+    if colorspace not in ("YCbCr", "Gray", "RGB"):  # CMYK / YCCK: libjpeg-turbo cannot output RGB
+        decode_pil(data, crop_fn, size, out, draft=True, reducing_gap=reducing_gap)
+        return
+    crop = crop_fn(w, h)
+    min_w = min(w, math.ceil(w * size / max(crop.width, 1e-6)))
+    min_h = min(h, math.ceil(h * size / max(crop.height, 1e-6)))
+    arr = sj.decode_jpeg(data, colorspace="RGB", min_width=min_w, min_height=min_h)
+    dh, dw = arr.shape[:2]
+    _finish(Image.fromarray(arr), crop, size, out, dw / w, dh / h, reducing_gap)
+
+
+def decode_into(data: bytes, ext: str, method: DecodeMethod, crop_fn, size: int, out: np.ndarray, *,
+                reducing_gap: float | None = None) -> None:
+    """Decode one encoded image into ``out`` (uint8 [size, size, 3]) with the chosen CPU path."""
+    is_jpeg = ext in JPEG_EXTENSIONS
+    if method == "simplejpeg" and is_jpeg:
+        decode_simplejpeg(data, crop_fn, size, out, reducing_gap=reducing_gap)
+    else:
+        decode_pil(data, crop_fn, size, out, draft=(method != "pil" and is_jpeg), reducing_gap=reducing_gap)
+
+
+def is_gpu_decodable(data: bytes) -> tuple[bool, int, int]:
+    """(True, width, height) when nvjpeg can decode ``data`` to RGB (a baseline/progressive YCbCr or gray JPEG)."""
+    with Image.open(io.BytesIO(data)) as img:
+        w, h = img.size
+        ok = img.format == "JPEG" and img.mode in ("RGB", "L")
+    return ok, w, h

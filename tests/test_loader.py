@@ -1,0 +1,356 @@
+"""The loader: shapes, rank/worker splitting, decode agreement with PIL, corrupt samples, determinism."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from gpufeed.config import LoaderConfig
+from gpufeed.errors import DataError
+from gpufeed.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
+from gpufeed.world import World
+
+
+def smooth_image(w: int, h: int, seed: int) -> Image.Image:
+    """A smooth photo-like RGB image (gradients + a few soft blobs) so decoders have content to agree on."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    arr = np.zeros((h, w, 3), np.float32)
+    for c in range(3):
+        arr[..., c] = 128 + 60 * np.sin(xx / (15 + 10 * rng.random()) + c) * np.cos(yy / (20 + 10 * rng.random()))
+    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "RGB")
+
+
+def encode(img: Image.Image, fmt: str = "JPEG", **kw) -> bytes:
+    b = io.BytesIO()
+    img.save(b, fmt, **kw)
+    return b.getvalue()
+
+
+def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    ti.mtime = 0
+    tf.addfile(ti, io.BytesIO(data))
+
+
+def write_set(dest: Path, shard_sizes: list[int], *, num_classes: int = 3, size: tuple[int, int] = (40, 32),
+              corrupt: set[int] = frozenset(), make=None) -> Path:
+    """gpufeed-format shards (KEY.jpg / KEY.cls / KEY.json) + manifest.json. Sample n has key s{n:05d}, label n % C.
+
+    ``make(n) -> (ext, bytes)`` overrides the image of sample n; ``corrupt`` samples get truncated JPEG bytes.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    n = 0
+    shards = []
+    for si, count in enumerate(shard_sizes):
+        name = f"train-{si:06d}.tar"
+        with tarfile.open(dest / name, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for _ in range(count):
+                key = f"s{n:05d}"
+                ext, data = make(n) if make else ("jpg", encode(smooth_image(*size, n), quality=95))
+                if n in corrupt:
+                    data = data[: len(data) // 3]
+                _add(tf, f"{key}.{ext}", data)
+                _add(tf, f"{key}.cls", str(n % num_classes).encode())
+                _add(tf, f"{key}.json", json.dumps({"source": f"{key}.{ext}"}).encode())
+                n += 1
+        shards.append(ShardInfo(name=name, num_samples=count, bytes=(dest / name).stat().st_size, sha256=None))
+    m = Manifest(prefix="train", classes=[f"c{i}" for i in range(num_classes)], shards=shards, num_samples=n,
+                 total_bytes=sum(s.bytes for s in shards), url_pattern=brace_pattern([s.name for s in shards]))
+    write_manifest(dest, m)
+    return dest
+
+
+def cfg(**kw) -> LoaderConfig:
+    base = dict(batch_size=4, num_workers=0, image_size=16, shuffle_buffer=8, decode="pil", persistent_workers=False,
+                prefetch_factor=2, pin_memory=False)
+    base.update(kw)
+    return LoaderConfig(**base)
+
+
+@pytest.fixture
+def shard_set(tmp_path):
+    return write_set(tmp_path / "set", [7, 5, 6, 4])  # 22 samples, uneven shards
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_shapes_dtypes_labels(shard_set, workers):
+    from gpufeed.loader import build_loader
+
+    loader = build_loader(shard_set, cfg(num_workers=workers), World.single())
+    assert len(loader) == 22 // 4
+    batches = list(loader)
+    assert len(batches) == len(loader)
+    for images, labels in batches:
+        assert images.dtype == torch.uint8 and tuple(images.shape) == (4, 3, 16, 16)
+        assert labels.dtype == torch.int64 and tuple(labels.shape) == (4,)
+        assert labels.min() >= 0 and labels.max() < 3
+    assert loader.num_skipped == 0
+
+
+def _seen(shards, world_size, workers, batch_size, epoch=0, **kw):
+    """Per rank: list of sample ids, recovered from labels of a set whose label is the sample id."""
+    from gpufeed.loader import build_loader
+
+    out = []
+    for r in range(world_size):
+        loader = build_loader(shards, cfg(num_workers=workers, batch_size=batch_size, **kw),
+                              World(rank=r, world_size=world_size), epoch=epoch)
+        ids = [int(x) for _, labels in loader for x in labels]
+        out.append((len(loader), ids))
+    return out
+
+
+def test_two_ranks_two_workers_disjoint_cover_equal(tmp_path):
+    sizes = [7, 5, 6, 4, 9]  # 31 samples over 5 shards: divides by neither ranks nor workers
+    shards = write_set(tmp_path / "ids", sizes, num_classes=sum(sizes))  # label == sample id
+    per_rank = _seen(shards, 2, 2, 3)
+    lens = {n for n, _ in per_rank}
+    assert lens == {31 // 2 // 3}
+    all_ids = [i for _, ids in per_rank for i in ids]
+    assert all(len(ids) == n * 3 for n, ids in per_rank)
+    assert len(all_ids) == len(set(all_ids)), "a sample was seen twice"
+    assert len(all_ids) == 5 * 3 * 2 and len(all_ids) >= 31 - 2 * (3 + 2)  # covers the epoch up to drop-last
+
+    # no shuffle: coverage is exactly the first samples of each (rank, worker) range
+    per_rank = _seen(shards, 2, 2, 3, shuffle_buffer=0)
+    assert sorted(i for _, ids in per_rank for i in ids) == sorted(set(i for _, ids in per_rank for i in ids))
+
+
+def test_plan_covers_every_sample_once():
+    from gpufeed.loader import plan_slot
+
+    counts = [7, 5, 6, 4, 9, 1]
+    for ws, nw, bs in [(2, 2, 3), (3, 1, 2), (1, 4, 5), (4, 3, 1)]:
+        covered = []
+        for r in range(ws):
+            nb = 0
+            for w in range(nw):
+                p = plan_slot(counts, rank=r, world_size=ws, worker=w, num_workers=nw, batch_size=bs, seed=1,
+                              epoch=2, shuffle=True)
+                assert p.num_samples >= p.num_batches * bs
+                nb += p.num_batches
+                covered += [(s.shard, i) for s in p.segments for i in range(s.start, s.stop)]
+            assert nb == sum(counts) // ws // bs
+        assert sorted(covered) == sorted((s, i) for s, n in enumerate(counts) for i in range(n))
+
+
+def test_epochs_and_seed_determinism(tmp_path):
+    shards = write_set(tmp_path / "ids", [6, 6, 6, 6], num_classes=24)
+    from gpufeed.loader import build_loader
+
+    def run(epoch, seed=0, workers=2):
+        loader = build_loader(shards, cfg(num_workers=workers, seed=seed, shuffle_buffer=10), World.single(), epoch=epoch)
+        return [(labels.tolist(), images.sum().item()) for images, labels in loader]
+
+    a, b = run(0), run(0)
+    assert a == b
+    assert run(1) != a
+    assert run(0, seed=5) != a
+
+    loader = build_loader(shards, cfg(num_workers=2, persistent_workers=True), World.single())
+    e0 = [l.tolist() for _, l in loader]
+    loader.set_epoch(1)
+    e1 = [l.tolist() for _, l in loader]
+    assert e0 != e1 and sorted(sum(e0, [])) != [] and len(e1) == len(e0)
+
+
+def test_eval_is_ordered_and_unflipped(tmp_path):
+    shards = write_set(tmp_path / "ids", [5, 5, 5], num_classes=15)
+    from gpufeed.loader import build_loader
+
+    loader = build_loader(shards, cfg(num_workers=0, batch_size=5), World.single(), train=False)
+    labels = [i for _, l in loader for i in l.tolist()]
+    assert labels == list(range(15))
+
+
+def test_per_sample_mode_matches_worker_batching(shard_set):
+    from gpufeed.loader import build_loader
+
+    a = [(i.clone(), l) for i, l in build_loader(shard_set, cfg(num_workers=2), World.single())]
+    b = [(i.clone(), l) for i, l in build_loader(shard_set, cfg(num_workers=2, worker_batching=False), World.single())]
+    assert len(a) == len(b)
+
+    def samples(batches):  # per-sample mode interleaves the workers sample by sample, not batch by batch
+        return sorted((int(l), i.numpy().tobytes()) for images, labels in batches for i, l in zip(images, labels))
+
+    assert samples(a) == samples(b)
+
+
+# --------------------------------------------------------------------------- decode agreement
+
+
+def torchvision_reference(data: bytes, size: int, crop_ratio: float = 0.875) -> np.ndarray:
+    import torchvision.transforms as T
+
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    img = T.CenterCrop(size)(T.Resize(int(size / crop_ratio))(img))
+    return np.asarray(img)
+
+
+@pytest.mark.parametrize("method,tol", [("pil", 0.6), ("pil-draft", 3.0), ("simplejpeg", 3.0)])
+def test_decode_paths_agree_with_torchvision_pil(method, tol):
+    """Eval transform; mean abs diff vs PIL full decode + torchvision Resize/CenterCrop, on smooth images.
+
+    pil: same pixels up to rounding (<= 0.6); pil-draft and simplejpeg decode at a reduced DCT scale
+    (different IDCT downsampling and upsampling): <= 3.0 grey levels.
+    """
+    if method == "simplejpeg":
+        pytest.importorskip("simplejpeg")
+    from gpufeed import decode as dec
+
+    S = 32
+    for seed, (w, h) in enumerate([(300, 200), (150, 210), (97, 61), (64, 64)]):
+        data = encode(smooth_image(w, h, seed), quality=95)
+        ref = torchvision_reference(data, S).astype(np.float32)
+        out = np.empty((S, S, 3), np.uint8)
+        dec.decode_into(data, "jpg", method, lambda ww, hh: dec.eval_crop(ww, hh, S), S, out)
+        diff = np.abs(out.astype(np.float32) - ref)
+        assert diff.mean() <= tol, (method, w, h, diff.mean())
+
+
+def test_train_crop_matches_torchvision_random_resized_crop():
+    """Same crop box as torchvision's RandomResizedCrop + flip; same pixels but at the box edges (mean <= 0.1)."""
+    import torchvision.transforms.functional as TF
+
+    from gpufeed import decode as dec
+
+    S = 24
+    data = encode(smooth_image(120, 90, 3), quality=95)
+    for k in range(5):
+        rng = random.Random(k)
+        crop = dec.train_crop(120, 90, rng)
+        out = np.empty((S, S, 3), np.uint8)
+        dec.decode_into(data, "jpg", "pil", lambda w, h: crop, S, out)
+        l, t, r, b = crop.box
+        img = TF.resized_crop(Image.open(io.BytesIO(data)).convert("RGB"), t, l, b - t, r - l, [S, S])
+        if crop.flip:
+            img = TF.hflip(img)
+        # resize(box=...) lets the filter see the pixels just outside the box, crop() does not: edge rows differ
+        diff = np.abs(np.asarray(img).astype(np.int16) - out)
+        assert diff.mean() <= 0.1 and diff.max() <= 3
+
+
+def test_crop_params_follow_torchvision_rules():
+    from gpufeed.decode import random_resized_crop_params
+
+    rng = random.Random(0)
+    for _ in range(300):
+        i, j, h, w = random_resized_crop_params(200, 100, rng)
+        assert 0 <= i and i + h <= 100 and 0 <= j and j + w <= 200
+        assert 0.08 * 0.9 <= h * w / 20000 <= 1.0
+    # the fallback (a very wide image): centre crop clamped to the ratio range, as torchvision
+    import torchvision.transforms as T
+
+    assert random_resized_crop_params(1000, 10, random.Random(0)) == T.RandomResizedCrop.get_params(
+        torch.zeros(3, 10, 1000), scale=[0.08, 1.0], ratio=[3 / 4, 4 / 3])
+
+
+@pytest.mark.parametrize("mode", ["L", "CMYK", "P", "RGBA"])
+def test_every_mode_becomes_rgb(mode):
+    from gpufeed import decode as dec
+
+    img = smooth_image(60, 50, 1)
+    fmt = "PNG" if mode in ("P", "RGBA") else "JPEG"
+    data = encode(img.convert(mode), fmt)
+    ext = "png" if fmt == "PNG" else "jpg"
+    methods = ["pil", "pil-draft"] + (["simplejpeg"] if _has_simplejpeg() else [])
+    ref = torchvision_reference(data, 16).astype(np.float32)
+    for m in methods:
+        out = np.empty((16, 16, 3), np.uint8)
+        dec.decode_into(data, ext, m, lambda w, h: dec.eval_crop(w, h, 16), 16, out)
+        assert np.abs(out - ref).mean() <= 3.0, (mode, m)
+
+
+def _has_simplejpeg() -> bool:
+    try:
+        import simplejpeg  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_gpu_path_prepares_encoded_batches_and_decodes_on_cpu(tmp_path):
+    """decode='gpu': workers ship JPEG bytes + crops; to_device decodes them (here with torchvision on CPU)."""
+    from gpufeed.loader import EncodedBatch, build_loader
+
+    def make(n):
+        img = smooth_image(48, 40, n)
+        return ("png", encode(img, "PNG")) if n % 4 == 0 else ("jpg", encode(img, quality=95))
+
+    shards = write_set(tmp_path / "mix", [6, 6], make=make, size=(48, 40))
+    kw = dict(num_workers=2, batch_size=4, image_size=16)
+    g = build_loader(shards, cfg(decode="gpu", **kw), World.single(), train=False)
+    p = build_loader(shards, cfg(decode="pil", **kw), World.single(), train=False)
+    for (enc, lg), (ref, lp) in zip(g, p):
+        assert isinstance(enc, EncodedBatch) and len(enc.data) >= 2 and len(enc) == 4
+        images, labels = g.to_device((enc, lg), "cpu")
+        assert images.dtype == torch.uint8 and tuple(images.shape) == (4, 3, 16, 16)
+        assert torch.equal(labels, lp)
+        assert (images.float() - ref.float()).abs().mean() <= 4.0
+
+
+@pytest.mark.gpu
+def test_gpu_decode_on_cuda(shard_set):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from gpufeed.loader import build_loader
+
+    g = build_loader(shard_set, cfg(decode="gpu", num_workers=2), World.single("cuda:0"), train=False)
+    p = build_loader(shard_set, cfg(decode="pil", num_workers=2), World.single(), train=False)
+    for b, (ref, _) in zip(g, p):
+        images, labels = g.to_device(b, "cuda:0")
+        assert images.is_cuda and images.dtype == torch.uint8
+        assert (images.cpu().float() - ref.float()).abs().mean() <= 4.0
+
+
+# --------------------------------------------------------------------------- corrupt samples
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_corrupt_sample_raise_names_shard_and_key(tmp_path, workers):
+    from gpufeed.loader import build_loader
+
+    shards = write_set(tmp_path / "bad", [6, 6], corrupt={8})
+    loader = build_loader(shards, cfg(num_workers=workers, batch_size=3), World.single())
+    with pytest.raises(DataError, match=r"s00008.*train-000001\.tar"):
+        list(loader)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_corrupt_sample_skip_counts_and_keeps_batch_count(tmp_path, workers):
+    from gpufeed.loader import build_loader
+
+    shards = write_set(tmp_path / "bad", [6, 6], corrupt={1, 8})
+    loader = build_loader(shards, cfg(num_workers=workers, batch_size=3, on_error="skip"), World.single())
+    batches = list(loader)
+    assert len(batches) == len(loader) == 4
+    assert loader.num_skipped == 2
+
+
+def test_normalize():
+    from gpufeed.loader import IMAGENET_MEAN, IMAGENET_STD, normalize
+
+    x = torch.full((2, 3, 4, 4), 255, dtype=torch.uint8)
+    y = normalize(x, channels_last=True)
+    assert y.dtype == torch.float32 and y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(y[0, :, 0, 0], torch.tensor([(1 - m) / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)]))
+    assert normalize(x, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_missing_manifest_and_too_small_set(tmp_path, shard_set):
+    from gpufeed.loader import build_loader
+
+    with pytest.raises(DataError, match="gpufeed index"):
+        build_loader(tmp_path / "nothing-here", cfg(), World.single()) if (tmp_path / "nothing-here").mkdir() is None else None
+    with pytest.raises(DataError, match="batch_size"):
+        build_loader(shard_set, cfg(batch_size=64), World.single())

@@ -1,0 +1,896 @@
+"""``gpufeed tune SHARDS``: a measured, budget-aware sweep of LoaderConfig knobs (issue 3, DESIGN §3).
+
+Two layers, kept apart so tests and other jobs can reuse them:
+
+- **Measurement.** :func:`measure_loader` is the *loader ceiling* of DESIGN §3: batches of the real
+  loader moved to the device and dropped, worker start-up timed separately (``startup_s``), the
+  prefetched backlog drained as warm-up, then steady-state samples/s over fixed windows, repeated
+  (median, min, max), with process-tree telemetry (CPU per core, cores used, RSS, read bytes/s).
+  :func:`measure_imagefolder` measures torchvision ``ImageFolder`` + ``DataLoader`` the same way, and
+  :func:`measure_stream` is the shared core for any batch iterable (the benchmark's recipes use it).
+  A trial that raises or exceeds its RAM budget comes back as a :class:`TrialRecord` with ``error`` set.
+- **Search.** :func:`tune` climbs ``num_workers`` until the gain flattens or the CPU/RAM budget is
+  hit, then refines decode path, in-worker batching, prefetch depth and pinning at that point, one
+  knob at a time (a change is kept only when it wins by ``min_gain``). Knobs that cannot matter on
+  this machine are skipped with the reason in the report. The whole sweep, worker start-up included,
+  stays inside ``budget_s``; ``target_rate`` ends the search early once the loader beats it with margin.
+  ``measure`` is injectable, so a test can drive the search with a pipeline whose speed it controls.
+
+Outputs (in the run folder): trials.jsonl, trials.parquet, summary.json, config.toml, environment.json,
+tune.png, report.md, and the winning ``[loader]`` section at ``out``. Only ``cli.py`` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from gpufeed.config import LoaderConfig, TuneConfig, to_toml
+from gpufeed.errors import ConfigError
+from gpufeed.metrics import Stat
+from gpufeed.world import World
+
+KNOBS = ("num_workers", "decode", "worker_batching", "prefetch_factor", "pin_memory", "persistent_workers",
+         "shuffle_buffer")
+"""LoaderConfig fields the tuner may move (batch_size and image_size are fixed by the caller)."""
+
+WORKER_LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One measured loader configuration (a row of trials.parquet)."""
+
+    trial: int
+    phase: str
+    """workers | decode | worker_batching | prefetch_factor | pin_memory | baseline | exhaustive | ..."""
+    pipeline: str
+    """gpufeed | imagefolder | any name a caller gives (benchmarks)."""
+    batch_size: int
+    num_workers: int
+    decode: str
+    worker_batching: bool
+    prefetch_factor: int
+    pin_memory: bool
+    persistent_workers: bool
+    shuffle_buffer: int
+    image_size: int
+    samples_per_s: float | None
+    """Median steady-state samples/s over the repeats (None when the trial failed)."""
+    samples_per_s_min: float | None = None
+    samples_per_s_max: float | None = None
+    samples_per_s_runs: list[float] = field(default_factory=list)
+    startup_s: float | None = None
+    """Build + iterator start + first batch (worker start-up), excluded from the rate."""
+    warmup_s: float | None = None
+    num_warmup_batches: int = 0
+    measure_s: float = 0.0
+    """Seconds inside the measurement windows."""
+    wall_s: float = 0.0
+    """Whole trial, teardown included (what the budget pays)."""
+    num_batches: int = 0
+    num_samples: int = 0
+    data_wait_s: float = 0.0
+    """Seconds blocked in next(loader) inside the windows."""
+    copy_s: float = 0.0
+    """Seconds in the host-to-device move inside the windows (synchronised on CUDA)."""
+    cpu_percent_per_core: list[float] = field(default_factory=list)
+    cpu_percent_mean: float | None = None
+    tree_cores_used: float | None = None
+    """CPU seconds of this process and its workers / window seconds."""
+    samples_per_core_s: float | None = None
+    """samples_per_s / tree_cores_used: the per-core rate."""
+    rss_max_bytes: int | None = None
+    read_bytes_per_s: float | None = None
+    """Storage reads of the process tree (page-cache hits excluded)."""
+    disk_read_bytes_per_s: float | None = None
+    num_skipped: int = 0
+    truncated: bool = False
+    """The budget deadline cut the trial short (fewer repeats or a shorter window)."""
+    over_cpu_budget: bool = False
+    note: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.samples_per_s is not None
+
+    def loader_config(self, base: LoaderConfig | None = None) -> LoaderConfig:
+        """The LoaderConfig this trial measured (other fields from ``base``)."""
+        return dataclasses.replace(base or LoaderConfig(), **{k: getattr(self, k) for k in
+                                                              (*KNOBS, "batch_size", "image_size")})
+
+
+def trial_record(cfg: LoaderConfig, rates: list[float] | None = None, *, pipeline: str = "gpufeed",
+                 error: str | None = None, **extra: Any) -> TrialRecord:
+    """Build a TrialRecord for ``cfg`` from measured rates (or an error); used by fakes in tests too."""
+    rates = [float(r) for r in (rates or [])]
+    stat = Stat.of(rates) if rates else None
+    return TrialRecord(
+        trial=extra.pop("trial", 0), phase=extra.pop("phase", ""), pipeline=pipeline,
+        batch_size=cfg.batch_size, num_workers=cfg.num_workers, decode=cfg.decode,
+        worker_batching=cfg.worker_batching, prefetch_factor=cfg.prefetch_factor, pin_memory=cfg.pin_memory,
+        persistent_workers=cfg.persistent_workers, shuffle_buffer=cfg.shuffle_buffer, image_size=cfg.image_size,
+        samples_per_s=None if error or stat is None else stat.median,
+        samples_per_s_min=None if stat is None else stat.min,
+        samples_per_s_max=None if stat is None else stat.max,
+        samples_per_s_runs=rates, error=error, **extra,
+    )
+
+
+@dataclass(frozen=True)
+class TuneReport:
+    """What ``gpufeed tune`` returns (summary.json; ``--json`` prints it)."""
+
+    ok: bool
+    shards: str
+    run_dir: str | None
+    out: str | None
+    """The written [loader] TOML (None when no trial succeeded)."""
+    best: LoaderConfig | None
+    best_trial: int | None
+    best_samples_per_s: Stat | None
+    baseline: TrialRecord | None
+    """Best ImageFolder trial (None without --baseline-imagefolder)."""
+    baseline_samples_per_s: Stat | None
+    ratio_vs_baseline: float | None
+    bound: str | None
+    """CPU-bound | I/O-bound | copy-bound | unclear."""
+    bound_evidence: str
+    stop_reason: str
+    skipped: dict[str, str]
+    """Knob -> why it was not measured."""
+    decisions: list[str]
+    """The search path, one line per step."""
+    conclusion: str
+    budget_s: float
+    elapsed_s: float
+    target_rate: float | None
+    target_met: bool | None
+    usable_cpus: int
+    device: str
+    num_trials: int
+    trials: list[TrialRecord]
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: Callable[[Any], Any] | None = None,
+                   num_workers: int = 0, prefetch_factor: int = 2, warmup_batches: int = 2,
+                   window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
+                   deadline: float | None = None, ram_budget_bytes: int | None = None,
+                   cuda_sync: Callable[[], None] | None = None, telemetry_interval_s: float = 0.25,
+                   skipped: Callable[[], int] | None = None) -> dict[str, Any]:
+    """Measure steady-state samples/s of any batch iterable; returns TrialRecord fields.
+
+    ``open_batches(epoch)`` returns one epoch of ``(images, labels)`` batches; epochs are chained
+    endlessly (a new epoch's start-up cost counts, as it would in training). Start-up (opening the
+    first epoch and its first batch) is timed apart; warm-up then drains the prefetched backlog
+    (``num_workers × prefetch_factor`` batches at most, stopping early as soon as a batch has to be
+    waited for) plus ``warmup_batches``. ``deadline`` (``time.monotonic()``) cuts windows short.
+    Raises on loader errors; :func:`measure_loader` turns them into error records.
+    """
+    import psutil
+
+    from gpufeed.telemetry import Telemetry
+
+    if window_s is None and window_batches is None:
+        raise ConfigError("measure needs window_s or window_batches")
+    move = to_device or _touch
+    sync = cuda_sync or (lambda: None)
+    out: dict[str, Any] = {}
+
+    def endless() -> Iterator[Any]:
+        epoch = 0
+        while True:
+            n = 0
+            for batch in open_batches(epoch):
+                n += 1
+                yield batch
+            if n == 0:
+                raise RuntimeError(f"the loader yielded no batches in epoch {epoch} (too few samples per rank?)")
+            epoch += 1
+
+    def past_deadline(extra: float = 0.0) -> bool:
+        return deadline is not None and time.monotonic() + extra > deadline
+
+    stream = endless()
+    try:
+        t0 = time.perf_counter()
+        move(next(stream))
+        sync()
+        t1 = time.perf_counter()
+        out["startup_s"] = t1 - t0
+        backlog = num_workers * prefetch_factor
+        n_warm = 1
+        drained = num_workers == 0
+        while n_warm < 1 + warmup_batches + backlog and not past_deadline():
+            ta = time.perf_counter()
+            move(next(stream))
+            waited = time.perf_counter() - ta
+            n_warm += 1
+            if waited > 0.005 and n_warm > backlog // 2:
+                drained = True
+            if drained and n_warm >= 1 + warmup_batches:
+                break
+        sync()
+        out["warmup_s"] = time.perf_counter() - t1
+        out["num_warmup_batches"] = n_warm
+        if past_deadline():
+            out["truncated"] = True
+            raise _OutOfBudget(f"budget ran out during start-up/warm-up ({time.perf_counter() - t0:.1f} s)")
+
+        runs: list[float] = []
+        me = psutil.Process()
+        n_batches = n_samples = 0
+        wait_s = copy_s = measure_s = 0.0
+        with Telemetry(interval_s=telemetry_interval_s) as tel:
+            for r in range(repeats):
+                if r > 0 and past_deadline(window_s or 0.0):
+                    out["truncated"] = True
+                    break
+                ts = time.perf_counter()
+                nb = ns = 0
+                while True:
+                    ta = time.perf_counter()
+                    batch = next(stream)
+                    tb = time.perf_counter()
+                    move(batch)
+                    sync()
+                    tc = time.perf_counter()
+                    wait_s += tb - ta
+                    copy_s += tc - tb
+                    nb += 1
+                    ns += _batch_len(batch)
+                    if window_batches is not None and nb >= window_batches:
+                        break
+                    if window_s is not None and tc - ts >= window_s:
+                        break
+                    if past_deadline():
+                        out["truncated"] = True
+                        break
+                el = time.perf_counter() - ts
+                measure_s += el
+                n_batches += nb
+                n_samples += ns
+                runs.append(ns / el)
+                if ram_budget_bytes is not None:
+                    rss = _tree_rss(me)
+                    if rss > ram_budget_bytes:
+                        out["rss_max_bytes"] = rss
+                        raise _OverRam(f"RAM budget exceeded: loader processes use {_mb(rss)} > budget "
+                                       f"{_mb(ram_budget_bytes)}")
+        tel_s = tel.summary()
+        out.update(
+            samples_per_s_runs=runs, measure_s=measure_s, num_batches=n_batches, num_samples=n_samples,
+            data_wait_s=wait_s, copy_s=copy_s,
+            cpu_percent_per_core=[round(c, 1) for c in tel_s.cpu_percent_per_core],
+            cpu_percent_mean=tel_s.cpu_percent_mean, tree_cores_used=tel_s.tree_cores_used,
+            rss_max_bytes=tel_s.rss_max_bytes,
+            read_bytes_per_s=tel_s.tree_read_bytes / tel_s.duration_s,
+            disk_read_bytes_per_s=None if tel_s.disk_read_bytes is None else tel_s.disk_read_bytes / tel_s.duration_s,
+        )
+        if ram_budget_bytes is not None and tel_s.rss_max_bytes > ram_budget_bytes:
+            raise _OverRam(f"RAM budget exceeded: loader processes peaked at {_mb(tel_s.rss_max_bytes)} > "
+                           f"budget {_mb(ram_budget_bytes)}")
+        if skipped is not None:
+            out["num_skipped"] = int(skipped())
+        return out
+    except _TrialError as exc:
+        exc.partial = out
+        raise
+    except Exception as exc:
+        exc.add_note(f"gpufeed: partial measurement {out}")
+        raise
+    finally:
+        stream.close()  # shuts DataLoader workers down
+
+
+class _TrialError(Exception):
+    partial: dict[str, Any] = {}
+
+
+class _OutOfBudget(_TrialError):
+    pass
+
+
+class _OverRam(_TrialError):
+    pass
+
+
+def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = None, *, warmup_batches: int = 2,
+                   window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
+                   deadline: float | None = None, ram_budget_bytes: int | None = None) -> TrialRecord:
+    """The loader ceiling (DESIGN §3) of ``build_loader(shards, cfg, world)``: never raises for a bad trial.
+
+    Batches go to ``world.device`` (synchronised on CUDA; on CPU they are touched) and are dropped.
+    Returns a TrialRecord with median/min/max samples/s over ``repeats`` windows of ``window_s``
+    seconds (or ``window_batches`` batches), start-up and telemetry; ``error`` is set when the loader
+    raised, the RAM budget was exceeded, or ``deadline`` passed before anything was measured.
+    """
+    world = world or World.single()
+    t0 = time.perf_counter()
+    holder: dict[str, Any] = {}
+
+    def open_batches(epoch: int) -> Iterable[Any]:
+        from gpufeed.loader import build_loader
+
+        if "loader" not in holder:
+            holder["loader"] = build_loader(shards, cfg, world, train=True, epoch=epoch)
+        loader = holder["loader"]
+        if epoch and hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        return loader
+
+    def move(batch: Any) -> Any:
+        loader = holder["loader"]
+        if hasattr(loader, "to_device"):
+            moved = loader.to_device(batch, world.device, non_blocking=True)
+        else:
+            moved = batch
+        _touch(moved)
+        return moved
+
+    sync = _cuda_sync(world)
+    return _run_measurement(
+        lambda: measure_stream(open_batches, to_device=move, num_workers=cfg.num_workers,
+                               prefetch_factor=cfg.prefetch_factor, warmup_batches=warmup_batches, window_s=window_s,
+                               window_batches=window_batches, repeats=repeats, deadline=deadline,
+                               ram_budget_bytes=ram_budget_bytes, cuda_sync=sync,
+                               skipped=lambda: getattr(holder.get("loader"), "num_skipped", 0)),
+        cfg, "gpufeed", t0, cleanup=holder.clear)
+
+
+def measure_imagefolder(src: str | Path, cfg: LoaderConfig, world: World | None = None, *, warmup_batches: int = 2,
+                        window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
+                        deadline: float | None = None, ram_budget_bytes: int | None = None) -> TrialRecord:
+    """The same measurement for torchvision ``ImageFolder`` + ``DataLoader`` (the usual recipe).
+
+    Transform: ``RandomResizedCrop(image_size)`` + ``RandomHorizontalFlip()`` + ``PILToTensor()`` (uint8,
+    same output as gpufeed's loader; normalisation would happen on the device). Uses ``cfg``'s
+    batch_size, num_workers, prefetch_factor, pin_memory (CUDA only) and persistent_workers.
+    """
+    world = world or World.single()
+    t0 = time.perf_counter()
+    holder: dict[str, Any] = {}
+
+    def open_batches(epoch: int) -> Iterable[Any]:
+        import torch
+        from torchvision import datasets, transforms
+
+        if "loader" not in holder:
+            tf = transforms.Compose([transforms.RandomResizedCrop(cfg.image_size), transforms.RandomHorizontalFlip(),
+                                     transforms.PILToTensor()])
+            ds = datasets.ImageFolder(str(src), transform=tf)
+            g = torch.Generator()
+            g.manual_seed(cfg.seed)
+            kw: dict[str, Any] = {}
+            if cfg.num_workers > 0:
+                kw = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": cfg.persistent_workers}
+            holder["loader"] = torch.utils.data.DataLoader(
+                ds, batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.num_workers,
+                pin_memory=cfg.pin_memory and world.is_cuda, drop_last=True, generator=g, **kw)
+        return holder["loader"]
+
+    def move(batch: Any) -> Any:
+        images, labels = batch
+        if world.is_cuda:
+            batch = (images.to(world.device, non_blocking=True), labels.to(world.device, non_blocking=True))
+        _touch(batch)
+        return batch
+
+    return _run_measurement(
+        lambda: measure_stream(open_batches, to_device=move, num_workers=cfg.num_workers,
+                               prefetch_factor=cfg.prefetch_factor, warmup_batches=warmup_batches, window_s=window_s,
+                               window_batches=window_batches, repeats=repeats, deadline=deadline,
+                               ram_budget_bytes=ram_budget_bytes, cuda_sync=_cuda_sync(world)),
+        cfg, "imagefolder", t0, cleanup=holder.clear)
+
+
+def _run_measurement(fn: Callable[[], dict[str, Any]], cfg: LoaderConfig, pipeline: str, t0: float,
+                     cleanup: Callable[[], None]) -> TrialRecord:
+    error = None
+    try:
+        fields_ = fn()
+    except _TrialError as exc:
+        fields_, error = dict(exc.partial), str(exc)
+    except Exception as exc:  # a failed trial is a record; the sweep goes on
+        fields_, error = {}, f"{type(exc).__name__}: {exc}"
+    finally:
+        cleanup()
+    rates = fields_.pop("samples_per_s_runs", [])
+    fields_["wall_s"] = time.perf_counter() - t0
+    rec = trial_record(cfg, rates, pipeline=pipeline, error=error, **fields_)
+    if rec.ok and rec.tree_cores_used:
+        rec = dataclasses.replace(rec, samples_per_core_s=rec.samples_per_s / rec.tree_cores_used)
+    return rec
+
+
+def _touch(batch: Any) -> None:
+    """Read one element of each tensor so lazily produced batches are really materialised."""
+    items = batch if isinstance(batch, (tuple, list)) else (batch,)
+    for t in items:
+        shape = getattr(t, "shape", None)
+        if shape is not None and hasattr(t, "item") and all(shape) and str(getattr(t, "device", "")) == "cpu":
+            t[tuple(n - 1 for n in shape)].item()  # indexing, not reshape: a strided view would be copied
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return int(len(batch[1]))
+    return int(len(batch))
+
+
+def _cuda_sync(world: World) -> Callable[[], None] | None:
+    if not world.is_cuda:
+        return None
+    import torch
+
+    return lambda: torch.cuda.synchronize(world.device)
+
+
+def _tree_rss(proc: Any) -> int:
+    import psutil
+
+    total = 0
+    try:
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.0f} MB"
+
+
+# --------------------------------------------------------------------------- search
+
+
+MeasureFn = Callable[..., TrialRecord]
+
+
+class _Search:
+    """State of one tune run: the trial log, the deadline, the budget checks."""
+
+    def __init__(self, cfg: TuneConfig, shards: str, world: World, measure: MeasureFn, window_s: float,
+                 ram_budget: int, cpu_cores_budget: float, progress: Callable[[str], None] | None) -> None:
+        self.cfg, self.shards, self.world, self.measure = cfg, shards, world, measure
+        self.window_s = window_s
+        self.ram_budget = ram_budget
+        self.cpu_cores_budget = cpu_cores_budget
+        self.progress = progress or (lambda s: None)
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + cfg.budget_s
+        self.trials: list[TrialRecord] = []
+        self.decisions: list[str] = []
+        self.cache: dict[tuple[Any, ...], TrialRecord] = {}
+        self.stop_reason = ""
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def estimate_s(self, lc: LoaderConfig) -> float:
+        """Expected wall time of a trial: observed overhead (start-up, warm-up, teardown) + windows."""
+        overheads = [t.wall_s - t.measure_s for t in self.trials if t.num_workers == lc.num_workers and t.wall_s]
+        if not overheads:
+            overheads = [(t.wall_s - t.measure_s) * (lc.num_workers + 1) / (t.num_workers + 1)
+                         for t in self.trials if t.wall_s]
+        overhead = max(overheads) if overheads else 0.5 + 0.5 * lc.num_workers
+        return overhead + self.cfg.repeats * self.window_s
+
+    def run(self, lc: LoaderConfig, phase: str, *, measure: MeasureFn | None = None, source: str | None = None,
+            deadline: float | None = None, note: str = "") -> TrialRecord | None:
+        """Measure ``lc`` unless it was measured already or would not fit in the budget (-> None)."""
+        key = (source or self.shards, *(getattr(lc, f) for f in (*KNOBS, "batch_size", "image_size")))
+        if key in self.cache:
+            return self.cache[key]
+        deadline = min(deadline or self.deadline, self.deadline)
+        # the first windows may be cut short; what must fit is start-up + one window
+        need = self.estimate_s(lc) - (self.cfg.repeats - 1) * self.window_s
+        if time.monotonic() + need > deadline:
+            self.stop_reason = self.stop_reason or f"budget: {self.cfg.budget_s:g} s spent or too little left for a trial"
+            return None
+        fn = measure or self.measure
+        t_start = time.perf_counter()
+        try:
+            rec = fn(source or self.shards, lc, self.world, warmup_batches=self.cfg.warmup_batches,
+                     window_s=self.window_s, repeats=self.cfg.repeats, deadline=deadline,
+                     ram_budget_bytes=self.ram_budget)
+        except Exception as exc:  # injected measures may raise; the sweep goes on
+            rec = trial_record(lc, error=f"{type(exc).__name__}: {exc}")
+        if not rec.wall_s:
+            rec = dataclasses.replace(rec, wall_s=time.perf_counter() - t_start)
+        over = bool(rec.ok and rec.tree_cores_used is not None and self.cfg.cpu_budget < 1
+                    and rec.tree_cores_used > self.cpu_cores_budget * 1.1)
+        rec = dataclasses.replace(rec, trial=len(self.trials), phase=phase, over_cpu_budget=over,
+                                  note=rec.note or note)
+        self.trials.append(rec)
+        self.cache[key] = rec
+        self.progress(f"trial {rec.trial:2d} {phase:16s} {describe(rec):60s} " +
+                      (f"{rec.samples_per_s:8.1f} samples/s" if rec.ok else f"ERROR {rec.error}"))
+        return rec
+
+    def target_reached(self) -> bool:
+        if self.cfg.target_rate is None:
+            return False
+        best = self.best()
+        return best is not None and best.samples_per_s >= self.cfg.target_rate * self.cfg.target_margin
+
+    def best(self, phase_filter: Callable[[TrialRecord], bool] | None = None) -> TrialRecord | None:
+        ok = [t for t in self.trials if t.ok and t.pipeline == "gpufeed" and not t.over_cpu_budget
+              and (phase_filter is None or phase_filter(t))]
+        return max(ok, key=lambda t: t.samples_per_s) if ok else None
+
+
+def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureFn = measure_loader,
+         measure_baseline: MeasureFn = measure_imagefolder, world: World | None = None,
+         progress: Callable[[str], None] | None = None, write: bool = True) -> TuneReport:
+    """Search the fastest LoaderConfig for ``cfg.shards`` on this machine within ``cfg.budget_s``.
+
+    ``base`` supplies the knobs the tuner does not move (seed, on_error, ...) and the starting point
+    (decode path, prefetch, batching); batch_size and image_size come from ``cfg``. ``measure`` has
+    :func:`measure_loader`'s signature. With ``write`` the run folder and ``cfg.out`` are written.
+    """
+    from gpufeed.system import total_ram_bytes, usable_cpus
+
+    if not cfg.shards:
+        raise ConfigError("tune needs a shard set: gpufeed tune SHARDS")
+    shards = str(cfg.shards)
+    manifest = None
+    if measure is measure_loader:
+        from gpufeed.manifest import read_manifest
+
+        manifest = read_manifest(shards)  # DataError (exit 2) with a fix when missing
+    if cfg.baseline_imagefolder and not Path(cfg.baseline_imagefolder).is_dir():
+        raise ConfigError(f"--baseline-imagefolder {cfg.baseline_imagefolder} is not a folder")
+    if world is None:
+        world = World.from_env(cfg.device) if cfg.device != "cpu" else World.single()
+    base = dataclasses.replace(base or LoaderConfig(), batch_size=cfg.batch_size, image_size=cfg.image_size)
+    if base.decode == "gpu" and not world.is_cuda:
+        base = dataclasses.replace(base, decode="pil-draft")
+
+    usable = usable_cpus()
+    cores_budget = cfg.cpu_budget * usable
+    cap = max(1, math.floor(cores_budget + 1e-9))
+    ceiling = cap if cfg.max_workers is None else (cfg.max_workers if cfg.cpu_budget >= 1 else
+                                                   min(cfg.max_workers, cap))
+    ram_budget = cfg.ram_budget if cfg.ram_budget is not None else total_ram_bytes() // 2
+    ladder = [w for w in WORKER_LADDER if w <= ceiling]
+    if ceiling not in ladder:
+        ladder.append(ceiling)
+    n_expected = len(ladder) + 3 + (2 if cfg.baseline_imagefolder else 0)
+    window_s = cfg.window_s or min(10.0, max(0.3, cfg.budget_s / (n_expected * (cfg.repeats + 1.5))))
+
+    s = _Search(cfg, shards, world, measure, window_s, ram_budget, cores_budget, progress)
+    skipped: dict[str, str] = {}
+    search_deadline = s.t0 + cfg.budget_s * (0.75 if cfg.baseline_imagefolder else 1.0)
+    s.decisions.append(f"{usable} usable CPUs, cpu_budget {cfg.cpu_budget:g} -> up to {ceiling} workers; "
+                       f"RAM budget {_mb(ram_budget)}; {cfg.repeats} windows of {window_s:.2f} s per trial")
+
+    # 1. climb num_workers from the base until the gain flattens or a budget is hit
+    cur = base
+    climb_best: TrialRecord | None = None
+    for w in ladder:
+        if s.target_reached():
+            break
+        lc = dataclasses.replace(cur, num_workers=w, persistent_workers=w > 0 and base.persistent_workers)
+        rec = s.run(lc, "workers", deadline=search_deadline)
+        if rec is None:
+            s.decisions.append(f"workers: stopped before {w} workers (budget)")
+            break
+        if not rec.ok:
+            if rec.error and "RAM budget" in rec.error:
+                s.decisions.append(f"workers: stopped at {w} workers: {rec.error}")
+                break
+            continue
+        if w >= 2 and climb_best is not None and climb_best.num_workers >= 1 and \
+                rec.samples_per_s < climb_best.samples_per_s * (1 + cfg.min_gain):
+            s.decisions.append(f"workers: gain flattened at {w} workers ({rec.samples_per_s:.0f} vs "
+                               f"{climb_best.samples_per_s:.0f} samples/s at {climb_best.num_workers}, < {cfg.min_gain:.0%})")
+            break
+        if w >= 1 and (climb_best is None or rec.samples_per_s > climb_best.samples_per_s):
+            climb_best = rec  # 0 workers is only a reference: 1 worker may lose to it and 2 still win
+        if rec.tree_cores_used is not None and rec.tree_cores_used >= 0.9 * cores_budget and w < ceiling:
+            s.decisions.append(f"workers: CPU budget saturated at {w} workers (tree used "
+                               f"{rec.tree_cores_used:.2f} of {cores_budget:.2f} cores)")
+            break
+    cur_rec = s.best()  # the fastest worker count measured
+    if cur_rec is not None:
+        cur = cur_rec.loader_config(base)
+        s.decisions.append(f"workers: keep {cur.num_workers} ({cur_rec.samples_per_s:.0f} samples/s)")
+
+    # 2. refine the other knobs at that point, one at a time
+    def refine(knob: str, values: list[Any]) -> None:
+        nonlocal cur, cur_rec
+        for v in values:
+            if s.target_reached():
+                return
+            ref = cur_rec
+            if ref is None:
+                return
+            cand = dataclasses.replace(cur, **{knob: v})
+            rec = s.run(cand, knob, deadline=search_deadline)
+            if rec is None:
+                skipped.setdefault(knob, "budget: no time left for this trial")
+                return
+            if rec.ok and rec.samples_per_s > ref.samples_per_s * (1 + cfg.min_gain):
+                s.decisions.append(f"{knob}: {getattr(cur, knob)!r} -> {v!r} "
+                                   f"({ref.samples_per_s:.0f} -> {rec.samples_per_s:.0f} samples/s)")
+                cur, cur_rec = cand, rec
+            else:
+                got = "failed" if not rec.ok else f"{rec.samples_per_s:.0f} samples/s"
+                s.decisions.append(f"{knob}: keep {getattr(cur, knob)!r} ({v!r} gave {got}, needs "
+                                   f"> {ref.samples_per_s * (1 + cfg.min_gain):.0f})")
+
+    if cur_rec is not None and not s.target_reached():
+        decodes = []
+        for d in ("simplejpeg", "pil-draft", "gpu"):
+            if d == cur.decode:
+                continue
+            if d == "simplejpeg" and not _has_module("simplejpeg"):
+                skipped["decode=simplejpeg"] = "simplejpeg is not installed (pip install gpufeed[turbo])"
+            elif d == "gpu" and not world.is_cuda:
+                skipped["decode=gpu"] = "no CUDA device"
+            else:
+                decodes.append(d)
+        if cur.decode != "pil":
+            skipped["decode=pil"] = ("not measured: same libjpeg decoder as pil-draft, which only adds reduced-size "
+                                     "DCT scaling when the crop allows it, so full decode cannot be faster")
+        refine("decode", decodes)
+        if cur.num_workers > 0:
+            refine("worker_batching", [not cur.worker_batching])
+            refine("prefetch_factor", [4 if cur.prefetch_factor <= 2 else 2])
+        else:
+            skipped["worker_batching"] = "best has 0 workers: batches are made in the main process either way"
+            skipped["prefetch_factor"] = "best has 0 workers: prefetch_factor is ignored"
+        if world.is_cuda:
+            refine("pin_memory", [not cur.pin_memory])
+        else:
+            skipped["pin_memory"] = "no CUDA device: pinning only matters for host-to-GPU copies"
+
+    best = cur_rec  # the search path's point: a knob moved only when it won by min_gain
+    if best is not None:
+        cur = best.loader_config(base)
+        if cur.num_workers > 0:
+            epoch_s = (manifest.num_samples / best.samples_per_s) if manifest and best.samples_per_s else None
+            cost = best.startup_s or 0.0
+            share = f", {100 * cost / epoch_s:.1f}% of a {epoch_s:.0f}-s epoch" if epoch_s else ""
+            skipped["persistent_workers"] = (
+                f"not measured: it only changes epoch boundaries, where it saves the worker start-up "
+                f"({cost:.2f} s per epoch{share}); set true, its RAM is already inside the measured RSS")
+            cur = dataclasses.replace(cur, persistent_workers=True)
+        else:
+            skipped["persistent_workers"] = "best has 0 workers: nothing to keep alive"
+        skipped["shuffle_buffer"] = (
+            f"not measured: a randomness knob, not a speed knob (a smaller buffer would 'win' by hurting "
+            f"training); kept at {cur.shuffle_buffer}; its RAM is inside the measured RSS "
+            f"({_mb(best.rss_max_bytes)} of {_mb(ram_budget)} budget)")
+    if not s.stop_reason:
+        s.stop_reason = ("target reached" if s.target_reached() else "search complete")
+    if s.target_reached():
+        s.stop_reason = f"target reached: best >= {cfg.target_rate:g} x {cfg.target_margin:g} samples/s"
+
+    # 3. baseline: torchvision ImageFolder + DataLoader with its own small sweep
+    baseline = None
+    if cfg.baseline_imagefolder:
+        bw = ceiling if ceiling > 0 else 1
+        cands = [(bw, 2), (bw, 4)] + ([(max(1, bw // 2), 2)] if bw >= 4 else [])
+        for w, pf in cands:
+            lc = dataclasses.replace(LoaderConfig(), batch_size=cfg.batch_size, image_size=cfg.image_size,
+                                     num_workers=w, prefetch_factor=pf, persistent_workers=True,
+                                     pin_memory=world.is_cuda, decode="pil", worker_batching=False,
+                                     shuffle_buffer=0, seed=base.seed)
+            rec = s.run(lc, "baseline", measure=measure_baseline, source=str(cfg.baseline_imagefolder))
+            if rec is None:
+                skipped[f"baseline workers={w} prefetch={pf}"] = "budget: no time left for this trial"
+                break
+            rec = dataclasses.replace(rec, pipeline="imagefolder")
+            s.trials[rec.trial] = rec
+        ok = [t for t in s.trials if t.phase == "baseline" and t.ok]
+        baseline = max(ok, key=lambda t: t.samples_per_s) if ok else None
+
+    report = _finish(cfg, s, base, cur if best is not None else None, best, baseline, skipped, usable)
+    if write:
+        report = write_outputs(report, cfg, base)
+    return report
+
+
+def _finish(cfg: TuneConfig, s: _Search, base: LoaderConfig, cur: LoaderConfig | None, best: TrialRecord | None,
+            baseline: TrialRecord | None, skipped: dict[str, str], usable: int) -> TuneReport:
+    best_stat = Stat.of(best.samples_per_s_runs) if best is not None and best.samples_per_s_runs else None
+    base_stat = Stat.of(baseline.samples_per_s_runs) if baseline is not None and baseline.samples_per_s_runs else None
+    ratio = best.samples_per_s / baseline.samples_per_s if best and baseline and baseline.samples_per_s else None
+    bound, evidence = classify_bound(best, usable) if best else (None, "no successful trial")
+    target_met = None if cfg.target_rate is None else bool(best and best.samples_per_s >= cfg.target_rate)
+    if best is None:
+        errors = sorted({t.error for t in s.trials if t.error})
+        conclusion = ("no loader configuration could be measured: " + ("; ".join(errors[:3]) if errors
+                                                                           else s.stop_reason))
+    else:
+        conclusion = (f"best: {describe(best)} -> {best.samples_per_s:.0f} samples/s "
+                      f"({best_stat.fmt() if best_stat else ''})"
+                      + (f", {ratio:.2f}x ImageFolder ({baseline.samples_per_s:.0f} samples/s)" if ratio else "")
+                      + f"; {bound}" + (f"; target {cfg.target_rate:g} {'met' if target_met else 'NOT met'}"
+                                        if cfg.target_rate else ""))
+    return TuneReport(
+        ok=best is not None and target_met is not False, shards=s.shards, run_dir=None, out=None, best=cur,
+        best_trial=None if best is None else best.trial, best_samples_per_s=best_stat, baseline=baseline,
+        baseline_samples_per_s=base_stat, ratio_vs_baseline=ratio, bound=bound, bound_evidence=evidence,
+        stop_reason=s.stop_reason, skipped=skipped, decisions=s.decisions, conclusion=conclusion,
+        budget_s=cfg.budget_s, elapsed_s=s.elapsed(), target_rate=cfg.target_rate, target_met=target_met,
+        usable_cpus=usable, device=s.world.device, num_trials=len(s.trials), trials=s.trials,
+    )
+
+
+def classify_bound(t: TrialRecord, usable_cpus: int, storage_bytes_per_s: float | None = None) -> tuple[str, str]:
+    """Name what limits a trial, with the numbers that say so (DESIGN §3 verdict vocabulary)."""
+    rate = t.samples_per_s or 0.0
+    cores = t.tree_cores_used or 0.0
+    possible = min(usable_cpus, max(1, t.num_workers))
+    machine = t.cpu_percent_mean or 0.0
+    if t.measure_s and t.copy_s > 0.5 * t.measure_s:
+        return "copy-bound", (f"host-to-device copies took {t.copy_s:.2f} of {t.measure_s:.2f} s in the windows "
+                              f"({100 * t.copy_s / t.measure_s:.0f}%)")
+    read = t.read_bytes_per_s or 0.0
+    if storage_bytes_per_s and read >= 0.8 * storage_bytes_per_s:
+        return "I/O-bound", f"reads {read / 1e6:.0f} MB/s of a {storage_bytes_per_s / 1e6:.0f} MB/s storage rate"
+    per_core = rate / cores if cores else 0.0
+    if cores >= 0.75 * possible or machine >= 90:
+        return "CPU-bound", (f"loader processes kept {cores:.2f} cores busy with {t.num_workers} workers on "
+                             f"{usable_cpus} usable CPUs (machine {machine:.0f}% busy); {per_core:.0f} samples/s per "
+                             f"core x {cores:.2f} cores = {per_core * cores:.0f} ~ measured {rate:.0f}; more cores "
+                             f"or cheaper decode (smaller stored images, GPU decode) would help")
+    if read > 0:
+        return "I/O-bound", (f"CPU mostly idle ({cores:.2f} of {possible} cores, machine {machine:.0f}%) while "
+                             f"reading {read / 1e6:.1f} MB/s from storage: waiting on reads")
+    return "unclear", (f"CPU not saturated ({cores:.2f} of {possible} cores, machine {machine:.0f}%) and no storage "
+                       f"reads (page cache): likely inter-process transfer or the main process")
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def describe(t: TrialRecord | LoaderConfig) -> str:
+    """``w=2 simplejpeg wb pf=2`` (+ pin/persist flags)."""
+    parts = [f"w={t.num_workers}", t.decode]
+    if t.num_workers:
+        parts += ["wb" if t.worker_batching else "nowb", f"pf={t.prefetch_factor}"]
+        if t.persistent_workers:
+            parts.append("persist")
+    if t.pin_memory:
+        parts.append("pin")
+    if isinstance(t, TrialRecord) and t.pipeline != "gpufeed":
+        parts.insert(0, t.pipeline)
+    return " ".join(parts)
+
+
+def render(report: TuneReport) -> str:
+    """Ranked table + the one-line conclusion (what the CLI prints)."""
+    rows = sorted(report.trials, key=lambda t: (not t.ok, -(t.samples_per_s or 0.0)))
+    head = (f"{'rank':>4} {'#':>3} {'phase':15} {'config':42} {'samples/s (min-max)':>24} {'start s':>7} "
+            f"{'cores':>5} {'RSS MB':>7} {'read MB/s':>9}")
+    lines = [head, "-" * len(head)]
+    for rank, t in enumerate(rows, 1):
+        if t.ok:
+            rate = f"{t.samples_per_s:8.1f} ({t.samples_per_s_min:.0f}-{t.samples_per_s_max:.0f})"
+        else:
+            rate = "error"
+        mark = "*" if t.trial == report.best_trial else " "
+        lines.append(
+            f"{rank:>4}{mark}{t.trial:>3} {t.phase:15} {describe(t)[:42]:42} {rate:>24} "
+            f"{_f(t.startup_s, 2):>7} {_f(t.tree_cores_used, 2):>5} "
+            f"{_f(None if t.rss_max_bytes is None else t.rss_max_bytes / 1e6, 0):>7} "
+            f"{_f(None if t.read_bytes_per_s is None else t.read_bytes_per_s / 1e6, 1):>9}"
+            + (f"  {t.error}" if t.error else ""))
+    lines.append("")
+    for k, why in report.skipped.items():
+        lines.append(f"skipped {k}: {why}")
+    lines.append(f"stop: {report.stop_reason}; {report.num_trials} trials in {report.elapsed_s:.1f} s "
+                 f"(budget {report.budget_s:g} s)")
+    if report.bound:
+        lines.append(f"bound: {report.bound}: {report.bound_evidence}")
+    if report.run_dir:
+        lines.append(f"run folder: {report.run_dir}" + (f"; config: {report.out}" if report.out else ""))
+    lines.append(report.conclusion)
+    return "\n".join(lines)
+
+
+def _f(v: float | None, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> TuneReport:
+    """Write the run folder and the [loader] TOML; returns the report with their paths set."""
+    from gpufeed.records import atomic_write_bytes, make_run_dir, write_json, write_jsonl, write_parquet
+    from gpufeed.system import environment_snapshot
+
+    run = Path(cfg.run_dir) if cfg.run_dir else make_run_dir("tune")
+    run.mkdir(parents=True, exist_ok=True)
+    out = None
+    if report.best is not None:
+        out = Path(cfg.out) if cfg.out else run / "loader.toml"
+        header = (f"Written by gpufeed tune on {report.shards}\n{report.conclusion}\n"
+                  f"gpufeed train --config {out.name} reads this section.")
+        atomic_write_bytes(out, to_toml("loader", report.best, header=header).encode())
+    report = dataclasses.replace(report, run_dir=str(run), out=None if out is None else str(out))
+    write_jsonl(run / "trials.jsonl", report.trials)
+    if report.trials:
+        write_parquet(run / "trials.parquet", report.trials)
+    cfg_text = to_toml("tune", cfg) + "\n" + to_toml("loader", base)
+    atomic_write_bytes(run / "config.toml", cfg_text.encode())
+    try:
+        env = environment_snapshot(with_torch=True)
+    except Exception as exc:  # the snapshot must never sink the run
+        env = {"error": f"{type(exc).__name__}: {exc}"}
+    write_json(run / "environment.json", env)
+    try:
+        plot_trials(report, run / "tune.png")
+    except Exception as exc:  # a chart failure is noted, the records stand
+        report = dataclasses.replace(report, decisions=[*report.decisions, f"chart not written: {exc}"])
+    summary = dataclasses.replace(report, trials=[])
+    write_json(run / "summary.json", summary)
+    text = render(report)
+    (run / "report.md").write_text(
+        f"# gpufeed tune\n\n{report.conclusion}\n\n![samples/s](tune.png)\n\n```\n{text}\n```\n\n"
+        "## Search path\n\n" + "".join(f"- {d}\n" for d in report.decisions), encoding="utf-8")
+    return report
+
+
+def plot_trials(report: TuneReport, path: str | Path) -> Path:
+    """PNG: samples/s against num_workers (climb) and every trial ranked, with min-max bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [t for t in report.trials if t.ok]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, max(3.5, 0.35 * len(ok) + 1.5)),
+                                   gridspec_kw={"width_ratios": [1, 1.6]})
+    climb = sorted((t for t in ok if t.phase == "workers"), key=lambda t: t.num_workers)
+    if climb:
+        xs = [t.num_workers for t in climb]
+        ys = [t.samples_per_s for t in climb]
+        err = [[y - t.samples_per_s_min for y, t in zip(ys, climb)], [t.samples_per_s_max - y for y, t in zip(ys, climb)]]
+        ax1.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"decode={climb[0].decode}")
+    if report.baseline is not None:
+        ax1.axhline(report.baseline.samples_per_s, color="grey", ls="--", label="ImageFolder best")
+    ax1.set_xlabel("num_workers")
+    ax1.set_ylabel("samples/s (median, min-max)")
+    ax1.set_title("worker climb")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    ranked = sorted(ok, key=lambda t: t.samples_per_s)
+    labels = [f"#{t.trial} {t.phase}: {describe(t)}" for t in ranked]
+    vals = [t.samples_per_s for t in ranked]
+    lo = [v - t.samples_per_s_min for v, t in zip(vals, ranked)]
+    hi = [t.samples_per_s_max - v for v, t in zip(vals, ranked)]
+    colors = ["tab:orange" if t.trial == report.best_trial else ("tab:grey" if t.pipeline != "gpufeed" else "tab:blue")
+              for t in ranked]
+    ax2.barh(range(len(ranked)), vals, xerr=[lo, hi], color=colors, capsize=2)
+    ax2.set_yticks(range(len(ranked)), labels, fontsize=7)
+    ax2.set_xlabel("samples/s")
+    ax2.set_title("all trials (orange = chosen)")
+    fig.suptitle(report.conclusion[:160], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None

@@ -1,0 +1,302 @@
+"""gpufeed tune: budget, config round trip, the right winner on a controlled pipeline, failing trials, CLI,
+and one real end-to-end sweep on tiny shards."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpufeed.config import LoaderConfig, TuneConfig, load_config
+from gpufeed.tune import TrialRecord, TuneReport, trial_record, tune
+from gpufeed.world import World
+from tests.conftest import invoke_json
+
+
+# --------------------------------------------------------------------------- tiny shards
+
+
+def make_shards(dest: Path, *, classes: int = 3, per_class: int = 16, size: tuple[int, int] = (48, 40),
+                num_shards: int = 4) -> Path:
+    """A gpufeed-format shard set (KEY.jpg, KEY.cls, KEY.json + manifest.json) written directly."""
+    import hashlib
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+
+    from gpufeed.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
+
+    dest.mkdir(parents=True, exist_ok=True)
+    samples = []
+    for c in range(classes):
+        for i in range(per_class):
+            w, h = size
+            yy, xx = np.mgrid[0:h, 0:w]
+            arr = np.stack([(40 * c + 3 * xx) % 256, (17 * i + 5 * yy) % 256, (xx + yy) % 256], -1).astype(np.uint8)
+            buf = io.BytesIO()
+            Image.fromarray(arr, "RGB").save(buf, "JPEG", quality=90)
+            samples.append((f"c{c}_{i:04d}", c, buf.getvalue(), w, h))
+    samples.sort(key=lambda s: hashlib.md5(s[0].encode()).hexdigest())
+    infos = []
+    for k in range(num_shards):
+        name = f"train-{k:06d}.tar"
+        part = samples[k::num_shards]
+        with tarfile.open(dest / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for key, c, data, w, h in part:
+                meta = json.dumps({"source": f"class_{c}/{key}.jpg", "class": f"class_{c}", "width": w,
+                                   "height": h}).encode()
+                for ext, payload in (("jpg", data), ("cls", str(c).encode()), ("json", meta)):
+                    ti = tarfile.TarInfo(f"{key}.{ext}")
+                    ti.size, ti.mtime, ti.mode = len(payload), 0, 0o644
+                    tar.addfile(ti, io.BytesIO(payload))
+        raw = (dest / name).read_bytes()
+        infos.append(ShardInfo(name=name, num_samples=len(part), bytes=len(raw),
+                               sha256=hashlib.sha256(raw).hexdigest()))
+    total = sum(s.bytes for s in infos)
+    write_manifest(dest, Manifest(
+        prefix="train", classes=[f"class_{c}" for c in range(classes)], shards=infos, num_samples=len(samples),
+        total_bytes=total, mean_sample_bytes=total / len(samples), url_pattern=brace_pattern([s.name for s in infos])))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_shards(tmp_path_factory.mktemp("shards") / "set")
+
+
+# --------------------------------------------------------------------------- a controlled toy pipeline
+
+
+class ToyPipeline:
+    """A fake ``measure``: samples/s computed from the config, plus sleep to spend (budget) time.
+
+    Speed model: a per-sample decode cost that depends on the decode path, spread over
+    min(workers, cores) cores, an IPC cost per sample when batching is not in the workers, and a
+    small gain from deeper prefetch. The right winner is known in closed form.
+    """
+
+    cores = 4
+    decode_ms = {"pil": 4.0, "pil-draft": 2.0, "simplejpeg": 1.5, "gpu": 1.0}
+
+    def __init__(self, trial_s: float = 0.01, fail: set[int] | None = None, noise: float = 0.0,
+                 cores_used: float | None = None) -> None:
+        self.cores_used = cores_used
+        self.trial_s = trial_s
+        self.fail = fail or set()
+        self.calls: list[LoaderConfig] = []
+        self.noise = noise
+
+    def rate(self, cfg: LoaderConfig) -> float:
+        par = max(1, min(cfg.num_workers, self.cores)) if cfg.num_workers else 0.8
+        per_sample_ms = self.decode_ms[cfg.decode] + (0.0 if cfg.worker_batching or not cfg.num_workers else 0.6)
+        rate = 1000.0 / per_sample_ms * par
+        if cfg.num_workers and cfg.prefetch_factor >= 4:
+            rate *= 1.02  # below min_gain: must not be adopted
+        if cfg.num_workers > self.cores:
+            rate *= 0.97  # oversubscription costs a little
+        return rate
+
+    def __call__(self, shards: Any, cfg: LoaderConfig, world: World, **kw: Any) -> TrialRecord:
+        self.calls.append(cfg)
+        time.sleep(self.trial_s)
+        if cfg.num_workers in self.fail:
+            raise RuntimeError(f"worker {cfg.num_workers} crashed")
+        r = self.rate(cfg)
+        return trial_record(cfg, [r * (1 - self.noise), r, r * (1 + self.noise)],
+                            tree_cores_used=self.cores_used or float(min(max(cfg.num_workers, 1), self.cores)),
+                            measure_s=0.0)
+
+
+@pytest.fixture
+def four_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy pipeline models a 4-core machine; the tuner must see the same."""
+    import gpufeed.system
+
+    monkeypatch.setattr(gpufeed.system, "usable_cpus", lambda: ToyPipeline.cores)
+
+
+def toy_cfg(tmp_path: Path, **kw: Any) -> TuneConfig:
+    base = dict(shards=str(tmp_path / "no-shards-needed"), budget_s=30.0, batch_size=32, max_workers=8,
+                run_dir=str(tmp_path / "run"), out=str(tmp_path / "tuned.toml"), window_s=0.1, repeats=3)
+    base.update(kw)
+    return TuneConfig(**base)
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_tuner_picks_the_right_winner_on_a_controlled_pipeline(tmp_path: Path) -> None:
+    toy = ToyPipeline()
+    report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil", worker_batching=False), measure=toy,
+                  world=World.single())
+    assert report.ok
+    best = report.best
+    # 4 cores: 4 workers, the cheapest CPU decode that exists here, batching in workers, prefetch gain < 5% ignored
+    assert best.num_workers == 4
+    assert best.worker_batching is True
+    assert best.prefetch_factor == 2
+    import importlib.util
+    assert best.decode == ("simplejpeg" if importlib.util.find_spec("simplejpeg") else "pil-draft")
+    assert best.decode != "gpu"  # no CUDA here
+    assert report.best_samples_per_s.median == pytest.approx(toy.rate(best))
+    # search, not brute force: far fewer trials than the grid (9 worker counts x 3 decodes x 2 x 2)
+    assert len(toy.calls) <= 10
+    # the climb stopped once the workers kept every core busy
+    assert max(c.num_workers for c in toy.calls) == 4
+    assert any("CPU budget saturated at 4 workers" in d for d in report.decisions)
+    assert "pin_memory" in report.skipped and "shuffle_buffer" in report.skipped
+    assert report.bound == "CPU-bound"
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_worker_climb_stops_when_the_gain_flattens(tmp_path: Path) -> None:
+    toy = ToyPipeline(cores_used=1.0)  # telemetry that never shows saturation: only the rates stop the climb
+    report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil"), measure=toy, world=World.single())
+    assert max(c.num_workers for c in toy.calls) == 6  # 6 workers gave less than 4: flattened
+    assert any("gain flattened at 6 workers" in d for d in report.decisions)
+    assert report.best.num_workers == 4
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_tuner_stops_at_target_rate(tmp_path: Path) -> None:
+    toy = ToyPipeline()
+    target = toy.rate(LoaderConfig(num_workers=2, decode="pil")) / 1.2 - 1  # 2 workers x margin 1.2 is enough
+    report = tune(toy_cfg(tmp_path, target_rate=target), LoaderConfig(decode="pil"), measure=toy, world=World.single())
+    assert report.target_met and report.ok
+    assert report.stop_reason.startswith("target reached")
+    assert max(c.num_workers for c in toy.calls) == 2
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_tuner_respects_its_budget(tmp_path: Path) -> None:
+    toy = ToyPipeline(trial_s=0.4)
+    t0 = time.monotonic()
+    report = tune(toy_cfg(tmp_path, budget_s=2.0, window_s=0.1, repeats=1), LoaderConfig(decode="pil"),
+                  measure=toy, world=World.single())
+    elapsed = time.monotonic() - t0
+    assert report.elapsed_s <= 2.0 + 0.2
+    assert elapsed < 2.0 + 3.0  # outputs (chart, parquet) are written after the sweep
+    assert 1 <= len(toy.calls) <= 5
+    assert report.stop_reason.startswith("budget")
+    assert report.ok  # the best so far is still reported and written
+    assert Path(report.out).is_file()
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_failing_trial_is_an_error_record_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    toy = ToyPipeline(fail={1})
+    report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=toy, world=World.single())
+    errors = [t for t in report.trials if t.error]
+    assert len(errors) == 1 and "worker 1 crashed" in errors[0].error and errors[0].samples_per_s is None
+    assert report.ok and report.best.num_workers == 4
+    rows = [json.loads(line) for line in (Path(report.run_dir) / "trials.jsonl").read_text().splitlines()]
+    assert len(rows) == report.num_trials and any(r["error"] for r in rows)
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_ram_budget_error_stops_the_climb(tmp_path: Path) -> None:
+    toy = ToyPipeline()
+
+    def measure(shards: Any, cfg: LoaderConfig, world: World, **kw: Any) -> TrialRecord:
+        if cfg.num_workers >= 2:
+            toy.calls.append(cfg)
+            return trial_record(cfg, error="RAM budget exceeded: loader processes use 9 GB > budget 1 GB")
+        return toy(shards, cfg, world, **kw)
+
+    report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil"), measure=measure, world=World.single())
+    assert max(c.num_workers for c in toy.calls) == 2
+    assert report.best.num_workers == 1
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_written_config_loads_back_into_the_same_loader_config(tmp_path: Path) -> None:
+    report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil", seed=7, on_error="skip"), measure=ToyPipeline(),
+                  world=World.single())
+    loaded = load_config(report.out).loader
+    assert loaded == report.best
+    assert loaded.seed == 7 and loaded.on_error == "skip" and loaded.batch_size == 32
+    run = Path(report.run_dir)
+    for name in ("trials.jsonl", "trials.parquet", "summary.json", "config.toml", "environment.json", "tune.png",
+                 "report.md"):
+        assert (run / name).is_file(), name
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["best"] == dataclasses.asdict(report.best)
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(run / "trials.parquet").num_rows == report.num_trials
+    load_config(run / "config.toml")  # the resolved config is itself a valid config file
+
+
+def test_shipped_configs_tune_sections_are_valid() -> None:
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for path in sorted(root.glob("*.toml")):
+        assert isinstance(load_config(path).tune, TuneConfig)
+
+
+# --------------------------------------------------------------------------- real loader
+
+
+def test_measure_loader_on_tiny_shards(tiny_shards: Path) -> None:
+    pytest.importorskip("gpufeed.loader")
+    from gpufeed.tune import measure_loader
+
+    cfg = LoaderConfig(batch_size=8, num_workers=0, image_size=32, shuffle_buffer=16, decode="pil")
+    rec = measure_loader(tiny_shards, cfg, World.single(), window_s=0.2, repeats=2)
+    assert rec.ok, rec.error
+    assert len(rec.samples_per_s_runs) == 2 and rec.samples_per_s > 0
+    assert rec.samples_per_s_min <= rec.samples_per_s <= rec.samples_per_s_max
+    assert rec.startup_s is not None and rec.num_samples > 0 and rec.rss_max_bytes > 0
+    bad = measure_loader(tiny_shards.parent / "missing", cfg, World.single(), window_s=0.1, repeats=1)
+    assert bad.error and bad.samples_per_s is None
+
+
+def test_measure_loader_ram_budget_is_an_error_record(tiny_shards: Path) -> None:
+    pytest.importorskip("gpufeed.loader")
+    from gpufeed.tune import measure_loader
+
+    cfg = LoaderConfig(batch_size=8, num_workers=0, image_size=32, shuffle_buffer=16, decode="pil")
+    rec = measure_loader(tiny_shards, cfg, World.single(), window_s=0.1, repeats=1, ram_budget_bytes=1_000_000)
+    assert rec.error and "RAM budget" in rec.error
+
+
+def test_real_tune_end_to_end_on_tiny_shards(tiny_shards: Path, tmp_path: Path, image_folder: Any) -> None:
+    pytest.importorskip("gpufeed.loader")
+    src = image_folder(classes=3, per_class=16, size=(48, 40))
+    cfg = TuneConfig(shards=str(tiny_shards), budget_s=12.0, batch_size=8, image_size=32, max_workers=2,
+                     run_dir=str(tmp_path / "run"), out=str(tmp_path / "tuned.toml"), baseline_imagefolder=str(src),
+                     repeats=2)
+    t0 = time.monotonic()
+    report = tune(cfg, load_config(None).loader)
+    assert time.monotonic() - t0 < 12.0 + 6.0  # budget + writing outputs
+    assert report.elapsed_s <= 12.0 + 1.5  # one trial's teardown may run past the deadline
+    assert report.ok, report.conclusion
+    assert report.best_samples_per_s.median > 0
+    assert load_config(report.out).loader == report.best
+    assert report.bound in ("CPU-bound", "I/O-bound", "copy-bound", "unclear")
+    if report.baseline is not None:
+        assert report.ratio_vs_baseline > 0
+    assert (Path(report.run_dir) / "tune.png").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_tune_json_prints_one_object(tiny_shards: Path, tmp_path: Path) -> None:
+    pytest.importorskip("gpufeed.loader")
+    out = tmp_path / "t.toml"
+    obj = invoke_json(["tune", tiny_shards, "--budget", "6", "--batch-size", "8", "--image-size", "32",
+                       "--max-workers", "1", "--repeats", "1", "--window", "0.2", "--run-dir", tmp_path / "run",
+                       "--out", out])
+    assert obj["ok"] is True and obj["best"]["batch_size"] == 8
+    assert load_config(out).loader.num_workers == obj["best"]["num_workers"]
+
+
+def test_cli_tune_missing_shards_is_a_usage_error(tmp_path: Path) -> None:
+    from tests.conftest import invoke
+
+    res = invoke(["tune", tmp_path, "--budget", "5"], expect=2)
+    assert "manifest" in res.stderr or "gpufeed index" in res.stderr

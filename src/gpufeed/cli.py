@@ -92,6 +92,221 @@ def cli() -> None:
 # Commands are added below, one per job; each imports its job module inside the function.
 
 
+@cli.command()
+@click.argument("src", type=click.Path(file_okay=False))
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option("--workers", type=int, help="Worker processes  [default: the CPUs this process may use].")
+@click.option("--seed", type=int, help="Seed of the shuffle that spreads classes over shards  [default: 0].")
+@click.option("--shard-samples", type=int, help="Target samples per shard  [default: 10000].")
+@click.option("--shard-bytes", type=str, help="Target bytes per shard, e.g. 1GB, 512MiB  [default: 1GB].")
+@click.option("--multiple-of", type=int, help="Round the shard count up to a multiple of this (ranks x workers).")
+@click.option("--prefix", type=str, help="Shard file prefix: train, val, ...  [default: train].")
+@click.option("--max-size", type=int, help="Re-encode: long side down to this many pixels (never up).")
+@click.option("--quality", type=int, help="Re-encode every image as JPEG of this quality (1-95).")
+@click.option("--check", type=click.Choice(["full", "header"]), help="full = decode every image  [default: full].")
+@click.option("--strict/--no-strict", default=None, help="Exit 1 if any input file was rejected.")
+@click.option("--overwrite/--no-overwrite", default=None, help="Replace a set at DEST planned differently.")
+@click.option("--allow-empty-classes/--no-allow-empty-classes", default=None,
+              help="Keep empty class folders as labels (with a warning) instead of refusing.")
+@click.option("--max-pixels", type=int, help="Decompression-bomb limit in pixels  [default: 89478485].")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@config_option
+@json_option
+def shard(src: str, dest: str, workers: int | None, seed: int | None, shard_samples: int | None,
+          shard_bytes: str | None, multiple_of: int | None, prefix: str | None, max_size: int | None,
+          quality: int | None, check: str | None, strict: bool | None, overwrite: bool | None,
+          allow_empty_classes: bool | None, max_pixels: int | None, quiet: bool, config_path: str | None,
+          as_json: bool) -> None:
+    """Image folder SRC (one sub-folder per class) -> deterministic WebDataset shards + manifest in DEST."""
+    cfg = load(config_path, "shard", {
+        "src": src, "dest": dest, "workers": workers, "seed": seed, "shard_samples": shard_samples,
+        "shard_bytes": shard_bytes, "multiple_of": multiple_of, "prefix": prefix, "max_size": max_size,
+        "quality": quality, "check": check, "strict": strict, "overwrite": overwrite,
+        "allow_empty_classes": allow_empty_classes, "max_pixels": max_pixels})
+
+    def job() -> Any:
+        from gpufeed.shard import write_shards
+
+        return write_shards(cfg, progress=not quiet)
+
+    def render(report: Any) -> str:
+        from gpufeed.shard import render_shard
+
+        return render_shard(report)
+
+    run_job(job, render, as_json)
+
+
+@cli.command()
+@click.argument("dest", type=click.Path())
+@click.option("--decode/--no-decode", default=True, show_default=True, help="Decode every image.")
+@click.option("--workers", type=int, help="Worker processes  [default: the CPUs this process may use].")
+@json_option
+def verify(dest: str, decode: bool, workers: int | None, as_json: bool) -> None:
+    """Re-read the shard set DEST against its manifest: sha256, counts, keys, labels, images. Exit 1 on a mismatch."""
+
+    def job() -> Any:
+        from gpufeed.verify import verify_shards
+
+        return verify_shards(dest, decode=decode, workers=workers)
+
+    def render(report: Any) -> str:
+        from gpufeed.verify import render_verify
+
+        return render_verify(report)
+
+    run_job(job, render, as_json)
+
+
+@cli.command()
+@click.argument("shards", type=click.Path())
+@click.option("--budget", "budget_s", type=float, help="Wall-clock budget of the whole sweep, seconds  [default: 300].")
+@click.option("--batch-size", type=int, help="Batch size of every trial  [default: 256].")
+@click.option("--image-size", type=int, help="Output side in pixels  [default: 224].")
+@click.option("--max-workers", type=int, help="Largest num_workers tried  [default: usable CPUs x cpu budget].")
+@click.option("--cpu-budget", type=float, help="Fraction of the usable CPUs the loader may use, (0, 1]  [default: 1].")
+@click.option("--ram-budget", type=str, help="RAM the loader processes may use, e.g. 8GB  [default: half of RAM].")
+@click.option("--target-rate", type=float, help="Samples/s the GPU needs: stop once beaten with margin.")
+@click.option("--baseline-imagefolder", type=click.Path(file_okay=False),
+              help="ImageFolder of the same images: measure torchvision ImageFolder + DataLoader as baseline.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the winning [loader] section here (TOML).")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder  [default: runs/tune-<timestamp>].")
+@click.option("--repeats", type=int, help="Measurement windows per trial  [default: 3].")
+@click.option("--window", "window_s", type=float, help="Seconds per window  [default: sized from the budget].")
+@click.option("--device", type=str, help="auto, cpu, cuda or cuda:N  [default: auto].")
+@config_option
+@json_option
+def tune(shards: str, budget_s: float | None, batch_size: int | None, image_size: int | None,
+         max_workers: int | None, cpu_budget: float | None, ram_budget: str | None, target_rate: float | None,
+         baseline_imagefolder: str | None, out: str | None, run_dir: str | None, repeats: int | None,
+         window_s: float | None, device: str | None, config_path: str | None, as_json: bool) -> None:
+    """Measured, budget-aware DataLoader sweep over SHARDS -> the fastest [loader] config for this machine."""
+    cfg = load(config_path, "tune", {
+        "shards": shards, "budget_s": budget_s, "batch_size": batch_size, "image_size": image_size,
+        "max_workers": max_workers, "cpu_budget": cpu_budget, "ram_budget": ram_budget, "target_rate": target_rate,
+        "baseline_imagefolder": baseline_imagefolder, "out": out, "run_dir": run_dir, "repeats": repeats,
+        "window_s": window_s, "device": device})
+    base = load(config_path, "loader", {})
+
+    def job() -> Any:
+        from gpufeed.tune import tune as run_tune
+
+        return run_tune(cfg, base, progress=lambda line: click.echo(line, err=True))
+
+    def render(report: Any) -> str:
+        from gpufeed.tune import render as render_tune
+
+        return render_tune(report)
+
+    run_job(job, render, as_json)
+
+
+@cli.command()
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option("--images", type=int, help="Images to write in all  [default: 1000].")
+@click.option("--classes", type=int, help="Class folders (n0000, n0001, ...)  [default: 10].")
+@click.option("--seed", type=int, help="Same seed => byte-identical files  [default: 0].")
+@click.option("--workers", type=int, help="Worker processes  [default: the usable CPUs].")
+@click.option("--overwrite", is_flag=True, default=None, help="Replace an earlier synth folder at DEST.")
+@config_option
+@json_option
+def synth(dest: str, images: int | None, classes: int | None, seed: int | None, workers: int | None,
+          overwrite: bool | None, config_path: str | None, as_json: bool) -> None:
+    """Write an ImageNet-like ImageFolder of JPEGs to DEST (needs pip install 'gpufeed[synth]').
+
+    Random crops of scikit-image's bundled photos, scaled to ImageNet-like sizes, flipped,
+    colour-shifted and textured; JPEG quality 75-95, mean file ~115 KB.
+    """
+    cfg = load(config_path, "synth", {"dest": dest, "images": images, "classes": classes, "seed": seed,
+                                      "workers": workers, "overwrite": overwrite})
+
+    def job() -> Any:
+        from gpufeed.synth import synthesize
+
+        return synthesize(cfg)
+
+    def render(report: Any) -> str:
+        from gpufeed.synth import render_synth
+
+        return render_synth(report)
+
+    run_job(job, render, as_json)
+
+
+@cli.command()
+@click.option("--shards", type=click.Path(file_okay=False), help="Training shard set (folder with manifest.json).")
+@click.option("--val-shards", type=click.Path(file_okay=False), help="Validation shard set: top-1/top-5 each epoch.")
+@click.option("--arch", type=click.Choice(["resnet18", "resnet34", "resnet50", "resnet101"]),
+              help="torchvision ResNet  [default: resnet50].")
+@click.option("--epochs", type=int, help="Epochs (ignored with --steps)  [default: 1].")
+@click.option("--steps", type=int, help="Optimizer steps (overrides --epochs).")
+@click.option("--batch-size", type=int, help="Samples per micro-batch per GPU/rank  [default: the [loader] batch_size].")
+@click.option("--accum-steps", type=int, help="Micro-batches per optimizer step  [default: 1].")
+@click.option("--image-size", type=int, help="Image side in pixels  [default: the [loader] image_size].")
+@click.option("--amp", type=click.Choice(["bf16", "fp16", "off"]), help="Autocast dtype; fp16 uses a GradScaler  [default: bf16].")
+@click.option("--channels-last/--no-channels-last", default=None, help="channels_last memory format.")
+@click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the model.")
+@click.option("--lr", type=float, help="Peak SGD learning rate after warm-up, then cosine  [default: 0.1].")
+@click.option("--warmup-steps", type=int, help="Linear LR warm-up steps  [default: 5% of the run, <= 2000].")
+@click.option("--momentum", type=float, help="SGD momentum  [default: 0.9].")
+@click.option("--weight-decay", type=float, help="SGD weight decay  [default: 1e-4].")
+@click.option("--label-smoothing", type=float, help="Cross-entropy label smoothing  [default: 0.1].")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Folder for atomic checkpoints (last.pt).")
+@click.option("--checkpoint-every", type=int, help="Checkpoint every N steps (0 = epoch ends and run end)  [default: 0].")
+@click.option("--resume/--no-resume", default=None, help="Continue from CHECKPOINT_DIR/last.pt.")
+@click.option("--seed", type=int, help="Seed for model init and data order  [default: 0].")
+@click.option("--synthetic", "mode", flag_value="synthetic", default=None,
+              help="Fixed batch already on the device: the GPU ceiling.")
+@click.option("--loader-only", "mode", flag_value="loader-only", help="Loader alone, batches moved to the device and dropped.")
+@click.option("--measure", "mode", flag_value="measure",
+              help="Run synthetic, loader-only and real briefly, in that order, then the verdict.")
+@click.option("--measure-steps", type=int, help="Timed steps per mode with --measure  [default: 20].")
+@click.option("--log-every", type=int, help="Steps per JSONL log record  [default: 10].")
+@click.option("--num-workers", type=int, help="Loader workers per rank (overrides [loader] num_workers).")
+@click.option("--nproc-per-node", type=int, help="Processes (GPUs) per node; > 1 launches through torchrun  [default: 1].")
+@click.option("--nnodes", type=str, help="Nodes, N or MIN:MAX (torchrun)  [default: 1].")
+@click.option("--node-rank", type=int, help="This node's rank (static rendezvous with --master-addr).")
+@click.option("--master-addr", type=str, help="Static rendezvous host (rank 0's node).")
+@click.option("--master-port", type=int, help="Static rendezvous port  [default: 29500].")
+@click.option("--rdzv-endpoint", type=str, help="c10d rendezvous HOST[:PORT] (instead of --master-addr).")
+@click.option("--rdzv-id", type=str, help="Rendezvous job id, same on all nodes  [default: gpufeed].")
+@click.option("--device", type=str, help="auto, cpu or cuda  [default: auto].")
+@click.option("--threads", type=int, help="torch CPU threads per rank  [default: usable CPUs / processes].")
+@click.option("--storage-rate", "storage_bytes_per_s", type=float,
+              help="Measured storage read rate, bytes/s (lets the verdict call a storage bound).")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder  [default: runs/train-<timestamp>].")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@config_option
+@json_option
+def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int | None, compile_: bool | None,
+          **opts: Any) -> None:
+    """AMP + DDP ResNet training that measures data stall and ends with a fed/starved verdict (exit 1 if starved).
+
+    \b
+    gpufeed train --shards DEST --measure                 GPU ceiling, loader ceiling, real run, verdict
+    gpufeed train --shards DEST --config tuned.toml --epochs 90 --nproc-per-node 8
+    """
+    from gpufeed.config import load_config
+
+    overrides = {f"train.{k}": v for k, v in opts.items()}
+    overrides["train.compile"] = compile_
+    overrides["train.progress"] = False if quiet else None
+    overrides["loader.num_workers"] = num_workers
+    try:
+        conf = load_config(config_path, overrides)
+    except GpufeedError as exc:
+        raise InputError(str(exc)) from None
+
+    def job() -> Any:
+        from gpufeed.train import launch
+
+        return launch(conf.train, conf.loader)
+
+    from gpufeed.train import render
+
+    run_job(job, render, as_json)
+
+
 def main() -> None:
     cli(prog_name="gpufeed")
 

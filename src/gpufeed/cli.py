@@ -92,6 +92,19 @@ def cli() -> None:
 # Commands are added below, one per job; each imports its job module inside the function.
 
 
+@cli.command("index")
+@click.argument("shards")
+@click.option("--out", type=click.Path(file_okay=False),
+              help="Folder for manifest.json  [default: the shard folder].")
+@click.option("--no-hash", is_flag=True, help="Skip the sha256 of each shard (faster; verify then checks sizes only).")
+@json_option
+def index_cmd(shards: str, out: str | None, no_hash: bool, as_json: bool) -> None:
+    """Build the manifest for tar shards written by other tools (SHARDS: folder, glob or brace pattern)."""
+    from gpufeed.index import index_shards, render
+
+    run_job(lambda: index_shards(shards, out=out, hash=not no_hash), render, as_json)
+
+
 @cli.command()
 @click.argument("src", type=click.Path(file_okay=False))
 @click.argument("dest", type=click.Path(file_okay=False))

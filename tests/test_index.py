@@ -1,0 +1,163 @@
+"""``gpufeed index``: manifests for foreign shards, loadable by the loader."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpufeed.config import LoaderConfig
+from gpufeed.errors import DataError
+from gpufeed.manifest import read_manifest
+from gpufeed.world import World
+from tests.conftest import invoke, invoke_json
+
+FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "webdataset-sample.tgz"
+if not FIXTURE.exists():
+    FIXTURE = Path("/work/shared/fixtures/webdataset-sample.tgz")
+
+
+def cfg(**kw) -> LoaderConfig:
+    base = dict(batch_size=8, num_workers=0, image_size=16, shuffle_buffer=16, decode="pil-draft",
+                persistent_workers=False, pin_memory=False)
+    base.update(kw)
+    return LoaderConfig(**base)
+
+
+@pytest.fixture
+def sample_set(tmp_path):
+    if not FIXTURE.exists():
+        pytest.skip("webdataset-sample.tgz fixture not available")
+    d = tmp_path / "foreign"
+    d.mkdir()
+    shutil.copy(FIXTURE, d / FIXTURE.name)
+    return d
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_index_fixture_and_load(sample_set, workers):
+    from gpufeed.index import index_shards
+    from gpufeed.loader import build_loader
+
+    rep = index_shards(sample_set)
+    assert rep.ok and rep.num_samples == 90 and rep.compression == "gzip" and rep.num_shards == 1
+    m = read_manifest(sample_set)
+    assert m.created_by == "gpufeed index" and m.compression == "gzip" and m.num_samples == 90
+    assert m.shards[0].sha256 and len(m.shards[0].sha256) == 64
+    assert m.classes == [str(i) for i in range(10)]
+    loader = build_loader(sample_set, cfg(num_workers=workers), World.single())
+    assert len(loader) == 90 // 8
+    n = 0
+    for images, labels in loader:
+        assert images.dtype == torch.uint8 and tuple(images.shape) == (8, 3, 16, 16)
+        assert labels.dtype == torch.int64 and 0 <= labels.min() and labels.max() <= 9
+        n += 1
+    assert n == len(loader)
+
+
+def test_index_out_elsewhere_two_ranks(sample_set, tmp_path):
+    from gpufeed.loader import build_loader
+
+    out = tmp_path / "elsewhere"
+    res = invoke_json(["index", str(sample_set / "*.tgz"), "--out", out, "--no-hash"])
+    assert res["num_samples"] == 90 and res["hashed"] is False
+    m = read_manifest(out)
+    assert m.root == str(sample_set.resolve()) and m.shards[0].sha256 is None
+    seen = []
+    lens = set()
+    for r in range(2):
+        loader = build_loader(out, cfg(batch_size=7, num_workers=2), World(rank=r, world_size=2), train=False)
+        lens.add(len(loader))
+        seen.append([lab for _, l in loader for lab in l.tolist()])
+    assert lens == {90 // 2 // 7} and all(len(s) == 6 * 7 for s in seen)
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]], gz: bool = False) -> None:
+    with tarfile.open(path, "w:gz" if gz else "w") as tf:
+        for name, data in members:
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    b = io.BytesIO()
+    Image.new("RGB", (20, 20), (10, 200, 30)).save(b, "PNG")
+    return b.getvalue()
+
+
+def test_index_brace_pattern_text_labels_and_unlabeled(tmp_path):
+    from gpufeed.index import index_shards
+    from gpufeed.loader import build_loader
+
+    d = tmp_path / "t"
+    d.mkdir()
+    png = _png()
+    _tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"dog"), ("b.jpeg", _jpeg()), ("b.cls", b"cat"),
+                              ("readme.txt", b"x"), ("orphan.cls", b"dog")])
+    _tar(d / "data-001.tar", [("c.webp", _webp()), ("c.cls", b"dog"), ("d.png", png), ("d.cls", b"cat")])
+    rep = index_shards(str(d / "data-{000..001}.tar"))
+    assert rep.num_samples == 4 and rep.num_classes == 2 and rep.class_source == "text .cls"
+    assert rep.num_ignored_keys == 1 and rep.ok
+    m = read_manifest(d)
+    assert m.classes == ["cat", "dog"] and m.url_pattern == "data-{000..001}.tar" and m.prefix == "data"
+    loader = build_loader(d, cfg(batch_size=2, num_workers=0), World.single(), train=False)
+    labels = [x for _, l in loader for x in l.tolist()]
+    assert labels == [1, 0, 1, 0]
+
+    _tar(d / "data-002.tar", [("e.png", png)])
+    res = invoke_json(["index", d], expect=1)  # an unlabeled sample: manifest written, exit 1
+    assert res["num_unlabeled"] == 1
+
+
+def _jpeg() -> bytes:
+    from PIL import Image
+
+    b = io.BytesIO()
+    Image.new("RGB", (20, 20), (200, 20, 30)).save(b, "JPEG")
+    return b.getvalue()
+
+
+def _webp() -> bytes:
+    from PIL import Image
+
+    b = io.BytesIO()
+    Image.new("RGBA", (20, 20), (20, 20, 230, 128)).save(b, "WEBP")
+    return b.getvalue()
+
+
+def test_index_errors(tmp_path, sample_set):
+    from gpufeed.index import index_shards
+
+    with pytest.raises(DataError, match="no shards"):
+        index_shards(tmp_path.joinpath("empty").mkdir() or tmp_path / "empty")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.tar").write_bytes(b"not a tar" * 100)
+    with pytest.raises(DataError, match="x.tar is not a readable tar"):
+        index_shards(tmp_path / "bad")
+
+
+def test_index_unwritable_folder_suggests_out(sample_set, monkeypatch):
+    import gpufeed.index as idx
+
+    monkeypatch.setattr(idx.os, "access", lambda path, mode: False)  # as a read-only mount (root ignores chmod)
+    r = invoke(["index", sample_set], expect=2)
+    assert "not writable" in r.stderr and "--out" in r.stderr
+
+
+def test_index_refuses_to_replace_a_gpufeed_shard_manifest(tmp_path):
+    from gpufeed.index import index_shards
+    from tests.test_loader import write_set
+
+    d = write_set(tmp_path / "own", [3, 3])
+    with pytest.raises(DataError, match="already exists"):
+        index_shards(d)
+    rep = index_shards(d, out=tmp_path / "idx")
+    assert rep.num_samples == 6
+    assert read_manifest(tmp_path / "idx").classes == ["0", "1", "2"]

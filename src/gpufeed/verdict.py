@@ -1,0 +1,228 @@
+"""The fed/starved verdict (DESIGN §3) as a pure function of measured numbers.
+
+*fed*: data stall < 5 % and end-to-end samples/s >= 0.9 x min(GPU ceiling, loader ceiling).
+Otherwise *starved*, naming the bound and the fix in numbers:
+
+- **rank imbalance**: some ranks wait for data while others do not (in DDP the fed ranks then wait
+  inside the gradient all-reduce, so only the slow ranks show a stall);
+- **copy**: host-to-device copies not overlapped with compute make up most of the data wait;
+- **storage**: the loader reads as fast as the storage delivers, or its workers sit idle while reading;
+- **decode/CPU**: everything else: the loader's CPU work (read, decode, augment, collate) cannot keep up,
+  or it steals CPU from the training processes. The fix is more cores (at the measured samples/s per
+  core), GPU decode, or smaller stored images.
+
+No torch here: ``classify`` takes plain numbers, so every branch is unit-tested.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Literal
+
+STALL_FED_PCT = 5.0
+"""A run is fed only below this data stall %."""
+CEILING_FRACTION = 0.9
+"""... and only when end-to-end samples/s reach this fraction of the lower ceiling."""
+LARGE_SAMPLE_BYTES = 48_000
+"""Mean stored sample size above which decoding is needlessly expensive at training resolution
+(a 224-px crop needs no 500-px-plus JPEG; ImageNet's originals average ~110 KB)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerdictInputs:
+    """What the instrument measured. Rates are samples/s over all ranks; None = not measured."""
+
+    stall_pct: float
+    """Σ data wait / Σ step time over all ranks of the real run, in %."""
+    end_to_end_rate: float
+    """Samples/s of the real run (all ranks)."""
+    gpu_ceiling: float | None = None
+    """Samples/s with a synthetic batch already on the device (all ranks)."""
+    loader_ceiling: float | None = None
+    """Samples/s of the loader alone, batches moved to the device and dropped (all ranks)."""
+    per_rank_stall_pct: tuple[float, ...] = ()
+    """Data stall % of each rank in the real run."""
+    copy_wait_pct: float | None = None
+    """Host-to-device copy time not overlapped with compute, % of step time (all ranks)."""
+    loader_cores_used: float | None = None
+    """CPU cores the loader kept busy in loader-only mode, summed over all ranks (rank processes + workers)."""
+    usable_cores: float | None = None
+    """CPU cores usable on one node."""
+    num_nodes: int = 1
+    ranks_per_node: int = 1
+    num_workers: int | None = None
+    """Loader worker processes per rank."""
+    read_bytes_per_s: float | None = None
+    """Storage read rate of the loader (per node) while it ran."""
+    storage_bytes_per_s: float | None = None
+    """What the storage delivers (measured separately, e.g. ``gpufeed io``), per node."""
+    mean_sample_bytes: float | None = None
+    """Mean stored bytes per sample (from the manifest)."""
+    decode: str | None = None
+    """The loader's decode path (pil, pil-draft, simplejpeg, gpu)."""
+    is_cuda: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: Literal["fed", "starved"]
+    bound: str | None
+    """None when fed; otherwise 'decode/CPU', 'storage', 'copy' or 'rank imbalance'."""
+    reason: str
+    """One sentence with the numbers that decided it."""
+    fixes: list[str] = field(default_factory=list)
+    """What would fix it, in numbers."""
+    numbers: dict[str, Any] = field(default_factory=dict)
+    """Derived figures (target rate, per-core rate, cores needed, ...)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "fed"
+
+    def render(self) -> str:
+        head = f"verdict: {self.status.upper()}" + (f" ({self.bound}-bound)" if self.bound else "")
+        lines = [f"{head}: {self.reason}"]
+        lines += [f"  fix: {f}" for f in self.fixes]
+        return "\n".join(lines)
+
+
+def _known(x: float | None) -> bool:
+    return x is not None and math.isfinite(x) and x > 0
+
+
+def classify(v: VerdictInputs) -> Verdict:
+    """Classify one measured run. Pure: same inputs, same verdict."""
+    ceilings = {k: c for k, c in (("GPU", v.gpu_ceiling), ("loader", v.loader_ceiling)) if _known(c)}
+    lower_name, lower = (min(ceilings.items(), key=lambda kv: kv[1]) if ceilings else (None, None))
+    nums: dict[str, Any] = {"stall_pct": v.stall_pct, "end_to_end_rate": v.end_to_end_rate,
+                            "gpu_ceiling": v.gpu_ceiling, "loader_ceiling": v.loader_ceiling}
+    if lower is not None:
+        nums["fraction_of_ceiling"] = v.end_to_end_rate / lower
+    stall_ok = v.stall_pct < STALL_FED_PCT
+    rate_ok = lower is None or v.end_to_end_rate >= CEILING_FRACTION * lower
+
+    if stall_ok and rate_ok:
+        if lower is None:
+            reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% at {v.end_to_end_rate:.1f} samples/s "
+                      "(ceilings not measured: run with --measure to compare)")
+        else:
+            reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% and {v.end_to_end_rate:.1f} samples/s "
+                      f"= {100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ceiling ({lower:.1f})")
+            if lower_name == "GPU":
+                reason += "; the GPU is the bound, as it should be"
+        return Verdict("fed", None, reason, [], nums)
+
+    # ---- starved: what the GPU could take, and how far we are from it
+    target = v.gpu_ceiling if _known(v.gpu_ceiling) else (
+        v.end_to_end_rate / max(1e-9, 1 - v.stall_pct / 100) if v.stall_pct < 100 else None)
+    nums["target_rate"] = target
+    if stall_ok:
+        why = (f"data stall only {v.stall_pct:.1f}%, but {v.end_to_end_rate:.1f} samples/s is "
+               f"{100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ceiling ({lower:.1f})")
+    else:
+        why = f"data stall {v.stall_pct:.1f}% (>= {STALL_FED_PCT:.0f}%) at {v.end_to_end_rate:.1f} samples/s"
+        if lower is not None:
+            why += f", {100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ceiling ({lower:.1f})"
+
+    # 1. rank imbalance: some ranks fed, some not
+    ranks = [s for s in v.per_rank_stall_pct if s is not None and math.isfinite(s)]
+    if len(ranks) > 1:
+        hi, lo, mid = max(ranks), min(ranks), median(ranks)
+        nums.update(rank_stall_max_pct=hi, rank_stall_min_pct=lo, rank_stall_median_pct=mid)
+        if hi >= STALL_FED_PCT and lo < STALL_FED_PCT and hi - lo >= max(STALL_FED_PCT, 0.5 * hi):
+            worst = ranks.index(hi)
+            return Verdict(
+                "starved", "rank imbalance",
+                f"{why}; rank {worst} stalls {hi:.1f}% while rank {ranks.index(lo)} stalls {lo:.1f}% "
+                "(the fed ranks wait for it in the all-reduce)",
+                [f"give every rank the same data and CPUs: shard count a multiple of ranks x workers "
+                 f"(gpufeed shard --multiple-of {max(1, v.ranks_per_node * v.num_nodes) * max(1, v.num_workers or 1)})",
+                 "check CPU affinity / NUMA binding of the slow rank's loader workers (torchrun --numa-binding)"],
+                nums)
+
+    # 2. copy-bound: most of the wait is host-to-device copy
+    if v.copy_wait_pct is not None and v.copy_wait_pct >= 0.5 * max(v.stall_pct, 1e-9) and v.copy_wait_pct >= 1.0:
+        nums["copy_wait_pct"] = v.copy_wait_pct
+        return Verdict(
+            "starved", "copy",
+            f"{why}; {v.copy_wait_pct:.1f}% of step time is host-to-device copy not overlapped with compute",
+            ["pin_memory = true with non_blocking copies (pinned uint8 batches copy asynchronously)",
+             "keep batches uint8 on the host and normalise on the device (4x fewer bytes than float32)",
+             "prefetch the next batch to the device on a side CUDA stream"],
+            nums)
+
+    per_node_target = target / v.num_nodes if target else None
+    fixes: list[str] = []
+    # 3. storage-bound: reads at the storage's rate, or workers idle while reading
+    if _known(v.read_bytes_per_s) and _known(v.storage_bytes_per_s) and v.read_bytes_per_s >= 0.8 * v.storage_bytes_per_s:
+        nums.update(read_bytes_per_s=v.read_bytes_per_s, storage_bytes_per_s=v.storage_bytes_per_s)
+        fixes.append(f"stage shards on a RAM disk or local NVMe: the loader read {v.read_bytes_per_s / 1e6:.0f} MB/s, "
+                     f"{100 * v.read_bytes_per_s / v.storage_bytes_per_s:.0f}% of what the storage delivers "
+                     f"({v.storage_bytes_per_s / 1e6:.0f} MB/s)")
+        if per_node_target and _known(v.mean_sample_bytes):
+            need = per_node_target * v.mean_sample_bytes
+            nums["needed_bytes_per_s"] = need
+            fixes.append(f"the GPUs need ~{need / 1e6:.0f} MB/s per node at {per_node_target:.0f} samples/s "
+                         f"x {v.mean_sample_bytes / 1e3:.0f} KB/sample")
+        if _known(v.mean_sample_bytes) and v.mean_sample_bytes > LARGE_SAMPLE_BYTES:
+            fixes.append(f"store images at <= 512 px (gpufeed shard --max-size 512): now "
+                         f"{v.mean_sample_bytes / 1e3:.0f} KB per sample")
+        return Verdict("starved", "storage", f"{why}; the loader reads at the storage's limit", fixes, nums)
+
+    busy_slots = None
+    if v.num_workers is not None:
+        busy_slots = v.ranks_per_node * v.num_nodes * max(1, v.num_workers)
+    if (_known(v.loader_cores_used) and busy_slots and v.num_workers and _known(v.read_bytes_per_s)
+            and v.loader_cores_used < 0.5 * min(busy_slots, (v.usable_cores or busy_slots) * v.num_nodes)):
+        nums.update(loader_cores_used=v.loader_cores_used, read_bytes_per_s=v.read_bytes_per_s)
+        fixes.append(f"stage shards on a RAM disk or local NVMe: {busy_slots} loader processes kept only "
+                     f"{v.loader_cores_used:.1f} cores busy while reading {v.read_bytes_per_s / 1e6:.0f} MB/s "
+                     "(they wait on I/O, not on the CPU)")
+        return Verdict("starved", "storage", f"{why}; loader workers idle while reading", fixes, nums)
+
+    # 4. decode/CPU-bound
+    reason = why
+    if _known(v.loader_ceiling) and _known(v.loader_cores_used):
+        per_core = v.loader_ceiling / v.loader_cores_used
+        nums["per_core_rate"] = per_core
+        nums["loader_cores_used"] = v.loader_cores_used
+        if target:
+            need_total = target / per_core
+            need_node = need_total / v.num_nodes
+            used_node = v.loader_cores_used / v.num_nodes
+            more = max(0.0, need_node - used_node)
+            nums.update(cores_needed_per_node=need_node, more_cores_per_node=more)
+            where = " per node" if v.num_nodes > 1 else ""
+            if v.num_workers == 0:
+                fixes.append(f"num_workers = 0 decodes in the training process, in series with compute: use "
+                             f"num_workers >= {max(1, math.ceil(need_node / v.ranks_per_node))} per rank "
+                             "so loading overlaps compute (or let gpufeed tune pick it)")
+            if more >= 0.5:
+                fixes.append(f"needs ~{math.ceil(more)} more cores{where} at the measured {per_core:.1f} samples/s "
+                             f"per core ({need_node:.1f} cores{where} to feed {per_node_target:.0f} samples/s; "
+                             f"{used_node:.1f} busy now)")
+            elif v.num_workers:
+                reason += (f"; the loader's rate suffices on average ({v.loader_ceiling:.1f} vs {target:.1f} samples/s "
+                           "needed) but batches arrive late")
+                fixes.append(f"absorb the jitter: raise prefetch_factor, or num_workers to {v.num_workers + 1}+ per rank")
+            if _known(v.usable_cores) and more >= 0.5:
+                spare = v.usable_cores - used_node
+                if need_node <= v.usable_cores and v.num_workers is not None:
+                    workers = max(v.num_workers + 1, math.ceil(need_node / v.ranks_per_node))
+                    fixes.append(f"this node has {v.usable_cores:.0f} cores ({spare:.1f} idle): raise num_workers "
+                                 f"to ~{workers} per rank, or let gpufeed tune pick it")
+                elif need_node > v.usable_cores:
+                    fixes.append(f"this node has only {v.usable_cores:.0f} cores: more workers cannot close the gap")
+        reason = reason.replace(why, why + f"; the loader decodes {per_core:.1f} samples/s per core", 1)
+    if stall_ok:
+        reason += "; the loader's CPU work slows the training processes down"
+    if v.is_cuda and v.decode != "gpu":
+        fixes.append('use GPU decode (decode = "gpu": nvjpeg through torchvision.io.decode_jpeg)')
+    if _known(v.mean_sample_bytes) and v.mean_sample_bytes > LARGE_SAMPLE_BYTES:
+        fixes.append(f"store images at <= 512 px (gpufeed shard --max-size 512): now "
+                     f"{v.mean_sample_bytes / 1e3:.0f} KB per sample")
+    if not fixes:
+        fixes.append("run gpufeed train --measure to get the ceilings and per-core rates behind a fix")
+    return Verdict("starved", "decode/CPU", reason, fixes, nums)

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+from gpufeed.verdict import Verdict, VerdictInputs, classify
+
+
+def test_fed_when_stall_low_and_near_the_lower_ceiling() -> None:
+    v = classify(VerdictInputs(stall_pct=2.0, end_to_end_rate=2900, gpu_ceiling=3000, loader_ceiling=5000))
+    assert v.status == "fed" and v.ok and v.bound is None
+    assert "GPU is the bound" in v.reason
+    assert abs(v.numbers["fraction_of_ceiling"] - 2900 / 3000) < 1e-9
+
+
+def test_fed_without_ceilings_says_they_were_not_measured() -> None:
+    v = classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=100))
+    assert v.ok and "--measure" in v.reason
+
+
+def test_low_stall_but_far_below_ceiling_is_starved() -> None:
+    v = classify(VerdictInputs(stall_pct=3.0, end_to_end_rate=500, gpu_ceiling=1000, loader_ceiling=4000,
+                               loader_cores_used=4, usable_cores=8, num_workers=4, read_bytes_per_s=1e6))
+    assert v.status == "starved" and v.bound == "decode/CPU"
+    assert "slows the training processes" in v.reason
+
+
+def test_decode_bound_names_cores_needed_at_per_core_rate() -> None:
+    # loader: 400 samples/s on 4 cores = 100/core; GPU wants 2000 -> 20 cores, 16 more; node has 32
+    v = classify(VerdictInputs(stall_pct=60.0, end_to_end_rate=400, gpu_ceiling=2000, loader_ceiling=400,
+                               loader_cores_used=4.0, usable_cores=32, num_workers=4, read_bytes_per_s=5e7,
+                               is_cuda=True, decode="pil", mean_sample_bytes=110_000))
+    assert v.status == "starved" and v.bound == "decode/CPU"
+    assert v.numbers["per_core_rate"] == 100.0
+    assert v.numbers["cores_needed_per_node"] == 20.0
+    text = "\n".join(v.fixes)
+    assert "needs ~16 more cores at the measured 100.0 samples/s per core" in text
+    assert "raise num_workers to ~20" in text
+    assert "use GPU decode" in text
+    assert "<= 512 px" in text and "110 KB" in text
+
+
+def test_decode_bound_beyond_the_node_says_workers_cannot_close_it() -> None:
+    v = classify(VerdictInputs(stall_pct=80.0, end_to_end_rate=100, gpu_ceiling=3000, loader_ceiling=100,
+                               loader_cores_used=2.0, usable_cores=8, num_workers=2, read_bytes_per_s=1e7))
+    assert v.bound == "decode/CPU"
+    assert any("only 8 cores" in f for f in v.fixes)
+    assert not any("GPU decode" in f for f in v.fixes)  # no CUDA
+
+
+def test_num_workers_zero_says_loading_is_serial() -> None:
+    v = classify(VerdictInputs(stall_pct=30.0, end_to_end_rate=70, gpu_ceiling=100, loader_ceiling=1000,
+                               loader_cores_used=1.0, usable_cores=2, num_workers=0, read_bytes_per_s=1e6))
+    assert v.bound == "decode/CPU"
+    assert any("num_workers = 0" in f for f in v.fixes)
+
+
+def test_storage_bound_when_reading_at_the_storage_rate() -> None:
+    v = classify(VerdictInputs(stall_pct=40.0, end_to_end_rate=600, gpu_ceiling=1000, loader_ceiling=600,
+                               loader_cores_used=10, usable_cores=32, num_workers=8, read_bytes_per_s=95e6,
+                               storage_bytes_per_s=100e6, mean_sample_bytes=110_000))
+    assert v.status == "starved" and v.bound == "storage"
+    assert any("RAM disk" in f and "95 MB/s" in f for f in v.fixes)
+    assert any("110 MB/s" in f for f in v.fixes)  # needed: 1000 samples/s x 110 KB
+
+
+def test_storage_bound_when_workers_idle_while_reading() -> None:
+    v = classify(VerdictInputs(stall_pct=50.0, end_to_end_rate=300, gpu_ceiling=1000, loader_ceiling=300,
+                               loader_cores_used=1.0, usable_cores=16, num_workers=8, read_bytes_per_s=30e6))
+    assert v.bound == "storage"
+    assert "idle" in v.reason
+
+
+def test_copy_bound() -> None:
+    v = classify(VerdictInputs(stall_pct=20.0, end_to_end_rate=800, gpu_ceiling=1000, loader_ceiling=5000,
+                               copy_wait_pct=15.0))
+    assert v.bound == "copy"
+    assert any("pin_memory" in f for f in v.fixes)
+
+
+def test_rank_imbalance() -> None:
+    v = classify(VerdictInputs(stall_pct=12.0, end_to_end_rate=800, gpu_ceiling=1000, loader_ceiling=1500,
+                               per_rank_stall_pct=(1.0, 2.0, 1.5, 40.0), ranks_per_node=4, num_workers=6))
+    assert v.bound == "rank imbalance"
+    assert "rank 3 stalls 40.0%" in v.reason
+    assert any("--multiple-of 24" in f for f in v.fixes)
+
+
+def test_even_high_stall_across_ranks_is_not_imbalance() -> None:
+    v = classify(VerdictInputs(stall_pct=40.0, end_to_end_rate=600, gpu_ceiling=1000, loader_ceiling=600,
+                               per_rank_stall_pct=(38.0, 42.0), loader_cores_used=4, usable_cores=8, num_workers=2,
+                               read_bytes_per_s=1e6))
+    assert v.bound == "decode/CPU"
+
+
+def test_render_puts_status_and_fixes() -> None:
+    v = Verdict("starved", "copy", "because", ["a", "b"])
+    assert v.render().splitlines() == ["verdict: STARVED (copy-bound): because", "  fix: a", "  fix: b"]
+    assert not v.ok

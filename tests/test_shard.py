@@ -1,0 +1,312 @@
+"""gpufeed shard: round trip, labels, plan, determinism, resume, free space, re-encoding, CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gpufeed.config import ShardConfig
+from gpufeed.errors import DataError
+from gpufeed.manifest import read_manifest
+from gpufeed.shard import plan_num_shards, split_sizes, write_shards
+from tests.conftest import invoke, invoke_json, write_image
+
+
+def shard(src: Path, dest: Path, **kw) -> object:
+    kw.setdefault("workers", 1)
+    return write_shards(ShardConfig(src=str(src), dest=str(dest), **kw), progress=False)
+
+
+def digests(dest: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(dest.glob("*.tar"))}
+
+
+def wds_samples(dest: Path) -> list[dict]:
+    import webdataset as wds
+
+    urls = [str(p) for p in sorted(dest.glob("*.tar"))]
+    return list(wds.WebDataset(urls, shardshuffle=False))
+
+
+def test_round_trip_with_plain_webdataset(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=3, per_class=5)
+    dest = tmp_path / "out"
+    rep = shard(src, dest, shard_samples=4, multiple_of=2)
+    assert rep.ok and rep.num_samples == 15 and rep.num_rejected == 0
+    assert rep.num_shards == 4  # ceil(15 / 4) = 4, already a multiple of 2
+    samples = wds_samples(dest)
+    assert len(samples) == 15
+    m = read_manifest(dest)
+    assert m.classes == ["class_0", "class_1", "class_2"] and m.num_samples == 15
+    assert [s.num_samples for s in m.shards] == [4, 4, 4, 3]
+    assert m.url_pattern == "train-{000000..000003}.tar"
+    assert m.created_by == "gpufeed shard" and m.options["seed"] == 0
+    for s in samples:
+        key = s["__key__"]
+        assert "." not in key
+        meta = json.loads(s["json"])
+        label = int(s["cls"])
+        assert m.classes[label] == meta["class"] == meta["source"].split("/")[0]
+        source = src / meta["source"]
+        assert s["jpg"] == source.read_bytes()  # pass-through, byte for byte
+        got = np.asarray(Image.open(io.BytesIO(s["jpg"])).convert("RGB"))
+        want = np.asarray(Image.open(source).convert("RGB"))
+        assert np.array_equal(got, want)
+        assert (meta["width"], meta["height"]) == (16, 12)
+        assert meta["sha256"] == hashlib.sha256(s["jpg"]).hexdigest()
+    assert len({s["__key__"] for s in samples}) == 15
+    # Shuffled: the first shard does not hold one class only.
+    first = [int(s["cls"]) for s in samples[:4]]
+    assert len(set(first)) > 1
+    # index.parquet and timm's _info.json
+    import pyarrow.parquet as pq
+
+    from gpufeed.manifest import INDEX_COLUMNS
+
+    table = pq.read_table(dest / "index.parquet")
+    assert tuple(table.column_names) == INDEX_COLUMNS and table.num_rows == 15
+    rows = table.to_pylist()
+    assert [r["key"] for r in rows] == [s["__key__"] for s in samples]
+    info = json.loads((dest / "_info.json").read_text())
+    assert info["splits"]["train"]["num_samples"] == 15
+    assert info["splits"]["train"]["shard_lengths"] == [4, 4, 4, 3]
+    assert info["splits"]["train"]["filenames"] == [f"train-{i:06d}.tar" for i in range(4)]
+
+
+def test_tar_headers_are_fixed(image_folder, tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    shard(image_folder(classes=2, per_class=2), dest)
+    with tarfile.open(dest / "train-000000.tar") as tar:
+        members = tar.getmembers()
+    assert [m.name.split(".", 1)[1] for m in members[:3]] == ["cls", "jpg", "json"]
+    for m in members:
+        assert (m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode) == (0, 0, 0, "", "", 0o644)
+
+
+def test_labels_agree_with_torchvision_imagefolder(tmp_path: Path) -> None:
+    from torchvision.datasets import ImageFolder
+
+    src = tmp_path / "src"
+    for name in ["b", "B", "a_1", "a", "zeta", "10", "9"]:  # case and digit ordering
+        write_image(src / name / "x.jpg")
+        write_image(src / name / "sub" / "y.png", fmt="PNG")
+    (src / "stray.jpg").write_bytes((src / "a" / "x.jpg").read_bytes())
+    ref = ImageFolder(str(src))
+    rep = shard(src, tmp_path / "out")
+    assert rep.classes == ref.classes
+    want = Counter((os.path.relpath(p, src), label) for p, label in ref.samples)
+    got = Counter((json.loads(s["json"])["source"], int(s["cls"])) for s in wds_samples(tmp_path / "out"))
+    assert got == want
+
+
+def test_plan_arithmetic() -> None:
+    cfg = ShardConfig(shard_samples=10, shard_bytes=1000, multiple_of=4)
+    assert plan_num_shards(25, 100, cfg) == 4  # ceil(25/10) = 3 -> 4
+    assert plan_num_shards(25, 4500, cfg) == 8  # bytes win: 5 -> 8
+    assert split_sizes(10, 4) == [3, 3, 2, 2]
+    assert max(split_sizes(1001, 7)) - min(split_sizes(1001, 7)) <= 1
+
+
+def test_shard_bytes_target(image_folder, tmp_path: Path) -> None:
+    rep = shard(image_folder(classes=2, per_class=6), tmp_path / "out", shard_bytes=8000)
+    assert rep.num_shards >= 3
+    sizes = [s.num_samples for s in read_manifest(tmp_path / "out").shards]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 12
+
+
+def test_multiple_of_larger_than_inputs_is_refused(image_folder, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="multiple-of"):
+        shard(image_folder(classes=1, per_class=3), tmp_path / "out", multiple_of=8)
+
+
+def test_deterministic_across_workers_and_runs(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=3, per_class=30)
+    a = shard(src, tmp_path / "a", shard_samples=20, workers=1)
+    b = shard(src, tmp_path / "b", shard_samples=20, workers=2)
+    c = shard(src, tmp_path / "c", shard_samples=20, workers=2)
+    assert a.num_shards == 5 and b.workers == 2
+    assert digests(tmp_path / "a") == digests(tmp_path / "b") == digests(tmp_path / "c")
+    ma, mb = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in "ab")
+    assert ma["shards"] == mb["shards"]
+    # A different seed shuffles differently.
+    d = shard(src, tmp_path / "d", shard_samples=20, seed=1)
+    assert d.num_samples == a.num_samples and digests(tmp_path / "d") != digests(tmp_path / "a")
+
+
+def test_resume_after_lost_shards_is_byte_identical(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=2, per_class=10)
+    ref = tmp_path / "ref"
+    shard(src, ref, shard_samples=5)
+    dest = tmp_path / "out"
+    shard(src, dest, shard_samples=5)
+    # Simulate an interrupted run: no manifest, one shard missing, one truncated, one leftover temp file.
+    (dest / "manifest.json").unlink()
+    (dest / "train-000001.tar").unlink()
+    data = (dest / "train-000002.tar").read_bytes()
+    (dest / "train-000002.tar").write_bytes(data[: len(data) // 2])
+    (dest / ".train-000003.tar.tmp").write_bytes(b"partial")
+    rep = shard(src, dest, shard_samples=5)
+    assert rep.resumed and rep.num_shards_written == 2 and rep.num_shards_skipped == 2
+    assert digests(dest) == digests(ref)
+    assert (dest / "manifest.json").read_bytes() == (ref / "manifest.json").read_bytes()
+    assert not (dest / ".train-000003.tar.tmp").exists()
+    # Re-running a complete set writes nothing.
+    again = shard(src, dest, shard_samples=5)
+    assert again.num_shards_written == 0 and digests(dest) == digests(ref)
+
+
+def test_resume_after_kill_9(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=2, per_class=40, size=(64, 48))
+    ref = tmp_path / "ref"
+    shard(src, ref, shard_samples=4)
+    dest = tmp_path / "out"
+    code = (
+        "import time, gpufeed.shard as s\n"
+        "orig = s._write_shard\n"
+        "def slow(*a, **k):\n"
+        "    r = orig(*a, **k); time.sleep(0.3); return r\n"
+        "s._write_shard = slow\n"
+        "from gpufeed.config import ShardConfig\n"
+        f"s.write_shards(ShardConfig(src={str(src)!r}, dest={str(dest)!r}, shard_samples=4, workers=1),"
+        " progress=False)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(dest.glob("*.tar"))) < 3:
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    assert not (dest / "manifest.json").exists()
+    done_before = len(list(dest.glob("*.tar")))
+    assert 3 <= done_before < 20
+    rep = shard(src, dest, shard_samples=4)
+    assert rep.resumed and rep.num_shards_skipped >= done_before - 1
+    assert digests(dest) == digests(ref)
+    assert (dest / "manifest.json").read_bytes() == (ref / "manifest.json").read_bytes()
+
+
+def test_changed_input_or_options_are_refused_unless_overwrite(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=2, per_class=4)
+    dest = tmp_path / "out"
+    shard(src, dest)
+    with pytest.raises(DataError, match="--overwrite"):
+        shard(src, dest, seed=3)
+    write_image(src / "class_0" / "new.jpg")
+    with pytest.raises(DataError, match="different input"):
+        shard(src, dest)
+    (dest / "keep.txt").write_text("user file")
+    rep = shard(src, dest, seed=3, overwrite=True)
+    assert rep.num_samples == 9 and not rep.resumed
+    assert (dest / "keep.txt").exists()
+
+
+def test_refuses_foreign_set_in_dest(image_folder, tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "train-000000.tar").write_bytes(b"")
+    with pytest.raises(DataError, match="--overwrite"):
+        shard(image_folder(), dest)
+
+
+def test_free_space_is_checked(image_folder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    import gpufeed.shard as mod
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(mod.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    dest = tmp_path / "out"
+    with pytest.raises(DataError) as err:
+        shard(image_folder(), dest)
+    msg = str(err.value)
+    assert str(dest) in msg and "1000 bytes free" in msg and "needed" in msg
+    assert not list(dest.glob("*.tar"))
+
+
+def test_reencode_max_size_and_quality(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    write_image(src / "a" / "big.jpg", size=(200, 100), quality=95)
+    write_image(src / "a" / "small.jpg", size=(40, 30), quality=95)
+    write_image(src / "b" / "tall.png", size=(30, 120), fmt="PNG")
+    rep = shard(src, tmp_path / "out", max_size=64)
+    assert rep.transforms == {"copy": 1, "reencode": 2}
+    got = {json.loads(s["json"])["source"]: s for s in wds_samples(tmp_path / "out")}
+    big = got["a/big.jpg"]
+    meta = json.loads(big["json"])
+    assert (meta["width"], meta["height"], meta["orig_width"]) == (64, 32, 200)
+    assert Image.open(io.BytesIO(big["jpg"])).size == (64, 32)
+    assert "jpg" in got["b/tall.png"] and Image.open(io.BytesIO(got["b/tall.png"]["jpg"])).size == (16, 64)
+    assert got["a/small.jpg"]["jpg"] == (src / "a" / "small.jpg").read_bytes()  # never up: passes through
+    # --quality re-encodes everything, deterministically.
+    q1 = shard(src, tmp_path / "q1", quality=50)
+    q2 = shard(src, tmp_path / "q2", quality=50, workers=2)
+    assert q1.transforms == {"reencode": 3}
+    assert digests(tmp_path / "q1") == digests(tmp_path / "q2")
+
+
+def test_missing_src_and_dest_inside_src(tmp_path: Path, image_folder) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        shard(tmp_path / "nope", tmp_path / "out")
+    src = image_folder()
+    with pytest.raises(DataError, match="inside SRC"):
+        shard(src, src / "out")
+    (tmp_path / "flat").mkdir()
+    write_image(tmp_path / "flat" / "x.jpg")
+    with pytest.raises(DataError, match="no class folders"):
+        shard(tmp_path / "flat", tmp_path / "out2")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_shard_json_then_verify(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=2, per_class=3)
+    dest = tmp_path / "out"
+    out = invoke_json(["shard", src, dest, "--workers", "1", "--shard-samples", "2", "--multiple-of", "3",
+                       "--quiet"])
+    assert out["ok"] is True and out["num_samples"] == 6 and out["num_shards"] == 3
+    assert out["shards"] == ["train-000000.tar", "train-000001.tar", "train-000002.tar"]
+    ver = invoke_json(["verify", dest, "--workers", "1"])
+    assert ver["ok"] is True and ver["num_samples"] == 6
+
+
+def test_cli_usage_errors_exit_2(tmp_path: Path, image_folder) -> None:
+    res = invoke(["shard", tmp_path / "missing", tmp_path / "out"], expect=2)
+    assert "does not exist" in res.stderr and "Traceback" not in res.stderr
+    res = invoke(["shard", image_folder(), tmp_path / "out", "--quality", "120"], expect=2)
+    assert "quality" in res.stderr
+    invoke(["shard", image_folder(name="s2"), tmp_path / "o2", "--check", "nope"], expect=2)
+
+
+def test_cli_strict_exits_1_on_rejects(tmp_path: Path, image_folder) -> None:
+    src = image_folder(classes=2, per_class=2)
+    (src / "class_0" / "broken.jpg").write_bytes(b"not an image at all")
+    out = invoke_json(["shard", src, tmp_path / "a", "--workers", "1", "--quiet"])
+    assert out["ok"] is True and out["num_rejected"] == 1
+    assert out["rejected"][0]["path"] == "class_0/broken.jpg"
+    out = invoke_json(["shard", src, tmp_path / "b", "--workers", "1", "--quiet", "--strict"], expect=1)
+    assert out["ok"] is False
+    res = invoke(["shard", src, tmp_path / "c", "--workers", "1", "--quiet", "--strict"], expect=1)
+    assert "class_0/broken.jpg" in res.stdout and "not an image" in res.stdout
+
+
+def test_cli_config_file(tmp_path: Path, image_folder) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[shard]\nshard_samples = 2\nprefix = "val"\nworkers = 1\n')
+    out = invoke_json(["shard", image_folder(classes=1, per_class=4), tmp_path / "out", "--config", cfg,
+                       "--quiet"])
+    assert out["num_shards"] == 2 and out["shards"][0] == "val-000000.tar"
+    cfg.write_text("[shard]\nbogus = 1\n")
+    invoke(["shard", image_folder(name="s3"), tmp_path / "o3", "--config", cfg], expect=2)

@@ -1,0 +1,230 @@
+"""Real-world, messy input: every case is handled without crash, hang or silent mislabel, with a reason."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gpufeed.config import ShardConfig
+from gpufeed.errors import DataError
+from gpufeed.shard import write_shards
+from tests.conftest import invoke, write_image
+
+LONG = "l" + "o" * 120 + "ng.name.jpg"  # > 100 bytes: does not fit a plain USTAR name
+MAX_PIXELS = 20_000  # the real-pixel bomb below is 200 x 200
+
+
+def noisy_jpeg(path: Path, size: tuple[int, int] = (64, 48), **save: object) -> Path:
+    rng = np.random.default_rng(0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path, "JPEG", **save)
+    return path
+
+
+def png_header_bomb(path: Path, width: int = 100_000, height: int = 100_000) -> Path:
+    """A 60-byte PNG that declares 10 gigapixels (never decoded: refused from its header)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+@pytest.fixture
+def messy(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    cats, dogs = src / "cats", src / "dogs"
+    write_image(cats / "ok.jpg")
+    write_image(dogs / "ok.jpg", color=(10, 200, 10))  # same file name in two classes
+    write_image(cats / "UPPER.JPG")
+    write_image(cats / "upper2.JPEG")
+    write_image(cats / "up.PNG", fmt="PNG")
+    data = noisy_jpeg(tmp_path / "full.jpg").read_bytes()
+    (cats / "truncated.jpg").write_bytes(data[: len(data) * 6 // 10])
+    (cats / "zero.jpg").write_bytes(b"")
+    (cats / "notimage.jpg").write_text("<html>this is not a JPEG</html>\n")
+    png_header_bomb(cats / "bomb.png")
+    Image.new("1", (200, 200)).save(cats / "pixelbomb.png")
+    write_image(cats / "cmyk.jpg", mode="CMYK")
+    write_image(cats / "gray.jpg", mode="L")
+    write_image(cats / "palette.png", fmt="PNG", mode="P")
+    write_image(cats / "onebit.png", fmt="PNG", mode="1")
+    write_image(cats / "rgba.png", fmt="PNG", mode="RGBA")
+    write_image(cats / "la.png", fmt="PNG", mode="LA")
+    Image.fromarray((np.arange(96, dtype=np.uint16).reshape(8, 12) * 600)).save(cats / "gray16.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    write_image(cats / "exif6.jpg", size=(16, 8), exif=exif.tobytes())
+    write_image(cats / "webp_inside.jpg", fmt="WEBP", lossless=True)
+    write_image(cats / "png_inside.jpg", fmt="PNG")
+    write_image(cats / "bitmap.bmp", fmt="BMP")
+    write_image(cats / "many.dots.in.name.jpg")
+    write_image(cats / "with space.jpg")
+    write_image(cats / "ünïcödé 写真.jpg")
+    write_image(cats / LONG)
+    write_image(cats / "same.jpg")
+    write_image(cats / "same.png", fmt="PNG")
+    write_image(cats / ".hidden.jpg")
+    write_image(cats / ".hiddendir" / "x.jpg")
+    write_image(cats / "nested" / "deeper" / "n.jpg")
+    write_image(cats / "folder.jpg" / "inner.jpg")  # a directory whose name ends in .jpg
+    os.symlink(cats / "ok.jpg", cats / "link.jpg")
+    os.symlink(cats / "gone.jpg", cats / "dangling.jpg")
+    (cats / "notes.txt").write_text("not an image")
+    write_image(src / ".hidden_class" / "x.jpg")
+    (src / "stray.txt").write_text("stray")
+    write_image(src / "stray.jpg")
+    (src / "empty").mkdir()
+    return src
+
+
+EXPECTED_REJECTED = {
+    "cats/truncated.jpg": "decode failed",
+    "cats/zero.jpg": "empty file",
+    "cats/notimage.jpg": "not an image",
+    "cats/bomb.png": "decompression bomb",
+    "cats/pixelbomb.png": "decompression bomb",
+    "cats/dangling.jpg": "dangling symlink",
+}
+EXPECTED_IGNORED = {
+    ".hidden_class": "hidden", "stray.txt": "root", "stray.jpg": "root", "cats/.hidden.jpg": "hidden",
+    "cats/.hiddendir": "hidden", "cats/notes.txt": "extension",
+}
+
+
+def run(src: Path, dest: Path, **kw) -> object:
+    kw.setdefault("workers", 1)
+    kw.setdefault("max_pixels", MAX_PIXELS)
+    return write_shards(ShardConfig(src=str(src), dest=str(dest), **kw), progress=False)
+
+
+def samples_by_source(dest: Path) -> dict[str, dict]:
+    import webdataset as wds
+
+    urls = [str(p) for p in sorted(dest.glob("*.tar"))]
+    return {json.loads(s["json"])["source"]: s for s in wds.WebDataset(urls, shardshuffle=False)}
+
+
+def image_member(sample: dict) -> tuple[str, bytes]:
+    (ext,) = [e for e in ("jpg", "png", "webp") if e in sample]
+    return ext, sample[ext]
+
+
+def test_empty_class_is_an_error_by_default(messy: Path, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="empty.*--allow-empty-classes"):
+        run(messy, tmp_path / "out")
+    res = invoke(["shard", messy, tmp_path / "out2", "--workers", "1", "--quiet"], expect=2)
+    assert "empty" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_messy_folder(messy: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    rep = run(messy, dest, allow_empty_classes=True)
+    # Classes: hidden folders never, empty kept with its label and a warning.
+    assert rep.classes == ["cats", "dogs", "empty"] and rep.empty_classes == ["empty"]
+    assert any("'empty' (label 2)" in w for w in rep.warnings)
+    rejected = {r.path: r.reason for r in rep.rejected}
+    assert set(rejected) == set(EXPECTED_REJECTED), rejected
+    for path, why in EXPECTED_REJECTED.items():
+        assert why in rejected[path], (path, rejected[path])
+    ignored = {i.path: i.reason for i in rep.ignored}
+    for path, why in EXPECTED_IGNORED.items():
+        assert why in ignored[path], (path, ignored.get(path))
+    assert not any(p.endswith("x.jpg") for p in rejected)
+
+    got = samples_by_source(dest)
+    assert rep.num_samples == len(got) == 25
+    for name in ["ok.jpg", "UPPER.JPG", "upper2.JPEG", "up.PNG", "many.dots.in.name.jpg", "with space.jpg",
+                 "ünïcödé 写真.jpg", LONG, "same.jpg", "same.png", "nested/deeper/n.jpg", "folder.jpg/inner.jpg",
+                 "link.jpg"]:
+        assert f"cats/{name}" in got, name
+    keys = [s["__key__"] for s in got.values()]
+    assert len(set(keys)) == len(keys) and not any("." in k for k in keys)
+    # No silent mislabel: every sample's label is its top-level folder's index.
+    for source, s in got.items():
+        assert int(s["cls"]) == rep.classes.index(source.split("/")[0])
+    assert got["dogs/ok.jpg"]["jpg"] == (messy / "dogs/ok.jpg").read_bytes()
+    assert got["cats/link.jpg"]["jpg"] == (messy / "cats/ok.jpg").read_bytes()
+
+    # The member extension names the real format.
+    assert image_member(got["cats/webp_inside.jpg"])[0] == "webp"
+    assert image_member(got["cats/png_inside.jpg"])[0] == "png"
+    assert image_member(got["cats/bitmap.bmp"])[0] == "png"
+    assert image_member(got["cats/gray16.png"])[0] == "png"
+    assert image_member(got["cats/cmyk.jpg"])[0] == "jpg"
+    assert rep.transforms == {"16bit_to_png8": 1, "cmyk_to_rgb_jpeg": 1, "copy": 22, "to_png": 1}
+
+    # Every accepted sample decodes to 3-channel RGB; pass-through ones equal the source pixel for pixel.
+    for source, s in got.items():
+        ext, data = image_member(s)
+        rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+        assert rgb.ndim == 3 and rgb.shape[2] == 3
+        meta = json.loads(s["json"])
+        assert (meta["width"], meta["height"]) == (rgb.shape[1], rgb.shape[0])
+        assert meta["sha256"] == hashlib.sha256(data).hexdigest()
+        src_img = Image.open(messy / source)
+        if source.endswith(("cmyk.jpg", "gray16.png")):
+            continue
+        assert np.array_equal(rgb, np.asarray(src_img.convert("RGB"))), source
+    # CMYK: converted by Pillow, re-encoded at quality 95: close to Pillow's own conversion.
+    cmyk = np.asarray(Image.open(io.BytesIO(got["cats/cmyk.jpg"]["jpg"])).convert("RGB")).astype(int)
+    ref = np.asarray(Image.open(messy / "cats/cmyk.jpg").convert("RGB")).astype(int)
+    assert np.abs(cmyk - ref).mean() < 4
+    # 16-bit gray is scaled to 8 bits, not clipped to white.
+    g16 = np.asarray(Image.open(io.BytesIO(got["cats/gray16.png"]["png"])))
+    assert g16.dtype == np.uint8 and np.array_equal(g16, np.asarray(Image.open(messy / "cats/gray16.png")) >> 8)
+
+    # EXIF orientation: recorded, not applied; bytes unchanged, pixels in stored order.
+    ex = got["cats/exif6.jpg"]
+    meta = json.loads(ex["json"])
+    assert meta["exif_orientation"] == 6 and (meta["width"], meta["height"]) == (16, 8)
+    assert ex["jpg"] == (messy / "cats/exif6.jpg").read_bytes()
+    assert rep.num_exif_oriented == 1
+
+    # The set verifies, decode included, and the summary names rejects and ignores with reasons.
+    from gpufeed.shard import render_shard
+    from gpufeed.verify import verify_shards
+
+    assert verify_shards(dest, workers=1).ok
+    text = render_shard(rep)
+    assert "cats/truncated.jpg: decode failed" in text and "stray.txt: file at the root" in text
+
+
+def test_messy_folder_is_deterministic_across_workers(messy: Path, tmp_path: Path) -> None:
+    a = run(messy, tmp_path / "a", allow_empty_classes=True, shard_samples=6)
+    b = run(messy, tmp_path / "b", allow_empty_classes=True, shard_samples=6, workers=2)
+    assert a.num_shards == b.num_shards == 5
+    for p in sorted((tmp_path / "a").glob("*.tar")):
+        assert p.read_bytes() == (tmp_path / "b" / p.name).read_bytes(), p.name
+
+
+def test_header_check_catches_less_and_verify_catches_the_rest(messy: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    rep = run(messy, dest, allow_empty_classes=True, check="header")
+    rejected = {r.path for r in rep.rejected}
+    assert "cats/truncated.jpg" not in rejected  # its header is fine
+    assert {"cats/zero.jpg", "cats/notimage.jpg", "cats/bomb.png", "cats/pixelbomb.png"} <= rejected
+    res = invoke(["verify", dest, "--workers", "1"], expect=1)
+    key = [k for k, s in samples_by_source(dest).items() if k == "cats/truncated.jpg"]
+    assert key
+    truncated_key = samples_by_source(dest)["cats/truncated.jpg"]["__key__"]
+    assert f"member {truncated_key}.jpg" in res.stdout and "does not decode" in res.stdout
+
+
+def test_pillow_limit_is_never_disabled(messy: Path, tmp_path: Path) -> None:
+    run(messy, tmp_path / "out", allow_empty_classes=True, max_pixels=10**12)
+    assert Image.MAX_IMAGE_PIXELS == 89_478_485
+    rep = run(messy, tmp_path / "out2", allow_empty_classes=True, max_pixels=10**12)
+    assert "decompression bomb" in {r.path: r.reason for r in rep.rejected}["cats/bomb.png"]

@@ -173,6 +173,10 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], num_classes: i
                                     f"extension")
                     fobj = tar.extractfile(m)
                     data = fobj.read() if fobj is not None else b""
+                    if len(data) != m.size:
+                        bad(m.name, f"member is truncated: {len(data)} of {m.size} bytes; the tar does not read "
+                                    f"to the end")
+                        break
                     if key not in samples:
                         if order and order[-1] in samples:
                             finish(order[-1])
@@ -187,7 +191,11 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], num_classes: i
                 if order and order[-1] in samples:
                     finish(order[-1])
             end = reader.n
-            if not reader.drain():
+            clean = reader.drain()
+            if not gzip and tar.offset + 1024 > size:
+                bad(last, f"tar is truncated: it ends at byte {size} without its end-of-archive blocks "
+                          f"(the tar does not read to the end)")
+            elif not clean:
                 bad(last, f"invalid tar header after this member (byte {end} of {size}): readers stop here "
                           f"and silently lose the rest of the shard")
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:

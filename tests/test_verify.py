@@ -1,0 +1,152 @@
+"""gpufeed verify: good sets pass; bit flips, truncation, missing shards and bad members are named."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from gpufeed.config import ShardConfig
+from gpufeed.errors import DataError
+from gpufeed.manifest import Manifest, ShardInfo, write_manifest
+from gpufeed.shard import write_shards
+from gpufeed.verify import render_verify, verify_shards
+from tests.conftest import invoke, invoke_json, write_image
+
+
+@pytest.fixture
+def shard_set(image_folder, tmp_path: Path) -> Path:
+    dest = tmp_path / "set"
+    write_shards(ShardConfig(src=str(image_folder(classes=3, per_class=4)), dest=str(dest), shard_samples=4,
+                             workers=1), progress=False)
+    return dest
+
+
+def member_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    with tarfile.open(path) as tar:
+        return {m.name: (m.offset_data, m.size) for m in tar.getmembers()}
+
+
+def test_good_set_passes(shard_set: Path) -> None:
+    rep = verify_shards(shard_set, workers=2)
+    assert rep.ok and rep.num_samples == rep.num_expected == 12 and rep.num_decoded == 12
+    assert render_verify(rep).startswith("OK")
+    out = invoke_json(["verify", shard_set, "--workers", "1", "--no-decode"])
+    assert out["ok"] is True and out["num_decoded"] == 0
+
+
+def test_bit_flip_in_image_names_shard_and_member(shard_set: Path) -> None:
+    shard = shard_set / "train-000001.tar"
+    name = next(n for n in member_offsets(shard) if n.endswith(".jpg"))
+    off, size = member_offsets(shard)[name]
+    data = bytearray(shard.read_bytes())
+    data[off + size // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    rep = verify_shards(shard_set, workers=1)
+    assert not rep.ok
+    reasons = {(p.shard, p.member): p.reason for p in rep.problems}
+    assert ("train-000001.tar", name) in reasons
+    assert any("sha256" in r for (s, m), r in reasons.items() if s == "train-000001.tar" and m is None)
+    res = invoke(["verify", shard_set, "--workers", "1"], expect=1)
+    assert f"train-000001.tar member {name}" in res.stdout
+
+
+def test_bit_flip_in_header_is_not_silent(shard_set: Path) -> None:
+    shard = shard_set / "train-000000.tar"
+    offsets = member_offsets(shard)
+    third = sorted(offsets.values())[3][0] - 512  # header block of the 4th member
+    data = bytearray(shard.read_bytes())
+    data[third + 10] ^= 0x20
+    shard.write_bytes(bytes(data))
+    rep = verify_shards(shard_set, workers=1)
+    assert not rep.ok
+    assert any(p.shard == "train-000000.tar" and "samples" in p.reason for p in rep.problems)
+
+
+def test_truncated_and_missing_shards(shard_set: Path) -> None:
+    data = (shard_set / "train-000002.tar").read_bytes()
+    (shard_set / "train-000002.tar").write_bytes(data[:3000])
+    (shard_set / "train-000000.tar").unlink()
+    rep = verify_shards(shard_set, workers=2)
+    by_shard = {}
+    for p in rep.problems:
+        by_shard.setdefault(p.shard, []).append(p.reason)
+    assert any("missing" in r for r in by_shard["train-000000.tar"])
+    assert any("does not read to the end" in r for r in by_shard["train-000002.tar"])
+    assert any("size is 3000 bytes" in r for r in by_shard["train-000002.tar"])
+    res = invoke(["verify", shard_set, "--workers", "1"], expect=1)
+    assert "train-000000.tar: shard file is missing" in res.stdout
+
+
+def test_no_manifest_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="manifest"):
+        verify_shards(tmp_path / "empty")
+    res = invoke(["verify", tmp_path / "empty"], expect=2)
+    assert "gpufeed index" in res.stderr
+
+
+# --------------------------------------------------------------------------- foreign sets (gpufeed index)
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    tar.addfile(ti, io.BytesIO(data))
+
+
+def jpeg_bytes(tmp_path: Path, color: tuple[int, int, int] = (1, 2, 3)) -> bytes:
+    return write_image(tmp_path / f"j{color}.jpg", color=color).read_bytes()
+
+
+def foreign_set(tmp_path: Path, samples: list[list[tuple[str, bytes]]], gzip: bool, classes: int = 2,
+                sha: bool = False) -> Path:
+    root = tmp_path / "foreign"
+    root.mkdir()
+    infos = []
+    for i, members in enumerate(samples):
+        name = f"part-{i:04d}.tgz" if gzip else f"part-{i:04d}.tar"
+        with tarfile.open(root / name, "w:gz" if gzip else "w") as tar:
+            for member, data in members:
+                add(tar, member, data)
+        body = (root / name).read_bytes()
+        n = len({m.split(".", 1)[0] for m, _ in members})
+        infos.append(ShardInfo(name=name, num_samples=n, bytes=len(body),
+                               sha256=hashlib.sha256(body).hexdigest() if sha else None))
+    write_manifest(root, Manifest(prefix="part", classes=[str(c) for c in range(classes)], shards=infos,
+                                  num_samples=sum(s.num_samples for s in infos), created_by="gpufeed index",
+                                  compression="gzip" if gzip else None))
+    return root
+
+
+def test_foreign_gzip_set_without_sha(tmp_path: Path) -> None:
+    j = jpeg_bytes(tmp_path)
+    root = foreign_set(tmp_path, [
+        [("a/s1.jpeg", j), ("a/s1.cls", b"0"), ("a/s2.jpeg", j), ("a/s2.cls", b"1")],
+        [("b/s1.jpeg", j), ("b/s1.cls", b"1")],
+    ], gzip=True)
+    rep = verify_shards(root, workers=1)
+    assert rep.ok, rep.problems
+    assert rep.num_samples == 3 and rep.created_by == "gpufeed index"
+
+
+def test_foreign_set_problems_are_named(tmp_path: Path) -> None:
+    j = jpeg_bytes(tmp_path)
+    root = foreign_set(tmp_path, [
+        [("k1.jpg", j), ("k1.cls", b"0"), ("k2.jpg", j), ("k2.cls", b"7"), ("k.3.jpg", j), ("k.3.cls", b"1")],
+        [("k1.jpg", j), ("k1.cls", b"1"), ("k4.png", b"garbage"), ("k4.cls", b"0"), ("k5.jpg", j)],
+    ], gzip=False, sha=True)
+    rep = verify_shards(root, workers=1)
+    assert not rep.ok
+    text = render_verify(rep)
+    found = {(p.shard, p.member): p.reason for p in rep.problems}
+    assert "outside 0..1" in found[("part-0000.tar", "k2.cls")]
+    assert "key holds a dot" in found[("part-0000.tar", "k.3.jpg")]
+    assert "also used in part-0000.tar" in found[("part-0001.tar", "k1")]
+    assert "does not decode" in found[("part-0001.tar", "k4.png")]
+    assert "no .cls" in found[("part-0001.tar", "k5")]
+    assert "part-0001.tar member k4.png" in text

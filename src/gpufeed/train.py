@@ -1,0 +1,1011 @@
+"""``gpufeed train``: AMP + DDP ResNet training that measures whether the GPUs are fed (DESIGN §3-§5).
+
+One code path for every device: NCCL on CUDA, gloo on CPU. Multi-process runs go through torchrun
+(``python -m torch.distributed.run ... -m gpufeed.train CONFIG``); a single process runs in-process.
+
+Modes
+- ``real``: train on the shards (epochs/steps, validation, checkpoints, resume);
+- ``synthetic``: a fixed uint8 batch already on the device, same step: the GPU ceiling;
+- ``loader-only``: the loader alone, batches moved to the device and dropped: the loader ceiling;
+- ``measure``: synthetic, loader-only and real, briefly, in that order, then the verdict.
+
+Per step and rank we time: the wait in ``next(loader)``, the host-to-device copy that is not overlapped
+with compute (CUDA events around ``loader.to_device`` on the compute stream: the step cannot start before
+it ends), and compute (CUDA events around normalise + forward + backward + optimizer; perf_counter on
+CPU, where the work is synchronous). On CUDA each step ends by waiting for its own last event, so time
+spent in ``next(loader)`` is time the GPU sits idle. Data stall % = Σ data wait / Σ step time.
+At the end of each mode the per-rank numbers are all-gathered and rank 0 writes the records.
+
+Entry points: :func:`launch` (run folder + torchrun or in-process), :func:`train` (inside one rank),
+:func:`measure` (the three modes in this process, for scripts), :func:`render` (summary -> text).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from gpufeed.config import LoaderConfig, TrainConfig, load_config, to_toml
+from gpufeed.errors import ConfigError, DataError, GpufeedError
+from gpufeed.metrics import Stat
+from gpufeed.records import append_jsonl, make_run_dir, to_jsonable, utc_now, write_json
+from gpufeed.telemetry import Telemetry
+from gpufeed.verdict import Verdict, VerdictInputs, classify
+from gpufeed.world import World
+
+CHECKPOINT_NAME = "last.pt"
+LOG_NAME = "log.jsonl"
+SUMMARY_NAME = "summary.json"
+CONFIG_NAME = "config.toml"
+MODES_MEASURE = ("synthetic", "loader-only", "real")
+
+
+class LaunchError(GpufeedError):
+    """torchrun or a rank failed."""
+
+    exit_code = 1
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """One rank's timed window of one mode (steps after the timing warm-up)."""
+
+    rank: int
+    num_steps: int
+    num_samples: int
+    wall_s: float
+    step_s: float
+    """Σ step time."""
+    data_wait_s: float
+    """Σ (next_wait_s + h2d_s)."""
+    next_wait_s: float
+    """Σ time blocked in next(loader)."""
+    h2d_s: float
+    """Σ host-to-device copy not overlapped with compute (loader.to_device)."""
+    compute_s: float
+    samples_per_s: float
+    stall_pct: float
+    window_rates: list[float]
+    """samples/s of consecutive windows of log_every steps."""
+    cores_used: float | None = None
+    """CPU cores this rank's process tree (incl. loader workers) kept busy."""
+    read_bytes: int = 0
+    rss_max_bytes: int = 0
+    gpu: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModeRecord:
+    """One mode, aggregated over ranks."""
+
+    mode: str
+    num_ranks: int
+    num_steps: int
+    """Timed steps per rank."""
+    num_samples: int
+    """Timed samples, all ranks."""
+    wall_s: float
+    """Longest timed window of any rank."""
+    samples_per_s: float
+    """All ranks: num_samples / wall_s."""
+    samples_per_s_stat: Stat | None
+    """Median and spread over windows of log_every steps (all ranks summed per window)."""
+    stall_pct: float
+    copy_wait_pct: float
+    data_wait_s: float
+    next_wait_s: float
+    h2d_s: float
+    compute_s: float
+    step_s: float
+    loader_cores_used: float | None
+    """Σ cores busy over ranks (rank processes + their loader workers)."""
+    read_bytes_per_s: float
+    per_rank: list[RankTiming]
+    final_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class ValRecord:
+    epoch: int
+    step: int
+    num_samples: int
+    loss: float
+    top1_pct: float
+    top5_pct: float
+
+
+@dataclass(frozen=True)
+class TrainRecord:
+    mode: str
+    arch: str
+    device: str
+    backend: str
+    world_size: int
+    num_nodes: int
+    amp: str
+    batch_size: int
+    """Per rank, per micro-batch."""
+    accum_steps: int
+    global_batch: int
+    image_size: int
+    num_classes: int
+    start_step: int
+    """First step of this run (> 0 after --resume)."""
+    step: int
+    """Optimizer steps done at the end."""
+    total_steps: int
+    epoch: int
+    final_loss: float | None
+    final_lr: float
+    """The LR of the last optimizer step."""
+    modes: dict[str, ModeRecord]
+    val: list[ValRecord]
+    verdict: Verdict | None
+    ok: bool
+    num_skipped: int = 0
+    checkpoint: str | None = None
+    run_dir: str | None = None
+    wall_s: float = 0.0
+    started: str = ""
+    notes: list[str] = field(default_factory=list)
+    rank_param_checksums: list[float] = field(default_factory=list)
+    """Σ of the parameters per rank at the end (DDP keeps them equal)."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def lr_at(step: int, *, total: int, warmup: int, peak: float, floor: float = 0.0) -> float:
+    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay to ``floor`` at ``total``."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def default_warmup(total: int) -> int:
+    return min(2000, total // 20)
+
+
+def _normalize(images: torch.Tensor, *, dtype: torch.dtype = torch.float32, channels_last: bool = False) -> torch.Tensor:
+    from gpufeed.loader import normalize
+
+    return normalize(images, dtype=dtype, channels_last=channels_last)
+
+
+class _Meter:
+    """Accumulates one rank's step timings after the warm-up; runs telemetry over the timed window."""
+
+    def __init__(self, warmup: int, log_every: int, world: World) -> None:
+        self.warmup, self.log_every, self.world = warmup, log_every, world
+        self.index = 0
+        self.steps: list[tuple[float, float, float, float, int]] = []  # step, next, h2d, compute, samples
+        self.t0: float | None = None
+        self.t1: float | None = None
+        self.tel: Telemetry | None = None
+
+    def before_step(self) -> None:
+        if self.index == self.warmup and self.t0 is None:
+            gpu = (torch.device(self.world.device).index or 0) if self.world.is_cuda else None
+            self.tel = Telemetry(interval_s=0.5, gpu_index=gpu)
+            self.tel.start()
+            self.t0 = time.perf_counter()
+
+    def add(self, step_s: float, next_s: float, h2d_s: float, compute_s: float, samples: int) -> None:
+        if self.t0 is not None:
+            self.steps.append((step_s, next_s, h2d_s, compute_s, samples))
+        self.index += 1
+
+    def finish(self) -> RankTiming:
+        self.t1 = time.perf_counter()
+        tel = None
+        if self.tel is not None:
+            self.tel.stop()
+            tel = self.tel.summary()
+        wall = (self.t1 - self.t0) if self.t0 is not None else 0.0
+        cols = list(zip(*self.steps)) if self.steps else [(), (), (), (), ()]
+        step_s, next_s, h2d_s, comp_s = (float(sum(c)) for c in cols[:4])
+        samples = int(sum(cols[4]))
+        windows = []
+        for i in range(0, len(self.steps), self.log_every):
+            chunk = self.steps[i:i + self.log_every]
+            if len(chunk) == self.log_every or not windows:
+                t = sum(s[0] for s in chunk)
+                if t > 0:
+                    windows.append(sum(s[4] for s in chunk) / t)
+        return RankTiming(
+            rank=self.world.rank, num_steps=len(self.steps), num_samples=samples, wall_s=wall,
+            step_s=step_s, data_wait_s=next_s + h2d_s, next_wait_s=next_s, h2d_s=h2d_s, compute_s=comp_s,
+            samples_per_s=samples / wall if wall > 0 else 0.0,
+            stall_pct=100.0 * (next_s + h2d_s) / step_s if step_s > 0 else 0.0,
+            window_rates=windows,
+            cores_used=tel.tree_cores_used if tel else None,
+            read_bytes=tel.tree_read_bytes if tel else 0,
+            rss_max_bytes=tel.rss_max_bytes if tel else 0,
+            gpu=dict(tel.gpu) if tel else {},
+        )
+
+
+def aggregate(mode: str, ranks: list[RankTiming], num_nodes: int = 1, final_loss: float | None = None) -> ModeRecord:
+    """Per-rank timings -> one ModeRecord (sums over ranks; rate over the longest window)."""
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    wall = max((r.wall_s for r in ranks), default=0.0)
+    samples = sum(r.num_samples for r in ranks)
+    step_s = sum(r.step_s for r in ranks)
+    wait = sum(r.data_wait_s for r in ranks)
+    h2d = sum(r.h2d_s for r in ranks)
+    n_win = min((len(r.window_rates) for r in ranks), default=0)
+    windows = [sum(r.window_rates[i] for r in ranks) for i in range(n_win)]
+    cores = [r.cores_used for r in ranks if r.cores_used is not None]
+    return ModeRecord(
+        mode=mode, num_ranks=len(ranks), num_steps=max((r.num_steps for r in ranks), default=0),
+        num_samples=samples, wall_s=wall, samples_per_s=samples / wall if wall > 0 else 0.0,
+        samples_per_s_stat=Stat.of(windows) if windows else None,
+        stall_pct=100.0 * wait / step_s if step_s > 0 else 0.0,
+        copy_wait_pct=100.0 * h2d / step_s if step_s > 0 else 0.0,
+        data_wait_s=wait, next_wait_s=sum(r.next_wait_s for r in ranks), h2d_s=h2d,
+        compute_s=sum(r.compute_s for r in ranks), step_s=step_s,
+        loader_cores_used=sum(cores) if cores else None,
+        read_bytes_per_s=sum(r.read_bytes for r in ranks) / wall / max(1, num_nodes) if wall > 0 else 0.0,
+        per_rank=ranks, final_loss=final_loss,
+    )
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _rng_state(cuda: bool) -> dict[str, Any]:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if cuda:
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _memory_bytes(world: World) -> int:
+    if world.is_cuda:
+        return int(torch.cuda.max_memory_allocated(torch.device(world.device)))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """Everything one rank holds: model (DDP, compiled), optimizer, schedule, scaler, loaders, meters."""
+
+    def __init__(self, cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *,
+                 run_dir: str | Path | None = None) -> None:
+        import torchvision
+
+        self.cfg, self.world = cfg, world
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.device = torch.device(world.device)
+        self.cuda = world.is_cuda
+        self.notes: list[str] = []
+        overrides: dict[str, Any] = {"seed": cfg.seed}
+        if cfg.batch_size is not None:
+            overrides["batch_size"] = cfg.batch_size
+        if cfg.image_size is not None:
+            overrides["image_size"] = cfg.image_size
+        self.loader_cfg = dataclasses.replace(loader_cfg, **overrides)
+        self.batch_size = self.loader_cfg.batch_size
+        self.image_size = self.loader_cfg.image_size
+        self.accum = cfg.accum_steps
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.num_nodes = max(1, world.world_size // max(1, self.local_world))
+
+        if not self.cuda:
+            from gpufeed.system import usable_cpus
+
+            torch.set_num_threads(cfg.threads or max(1, usable_cpus() // self.local_world))
+        elif cfg.threads:
+            torch.set_num_threads(cfg.threads)
+
+        self.needs_data = cfg.mode in ("real", "loader-only", "measure")
+        self.manifest = None
+        self.loader = None
+        if self.needs_data:
+            if not cfg.shards:
+                raise ConfigError(f"mode {cfg.mode} needs --shards (only --synthetic runs without data)")
+            from gpufeed.loader import build_loader
+
+            self.loader = build_loader(cfg.shards, self.loader_cfg, world, train=True, epoch=0)
+            self.manifest = self.loader.manifest
+        self.num_classes = cfg.num_classes or (self.manifest.num_classes if self.manifest else 1000)
+        self.val_loader = None
+        if cfg.val_shards and cfg.mode == "real":
+            from gpufeed.loader import build_loader
+
+            self.val_loader = build_loader(cfg.val_shards, self.loader_cfg, world, train=False, epoch=0)
+
+        # model
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        import numpy as np
+
+        np.random.seed(cfg.seed % 2**32)
+        model = getattr(torchvision.models, cfg.arch)(weights=None, num_classes=self.num_classes,
+                                                       zero_init_residual=True)
+        model = model.to(self.device)
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.module = model
+        self.ddp = None
+        if world.is_distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.ddp = DDP(model, device_ids=[self.device.index] if self.cuda else None,
+                           gradient_as_bucket_view=True)
+            model = self.ddp
+        self.model = torch.compile(model) if cfg.compile else model
+
+        decay, no_decay = [], []
+        for p in self.module.parameters():
+            (no_decay if p.ndim <= 1 else decay).append(p)
+        self.optimizer = torch.optim.SGD(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, momentum=cfg.momentum)
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        dev_type = "cuda" if self.cuda else "cpu"
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[cfg.amp]
+        self.autocast: Callable[[], Any] = (
+            (lambda: torch.autocast(device_type=dev_type, dtype=self.amp_dtype)) if self.amp_dtype is not None
+            else contextlib.nullcontext)
+        self.scaler = torch.amp.GradScaler(dev_type, enabled=cfg.amp == "fp16")
+
+        # schedule: total steps known once the loader length is
+        if self.loader is not None:
+            n_batches = len(self.loader)
+            self.steps_per_epoch = n_batches // self.accum
+            if self.steps_per_epoch < 1:
+                raise DataError(f"{cfg.shards}: {n_batches} batch(es) per rank per epoch at batch size "
+                                f"{self.batch_size} is fewer than accum_steps={self.accum}")
+        else:
+            self.steps_per_epoch = cfg.steps or cfg.measure_steps
+        self.total_steps = cfg.steps or cfg.epochs * self.steps_per_epoch
+        self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else default_warmup(self.total_steps)
+        total, warm, peak, floor = self.total_steps, self.warmup_steps, cfg.lr, cfg.min_lr
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_at(s, total=total, warmup=warm, peak=peak, floor=floor) / peak if peak else 0.0)
+
+        self.step = 0
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self.last_loss: torch.Tensor | None = None
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
+        """The LR the last optimizer step used."""
+        self.start_step = 0
+        self._synthetic: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._progress = None
+
+    # ---- batches
+    def _fetch(self, it: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float, Any]:
+        t0 = time.perf_counter()
+        batch = next(it)
+        t1 = time.perf_counter()
+        if self.cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            x, y = self.loader.to_device(batch, self.device, non_blocking=True)
+            e1.record()
+            return x, y, t1 - t0, (e0, e1)
+        x, y = self.loader.to_device(batch, self.device, non_blocking=True)
+        return x, y, t1 - t0, time.perf_counter() - t1
+
+    def synthetic_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._synthetic is None:
+            g = torch.Generator().manual_seed(self.cfg.seed + 1)
+            x = torch.randint(0, 256, (self.batch_size, 3, self.image_size, self.image_size), dtype=torch.uint8,
+                              generator=g)
+            y = torch.randint(0, self.num_classes, (self.batch_size,), generator=g)
+            self._synthetic = (x.to(self.device), y.to(self.device))
+        return self._synthetic
+
+    def _cycle(self) -> Iterator[Any]:
+        """Batches across epoch boundaries (measure mode)."""
+        epoch = self.epoch
+        while True:
+            self.loader.set_epoch(epoch)
+            yield from self.loader
+            epoch += 1
+
+    # ---- compute
+    def _timer(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    @staticmethod
+    def _elapsed(a: Any, b: Any) -> float:
+        if isinstance(a, float):
+            return b - a
+        return a.elapsed_time(b) / 1000.0
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, last: bool) -> torch.Tensor:
+        """One micro-batch: normalise on the device, forward under autocast, scaled backward.
+
+        Gradients are synchronised across ranks on the last micro-batch only (DDP ``no_sync``)."""
+        sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+        with sync:
+            inputs = _normalize(x, dtype=torch.float32, channels_last=self.cfg.channels_last)
+            with self.autocast():
+                out = self.model(inputs)
+                loss = self.criterion(out.float(), y) / self.accum
+            self.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+
+    def train_step(self, source: str, it: Iterator[Any] | None) -> tuple[float, float, float, float, int]:
+        """One optimizer step over accum_steps micro-batches -> (step_s, next_s, h2d_s, compute_s, samples)."""
+        t_start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        next_s = 0.0
+        h2d: list[Any] = []
+        comp: list[tuple[Any, Any]] = []
+        loss_sum = None
+        for i in range(self.accum):
+            if source == "synthetic":
+                x, y = self.synthetic_batch()
+            else:
+                x, y, ns, hd = self._fetch(it)
+                next_s += ns
+                h2d.append(hd)
+            c0 = self._timer()
+            loss = self.forward_backward(x, y, last=i == self.accum - 1)
+            if i == self.accum - 1:
+                self.optimizer_step()
+            c1 = self._timer()
+            comp.append((c0, c1))
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+        if self.cuda:
+            comp[-1][1].synchronize()
+        h2d_s = sum(h if isinstance(h, float) else self._elapsed(*h) for h in h2d)
+        compute_s = sum(self._elapsed(a, b) for a, b in comp)
+        self.last_loss = loss_sum
+        return time.perf_counter() - t_start, next_s, h2d_s, compute_s, self.batch_size * self.accum
+
+    def loader_step(self, it: Iterator[Any]) -> tuple[float, float, float, float, int]:
+        """Loader ceiling: fetch accum_steps batches, move them to the device, drop them."""
+        t_start = time.perf_counter()
+        next_s, h2d = 0.0, []
+        for _ in range(self.accum):
+            _x, _y, ns, hd = self._fetch(it)
+            next_s += ns
+            h2d.append(hd)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        h2d_s = sum(h if isinstance(h, float) else self._elapsed(*h) for h in h2d)
+        return time.perf_counter() - t_start, next_s, h2d_s, 0.0, self.batch_size * self.accum
+
+    # ---- collectives
+    def gather(self, obj: Any) -> list[Any]:
+        if not self.world.is_distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def param_checksum(self) -> float:
+        """Σ of every parameter in float64: equal on all ranks when DDP kept them in sync. (BatchNorm running
+        statistics are not parameters: DDP re-broadcasts them from rank 0 at each forward.)"""
+        with torch.no_grad():
+            return float(sum(p.double().sum() for p in self.module.parameters()))
+
+    # ---- validation
+    @torch.no_grad()
+    def validate(self) -> ValRecord:
+        """Top-1/top-5 on every rank's (equal) share of the validation set, summed over ranks."""
+        self.module.eval()
+        stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, top1, top5, n
+        k = min(5, self.num_classes)
+        for batch in self.val_loader:
+            x, y = self.val_loader.to_device(batch, self.device, non_blocking=True)
+            inputs = _normalize(x, dtype=torch.float32, channels_last=self.cfg.channels_last)
+            with self.autocast():
+                out = self.module(inputs)
+            out = out.float()
+            stats[0] += torch.nn.functional.cross_entropy(out, y, reduction="sum").double()
+            top = out.topk(k, dim=1).indices
+            hit = top.eq(y[:, None])
+            stats[1] += hit[:, :1].any(dim=1).sum()
+            stats[2] += hit.any(dim=1).sum()
+            stats[3] += y.numel()
+        if self.world.is_distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(stats)
+        self.module.train()
+        n = max(1.0, float(stats[3]))
+        return ValRecord(epoch=self.epoch, step=self.step, num_samples=int(stats[3]), loss=float(stats[0]) / n,
+                         top1_pct=100.0 * float(stats[1]) / n, top5_pct=100.0 * float(stats[2]) / n)
+
+    # ---- checkpoints
+    def checkpoint_path(self) -> Path | None:
+        return Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME if self.cfg.checkpoint_dir else None
+
+    def save_checkpoint(self) -> Path | None:
+        """Collective (RNG states are gathered from every rank); rank 0 writes last.pt atomically."""
+        path = self.checkpoint_path()
+        if path is None:
+            return None
+        rngs = self.gather(_rng_state(self.cuda))
+        if self.world.is_main:
+            state = {
+                "format": "gpufeed-train-checkpoint", "version": 1,
+                "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "loader_position": {"epoch": self.epoch, "batches_consumed": self.step_in_epoch * self.accum,
+                                    "method": "replay"},
+                "rng": rngs, "world_size": self.world.world_size,
+                "config": to_jsonable(self.cfg), "loader_config": to_jsonable(self.loader_cfg),
+                "total_steps": self.total_steps,
+            }
+            _atomic_torch_save(state, path)
+        if self.world.is_distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+        return path
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        path = self.checkpoint_path()
+        if path is None or not path.exists():
+            self.notes.append(f"resume: no checkpoint at {path}; starting from step 0")
+            return None
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state.get("format") != "gpufeed-train-checkpoint":
+            raise DataError(f"{path} is not a gpufeed train checkpoint")
+        if state.get("total_steps") != self.total_steps:
+            self.notes.append(f"resume: the checkpoint planned {state.get('total_steps')} steps, this run "
+                              f"{self.total_steps}; the LR schedule follows this run")
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = self.start_step = int(state["step"])
+        self.epoch = int(state["epoch"])
+        self.step_in_epoch = int(state["step_in_epoch"])
+        if self.step_in_epoch >= self.steps_per_epoch:
+            self.epoch += 1
+            self.step_in_epoch = 0
+        return state
+
+    # ---- logging
+    def log(self, mode: str, window: list[tuple[float, float, float, float, int]]) -> None:
+        if not window:
+            return
+        step_s = sum(w[0] for w in window)
+        wait = sum(w[1] + w[2] for w in window)
+        samples = sum(w[4] for w in window)
+        loss = float(self.last_loss) if self.last_loss is not None else None
+        lr = self.step_lr
+        rate = samples / step_s if step_s > 0 else 0.0
+        if self._progress is not None:
+            self._progress.set_postfix(loss=f"{loss:.3f}" if loss is not None else "-", sps=f"{rate * self.world.world_size:.0f}",
+                                       stall=f"{100 * wait / step_s:.0f}%" if step_s else "-", refresh=False)
+        if self.run_dir is None or not self.world.is_main:
+            return
+        append_jsonl(self.run_dir / LOG_NAME, {
+            "time": utc_now(), "mode": mode, "step": self.step, "epoch": self.epoch, "rank": self.world.rank,
+            "num_steps": len(window), "samples_per_s": rate, "samples_per_s_all_ranks_est": rate * self.world.world_size,
+            "data_wait_s": wait, "next_wait_s": sum(w[1] for w in window), "h2d_s": sum(w[2] for w in window),
+            "compute_s": sum(w[3] for w in window), "step_s": step_s,
+            "stall_pct": 100.0 * wait / step_s if step_s > 0 else 0.0,
+            "loss": loss, "lr": lr, "memory_bytes": _memory_bytes(self.world),
+        })
+
+    # ---- modes
+    def run_mode(self, mode: str, num_steps: int) -> ModeRecord | None:
+        """synthetic / loader-only / real (measure) for num_steps timed steps after the warm-up."""
+        meter = _Meter(self.cfg.timing_warmup_steps, self.cfg.log_every, self.world)
+        n = self.cfg.timing_warmup_steps + num_steps
+        it = None if mode == "synthetic" else self._cycle()
+        self.module.train()
+        window: list[Any] = []
+        progress = self._bar(n, 0, mode)
+        try:
+            for _ in range(n):
+                meter.before_step()
+                if mode == "loader-only":
+                    t = self.loader_step(it)
+                else:
+                    t = self.train_step("synthetic" if mode == "synthetic" else "loader", it)
+                    self.step += 1
+                meter.add(*t)
+                window.append(t)
+                if progress is not None:
+                    progress.update(1)
+                if len(window) >= self.cfg.log_every:
+                    self.log(mode, window)
+                    window = []
+            self.log(mode, window)
+        finally:
+            if progress is not None:
+                progress.close()
+            self._progress = None
+            del it
+        return self._aggregate(mode, meter)
+
+    def _aggregate(self, mode: str, meter: _Meter) -> ModeRecord | None:
+        timing = meter.finish()
+        ranks = self.gather(timing)
+        loss = float(self.last_loss) if (self.last_loss is not None and mode != "loader-only") else None
+        return aggregate(mode, ranks, self.num_nodes, loss) if self.world.is_main else None
+
+    def _bar(self, total: int, initial: int, desc: str) -> Any:
+        if not (self.world.is_main and self.cfg.progress):
+            return None
+        from tqdm import tqdm
+
+        self._progress = tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
+                              dynamic_ncols=True, leave=False)
+        return self._progress
+
+    def run_real(self, on_step: Callable[[int], None] | None = None) -> tuple[ModeRecord | None, list[ValRecord]]:
+        """The training run: epochs or steps, validation at epoch ends, checkpoints, resume."""
+        cfg = self.cfg
+        if cfg.resume:
+            state = self.load_checkpoint()
+        else:
+            state = None
+        # time at least one step, however short the run
+        warm = min(cfg.timing_warmup_steps, max(0, self.total_steps - self.step - 1))
+        meter = _Meter(warm, cfg.log_every, self.world)
+        vals: list[ValRecord] = []
+        window: list[Any] = []
+        progress = self._bar(self.total_steps, self.step, "train")
+        self.module.train()
+        try:
+            while self.step < self.total_steps:
+                self.loader.set_epoch(self.epoch)
+                it = iter(self.loader)
+                for _ in range(self.step_in_epoch * self.accum):  # replay to the checkpoint's position
+                    next(it)
+                if state is not None:
+                    rngs = state["rng"]
+                    _set_rng_state(rngs[self.world.rank] if len(rngs) == self.world.world_size else rngs[0])
+                    state = None
+                while self.step_in_epoch < self.steps_per_epoch and self.step < self.total_steps:
+                    meter.before_step()
+                    t = self.train_step("loader", it)
+                    self.step += 1
+                    self.step_in_epoch += 1
+                    meter.add(*t)
+                    window.append(t)
+                    if progress is not None:
+                        progress.update(1)
+                    if len(window) >= cfg.log_every:
+                        self.log("real", window)
+                        window = []
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save_checkpoint()
+                    if on_step is not None:
+                        on_step(self.step)
+                del it
+                if self.step_in_epoch >= self.steps_per_epoch:  # epoch end
+                    if self.val_loader is not None:
+                        vals.append(self.validate())
+                    self.epoch += 1
+                    self.step_in_epoch = 0
+                    if cfg.checkpoint_dir and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+                        self.save_checkpoint()
+            self.log("real", window)
+            if self.val_loader is not None and (not vals or vals[-1].step != self.step) and self.step_in_epoch:
+                vals.append(self.validate())
+            if cfg.checkpoint_dir and self.step_in_epoch and not (
+                    cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+                self.save_checkpoint()
+        finally:
+            if progress is not None:
+                progress.close()
+            self._progress = None
+        return self._aggregate("real", meter), vals
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def _init_distributed(world: World) -> bool:
+    """Join the process group torchrun set up the environment for; True when this call created it."""
+    if not world.is_distributed:
+        return False
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    if world.is_cuda:
+        torch.cuda.set_device(torch.device(world.device))
+    dist.init_process_group(backend=world.backend)
+    return True
+
+
+def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer) -> VerdictInputs | None:
+    real = modes.get("real")
+    if real is None or real.num_steps == 0:
+        return None
+    synth, lonly = modes.get("synthetic"), modes.get("loader-only")
+    from gpufeed.system import usable_cpus
+
+    return VerdictInputs(
+        stall_pct=real.stall_pct, end_to_end_rate=real.samples_per_s,
+        gpu_ceiling=synth.samples_per_s if synth else None,
+        loader_ceiling=lonly.samples_per_s if lonly else None,
+        per_rank_stall_pct=tuple(r.stall_pct for r in real.per_rank),
+        copy_wait_pct=real.copy_wait_pct,
+        loader_cores_used=lonly.loader_cores_used if lonly else None,
+        usable_cores=float(usable_cpus()), num_nodes=trainer.num_nodes, ranks_per_node=trainer.local_world,
+        num_workers=trainer.loader_cfg.num_workers,
+        read_bytes_per_s=(lonly or real).read_bytes_per_s,
+        storage_bytes_per_s=trainer.cfg.storage_bytes_per_s,
+        mean_sample_bytes=trainer.manifest.mean_sample_bytes if trainer.manifest else None,
+        decode=trainer.loader_cfg.decode, is_cuda=trainer.cuda,
+    )
+
+
+def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: str | Path | None = None,
+          on_step: Callable[[int], None] | None = None) -> TrainRecord | None:
+    """Run one rank. Rank 0 returns the TrainRecord (and writes summary.json/report.md into run_dir);
+    other ranks return None. ``on_step(step)`` is called after every real optimizer step (tests)."""
+    t0 = time.perf_counter()
+    started = utc_now()
+    created = _init_distributed(world)
+    try:
+        trainer = Trainer(cfg, loader_cfg, world, run_dir=run_dir)
+        modes: dict[str, ModeRecord] = {}
+        vals: list[ValRecord] = []
+        if cfg.mode == "measure":
+            for mode in MODES_MEASURE:
+                rec = trainer.run_mode(mode, cfg.measure_steps)
+                if rec is not None:
+                    modes[mode] = rec
+        elif cfg.mode == "real":
+            rec, vals = trainer.run_real(on_step)
+            if rec is not None:
+                modes["real"] = rec
+        else:
+            rec = trainer.run_mode(cfg.mode, cfg.steps or cfg.measure_steps)
+            if rec is not None:
+                modes[cfg.mode] = rec
+        checksums = trainer.gather(trainer.param_checksum())
+        if not world.is_main:
+            return None
+        vin = verdict_inputs(modes, trainer)
+        verdict = classify(vin) if vin is not None else None
+        lr = trainer.step_lr
+        record = TrainRecord(
+            mode=cfg.mode, arch=cfg.arch, device=world.device, backend=world.backend, world_size=world.world_size,
+            num_nodes=trainer.num_nodes, amp=cfg.amp, batch_size=trainer.batch_size, accum_steps=trainer.accum,
+            global_batch=trainer.batch_size * trainer.accum * world.world_size, image_size=trainer.image_size,
+            num_classes=trainer.num_classes, start_step=trainer.start_step, step=trainer.step,
+            total_steps=trainer.total_steps, epoch=trainer.epoch,
+            final_loss=float(trainer.last_loss) if trainer.last_loss is not None else None, final_lr=lr,
+            modes=modes, val=vals, verdict=verdict, ok=verdict.ok if verdict else True,
+            num_skipped=int(getattr(trainer.loader, "num_skipped", 0) or 0) if trainer.loader is not None else 0,
+            checkpoint=str(trainer.checkpoint_path()) if trainer.checkpoint_path() else None,
+            run_dir=str(run_dir) if run_dir else None, wall_s=time.perf_counter() - t0, started=started,
+            notes=trainer.notes, rank_param_checksums=checksums,
+        )
+        if run_dir is not None:
+            write_json(Path(run_dir) / SUMMARY_NAME, record)
+            (Path(run_dir) / "report.md").write_text(render_markdown(to_jsonable(record)), encoding="utf-8")
+        return record
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def measure(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World | None = None, steps_per_mode: int = 20,
+            *, run_dir: str | Path | None = None) -> TrainRecord | None:
+    """GPU ceiling, loader ceiling and real run in this process (scripts, benchmarks): the TrainRecord with
+    ``modes`` {synthetic, loader-only, real} and the verdict. Rank 0 gets the record, other ranks None."""
+    world = world or World.from_env(cfg.device)
+    cfg = dataclasses.replace(cfg, mode="measure", measure_steps=steps_per_mode)
+    return train(cfg, loader_cfg, world, run_dir=run_dir)
+
+
+def needs_torchrun(cfg: TrainConfig) -> bool:
+    return cfg.nproc_per_node > 1 or cfg.nnodes != "1"
+
+
+def torchrun_command(cfg: TrainConfig, config_path: str | Path) -> list[str]:
+    """``python -m torch.distributed.run [rendezvous] -m gpufeed.train CONFIG``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc_per_node),
+           "--nnodes", cfg.nnodes]
+    if cfg.rdzv_endpoint:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint, "--rdzv-id", cfg.rdzv_id]
+    elif cfg.master_addr:
+        cmd += ["--node-rank", str(cfg.node_rank or 0), "--master-addr", cfg.master_addr,
+                "--master-port", str(cfg.master_port or 29500)]
+    elif cfg.nnodes == "1":
+        cmd += ["--standalone"]
+    else:
+        raise ConfigError(f"nnodes={cfg.nnodes} needs --rdzv-endpoint HOST[:PORT] or --master-addr/--master-port")
+    return cmd + ["-m", "gpufeed.train", str(config_path)]
+
+
+def launch(cfg: TrainConfig, loader_cfg: LoaderConfig) -> dict[str, Any]:
+    """Create the run folder (resolved config, environment), run every rank, return summary.json as a dict.
+
+    One process runs in-process; more go through torchrun, which re-enters :func:`main` in each rank."""
+    from gpufeed.system import environment_snapshot, usable_cpus
+
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else make_run_dir("train")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+    config_path = run_dir / CONFIG_NAME
+    config_path.write_text(
+        to_toml("loader", loader_cfg, header="Resolved configuration of this run (gpufeed train).") + "\n"
+        + to_toml("train", cfg), encoding="utf-8")
+    write_json(run_dir / "environment.json", environment_snapshot())
+    if not needs_torchrun(cfg):
+        world = World.from_env(cfg.device)
+        record = train(cfg, loader_cfg, world, run_dir=run_dir)
+        return to_jsonable(record)
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(cfg.threads or max(1, usable_cpus() // cfg.nproc_per_node))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    cmd = torchrun_command(cfg, config_path)
+    # rank output goes to our stderr, so that stdout stays free for --json
+    proc = subprocess.run(cmd, env=env, stdout=sys.__stderr__, stderr=sys.__stderr__)
+    summary = run_dir / SUMMARY_NAME
+    if proc.returncode != 0:
+        raise LaunchError(f"torchrun exited with {proc.returncode} (command: {' '.join(cmd)}); "
+                          f"see the rank output above and {run_dir}")
+    if not summary.exists():
+        return {"ok": True, "run_dir": str(run_dir),
+                "notes": [f"this node (rank {cfg.node_rank}) holds no summary: rank 0's node writes it"]}
+    import json
+
+    return json.loads(summary.read_text(encoding="utf-8"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rank entry point under torchrun: ``python -m gpufeed.train RUN_DIR/config.toml``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m gpufeed.train CONFIG.toml (normally started by gpufeed train)", file=sys.stderr)
+        return 2
+    conf = load_config(argv[0])
+    world = World.from_env(conf.train.device)
+    record = train(conf.train, conf.loader, world, run_dir=conf.train.run_dir)
+    del record  # rank 0 wrote summary.json; the launcher sets the exit code from it
+    return 0
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _fmt_rate(m: dict[str, Any]) -> str:
+    st = m.get("samples_per_s_stat")
+    if st:
+        return f"{m['samples_per_s']:.1f} (windows {st['min']:.1f}–{st['max']:.1f}, n={st['n']})"
+    return f"{m['samples_per_s']:.1f}"
+
+
+def render(s: dict[str, Any]) -> str:
+    """Human summary of a summary.json dict; the verdict comes last."""
+    if "mode" not in s:
+        return "\n".join(s.get("notes", []))
+    lines = [
+        f"gpufeed train: {s['arch']} on {s['world_size']} x {s['device'].split(':')[0]} ({s['backend']}), "
+        f"amp {s['amp']}, batch {s['batch_size']} x accum {s['accum_steps']} x {s['world_size']} ranks = "
+        f"{s['global_batch']}, {s['image_size']} px, mode {s['mode']}",
+    ]
+    if s["mode"] == "real":
+        lines.append(f"steps {s['start_step']}→{s['step']} of {s['total_steps']}, epoch {s['epoch']}, "
+                     f"loss {s['final_loss'] if s['final_loss'] is None else round(s['final_loss'], 4)}, "
+                     f"lr {s['final_lr']:.4g}")
+    lines.append(f"{'mode':<12} {'steps':>5} {'samples/s':>34} {'stall %':>8} {'next s':>8} {'h2d s':>8} "
+                 f"{'compute s':>9} {'cores':>6}")
+    for name, m in s["modes"].items():
+        cores = f"{m['loader_cores_used']:.1f}" if m.get("loader_cores_used") is not None else "-"
+        stall = f"{m['stall_pct']:.1f}" if name != "loader-only" else "-"
+        lines.append(f"{name:<12} {m['num_steps']:>5} {_fmt_rate(m):>34} {stall:>8} {m['next_wait_s']:>8.2f} "
+                     f"{m['h2d_s']:>8.2f} {m['compute_s']:>9.2f} {cores:>6}")
+        if len(m["per_rank"]) > 1 and name != "loader-only":
+            lines.append("  per rank stall %: " + ", ".join(f"r{r['rank']} {r['stall_pct']:.1f}" for r in m["per_rank"]))
+    for v in s.get("val", []):
+        lines.append(f"val epoch {v['epoch']} step {v['step']}: top-1 {v['top1_pct']:.2f}%  top-5 {v['top5_pct']:.2f}%  "
+                     f"loss {v['loss']:.4f} ({v['num_samples']} samples)")
+    if s.get("num_skipped"):
+        lines.append(f"skipped samples: {s['num_skipped']}")
+    for n in s.get("notes", []):
+        lines.append(f"note: {n}")
+    if s.get("checkpoint"):
+        lines.append(f"checkpoint: {s['checkpoint']}")
+    if s.get("run_dir"):
+        lines.append(f"run folder: {s['run_dir']}")
+    v = s.get("verdict")
+    if v:
+        head = f"verdict: {v['status'].upper()}" + (f" ({v['bound']}-bound)" if v.get("bound") else "")
+        lines.append(f"{head}: {v['reason']}")
+        lines += [f"  fix: {f}" for f in v.get("fixes", [])]
+    return "\n".join(lines)
+
+
+def render_markdown(s: dict[str, Any]) -> str:
+    out = [f"# gpufeed train — {s['arch']}, {s['world_size']} x {s['device'].split(':')[0]}, mode {s['mode']}", "",
+           f"Started {s['started']}, {s['wall_s']:.1f} s. amp {s['amp']}, batch {s['batch_size']} per rank x accum "
+           f"{s['accum_steps']} (global {s['global_batch']}), {s['image_size']} px.", "",
+           "| mode | steps | samples/s | median (min–max) | stall % | copy % | next s | h2d s | compute s | cores |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for name, m in s["modes"].items():
+        st = m.get("samples_per_s_stat")
+        med = f"{st['median']:.1f} ({st['min']:.1f}–{st['max']:.1f})" if st else "-"
+        cores = f"{m['loader_cores_used']:.1f}" if m.get("loader_cores_used") is not None else "-"
+        out.append(f"| {name} | {m['num_steps']} | {m['samples_per_s']:.1f} | {med} | {m['stall_pct']:.1f} | "
+                   f"{m['copy_wait_pct']:.1f} | {m['next_wait_s']:.2f} | {m['h2d_s']:.2f} | {m['compute_s']:.2f} | {cores} |")
+    for name, m in s["modes"].items():
+        if len(m["per_rank"]) > 1:
+            out += ["", f"Per rank ({name}):", "", "| rank | samples/s | stall % | cores |", "|---:|---:|---:|---:|"]
+            for r in m["per_rank"]:
+                c = f"{r['cores_used']:.1f}" if r.get("cores_used") is not None else "-"
+                out.append(f"| {r['rank']} | {r['samples_per_s']:.1f} | {r['stall_pct']:.1f} | {c} |")
+    if s.get("val"):
+        out += ["", "| epoch | step | top-1 % | top-5 % | loss |", "|---:|---:|---:|---:|---:|"]
+        out += [f"| {v['epoch']} | {v['step']} | {v['top1_pct']:.2f} | {v['top5_pct']:.2f} | {v['loss']:.4f} |"
+                for v in s["val"]]
+    v = s.get("verdict")
+    if v:
+        out += ["", f"**Verdict: {v['status']}**" + (f" ({v['bound']}-bound)" if v.get("bound") else "") +
+                f": {v['reason']}"]
+        out += [f"- {f}" for f in v.get("fixes", [])]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -174,7 +174,8 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
     endlessly (a new epoch's start-up cost counts, as it would in training). Start-up (opening the
     first epoch and its first batch) is timed apart; warm-up then drains the prefetched backlog
     (``num_workers × prefetch_factor`` batches at most, stopping early as soon as a batch has to be
-    waited for) plus ``warmup_batches``. ``deadline`` (``time.monotonic()``) cuts windows short.
+    waited for) plus ``warmup_batches``. A window lasts ``window_s`` and at least 2 batches per worker
+    (or exactly ``window_batches``); ``deadline`` (``time.monotonic()``) cuts windows short.
     Raises on loader errors; :func:`measure_loader` turns them into error records.
     """
     import psutil
@@ -228,6 +229,9 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
             raise _OutOfBudget(f"budget ran out during start-up/warm-up ({time.perf_counter() - t0:.1f} s)")
 
         runs: list[float] = []
+        # with W workers delivering whole batches in turn, a window of fewer than 2W batches measures
+        # the round-robin phase more than the rate
+        min_batches = 2 * max(1, num_workers) if window_batches is None else 1
         me = psutil.Process()
         n_batches = n_samples = 0
         wait_s = copy_s = measure_s = 0.0
@@ -251,7 +255,7 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
                     ns += _batch_len(batch)
                     if window_batches is not None and nb >= window_batches:
                         break
-                    if window_s is not None and tc - ts >= window_s:
+                    if window_s is not None and tc - ts >= window_s and nb >= min_batches:
                         break
                     if past_deadline():
                         out["truncated"] = True

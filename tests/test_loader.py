@@ -354,3 +354,55 @@ def test_missing_manifest_and_too_small_set(tmp_path, shard_set):
         build_loader(tmp_path / "nothing-here", cfg(), World.single()) if (tmp_path / "nothing-here").mkdir() is None else None
     with pytest.raises(DataError, match="batch_size"):
         build_loader(shard_set, cfg(batch_size=64), World.single())
+
+
+# --------------------------------------------------------------------------- the fast tar reader
+
+
+def test_fast_tar_reader_matches_webdataset(tmp_path):
+    """gpufeed.tarread groups and counts exactly as webdataset (ustar, GNU and pax long names, dirs)."""
+    import webdataset as wds
+
+    from gpufeed.loader import _READ_EXTENSIONS, _select
+    from gpufeed.manifest import READ_IMAGE_EXTENSIONS
+    from gpufeed.tarread import iter_samples
+
+    long_dir = "d" * 120
+    members = [("a.jpg", b"1"), ("a.cls", b"0"), ("a.json", b"{}"), ("dir/b.png", b"22"), ("dir/b.cls", b"1"),
+               ("orphan.cls", b"3"), (f"{long_dir}/c.JPEG", b"333"), (f"{long_dir}/c.cls", b"2"),
+               ("e.seg.png", b"4"), ("e.cls", b"1"), ("f.webp", b"5" * 1000)]
+    for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        path = tmp_path / f"x{fmt}.tar"
+        with tarfile.open(path, "w", format=fmt) as tf:
+            tf.addfile(tarfile.TarInfo("dir")) if fmt != tarfile.USTAR_FORMAT else None
+            for name, data in members:
+                if fmt == tarfile.USTAR_FORMAT and len(name) > 100 and "/" not in name[-100:]:
+                    continue
+                _add(tf, name, data)
+        ref = []
+        for s in wds.WebDataset(str(path), shardshuffle=False, nodesplitter=None, workersplitter=None,
+                                select_files=_select, empty_check=False):
+            if any(e in s for e in READ_IMAGE_EXTENSIONS):
+                ref.append({k: v for k, v in s.items() if not k.startswith("__")} | {"__key__": s["__key__"]})
+        got = [{k: v for k, v in s.items() if k != "__url__"} for s in
+               iter_samples(str(path), _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS)]
+        assert got == ref, fmt
+        assert len(got) >= 4
+        assert [s["__key__"] for s in iter_samples(str(path), _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS, 1, 3)] == \
+            [s["__key__"] for s in ref[1:3]]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_truncated_shard_under_both_policies(tmp_path, fast):
+    from gpufeed.loader import build_loader
+
+    shards = write_set(tmp_path / "trunc", [6, 6])
+    p = shards / "train-000001.tar"
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2 + 100])
+    loader = build_loader(shards, cfg(batch_size=3), World.single())
+    loader._dataset.fast_tar = fast
+    with pytest.raises(DataError, match="train-000001.tar"):
+        list(loader)
+    loader = build_loader(shards, cfg(batch_size=3, on_error="skip"), World.single())
+    loader._dataset.fast_tar = fast
+    assert len(list(loader)) == 4 and loader.num_skipped >= 1

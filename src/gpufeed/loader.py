@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gpufeed import decode as dec
+from gpufeed import tarread
 from gpufeed.config import LoaderConfig
 from gpufeed.errors import ConfigError, DataError
 from gpufeed.manifest import LABEL_EXTENSION, READ_IMAGE_EXTENSIONS, Manifest, manifest_path, read_manifest
@@ -163,6 +164,8 @@ class ShardStream(IterableDataset):
         self.train = train
         self.epoch_value = epoch_value
         self.per_sample = not cfg.worker_batching
+        self.fast_tar = True
+        """Read local plain .tar shards with :mod:`gpufeed.tarread`; False = webdataset for every shard."""
 
     # ------------------------------------------------------------------ reading
 
@@ -172,6 +175,16 @@ class ShardStream(IterableDataset):
         for seg in segments:
             url = self.paths[seg.shard]
             policy = _ErrorPolicy(self.cfg.on_error, url)
+            if self.fast_tar and url.endswith(".tar"):
+                try:
+                    for sample in tarread.iter_samples(url, _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS,
+                                                       seg.start, seg.stop):
+                        sample["__ext__"] = next(e for e in READ_IMAGE_EXTENSIONS if e in sample)
+                        yield sample
+                except (OSError, ValueError, StopIteration) as exc:
+                    policy(exc)  # raises DataError naming the shard, or counts it under "skip"
+                errors[0] += policy.count
+                continue
             ds = wds.WebDataset(url, handler=policy, shardshuffle=False, nodesplitter=None,
                                 workersplitter=None, select_files=_select, empty_check=False)
             i = 0
@@ -241,7 +254,7 @@ class ShardStream(IterableDataset):
         if self.train:
             crop_fn = partial(dec.train_crop, rng=rng)
         else:
-            crop_fn = partial(dec.eval_crop, size=S, crop_ratio=cfg.crop_ratio)
+            crop_fn = partial(dec.eval_crop, size=S, crop_ratio=getattr(cfg, "crop_ratio", 0.875))
         errors = [0]
         skipped_reported = 0
         batch = None
@@ -265,7 +278,7 @@ class ShardStream(IterableDataset):
                         pass
                     else:
                         dec.decode_into(data, sample["__ext__"], cfg.decode, crop_fn, S, images[row],
-                                        reducing_gap=cfg.reducing_gap)
+                                        reducing_gap=getattr(cfg, "reducing_gap", None))
                 except Exception as exc:  # noqa: BLE001 - the policy decides
                     where = f"sample {sample.get('__key__')!r} in shard {sample.get('__url__')}"
                     if cfg.on_error == "raise":

@@ -202,3 +202,38 @@ def test_ddp_measure_runs_three_modes_and_ends_with_the_verdict(shards, tmp_path
     assert s["verdict"]["status"] in ("fed", "starved")
     assert s["rank_param_checksums"][0] == s["rank_param_checksums"][1]
     assert res.stdout.strip().splitlines()[-1 - len(s["verdict"]["fixes"])].startswith("verdict: ")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_resume_after_sigkill(shards, tmp_path: Path) -> None:
+    """A real kill: SIGKILL the CLI process once a checkpoint exists, then --resume finishes the run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ck = tmp_path / "ck"
+    args = ["--shards", shards["train"], "--arch", "resnet18", "--image-size", "32", "--batch-size", "4",
+            "--num-workers", "0", "--amp", "off", "--steps", "40", "--warmup-steps", "4", "--device", "cpu",
+            "--checkpoint-dir", ck, "--checkpoint-every", "3", "--log-every", "1", "--quiet", "--threads", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "gpufeed.cli", "train", *map(str, args), "--run-dir",
+                             str(tmp_path / "killed")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (ck / "last.pt").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = torch.load(ck / "last.pt", map_location="cpu", weights_only=False)["step"]
+    assert saved % 3 == 0 and 3 <= saved < 40
+
+    res = invoke(["train", *args, "--resume", "--run-dir", tmp_path / "resumed", "--json"], expect=None)
+    s = json.loads(res.stdout)
+    assert s["start_step"] == saved and s["step"] == 40
+    log = read_log(tmp_path / "resumed")
+    assert log[0]["step"] == saved + 1
+    for r in log:  # the LR continues on the same warm-up + cosine schedule
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, total=40, warmup=4, peak=0.1))

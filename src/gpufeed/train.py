@@ -333,6 +333,8 @@ class Trainer:
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.num_nodes = max(1, world.world_size // max(1, self.local_world))
 
+        if self.cuda:
+            torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick the fastest kernels
         if not self.cuda:
             from gpufeed.system import usable_cpus
 
@@ -856,6 +858,10 @@ def measure(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World | None = No
     return train(cfg, loader_cfg, world, run_dir=run_dir)
 
 
+MeasureRecord = TrainRecord
+"""What :func:`measure` returns: ``modes`` holds the three ModeRecords, ``verdict`` the classification."""
+
+
 def needs_torchrun(cfg: TrainConfig) -> bool:
     return cfg.nproc_per_node > 1 or cfg.nnodes != "1"
 
@@ -956,6 +962,10 @@ def render(s: dict[str, Any]) -> str:
         stall = f"{m['stall_pct']:.1f}" if name != "loader-only" else "-"
         lines.append(f"{name:<12} {m['num_steps']:>5} {_fmt_rate(m):>34} {stall:>8} {m['next_wait_s']:>8.2f} "
                      f"{m['h2d_s']:>8.2f} {m['compute_s']:>9.2f} {cores:>6}")
+        util = [r["gpu"].get("util_mean_pct") for r in m["per_rank"] if r.get("gpu")]
+        util = [u for u in util if u is not None]
+        if util:
+            lines.append(f"  GPU utilisation %: " + ", ".join(f"{u:.0f}" for u in util))
         if len(m["per_rank"]) > 1 and name != "loader-only":
             lines.append("  per rank stall %: " + ", ".join(f"r{r['rank']} {r['stall_pct']:.1f}" for r in m["per_rank"]))
     for v in s.get("val", []):

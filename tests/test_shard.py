@@ -310,3 +310,24 @@ def test_cli_config_file(tmp_path: Path, image_folder) -> None:
     assert out["num_shards"] == 2 and out["shards"][0] == "val-000000.tar"
     cfg.write_text("[shard]\nbogus = 1\n")
     invoke(["shard", image_folder(name="s3"), tmp_path / "o3", "--config", cfg], expect=2)
+
+
+def test_ustar_header_matches_tarfile() -> None:
+    from gpufeed.shard import ustar_header
+
+    for name, size in [("00000_0000000.jpg", 0), ("00012_0001234.json", 511), ("k" * 100, 8**11 - 1)]:
+        ti = tarfile.TarInfo(name)
+        ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
+        assert ustar_header(name, size) == ti.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def test_shard_bytes_equal_a_tarfile_written_archive(image_folder, tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    shard(image_folder(classes=2, per_class=3), dest)
+    ours = (dest / "train-000000.tar").read_bytes()
+    buf = io.BytesIO()
+    with tarfile.open(dest / "train-000000.tar") as src, tarfile.open(fileobj=buf, mode="w",
+                                                                        format=tarfile.USTAR_FORMAT) as out:
+        for m in src.getmembers():
+            out.addfile(m, src.extractfile(m))
+    assert buf.getvalue() == ours

@@ -331,3 +331,11 @@ def test_shard_bytes_equal_a_tarfile_written_archive(image_folder, tmp_path: Pat
         for m in src.getmembers():
             out.addfile(m, src.extractfile(m))
     assert buf.getvalue() == ours
+
+
+def test_run_interrupted_before_its_plan_restarts(image_folder, tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    (dest / ".gpufeed").mkdir(parents=True)
+    (dest / ".gpufeed" / "enc-000000.bin").write_bytes(b"junk")
+    rep = shard(image_folder(classes=1, per_class=2), dest)
+    assert rep.num_samples == 2 and not rep.resumed

@@ -33,7 +33,8 @@ Stored bytes, colour modes and orientation
   - ``16bit_to_png8``: 16-bit / 32-bit grayscale (Pillow mode ``I;16``/``I``/``F``) is scaled to 8 bits
     (``>> 8``) and stored as an 8-bit PNG, because ``.convert("RGB")`` would clip it to white.
   - ``to_png``: BMP/TIFF/PPM/PGM content is stored losslessly as an RGB PNG.
-* ``--max-size PX`` re-encodes images whose long side exceeds PX (resized down with Lanczos, never up; other
+* ``--max-size PX`` re-encodes images whose long side exceeds PX (JPEG DCT-domain reduction where it applies, then
+  Pillow's antialiased bicubic resize; never up; other
   images pass through); ``--quality Q`` re-encodes every image. Re-encoded output is always RGB JPEG
   (quality Q, default 90, 4:2:0, baseline, no metadata); alpha is dropped as above.
 * EXIF orientation is **not applied**, consistently for every path: pass-through bytes keep their EXIF but
@@ -315,7 +316,7 @@ def _encode(data: bytes, action: str, opts: dict[str, Any]) -> tuple[bytes, str,
                 im.draft("RGB", target)  # DCT-domain downscale: still decodes the whole bitstream
             im = _to_rgb(im)
             if im.size != target:
-                im = im.resize(target, Image.Resampling.LANCZOS)
+                im = im.resize(target, Image.Resampling.BICUBIC)
             q = opts["quality"] or DEFAULT_REENCODE_QUALITY
             buf = io.BytesIO()
             im.save(buf, "JPEG", quality=q)
@@ -636,6 +637,11 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
                  r["action"], r["orientation"], r["ext"], r["width"], r["height"], r["sha256"], r["bytes"],
                  None if r["enc"] is None else (os.path.join(state, r["enc"][0]), *r["enc"][1:]))
                 for r in rows], sum(r["bytes"] for r in rows)))
+        for _name, task_samples, _b in tasks:
+            for t in task_samples:
+                if t[-1] is not None and not os.path.exists(t[-1][0]):
+                    raise DataError(f"DEST {cfg.dest} lost the transcode cache {t[-1][0]} of an unfinished run; "
+                                    f"re-run with --overwrite")
         written = _write_all(dest, tasks, opts, pool if len(tasks) > 1 else None, bar)
         done.update(written)
         write_s = time.perf_counter() - t_w
@@ -706,7 +712,11 @@ def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> dict[str, Any] 
         return None
     plan_path = os.path.join(dest, STATE_DIR, PLAN_NAME)
     existing = _our_outputs(dest)
-    if not existing:
+    if not [n for n in existing if n != STATE_DIR and not n.endswith(".tar.tmp")] and not os.path.exists(plan_path):
+        # Only leftovers of a run interrupted before its plan was saved: start afresh.
+        for name in existing:
+            p = os.path.join(dest, name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
         return None
     if os.path.exists(plan_path):
         try:

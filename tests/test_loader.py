@@ -289,14 +289,16 @@ def test_gpu_path_prepares_encoded_batches_and_decodes_on_cpu(tmp_path):
 
     shards = write_set(tmp_path / "mix", [6, 6], make=make, size=(48, 40))
     kw = dict(num_workers=2, batch_size=4, image_size=16)
+    per_sample = build_loader(shards, cfg(decode="gpu", worker_batching=False, **kw), World.single(), train=False)
+    assert [len(e) for e, _ in per_sample] == [4, 4, 4]
     g = build_loader(shards, cfg(decode="gpu", **kw), World.single(), train=False)
     p = build_loader(shards, cfg(decode="pil", **kw), World.single(), train=False)
     for (enc, lg), (ref, lp) in zip(g, p):
-        assert isinstance(enc, EncodedBatch) and len(enc.data) >= 2 and len(enc) == 4
+        assert isinstance(enc, EncodedBatch) and enc.num_encoded >= 2 and len(enc) == 4
         images, labels = g.to_device((enc, lg), "cpu")
         assert images.dtype == torch.uint8 and tuple(images.shape) == (4, 3, 16, 16)
         assert torch.equal(labels, lp)
-        assert (images.float() - ref.float()).abs().mean() <= 4.0
+        assert (images.float() - ref.float()).abs().mean() <= 2.0  # roi_align vs PIL bilinear: ~0.4 on photos
 
 
 @pytest.mark.gpu

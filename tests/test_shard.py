@@ -339,3 +339,21 @@ def test_run_interrupted_before_its_plan_restarts(image_folder, tmp_path: Path) 
     (dest / ".gpufeed" / "enc-000000.bin").write_bytes(b"junk")
     rep = shard(image_folder(classes=1, per_class=2), dest)
     assert rep.num_samples == 2 and not rep.resumed
+
+
+def test_resume_with_reencoded_images(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for c in range(2):
+        for i in range(6):
+            write_image(src / f"c{c}" / f"{i}.jpg", size=(90, 40 + i), color=(c * 90, i * 20, 5))
+    ref = tmp_path / "ref"
+    shard(src, ref, max_size=32, shard_samples=3)
+    assert not list((ref / ".gpufeed").glob("enc-*.bin"))  # the cache goes once the set is complete
+    dest = tmp_path / "out"
+    shard(src, dest, max_size=32, shard_samples=3, workers=2)
+    assert digests(dest) == digests(ref)
+    (dest / "manifest.json").unlink()
+    (dest / "train-000002.tar").unlink()
+    rep = shard(src, dest, max_size=32, shard_samples=3)  # the cache was cleared: transcoded again, same bytes
+    assert rep.num_shards_written == 1 and rep.num_shards_skipped == 3
+    assert digests(dest) == digests(ref) and rep.transforms == {"reencode": 12}

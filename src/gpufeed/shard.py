@@ -600,6 +600,16 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
         state = os.path.join(dest, STATE_DIR)
         plan = _load_plan(dest, fingerprint, cfg)
         resumed = plan is not None
+        done: dict[str, dict[str, Any]] = {}
+        if plan is not None:
+            for s in plan["shards"]:
+                info = _shard_complete(dest, s["name"])
+                if info is not None:
+                    done[s["name"]] = info
+            lost = [r for s in plan["shards"] if s["name"] not in done for i in s["samples"]
+                    for r in [plan["samples"][i]] if r["enc"] and not os.path.exists(os.path.join(state, r["enc"][0]))]
+            if lost:  # transcoded bytes are gone (cleared after completion): redo the deterministic validation
+                plan = None
 
         t_val = time.perf_counter()
         if plan is None:
@@ -618,11 +628,11 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
         # ---- write
         t_w = time.perf_counter()
         names = [s["name"] for s in plan["shards"]]
-        done: dict[str, dict[str, Any]] = {}
-        for name in names:
-            info = _shard_complete(dest, name)
-            if info is not None:
-                done[name] = info
+        if not resumed or not done:
+            for name in names:
+                info = _shard_complete(dest, name)
+                if info is not None:
+                    done[name] = info
         todo = [s for s in plan["shards"] if s["name"] not in done]
         _check_free_space(dest, sum(s["est_bytes"] for s in todo), cfg)
         for leftover in os.listdir(dest):
@@ -637,11 +647,6 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
                  r["action"], r["orientation"], r["ext"], r["width"], r["height"], r["sha256"], r["bytes"],
                  None if r["enc"] is None else (os.path.join(state, r["enc"][0]), *r["enc"][1:]))
                 for r in rows], sum(r["bytes"] for r in rows)))
-        for _name, task_samples, _b in tasks:
-            for t in task_samples:
-                if t[-1] is not None and not os.path.exists(t[-1][0]):
-                    raise DataError(f"DEST {cfg.dest} lost the transcode cache {t[-1][0]} of an unfinished run; "
-                                    f"re-run with --overwrite")
         written = _write_all(dest, tasks, opts, pool if len(tasks) > 1 else None, bar)
         done.update(written)
         write_s = time.perf_counter() - t_w

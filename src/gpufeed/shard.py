@@ -312,7 +312,7 @@ def _encode(data: bytes, action: str, opts: dict[str, Any]) -> tuple[bytes, str,
         im = Image.open(io.BytesIO(data))
         if action == "reencode":
             target = _out_size(im.width, im.height, opts["max_size"])
-            if im.format == "JPEG" and target != im.size:
+            if im.format in ("JPEG", "MPO") and target != im.size:
                 im.draft("RGB", target)  # DCT-domain downscale: still decodes the whole bitstream
             im = _to_rgb(im)
             if im.size != target:
@@ -358,6 +358,8 @@ def _inspect(path: str, opts: dict[str, Any]) -> tuple:
         except Exception as exc:  # noqa: BLE001 - any parser failure is a per-file reject
             return (False, f"unreadable image header ({type(exc).__name__}: {exc})", None, 0, 0, 1)
         fmt, mode, (w, h) = im.format or "", im.mode, im.size
+        if fmt == "MPO":  # multi-picture camera JPEGs: the stream is a baseline JPEG (first picture) plus extras
+            fmt = "JPEG"
         if w <= 0 or h <= 0:
             return (False, f"image has no pixels ({w}x{h})", fmt, w, h, 1)
         if w * h > opts["max_pixels"]:

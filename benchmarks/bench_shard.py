@@ -75,6 +75,20 @@ def scan(src: Path) -> tuple[int, int]:
     return n, total
 
 
+def code_version() -> str:
+    """Short hash of the shard code and git HEAD, so runs that straddle an edit are visible."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for rel in ("src/gpufeed/shard.py", "src/gpufeed/cli.py"):
+        try:
+            h.update((ROOT / rel).read_bytes())
+        except OSError:
+            pass
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"{head.stdout.strip() or '?'}+{h.hexdigest()[:10]}"
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
@@ -83,6 +97,8 @@ def run_once(name: str, cmd: list[str], out: Path, num_images: int) -> dict:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    load_1m = os.getloadavg()[0]
+    code = code_version()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -98,6 +114,8 @@ def run_once(name: str, cmd: list[str], out: Path, num_images: int) -> dict:
         "rejected": None,
         "workers": None,
         "error": None,
+        "loadavg_1m_before": load_1m,
+        "code_version": code,
     }
     if proc.returncode != 0:
         rec["error"] = (proc.stderr or proc.stdout)[-2000:]
@@ -147,7 +165,18 @@ def summarize(runs: list[dict], num_images: int, input_bytes: int) -> dict[str, 
     return out
 
 
-def ratios(summary: dict[str, dict], cpus: int) -> dict[str, dict]:
+def paired(runs: list[dict], a: str, b: str) -> list[float]:
+    """Per-repeat wall-time ratios wall(b) / wall(a) (runs of one repeat are close in time, so drift cancels)."""
+    out = []
+    for rep in sorted({r["repeat"] for r in runs}):
+        ra = [r for r in runs if r["repeat"] == rep and r["variant"] == a and r["error"] is None]
+        rb = [r for r in runs if r["repeat"] == rep and r["variant"] == b and r["error"] is None]
+        if ra and rb:
+            out.append(rb[0]["wall_s"] / ra[0]["wall_s"])
+    return out
+
+
+def ratios(summary: dict[str, dict], cpus: int, runs: list[dict]) -> dict[str, dict]:
     def rate(name: str) -> float | None:
         return summary.get(name, {}).get("images_per_s_median")
 
@@ -157,10 +186,12 @@ def ratios(summary: dict[str, dict], cpus: int) -> dict[str, dict]:
     res: dict[str, dict] = {}
     if rate("full") and rate("shardwriter"):
         v = rate("full") / rate("shardwriter")
-        res["full_vs_shardwriter"] = {"value": v, "target": ">= 3.0", "met": v >= 3.0}
+        res["full_vs_shardwriter"] = {"value": v, "target": ">= 3.0", "met": v >= 3.0,
+                                      "paired": paired(runs, "full", "shardwriter")}
     if wall("header") and wall("tar"):
         v = wall("header") / wall("tar")
-        res["header_wall_vs_tar_wall"] = {"value": v, "target": "<= 2.0", "met": v <= 2.0}
+        res["header_wall_vs_tar_wall"] = {"value": v, "target": "<= 2.0", "met": v <= 2.0,
+                                          "paired": paired(runs, "tar", "header")}
     if rate("max512"):
         workers = summary["max512"].get("workers") or cpus
         v = rate("max512") / workers
@@ -172,7 +203,8 @@ def ratios(summary: dict[str, dict], cpus: int) -> dict[str, dict]:
                                          "note": "--workers 1: one core's rate, process start-up included"}
     if rate("w1") and rate("w2"):
         v = rate("w2") / rate("w1") / 2
-        res["parallel_efficiency_1_to_2"] = {"value": v, "target": ">= 0.90", "met": v >= 0.9}
+        res["parallel_efficiency_1_to_2"] = {"value": v, "target": ">= 0.90", "met": v >= 0.9,
+                                             "paired": [x / 2 for x in paired(runs, "w2", "w1")]}
     if rate("full") and rate("w2"):
         res["full_default_vs_w2"] = {"value": rate("full") / rate("w2"), "target": "~1 (default = usable CPUs)",
                                      "met": None}
@@ -243,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec["repeat"] = rep
                 runs.append(rec)
                 status = "ok" if rec["error"] is None else "FAILED"
-                print(f"repeat {rep} {name:<12} {rec['wall_s']:7.2f} s  cpu {rec['cpu_s']:6.1f} s  {status}",
+                print(f"repeat {rep} {name:<12} {rec['wall_s']:7.2f} s  cpu {rec['cpu_s']:6.1f} s  "
+                      f"load {rec['loadavg_1m_before']:4.1f}  {status}",
                       file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -262,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "commands": {k: " ".join(v) for k, v in cmds.items()},
         "runs": runs,
         "summary": summary,
-        "ratios": ratios(summary, cpus),
+        "ratios": ratios(summary, cpus, runs),
         "notes": [
             "wall time of the whole command as a user runs it (process start-up, imports, scan, plan, manifest)",
             "the source folder is in the page cache for every variant; output goes to " + str(base),
@@ -277,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for k, r in result["ratios"].items():
         met = {True: "met", False: "NOT met", None: ""}[r["met"]]
-        print(f"{k:<32} {r['value']:8.2f}   target {r['target']:<28} {met}")
+        pr = ("  per repeat: " + ", ".join(f"{x:.2f}" for x in r["paired"])) if r.get("paired") else ""
+        print(f"{k:<32} {r['value']:8.2f}   target {r['target']:<28} {met}{pr}")
     print(f"\nsaved {out}")
     if synth is not None:
         shutil.rmtree(src, ignore_errors=True)

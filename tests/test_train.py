@@ -72,11 +72,12 @@ def test_config_checks() -> None:
 
 
 def test_synthetic_and_loader_only_produce_their_records(shards, tmp_path: Path) -> None:
-    rec = train(tiny(mode="synthetic", steps=3), LOADER, World.single())
+    rec = train(tiny(mode="synthetic", steps=3), LOADER, World.single(), run_dir=tmp_path / "new" / "dir")
     m = rec.modes["synthetic"]
     assert list(rec.modes) == ["synthetic"] and m.num_steps == 3 and m.num_samples == 12
     assert m.samples_per_s > 0 and m.stall_pct == 0.0 and m.next_wait_s == 0.0 and m.compute_s > 0
     assert rec.verdict is None and rec.ok and rec.num_classes == 1000
+    assert (tmp_path / "new" / "dir" / "summary.json").is_file()  # train() makes its run folder
 
     summary = launch(tiny(mode="loader-only", steps=4, shards=str(shards["train"]), run_dir=str(tmp_path / "run")),
                      LOADER)
@@ -107,16 +108,18 @@ def test_grad_accumulation_matches_the_large_batch_gradient() -> None:
     assert torch.allclose(grads[0], grads[2], rtol=1e-4, atol=1e-6)
 
 
-def test_bf16_autocast_runs_on_cpu() -> None:
+def test_bf16_and_fp16_autocast_run_on_cpu() -> None:
     t = Trainer(tiny(mode="synthetic", steps=1, amp="bf16", num_classes=10, batch_size=2), LOADER, World.single())
     x, y = t.synthetic_batch()
     with torch.no_grad(), t.autocast():
         from gpufeed.loader import normalize
 
         assert t.model(normalize(x)).dtype == torch.bfloat16
-    rec = train(tiny(mode="synthetic", steps=1, timing_warmup_steps=0, amp="bf16", num_classes=10, batch_size=2),
-                LOADER, World.single())
-    assert rec.final_loss is not None and torch.isfinite(torch.tensor(rec.final_loss))
+    assert not t.scaler.is_enabled()
+    for amp in ("bf16", "fp16"):  # fp16 with a GradScaler
+        rec = train(tiny(mode="synthetic", steps=1, timing_warmup_steps=0, amp=amp, num_classes=10, batch_size=2),
+                    LOADER, World.single())
+        assert rec.final_loss is not None and torch.isfinite(torch.tensor(rec.final_loss))
 
 
 class Killed(Exception):

@@ -30,6 +30,7 @@ import random
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -481,7 +482,10 @@ class Trainer:
         self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # fp16: GradScaler skips steps with inf/nan gradients; the schedule still follows the step count
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()
 
     def train_step(self, source: str, it: Iterator[Any] | None) -> tuple[float, float, float, float, int]:
         """One optimizer step over accum_steps micro-batches -> (step_s, next_s, h2d_s, compute_s, samples)."""
@@ -801,6 +805,8 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
     other ranks return None. ``on_step(step)`` is called after every real optimizer step (tests)."""
     t0 = time.perf_counter()
     started = utc_now()
+    if run_dir is not None and world.is_main:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
     created = _init_distributed(world)
     try:
         trainer = Trainer(cfg, loader_cfg, world, run_dir=run_dir)

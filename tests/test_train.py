@@ -85,7 +85,7 @@ def test_synthetic_and_loader_only_produce_their_records(shards, tmp_path: Path)
     assert m["num_steps"] == 4 and m["num_samples"] == 16 and m["samples_per_s"] > 0 and m["compute_s"] == 0
     assert summary["verdict"] is None and summary["ok"]
     run = tmp_path / "run"
-    for name in ("config.toml", "environment.json", "summary.json", "report.md", "log.jsonl"):
+    for name in ("config.toml", "environment.json", "summary.json", "report.md", "log.jsonl", "throughput.png"):
         assert (run / name).is_file(), name
     assert "[loader]" in (run / "config.toml").read_text() and "[train]" in (run / "config.toml").read_text()
     assert len(read_log(run)) == 5 and read_log(run)[0]["mode"] == "loader-only"

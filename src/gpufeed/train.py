@@ -846,7 +846,8 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
         )
         if run_dir is not None:
             write_json(Path(run_dir) / SUMMARY_NAME, record)
-            (Path(run_dir) / "report.md").write_text(render_markdown(to_jsonable(record)), encoding="utf-8")
+            plot = plot_log(Path(run_dir))
+            (Path(run_dir) / "report.md").write_text(render_markdown(to_jsonable(record), plot), encoding="utf-8")
         return record
     finally:
         if created:
@@ -993,7 +994,43 @@ def render(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(s: dict[str, Any]) -> str:
+def plot_log(run_dir: Path) -> str | None:
+    """samples/s and data stall % per log record (log.jsonl) -> throughput.png; None when nothing to plot."""
+    import json
+
+    log = run_dir / LOG_NAME
+    if not log.exists():
+        return None
+    try:
+        rows = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not rows:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+        x = list(range(len(rows)))
+        for k, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
+            xs = [i for i in x if rows[i]["mode"] == mode]
+            ax1.plot(xs, [rows[i]["samples_per_s_all_ranks_est"] for i in xs], marker=".", label=mode, color=f"C{k}")
+            if mode != "loader-only":
+                ax2.plot(xs, [rows[i]["stall_pct"] for i in xs], marker=".", label=mode, color=f"C{k}")
+        ax1.set_ylabel("samples/s (all ranks, est.)")
+        ax1.legend()
+        ax2.axhline(5.0, color="grey", linestyle="--", linewidth=1)
+        ax2.set_ylabel("data stall % (rank 0)")
+        ax2.set_xlabel(f"log record (every {rows[0]['num_steps']} steps)")
+        fig.tight_layout()
+        fig.savefig(run_dir / "throughput.png", dpi=100)
+        plt.close(fig)
+        return "throughput.png"
+    except Exception:  # a report without a chart beats a failed run
+        return None
+
+
+def render_markdown(s: dict[str, Any], plot: str | None = None) -> str:
     out = [f"# gpufeed train — {s['arch']}, {s['world_size']} x {s['device'].split(':')[0]}, mode {s['mode']}", "",
            f"Started {s['started']}, {s['wall_s']:.1f} s. amp {s['amp']}, batch {s['batch_size']} per rank x accum "
            f"{s['accum_steps']} (global {s['global_batch']}), {s['image_size']} px.", "",
@@ -1020,6 +1057,8 @@ def render_markdown(s: dict[str, Any]) -> str:
         out += ["", f"**Verdict: {v['status']}**" + (f" ({v['bound']}-bound)" if v.get("bound") else "") +
                 f": {v['reason']}"]
         out += [f"- {f}" for f in v.get("fixes", [])]
+    if plot:
+        out += ["", f"![samples/s and data stall per log record]({plot})"]
     return "\n".join(out) + "\n"
 
 

@@ -228,3 +228,14 @@ def test_pillow_limit_is_never_disabled(messy: Path, tmp_path: Path) -> None:
     assert Image.MAX_IMAGE_PIXELS == 89_478_485
     rep = run(messy, tmp_path / "out2", allow_empty_classes=True, max_pixels=10**12)
     assert "decompression bomb" in {r.path: r.reason for r in rep.rejected}["cats/bomb.png"]
+
+
+def test_file_name_that_is_not_utf8(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    write_image(src / "a" / "ok.jpg")
+    raw = os.fsencode(src / "a") + b"/caf\xe9.jpg"  # Latin-1 bytes: not valid UTF-8
+    with open(raw, "wb") as f:
+        f.write((src / "a" / "ok.jpg").read_bytes())
+    rep = run(src, tmp_path / "out")
+    assert rep.num_samples == 2 and rep.num_rejected == 0
+    assert "a/caf\ufffd.jpg" in samples_by_source(tmp_path / "out")

@@ -70,7 +70,6 @@ import os
 import random
 import re
 import shutil
-import stat
 import sys
 import tarfile
 import time
@@ -166,9 +165,13 @@ class _Scan:
 
 
 def _rel(path: str, root: str) -> str:
-    rel = os.path.relpath(path, root).replace(os.sep, "/")
-    # Names that are not valid UTF-8 (surrogate-escaped) are recorded with replacement characters.
-    return rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return _display(os.path.relpath(path, root))
+
+
+def _display(rel: str) -> str:
+    """Relative path as recorded: '/' separators; bytes that are not UTF-8 become U+FFFD (the file is still read
+    under its real name, which the plan keeps)."""
+    return rel.replace(os.sep, "/").encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _scan(src: str) -> _Scan:
@@ -219,7 +222,8 @@ def _walk_class(src: str, top: str, label: int, out: list, ignored: list, reject
             continue
         subdirs = []
         for e in entries:
-            rel = _rel(e.path, src)
+            raw = os.path.relpath(e.path, src)
+            rel = _display(raw)
             if e.name.startswith("."):
                 ignored.append(FileIssue(rel, "hidden file or folder"))
                 continue
@@ -245,7 +249,7 @@ def _walk_class(src: str, top: str, label: int, out: list, ignored: list, reject
             if st.st_size == 0:
                 rejected.append(FileIssue(rel, "empty file (0 bytes)"))
                 continue
-            out.append((rel, label, st.st_size, st.st_mtime_ns))
+            out.append((raw, label, st.st_size, st.st_mtime_ns))
         stack.extend(reversed(subdirs))
 
 
@@ -645,7 +649,7 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
         for s in todo:
             rows = [samples[i] for i in s["samples"]]
             tasks.append((s["name"], [
-                (r["key"], os.path.join(src, r["source"]), r["label"], plan["classes"][r["label"]], r["source"],
+                (r["key"], os.path.join(src, r["path"]), r["label"], plan["classes"][r["label"]], r["source"],
                  r["action"], r["orientation"], r["ext"], r["width"], r["height"], r["sha256"], r["bytes"],
                  None if r["enc"] is None else (os.path.join(state, r["enc"][0]), *r["enc"][1:]))
                 for r in rows], sum(r["bytes"] for r in rows)))
@@ -766,9 +770,10 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: list[tuple], fingerprint:
     for (rel, label, size, _mtime), res in zip(scan.candidates, results):
         ok, what, fmt, w, h, orientation, enc, digest = res
         if not ok:
-            rejected.append(FileIssue(rel, what))
+            rejected.append(FileIssue(_display(rel), what))
             continue
-        sample = {"source": rel, "label": label, "bytes": size, "action": what, "ext": _EXT.get(fmt, ""),
+        sample = {"source": _display(rel), "path": rel, "label": label, "bytes": size, "action": what,
+                  "ext": _EXT.get(fmt, ""),
                   "width": w, "height": h, "orientation": orientation, "enc": None, "est_bytes": size,
                   "sha256": digest}
         if enc is not None:

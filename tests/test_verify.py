@@ -149,3 +149,13 @@ def test_foreign_set_problems_are_named(tmp_path: Path) -> None:
     assert "does not decode" in found[("part-0001.tar", "k4.png")]
     assert "no .cls" in found[("part-0001.tar", "k5")]
     assert "part-0001.tar member k4.png" in text
+
+
+def test_index_parquet_must_match_the_shards(shard_set: Path) -> None:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(shard_set / "index.parquet")
+    pq.write_table(table.slice(1), shard_set / "index.parquet")
+    rep = verify_shards(shard_set, workers=1, decode=False)
+    (problem,) = rep.problems
+    assert problem.shard == "index.parquet" and problem.member == table.column("key")[0].as_py()

@@ -7,7 +7,8 @@ reads to the end (gzip shards of foreign sets included), its sample count matche
 exactly one image member and a ``.cls`` label in ``0..C-1``, and (``decode``, default on) every image
 decodes to 3-channel RGB with Pillow. For sets written by ``gpufeed shard``, each ``KEY.json`` must parse,
 name the class of the label, and carry the sha256 of the image member, which pins a flipped bit to its
-member. Every failure is a problem naming shard, member and reason; ``ok`` is True when there is none.
+member, and ``index.parquet`` must list exactly the (key, shard) pairs found. Every failure is a problem naming
+shard, member and reason; ``ok`` is True when there is none.
 """
 
 from __future__ import annotations
@@ -243,6 +244,9 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
                 problems.append(VerifyProblem(r["name"], k, f"key {k!r} is also used in {seen[k]}"))
             else:
                 seen[k] = r["name"]
+    index = root / "index.parquet"
+    if ours and index.exists():
+        problems.extend(_check_index(index, seen))
     if found != m.num_samples and not any(p.member is None and "samples" in p.reason for p in problems):
         problems.append(VerifyProblem("", None, f"the set holds {found} samples, manifest says {m.num_samples}"))
     return VerifyReport(
@@ -250,6 +254,26 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
         num_decoded=sum(r["decoded"] for r in results), total_bytes=sum(s.bytes for s in m.shards),
         elapsed_s=time.perf_counter() - t0, decode=decode, created_by=m.created_by, problems=problems,
     )
+
+
+def _check_index(index: Path, seen: dict[str, str]) -> list[VerifyProblem]:
+    """index.parquet of a gpufeed set lists exactly the (key, shard) pairs found in the shards."""
+    try:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(index, columns=["key", "shard"])
+    except Exception as exc:  # noqa: BLE001 - unreadable index is a problem record
+        return [VerifyProblem("index.parquet", None, f"unreadable ({type(exc).__name__}: {exc})")]
+    rows = set(zip(table.column("key").to_pylist(), table.column("shard").to_pylist()))
+    want = set(seen.items())
+    out = []
+    for key, shard in sorted(rows - want)[:20]:
+        out.append(VerifyProblem("index.parquet", key, f"row says {shard}, but no such sample is there"))
+    for key, shard in sorted(want - rows)[:20]:
+        out.append(VerifyProblem("index.parquet", key, f"sample in {shard} has no row"))
+    if table.num_rows != len(rows):
+        out.append(VerifyProblem("index.parquet", None, f"{table.num_rows - len(rows)} duplicate row(s)"))
+    return out
 
 
 def render_verify(report: VerifyReport, max_items: int = 30) -> str:

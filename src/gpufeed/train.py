@@ -919,8 +919,9 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig) -> dict[str, Any]:
         raise LaunchError(f"torchrun exited with {proc.returncode} (command: {' '.join(cmd)}); "
                           f"see the rank output above and {run_dir}")
     if not summary.exists():
+        which = f" (node rank {cfg.node_rank})" if cfg.node_rank is not None else ""
         return {"ok": True, "run_dir": str(run_dir),
-                "notes": [f"this node (rank {cfg.node_rank}) holds no summary: rank 0's node writes it"]}
+                "notes": [f"this node{which} ran its ranks; the summary and verdict are in rank 0's run folder"]}
     import json
 
     return json.loads(summary.read_text(encoding="utf-8"))

@@ -452,54 +452,32 @@ def _member(name: str, data: bytes) -> bytes:
 
 def _write_shard(dest: str, name: str, samples: list[tuple], opts: dict[str, Any],
                  tick: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Write one shard to a temporary name, fsync, rename, then leave its ``.done.json`` sidecar."""
+    """Write one shard to a temporary name, rename it, then leave its ``.done.json`` sidecar.
+
+    No fsync: the rename makes the shard atomic against a killed process; after a power loss, resume and verify
+    compare the file with its recorded sha256, so a torn shard is rewritten, never trusted.
+    """
+    import queue
+    import threading
+
     tick = tick or _tick
     final = os.path.join(dest, name)
     tmp = os.path.join(dest, f".{name}.tmp")
-    rows = []
-    pending = 0
     h = hashlib.sha256()
-    size = 0
-    with open(tmp, "wb") as out:
-        for key, path, label, cname, rel, action, orientation, ext, w, h_, digest, nbytes, enc in samples:
-            ow, oh = w, h_
-            if enc is None:  # pass through, byte for byte
-                with open(path, "rb") as f:
-                    data = f.read()
-                if len(data) != nbytes:
-                    raise DataError(f"{rel} changed since it was validated; re-run with --overwrite")
-            else:  # transcoded during validation; read it back from the batch cache
-                cache, offset, length, ext, w, h_ = enc
-                with open(cache, "rb") as f:
-                    f.seek(offset)
-                    data = f.read(length)
-                if len(data) != length:
-                    raise DataError(f"the transcode cache {cache} is incomplete; re-run with --overwrite")
-            meta: dict[str, Any] = {"source": rel, "class": cname, "label": label, "width": w,
-                                    "height": h_, "format": ext, "sha256": digest}
-            if orientation != 1:
-                meta["exif_orientation"] = orientation
-            if (ow, oh) != (w, h_):
-                meta["orig_width"], meta["orig_height"] = ow, oh
-            json_b = json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
-            block = b"".join(_member(f"{key}.{e}", payload)
-                             for e, payload in sorted([(ext, data), ("cls", str(label).encode("ascii")),
-                                                       ("json", json_b)]))
-            out.write(block)
-            h.update(block)
-            size += len(block)
-            rows.append((key, len(data), w, h_))
-            pending += 1
-            if pending >= 16:
-                tick(pending)
-                pending = 0
-        end = b"\0" * (1024 + (-(size + 1024) % tarfile.RECORDSIZE))  # end-of-archive, padded like tarfile
-        out.write(end)
-        h.update(end)
-        size += len(end)
-    # No fsync: rename makes the shard atomic against a killed process; after a power loss, resume and
-    # verify compare the file with its recorded sha256, so a torn shard is rewritten, never trusted.
-    tick(pending)
+    # sha256 runs in a helper thread (hashlib releases the GIL on large buffers), overlapping reads and writes.
+    blocks: queue.Queue = queue.Queue(maxsize=64)
+
+    def hash_blocks() -> None:
+        while (b := blocks.get()) is not None:
+            h.update(b)
+
+    hasher = threading.Thread(target=hash_blocks, name="gpufeed-sha256", daemon=True)
+    hasher.start()
+    try:
+        rows, size = _write_members(tmp, samples, blocks.put, tick)
+    finally:
+        blocks.put(None)
+        hasher.join()
     os.replace(tmp, final)
     result = {"name": name, "num_samples": len(samples), "bytes": size, "sha256": h.hexdigest(), "rows": rows}
     side = os.path.join(dest, STATE_DIR, f"{name}.done.json")
@@ -507,6 +485,53 @@ def _write_shard(dest: str, name: str, samples: list[tuple], opts: dict[str, Any
         json.dump(result, f)
     os.replace(side + ".tmp", side)
     return result
+
+
+def _write_members(tmp: str, samples: list[tuple], emit: Callable[[bytes], None],
+                   tick: Callable[[int], None]) -> tuple[list[tuple], int]:
+    """Write the samples' members (image, cls, json; fixed headers) and the end-of-archive blocks to ``tmp``."""
+    rows = []
+    pending = 0
+    size = 0
+    with open(tmp, "wb") as out:
+        for key, path, label, cname, rel, action, orientation, ext, w, h, digest, nbytes, enc in samples:
+            ow, oh = w, h
+            if enc is None:  # pass through, byte for byte
+                with open(path, "rb") as f:
+                    data = f.read()
+                if len(data) != nbytes:
+                    raise DataError(f"{rel} changed since it was validated; re-run with --overwrite")
+            else:  # transcoded during validation; read it back from the batch cache
+                cache, offset, length, ext, w, h = enc
+                with open(cache, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(length)
+                if len(data) != length:
+                    raise DataError(f"the transcode cache {cache} is incomplete; re-run with --overwrite")
+            meta: dict[str, Any] = {"source": rel, "class": cname, "label": label, "width": w, "height": h,
+                                    "format": ext, "sha256": digest}
+            if orientation != 1:
+                meta["exif_orientation"] = orientation
+            if (ow, oh) != (w, h):
+                meta["orig_width"], meta["orig_height"] = ow, oh
+            json_b = json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
+            block = b"".join(_member(f"{key}.{e}", payload)
+                             for e, payload in sorted([(ext, data), ("cls", str(label).encode("ascii")),
+                                                       ("json", json_b)]))
+            out.write(block)
+            emit(block)
+            size += len(block)
+            rows.append((key, len(data), w, h))
+            pending += 1
+            if pending >= 16:
+                tick(pending)
+                pending = 0
+        end = b"\0" * (1024 + (-(size + 1024) % tarfile.RECORDSIZE))  # end-of-archive, padded like tarfile
+        out.write(end)
+        emit(end)
+        size += len(end)
+    tick(pending)
+    return rows, size
 
 
 def _sha256_file(path: str) -> str:

@@ -44,6 +44,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; outputs are shared files
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -52,6 +53,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def dumps(obj: Any, *, indent: int | None = 2) -> str:

@@ -883,17 +883,8 @@ def _finish(dest: str, cfg: ShardConfig, plan: dict[str, Any], infos: list[dict[
         url_pattern=brace_pattern(names), options=options, created_by="gpufeed shard",
         gpufeed_version=__version__,
     )
-    info_path = os.path.join(dest, TIMM_INFO_NAME)
-    _readable(info_path)
-    _readable(write_manifest(dest, manifest))  # last: its presence means the set is complete
+    write_manifest(dest, manifest)  # last: its presence means the set is complete
     return manifest
-
-
-def _readable(path: str | Path) -> None:
-    """atomic_write_bytes creates 0600 files (mkstemp); shard sets are shared, so apply the usual umask instead."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
 
 
 # --------------------------------------------------------------------------- parallel plumbing

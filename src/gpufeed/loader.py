@@ -298,7 +298,7 @@ class ShardStream(IterableDataset):
                         pass
                     else:
                         dec.decode_into(data, sample["__ext__"], cfg.decode, crop_fn, S, images[row],
-                                        reducing_gap=getattr(cfg, "reducing_gap", None))
+                                        resize=getattr(cfg, "resize", "torch"))
                 except Exception as exc:  # noqa: BLE001 - the policy decides
                     where = f"sample {sample.get('__key__')!r} in shard {sample.get('__url__')}"
                     if cfg.on_error == "raise":

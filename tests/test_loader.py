@@ -411,3 +411,20 @@ def test_truncated_shard_under_both_policies(tmp_path, fast):
     loader = build_loader(shards, cfg(batch_size=3, on_error="skip"), World.single())
     loader._dataset.fast_tar = fast
     assert len(list(loader)) == 4 and loader.num_skipped >= 1
+
+
+def test_loads_gpufeed_shard_output(tmp_path, image_folder):
+    """The loader reads what ``gpufeed shard`` writes: ImageFolder labels, every sample once (eval, no shuffle)."""
+    shard_mod = pytest.importorskip("gpufeed.shard")
+    from gpufeed.config import ShardConfig
+    from gpufeed.loader import build_loader
+
+    src = image_folder(classes=3, per_class=5, size=(40, 30))
+    dest = tmp_path / "shards"
+    shard_mod.write_shards(ShardConfig(src=str(src), dest=str(dest), shard_samples=4, workers=1), progress=False)
+    seen = []
+    for r in range(2):
+        loader = build_loader(dest, cfg(batch_size=2, num_workers=2), World(rank=r, world_size=2), train=False)
+        assert len(loader) == 15 // 2 // 2 and loader.manifest.classes == ["class_0", "class_1", "class_2"]
+        seen += [int(x) for _, labels in loader for x in labels]
+    assert len(seen) == 12 and set(seen) <= {0, 1, 2}

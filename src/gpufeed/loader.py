@@ -257,6 +257,24 @@ class ShardStream(IterableDataset):
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self):
+        if get_worker_info() is not None:  # workers run single-threaded already (worker_init)
+            yield from self._iter()
+            return
+        # num_workers == 0: the per-sample torch ops must not fan out to the caller's intra-op threads
+        # (tiny ops on an OpenMP pool burn ~10x the CPU); restore the caller's setting around each yield.
+        prev = torch.get_num_threads()
+        it = self._iter()
+        while True:
+            torch.set_num_threads(1)
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            finally:
+                torch.set_num_threads(prev)
+            yield item
+
+    def _iter(self):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch = int(self.epoch_value.value)

@@ -47,6 +47,9 @@ def run_job(job: Callable[[], Any], render: Callable[[Any], str], as_json: bool)
         record = job()
     except GpufeedError as exc:
         raise InputError(str(exc)) from None
+    except OSError as exc:  # a path that is not a folder, no permission, a full disk: the user's to fix
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise InputError(f"{exc.strerror or exc}{where}") from None
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)

@@ -8,8 +8,10 @@ as torchvision defines them, then the crop region alone is resized to ``size x s
 - eval: ``Resize(int(size / crop_ratio))`` (shorter side) + ``CenterCrop(size)``, mapped back to a box
   in the stored image so the crop happens before the resize.
 
-PIL's ``resize(..., box=...)`` over the crop box gives the same filter scale and centre as torchvision's
-crop-then-resize (train) and resize-then-crop (eval), so the PIL full-decode path reproduces torchvision.
+The resize is torch's uint8 antialiased bilinear kernel (``resize = "torch"``, the default: SIMD,
+channels-last, 4-5x faster than PIL's and within 1 grey level of it) on the contiguous crop region for
+train, and torchvision's exact resize-whole-then-centre-crop for eval; ``resize = "pil"`` uses PIL's
+``resize(..., box=...)`` over the crop box instead (same filter scale and centre as torchvision).
 Reduced-size decodes (PIL ``draft``, simplejpeg ``min_width``/``min_height``) pick a DCT scale that keeps
 the crop region at least ``size`` pixels on both sides, so no resolution is lost.
 

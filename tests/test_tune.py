@@ -162,6 +162,26 @@ def test_worker_climb_stops_when_the_gain_flattens(tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("four_cpus")
+def test_refinement_is_judged_per_cpu_second_when_cpu_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another tenant takes cores during the cheaper decode's trial: samples/s drops, samples per CPU-s does not."""
+    import gpufeed.tune
+
+    monkeypatch.setattr(gpufeed.tune, "_has_module", lambda name: False)  # decode candidates: pil-draft only
+    toy = ToyPipeline()
+
+    def measure(shards: Any, cfg: LoaderConfig, world: World, **kw: Any) -> TrialRecord:
+        rec = toy(shards, cfg, world, **kw)
+        if cfg.decode == "pil-draft":  # 2x cheaper per sample, but measured while only 1.5 of 4 cores were ours
+            r, cores = toy.rate(cfg) * 1.5 / 4, 1.5
+            return trial_record(cfg, [r, r, r], tree_cores_used=cores, cpu_percent_mean=100.0)
+        return rec
+
+    report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=measure, world=World.single())
+    assert report.best.decode == "pil-draft"
+    assert any("samples per CPU-s" in d and "'pil' -> 'pil-draft'" in d for d in report.decisions)
+
+
+@pytest.mark.usefixtures("four_cpus")
 def test_tuner_stops_at_target_rate(tmp_path: Path) -> None:
     toy = ToyPipeline()
     target = toy.rate(LoaderConfig(num_workers=2, decode="pil")) / 1.2 - 1  # 2 workers x margin 1.2 is enough

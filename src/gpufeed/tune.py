@@ -11,7 +11,8 @@ Two layers, kept apart so tests and other jobs can reuse them:
   A trial that raises or exceeds its RAM budget comes back as a :class:`TrialRecord` with ``error`` set.
 - **Search.** :func:`tune` climbs ``num_workers`` until the gain flattens or the CPU/RAM budget is
   hit, then refines decode path, in-worker batching, prefetch depth and pinning at that point, one
-  knob at a time (a change is kept only when it wins by ``min_gain``). Knobs that cannot matter on
+  knob at a time (a change is kept only when it wins by ``min_gain``; on a CPU-bound loader the win is
+  judged on samples per CPU-second, which a noisy shared machine moves far less than samples/s). Knobs that cannot matter on
   this machine are skipped with the reason in the report. The whole sweep, worker start-up included,
   stays inside ``budget_s``; ``target_rate`` ends the search early once the loader beats it with margin.
   ``measure`` is injectable, so a test can drive the search with a pipeline whose speed it controls.
@@ -112,6 +113,8 @@ def trial_record(cfg: LoaderConfig, rates: list[float] | None = None, *, pipelin
     """Build a TrialRecord for ``cfg`` from measured rates (or an error); used by fakes in tests too."""
     rates = [float(r) for r in (rates or [])]
     stat = Stat.of(rates) if rates else None
+    if stat is not None and not error and extra.get("tree_cores_used") and "samples_per_core_s" not in extra:
+        extra["samples_per_core_s"] = stat.median / extra["tree_cores_used"]
     return TrialRecord(
         trial=extra.pop("trial", 0), phase=extra.pop("phase", ""), pipeline=pipeline,
         batch_size=cfg.batch_size, num_workers=cfg.num_workers, decode=cfg.decode,
@@ -630,14 +633,15 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
             if rec is None:
                 skipped.setdefault(knob, "budget: no time left for this trial")
                 return
-            if rec.ok and rec.samples_per_s > ref.samples_per_s * (1 + cfg.min_gain):
-                s.decisions.append(f"{knob}: {getattr(cur, knob)!r} -> {v!r} "
-                                   f"({ref.samples_per_s:.0f} -> {rec.samples_per_s:.0f} samples/s)")
+            metric, a, b = _compare_on(ref, rec, usable)
+            if rec.ok and b > a * (1 + cfg.min_gain):
+                s.decisions.append(f"{knob}: {getattr(cur, knob)!r} -> {v!r} ({metric} {a:.0f} -> {b:.0f}; "
+                                   f"samples/s {ref.samples_per_s:.0f} -> {rec.samples_per_s:.0f})")
                 cur, cur_rec = cand, rec
             else:
-                got = "failed" if not rec.ok else f"{rec.samples_per_s:.0f} samples/s"
-                s.decisions.append(f"{knob}: keep {getattr(cur, knob)!r} ({v!r} gave {got}, needs "
-                                   f"> {ref.samples_per_s * (1 + cfg.min_gain):.0f})")
+                got = "failed" if not rec.ok else f"{b:.0f}"
+                s.decisions.append(f"{knob}: keep {getattr(cur, knob)!r} ({v!r} gave {metric} {got}, needs "
+                                   f"> {a * (1 + cfg.min_gain):.0f})")
 
     if cur_rec is not None and not s.target_reached():
         decodes = []
@@ -710,6 +714,21 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     if write:
         report = write_outputs(report, cfg, base)
     return report
+
+
+def _compare_on(ref: TrialRecord, rec: TrialRecord, usable: int) -> tuple[str, float, float]:
+    """The quantity a refinement is judged on: ``(name, ref value, candidate value)``.
+
+    At a fixed worker count on a CPU-bound loader every remaining knob (decode path, in-worker
+    batching, prefetch depth) changes the rate through its CPU cost, so candidates are compared on
+    samples per CPU-second of the loader processes, which other tenants of a shared machine barely
+    move (they take cores away, and samples/s drifts 10-50% with them). Otherwise (I/O-bound, GPU
+    decode, no CPU telemetry) they are compared on samples/s.
+    """
+    if (rec.ok and ref.samples_per_core_s and rec.samples_per_core_s and "gpu" not in (ref.decode, rec.decode)
+            and ref.num_workers == rec.num_workers and classify_bound(ref, usable)[0] == "CPU-bound"):
+        return "samples per CPU-s", ref.samples_per_core_s, rec.samples_per_core_s
+    return "samples/s", ref.samples_per_s or 0.0, rec.samples_per_s or 0.0
 
 
 def _finish(cfg: TuneConfig, s: _Search, base: LoaderConfig, cur: LoaderConfig | None, best: TrialRecord | None,

@@ -890,6 +890,9 @@ def plot_trials(report: TuneReport, path: str | Path) -> Path:
         ax1.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"decode={climb[0].decode}")
     if report.baseline is not None:
         ax1.axhline(report.baseline.samples_per_s, color="grey", ls="--", label="ImageFolder best")
+    from matplotlib.ticker import MaxNLocator
+
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax1.set_xlabel("num_workers")
     ax1.set_ylabel("samples/s (median, min-max)")
     ax1.set_title("worker climb")

@@ -133,10 +133,16 @@ class LoaderConfig:
     """Corrupt sample policy: raise, or skip and count it."""
     seed: int = 0
     """Seed for shard order, shuffle buffer and random crops."""
+    crop_ratio: float = 0.875
+    """Eval transform: resize the shorter side to image_size / crop_ratio, then centre-crop image_size."""
+    resize: Literal["torch", "pil"] = "torch"
+    """Crop+resize kernel (uint8, antialiased bilinear): torch's SIMD kernel (fast) or PIL resize(box=...)."""
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "prefetch_factor", "image_size")
         _check_non_negative(self, "num_workers", "shuffle_buffer")
+        if not 0 < self.crop_ratio <= 1:
+            raise ConfigError(f"crop_ratio must be in (0, 1], got {self.crop_ratio}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,11 +169,30 @@ class TuneConfig:
     """Where to write the winning [loader] section (TOML)."""
     image_size: int = 224
     """Output side in pixels, as in training."""
+    run_dir: str | None = None
+    """Run folder for trials, chart and summary; None = runs/tune-<UTC timestamp>/."""
+    repeats: int = 3
+    """Measurement windows per trial (median and spread are reported)."""
+    window_s: float | None = None
+    """Seconds per measurement window; None = sized from the budget (0.5-10 s)."""
+    warmup_batches: int = 2
+    """Batches read and discarded after start-up before measuring (start-up is reported separately)."""
+    min_gain: float = 0.05
+    """A knob change must win by this fraction to be kept; the worker climb stops below it."""
+    target_margin: float = 1.2
+    """Stop once the best rate >= target_rate x this margin."""
+    device: str = "auto"
+    """Where batches are moved: auto (CUDA when present), cpu, cuda or cuda:N."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "budget_s", "batch_size", "image_size")
+        _check_positive(self, "budget_s", "batch_size", "image_size", "repeats", "window_s", "target_rate")
+        _check_non_negative(self, "warmup_batches", "min_gain")
         if not 0 < self.cpu_budget <= 1:
             raise ConfigError(f"cpu_budget must be in (0, 1], got {self.cpu_budget}")
+        if self.max_workers is not None and self.max_workers < 0:
+            raise ConfigError(f"max_workers must be >= 0, got {self.max_workers}")
+        if self.target_margin < 1:
+            raise ConfigError(f"target_margin must be >= 1, got {self.target_margin}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,19 +205,119 @@ class TrainConfig:
     """Validation shard set (top-1/top-5 at the end of each epoch)."""
     arch: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = "resnet50"
     """torchvision ResNet architecture."""
+    num_classes: int | None = None
+    """Classifier outputs; None = the training set's class count (1000 with --synthetic and no shards)."""
     epochs: int = 1
     """Epochs to train (ignored when steps is set)."""
     steps: int | None = None
     """Optimizer steps to train; overrides epochs."""
+    batch_size: int | None = None
+    """Samples per micro-batch per rank (per GPU); None = the [loader] batch_size."""
+    accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (DDP syncs gradients on the last one only)."""
+    image_size: int | None = None
+    """Training image side in pixels; None = the [loader] image_size."""
     amp: Literal["bf16", "fp16", "off"] = "bf16"
     """Autocast dtype (fp16 uses a GradScaler)."""
+    channels_last: bool = False
+    """Use the channels_last memory format (faster convolutions on tensor-core GPUs)."""
+    compile: bool = False
+    """torch.compile the model."""
+    lr: float = 0.1
+    """Peak learning rate (SGD); reached after the warm-up, then cosine decay."""
+    warmup_steps: int | None = None
+    """Linear LR warm-up in optimizer steps; None = 5% of the run (at most 2000 steps)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    momentum: float = 0.9
+    """SGD momentum (Nesterov off)."""
+    weight_decay: float = 1e-4
+    """SGD weight decay (not applied to BatchNorm and bias parameters)."""
+    label_smoothing: float = 0.1
+    """Cross-entropy label smoothing."""
+    checkpoint_dir: str | None = None
+    """Folder for atomic checkpoints (last.pt); None = no checkpoints."""
+    checkpoint_every: int = 0
+    """Checkpoint every N optimizer steps (0 = at epoch ends and at the end of the run only)."""
+    resume: bool = False
+    """Continue from checkpoint_dir/last.pt (same step, LR, optimizer and loader position)."""
     seed: int = 0
     """Seed for model init and data order."""
+    mode: Literal["real", "synthetic", "loader-only", "measure"] = "real"
+    """real = train; synthetic = fixed batch on the device (GPU ceiling); loader-only = loader alone (loader
+    ceiling); measure = synthetic, loader-only and real, briefly, in that order, then the verdict."""
+    measure_steps: int = 20
+    """Timed steps per mode with mode = measure."""
+    timing_warmup_steps: int = 3
+    """Steps at the start of each mode left out of the timing (start-up, cudnn autotune, compile)."""
+    log_every: int = 10
+    """Optimizer steps per JSONL log record."""
+    device: str = "auto"
+    """auto (CUDA when present), cpu or cuda."""
+    threads: int | None = None
+    """torch CPU threads per rank; None = usable CPUs / processes on this node."""
+    storage_bytes_per_s: float | None = None
+    """Measured read rate of the shard storage (e.g. from gpufeed io); lets the verdict call a storage bound."""
+    nproc_per_node: int = 1
+    """Processes (GPUs) per node; > 1 or nnodes > 1 launches through torchrun."""
+    nnodes: str = "1"
+    """Nodes (torchrun syntax: N or MIN:MAX)."""
+    node_rank: int | None = None
+    """This node's rank for static rendezvous (with master_addr)."""
+    master_addr: str | None = None
+    """Static rendezvous host (rank 0's node)."""
+    master_port: int | None = None
+    """Static rendezvous port."""
+    rdzv_endpoint: str | None = None
+    """c10d rendezvous endpoint HOST[:PORT] (instead of master_addr/master_port)."""
+    rdzv_id: str = "gpufeed"
+    """Rendezvous job id (same on all nodes)."""
+    run_dir: str | None = None
+    """Run folder; None = runs/train-<UTC timestamp>/."""
+    progress: bool = True
+    """tqdm progress bar on rank 0."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "epochs")
-        if self.steps is not None and self.steps < 1:
-            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        _check_positive(self, "epochs", "steps", "batch_size", "accum_steps", "image_size", "num_classes",
+                        "measure_steps", "log_every", "nproc_per_node", "threads", "storage_bytes_per_s")
+        _check_non_negative(self, "lr", "min_lr", "momentum", "weight_decay", "checkpoint_every",
+                            "timing_warmup_steps", "warmup_steps", "node_rank")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not re.fullmatch(r"\d+(:\d+)?", self.nnodes):
+            raise ConfigError(f"nnodes must be N or MIN:MAX, got {self.nnodes!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("resume needs checkpoint_dir (the folder holding last.pt)")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"master_port must be in 1..65535, got {self.master_port}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SynthConfig:
+    """``gpufeed synth DEST``: a small ImageNet-like ImageFolder of JPEGs for demos, tests and benchmarks."""
+
+    dest: str | None = None
+    """Output folder; class sub-folders n0000, n0001, ... are created in it."""
+    images: int = 1_000
+    """Images to write in all (spread evenly over the classes)."""
+    classes: int = 10
+    """Class folders."""
+    seed: int = 0
+    """Same seed => byte-identical files (with the same Pillow/libjpeg build), whatever the workers."""
+    workers: int | None = None
+    """Worker processes; None = the CPUs this process may use. The output does not depend on it."""
+    overwrite: bool = False
+    """Replace an earlier synth folder at DEST (folders holding other files are refused)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "images", "classes")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if self.classes > self.images:
+            raise ConfigError(f"classes ({self.classes}) must not exceed images ({self.images}): "
+                              "every class folder needs at least one image")
 
 
 SECTIONS: dict[str, type] = {
@@ -200,6 +325,7 @@ SECTIONS: dict[str, type] = {
     "loader": LoaderConfig,
     "tune": TuneConfig,
     "train": TrainConfig,
+    "synth": SynthConfig,
 }
 
 
@@ -211,6 +337,7 @@ class Config:
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    synth: SynthConfig = field(default_factory=SynthConfig)
 
 
 # --------------------------------------------------------------------------- loading

@@ -357,3 +357,122 @@ def test_resume_with_reencoded_images(tmp_path: Path) -> None:
     rep = shard(src, dest, max_size=32, shard_samples=3)  # the cache was cleared: transcoded again, same bytes
     assert rep.num_shards_written == 1 and rep.num_shards_skipped == 3
     assert digests(dest) == digests(ref) and rep.transforms == {"reencode": 12}
+
+
+def noise_folder(root: Path, classes: int = 2, per_class: int = 48, size: tuple[int, int] = (40, 30)) -> Path:
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        for i in range(per_class):
+            p = root / f"c{c}" / f"{i:03d}.jpg"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(p, quality=90)
+    return root
+
+
+def test_free_space_is_checked_before_the_transcode_cache_is_written(tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    import gpufeed.shard as mod
+
+    src = noise_folder(tmp_path / "src", per_class=4)
+    real = shutil.disk_usage
+    monkeypatch.setattr(mod.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    dest = tmp_path / "out"
+    with pytest.raises(DataError, match="1000 bytes free"):
+        shard(src, dest, max_size=16)
+    assert not [p for p in dest.rglob("*") if p.is_file()]  # nothing written, not even the cache
+
+
+def test_reencode_peak_dest_use_stays_near_the_output_size(tmp_path: Path, monkeypatch) -> None:
+    import gpufeed.shard as mod
+
+    src = noise_folder(tmp_path / "src")  # 96 images: 3 validation batches, 6 shards
+    dest = tmp_path / "out"
+
+    def usage() -> tuple[int, int]:
+        files = [p for p in dest.rglob("*") if p.is_file()]
+        cache = sum(p.stat().st_size for p in files if p.name.startswith("enc-"))
+        return sum(p.stat().st_size for p in files), cache
+
+    seen = []
+    real_write, real_finish = mod._write_shard, mod._finish
+    monkeypatch.setattr(mod, "_write_shard", lambda *a, **k: (seen.append(usage()), real_write(*a, **k))[1])
+    monkeypatch.setattr(mod, "_finish", lambda *a, **k: (seen.append(usage()), real_finish(*a, **k))[1])
+    rep = shard(src, dest, max_size=24, shard_samples=16)
+    assert rep.num_shards == 6 and rep.transforms == {"reencode": 96}
+    full_cache = seen[0][1]
+    assert full_cache > 0 and seen[-1][1] == 0  # every cache file is gone once its shards are written
+    output = sum(p.stat().st_size for p in dest.glob("*.tar"))
+    assert max(total for total, _ in seen) <= output + full_cache / 2  # old code: output + the whole cache
+
+
+def test_disk_full_is_a_data_error_naming_dest(image_folder, tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import gpufeed.shard as mod
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    src = noise_folder(tmp_path / "src", per_class=3)
+    dest = tmp_path / "out"
+    monkeypatch.setattr(mod, "_write_members", full)
+    with pytest.raises(DataError) as err:
+        shard(src, dest)
+    assert f"DEST {dest} is full" in str(err.value) and "bytes needed" in str(err.value)
+    assert not list(dest.glob("*.tar*")) and not list(dest.glob(".*.tmp"))
+    monkeypatch.undo()
+    monkeypatch.setattr(mod, "_inspect", full)  # while the transcode cache is written
+    with pytest.raises(DataError, match="is full"):
+        shard(src, tmp_path / "out2", quality=80)
+    assert not list((tmp_path / "out2").rglob("enc-*"))
+
+
+def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatch) -> None:
+    import gpufeed.shard as mod
+
+    src = tmp_path / "src"
+    for i in range(3):
+        write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
+    victim = src / "a" / "1.jpg"
+    real = mod._make_plan
+
+    def plan_then_swap(*a, **k):
+        plan = real(*a, **k)
+        victim.write_bytes(b"\xff\xd8\xff" + b"\0" * (victim.stat().st_size - 3))  # same size, garbage
+        return plan
+
+    monkeypatch.setattr(mod, "_make_plan", plan_then_swap)
+    with pytest.raises(DataError, match=r"a/1\.jpg changed while sharding.*re-run"):
+        shard(src, tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_resume_report_counts_only_what_this_run_wrote(image_folder, tmp_path: Path) -> None:
+    from gpufeed.shard import render_shard
+
+    src = image_folder(classes=2, per_class=4)
+    dest = tmp_path / "out"
+    first = shard(src, dest, shard_samples=2)
+    assert first.written_samples == 8 and first.written_bytes == first.total_bytes
+    again = shard(src, dest, shard_samples=2)
+    assert again.num_shards_written == 0 and again.written_samples == again.written_bytes == 0
+    assert again.samples_per_s == 0 and again.mb_per_s == 0 and again.total_bytes == first.total_bytes
+    assert "this run: 0 shard(s), 0 images, 0.0 MB" in render_shard(again)
+    (dest / "train-000001.tar").unlink()
+    part = shard(src, dest, shard_samples=2)
+    assert part.num_shards_written == 1 and part.written_samples == 2
+    assert part.written_bytes == (dest / "train-000001.tar").stat().st_size < part.total_bytes
+
+
+def test_concurrent_run_into_the_same_dest_is_refused(image_folder, tmp_path: Path) -> None:
+    import fcntl
+
+    src = image_folder(classes=1, per_class=2)
+    dest = tmp_path / "out"
+    (dest / ".gpufeed").mkdir(parents=True)
+    with open(dest / ".gpufeed" / "lock", "a+b") as held:  # what a running `gpufeed shard` holds
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(DataError, match="in use by another `gpufeed shard` run"):
+            shard(src, dest)
+    assert shard(src, dest).num_samples == 2  # released: runs

@@ -85,7 +85,8 @@ CANDIDATE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif",
 """torchvision ImageFolder's IMG_EXTENSIONS: the files considered images (matched case-insensitively)."""
 STATE_DIR = ".gpufeed"
 PLAN_NAME = "plan.json"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: validation and shards follow one seeded order; per-shard transcode caches
+LOCK_NAME = "lock"
 DEFAULT_REENCODE_QUALITY = 90
 CMYK_QUALITY = 95
 _SHARD_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.tar$")
@@ -122,15 +123,22 @@ class ShardReport:
     num_shards_skipped: int
     """Shards already complete from an earlier, interrupted run (resume)."""
     total_bytes: int
-    """Sum of shard file sizes."""
+    """Sum of the set's shard file sizes (kept and written)."""
     input_bytes: int
     """Bytes of the accepted input files."""
+    written_samples: int
+    """Samples in the shards written by this run (skipped shards of a resume excluded)."""
+    written_bytes: int
+    """Bytes of the shards written by this run."""
+    written_input_bytes: int
+    """Input bytes of the samples written by this run."""
     elapsed_s: float
     validate_s: float
     write_s: float
     samples_per_s: float
+    """Samples written by this run per second of the whole run."""
     mb_per_s: float
-    """Input MB (1e6 bytes) per second over the whole run."""
+    """Input MB (1e6 bytes) written by this run per second of the whole run."""
     workers: int
     strict: bool
     resumed: bool
@@ -158,10 +166,13 @@ class ShardReport:
 @dataclass
 class _Scan:
     classes: list[str]
+    """Class names as recorded (``_display``: non-UTF-8 bytes become U+FFFD), in label order."""
     candidates: list[tuple[str, int, int, int]]  # (relpath, label, size, mtime_ns)
     ignored: list[FileIssue]
     rejected: list[FileIssue]
     class_counts: list[int]
+    dirs: list[str] = field(default_factory=list)
+    """The class folders' real names (file system access), in label order."""
 
 
 def _rel(path: str, root: str) -> str:
@@ -197,7 +208,12 @@ def _scan(src: str) -> _Scan:
         counts.append(len(candidates) - before)
     candidates.sort(key=lambda c: (c[1], c[0]))
     ignored.sort(key=lambda i: i.path)
-    return _Scan(classes, candidates, ignored, rejected, counts)
+    shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them
+    if len(set(shown)) != len(shown):
+        dup = sorted({c for c in shown if shown.count(c) > 1})
+        raise DataError(f"class folders whose names are not valid UTF-8 read the same once shown ({', '.join(dup)}); "
+                        f"rename them")
+    return _Scan(shown, candidates, ignored, rejected, counts, dirs=classes)
 
 
 def _walk_class(src: str, top: str, label: int, out: list, ignored: list, rejected: list) -> None:
@@ -475,6 +491,12 @@ def _write_shard(dest: str, name: str, samples: list[tuple], opts: dict[str, Any
     hasher.start()
     try:
         rows, size = _write_members(tmp, samples, blocks.put, tick)
+    except BaseException:
+        try:
+            os.unlink(tmp)  # a half-written shard only takes space (DEST may be full)
+        except OSError:
+            pass
+        raise
     finally:
         blocks.put(None)
         hasher.join()
@@ -499,8 +521,9 @@ def _write_members(tmp: str, samples: list[tuple], emit: Callable[[bytes], None]
             if enc is None:  # pass through, byte for byte
                 with open(path, "rb") as f:
                     data = f.read()
-                if len(data) != nbytes:
-                    raise DataError(f"{rel} changed since it was validated; re-run with --overwrite")
+                if len(data) != nbytes or hashlib.sha256(data).hexdigest() != digest:
+                    raise DataError(f"{rel} changed while sharding (its bytes differ from the validated ones); "
+                                    f"re-run (with --overwrite when asked)")
             else:  # transcoded during validation; read it back from the batch cache
                 cache, offset, length, ext, w, h = enc
                 with open(cache, "rb") as f:
@@ -615,7 +638,41 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
     workers = cfg.workers or usable_cpus()
     options = _options(cfg)
     opts = {"check": cfg.check, "max_pixels": cfg.max_pixels, "max_size": cfg.max_size, "quality": cfg.quality}
+    state = os.path.join(dest, STATE_DIR)
+    created = not os.path.isdir(state)
+    try:
+        os.makedirs(state, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"DEST {cfg.dest} cannot be created ({exc.strerror or exc})") from None
+    lock = _lock(dest, cfg)
+    try:
+        return _run(cfg, src, dest, workers, options, opts, progress, t0)
+    except DataError:
+        if created and os.listdir(state) == [LOCK_NAME]:  # refused before writing: leave DEST as it was
+            os.unlink(os.path.join(state, LOCK_NAME))
+            os.rmdir(state)
+        raise
+    finally:
+        lock.close()
 
+
+def _lock(dest: str, cfg: ShardConfig) -> Any:
+    """An exclusive lock on DEST/.gpufeed/lock for the whole run: a second run into the same DEST is refused."""
+    import fcntl
+
+    f = open(os.path.join(dest, STATE_DIR, LOCK_NAME), "a+b")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise DataError(f"DEST {cfg.dest} is in use by another `gpufeed shard` run; wait for it to finish or "
+                        f"choose another DEST") from None
+    return f
+
+
+def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str, Any], opts: dict[str, Any],
+         progress: bool, t0: float) -> ShardReport:
+    state = os.path.join(dest, STATE_DIR)
     pool = _make_pool(workers) if workers > 1 else None
     bar = _Bar(progress)
     try:
@@ -627,8 +684,6 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
         _check_empty(cfg, scan.classes, scan.class_counts, warn)
         fingerprint = _fingerprint(scan, options)
 
-        os.makedirs(dest, exist_ok=True)
-        state = os.path.join(dest, STATE_DIR)
         plan = _load_plan(dest, fingerprint, cfg)
         resumed = plan is not None
         done: dict[str, dict[str, Any]] = {}
@@ -637,17 +692,27 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
                 info = _shard_complete(dest, s["name"])
                 if info is not None:
                     done[s["name"]] = info
-            lost = [r for s in plan["shards"] if s["name"] not in done for i in s["samples"]
-                    for r in [plan["samples"][i]] if r["enc"] and not os.path.exists(os.path.join(state, r["enc"][0]))]
-            if lost:  # transcoded bytes are gone (cleared after completion): redo the deterministic validation
+            lost = [c for s in plan["shards"] if s["name"] not in done for c in s["caches"]
+                    if not os.path.exists(os.path.join(state, c))]
+            if lost:  # transcoded bytes are gone (cleared after use): redo the deterministic validation
                 plan = None
 
         t_val = time.perf_counter()
         if plan is None:
-            os.makedirs(state, exist_ok=True)
-            results = _validate(scan, src, state, opts, pool, bar)
-            plan = _make_plan(cfg, scan, results, fingerprint, options)
-            _check_empty(cfg, scan.classes, plan["class_counts"], warn, after_validation=True)
+            # Before anything is written: the input size is the estimate (pass-through bytes are the output;
+            # re-encodes to --max-size/--quality are rarely larger). The exact check follows validation.
+            kept = sum(i["bytes"] for i in done.values())
+            est = sum(c[2] + _TAR_OVERHEAD_PER_SAMPLE for c in scan.candidates) - kept
+            _check_free_space(dest, est, cfg)
+            order = list(range(len(scan.candidates)))
+            random.Random(cfg.seed).shuffle(order)
+            try:
+                results = _validate(scan, src, state, opts, pool, bar, order)
+            except OSError as exc:
+                _clear_cache(state)  # useless without a plan: give the space back
+                raise _os_error(exc, cfg, est) from None
+            plan = _make_plan(cfg, scan, results, fingerprint, options, order)
+            _check_empty(cfg, plan["classes"], plan["class_counts"], warn, after_validation=True)
             from gpufeed.records import atomic_write_bytes
 
             atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(plan).encode("utf-8"))
@@ -665,7 +730,19 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
                 if info is not None:
                     done[name] = info
         todo = [s for s in plan["shards"] if s["name"] not in done]
-        _check_free_space(dest, sum(s["est_bytes"] for s in todo), cfg)
+        # Each transcode cache file is deleted once every shard that reads it is written, so DEST peaks near
+        # the output size: the cache turns into shards as they are written.
+        users: dict[str, int] = {}
+        for s in todo:
+            for c in s["caches"]:
+                users[c] = users.get(c, 0) + 1
+        for name in os.listdir(state):
+            if name.startswith("enc-") and name.endswith(".bin") and name not in users:
+                os.unlink(os.path.join(state, name))
+        cached = sum(os.path.getsize(os.path.join(state, c)) for c in users)
+        in_flight = sum(sorted((s["cache_bytes"] for s in todo), reverse=True)[:workers])
+        need = max(0, sum(s["est_bytes"] for s in todo) - cached) + in_flight
+        _check_free_space(dest, need, cfg)
         for leftover in os.listdir(dest):
             if leftover.startswith(".") and leftover.endswith(".tar.tmp"):
                 os.unlink(os.path.join(dest, leftover))
@@ -678,7 +755,21 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
                  r["action"], r["orientation"], r["ext"], r["width"], r["height"], r["sha256"], r["bytes"],
                  None if r["enc"] is None else (os.path.join(state, r["enc"][0]), *r["enc"][1:]))
                 for r in rows], sum(r["bytes"] for r in rows)))
-        written = _write_all(dest, tasks, opts, pool if len(tasks) > 1 else None, bar)
+        caches_of = {s["name"]: s["caches"] for s in todo}
+
+        def shard_done(name: str) -> None:
+            for c in caches_of[name]:
+                users[c] -= 1
+                if users[c] == 0:
+                    try:
+                        os.unlink(os.path.join(state, c))
+                    except FileNotFoundError:
+                        pass
+
+        try:
+            written = _write_all(dest, tasks, opts, pool if len(tasks) > 1 else None, bar, shard_done)
+        except OSError as exc:
+            raise _os_error(exc, cfg, need) from None
         done.update(written)
         write_s = time.perf_counter() - t_w
     finally:
@@ -688,12 +779,16 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
 
     # ---- index, timm info, manifest (last)
     infos = [done[n] for n in names]
-    manifest = _finish(dest, cfg, plan, infos, options)
-    for name in os.listdir(state):  # the transcode cache is only needed until every shard is complete
-        if name.startswith("enc-") and name.endswith(".bin"):
-            os.unlink(os.path.join(state, name))
+    try:
+        manifest = _finish(dest, cfg, plan, infos, options)
+    except OSError as exc:
+        raise _os_error(exc, cfg, 0) from None
+    _clear_cache(state)  # the transcode cache is only needed until every shard is complete
     input_bytes = sum(r["bytes"] for r in plan["samples"])
     elapsed = time.perf_counter() - t0
+    # Rates count what this run wrote (a resume that keeps every shard converts nothing).
+    n_written = sum(i["num_samples"] for i in written.values())
+    in_written = sum(plan["samples"][j]["bytes"] for s in todo if s["name"] in written for j in s["samples"])
     transforms: dict[str, int] = {}
     for r in plan["samples"]:
         transforms[r["action"]] = transforms.get(r["action"], 0) + 1
@@ -705,15 +800,41 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
         src=src, dest=dest, prefix=cfg.prefix, num_classes=len(plan["classes"]),
         num_samples=len(plan["samples"]), num_rejected=len(rejected), num_ignored=len(ignored),
         num_shards=len(names), num_shards_written=len(written), num_shards_skipped=len(names) - len(written),
-        total_bytes=manifest.total_bytes, input_bytes=input_bytes, elapsed_s=elapsed, validate_s=validate_s,
-        write_s=write_s, samples_per_s=len(plan["samples"]) / elapsed if elapsed > 0 else 0.0,
-        mb_per_s=input_bytes / 1e6 / elapsed if elapsed > 0 else 0.0, workers=workers, strict=cfg.strict,
+        total_bytes=manifest.total_bytes, input_bytes=input_bytes,
+        written_samples=n_written, written_bytes=sum(i["bytes"] for i in written.values()),
+        written_input_bytes=in_written, elapsed_s=elapsed, validate_s=validate_s,
+        write_s=write_s, samples_per_s=n_written / elapsed if elapsed > 0 else 0.0,
+        mb_per_s=in_written / 1e6 / elapsed if elapsed > 0 else 0.0, workers=workers, strict=cfg.strict,
         resumed=resumed, transforms=dict(sorted(transforms.items())),
         num_exif_oriented=sum(1 for r in plan["samples"] if r["orientation"] != 1),
         classes=list(plan["classes"]), empty_classes=list(plan["empty_classes"]), warnings=warn,
         rejected=rejected, ignored=ignored, shards=names, url_pattern=manifest.url_pattern,
         manifest=os.path.join(dest, "manifest.json"),
     )
+
+
+def _clear_cache(state: str) -> None:
+    for name in os.listdir(state):
+        if name.startswith("enc-") and (name.endswith(".bin") or name.endswith(".bin.tmp")):
+            os.unlink(os.path.join(state, name))
+
+
+def _os_error(exc: OSError, cfg: ShardConfig, need: int) -> DataError:
+    """An OS error while writing DEST (or reading SRC) as one sentence naming the path and the reason."""
+    import errno
+
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = shutil.disk_usage(cfg.dest).free
+        except OSError:
+            free = 0
+        return DataError(
+            f"DEST {cfg.dest} is full ({exc.strerror}): the job needed about {need / 1e6:.1f} MB more, "
+            f"{free / 1e6:.1f} MB are free now ({need} bytes needed, {free} bytes free); free space or choose "
+            f"another DEST, then re-run"
+        )
+    where = exc.filename if exc.filename is not None else cfg.dest
+    return DataError(f"{os.fsdecode(where)}: {exc.strerror or exc} (while sharding into {cfg.dest})")
 
 
 def _check_empty(cfg: ShardConfig, classes: list[str], counts: list[int], warn: list[str],
@@ -751,8 +872,7 @@ def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> dict[str, Any] 
     if not [n for n in existing if n != STATE_DIR and not n.endswith(".tar.tmp")] and not os.path.exists(plan_path):
         # Only leftovers of a run interrupted before its plan was saved: start afresh.
         for name in existing:
-            p = os.path.join(dest, name)
-            shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+            _remove(dest, name)
         return None
     if os.path.exists(plan_path):
         try:
@@ -768,12 +888,22 @@ def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> dict[str, Any] 
         raise DataError(f"DEST {cfg.dest} {why}; re-run with --overwrite to replace it")
     # Manifest first, so a half-cleared folder is never taken for a complete set.
     for name in ["manifest.json"] + [n for n in existing if n != "manifest.json"]:
-        p = os.path.join(dest, name)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        elif os.path.lexists(p):
-            os.unlink(p)
+        _remove(dest, name)
     return None
+
+
+def _remove(dest: str, name: str) -> None:
+    """Remove one of our outputs; the state folder keeps its lock file (held by this run)."""
+    p = os.path.join(dest, name)
+    if name == STATE_DIR:
+        for inner in os.listdir(p):
+            if inner != LOCK_NAME:
+                q = os.path.join(p, inner)
+                shutil.rmtree(q) if os.path.isdir(q) and not os.path.islink(q) else os.unlink(q)
+    elif os.path.isdir(p) and not os.path.islink(p):
+        shutil.rmtree(p)
+    elif os.path.lexists(p):
+        os.unlink(p)
 
 
 def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig) -> None:
@@ -789,14 +919,18 @@ def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig) -> None:
 
 
 def _make_plan(cfg: ShardConfig, scan: _Scan, results: list[tuple], fingerprint: str,
-               options: dict[str, Any]) -> dict[str, Any]:
+               options: dict[str, Any], shuffled: list[int]) -> dict[str, Any]:
+    """The plan: accepted samples (keys in sorted order), split into shards following ``shuffled`` (the seeded
+    permutation of the candidates; the accepted ones in that order are a seeded shuffle of the accepted list)."""
     accepted = []
     rejected = list(scan.rejected)
-    for (rel, label, size, _mtime), res in zip(scan.candidates, results):
+    position: dict[int, int] = {}
+    for c, ((rel, label, size, _mtime), res) in enumerate(zip(scan.candidates, results)):
         ok, what, fmt, w, h, orientation, enc, digest = res
         if not ok:
             rejected.append(FileIssue(_display(rel), what))
             continue
+        position[c] = len(accepted)
         sample = {"source": _display(rel), "path": rel, "label": label, "bytes": size, "action": what,
                   "ext": _EXT.get(fmt, ""),
                   "width": w, "height": h, "orientation": orientation, "enc": None, "est_bytes": size,
@@ -812,8 +946,7 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: list[tuple], fingerprint:
         counts[a["label"]] += 1
     if not accepted:
         raise DataError(f"SRC {cfg.src} holds no valid image ({len(rejected)} rejected)")
-    order = list(range(len(accepted)))
-    random.Random(cfg.seed).shuffle(order)
+    order = [position[c] for c in shuffled if c in position]
     est_total = sum(a["est_bytes"] + _TAR_OVERHEAD_PER_SAMPLE for a in accepted)
     n_shards = plan_num_shards(len(accepted), est_total, cfg)
     if n_shards > len(accepted):
@@ -826,8 +959,11 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: list[tuple], fingerprint:
     for name, k in zip(_shard_names(cfg.prefix, n_shards), split_sizes(len(accepted), n_shards)):
         idx = order[pos:pos + k]
         pos += k
+        caches = sorted({accepted[i]["enc"][0] for i in idx if accepted[i]["enc"] is not None})
         shards.append({"name": name, "samples": idx,
-                       "est_bytes": sum(accepted[i]["est_bytes"] + _TAR_OVERHEAD_PER_SAMPLE for i in idx)})
+                       "est_bytes": sum(accepted[i]["est_bytes"] + _TAR_OVERHEAD_PER_SAMPLE for i in idx),
+                       "caches": caches,
+                       "cache_bytes": sum(accepted[i]["enc"][2] for i in idx if accepted[i]["enc"] is not None)})
     return {"plan_version": PLAN_VERSION, "fingerprint": fingerprint, "options": options,
             "classes": scan.classes, "class_counts": counts,
             "empty_classes": [c for c, n in zip(scan.classes, counts) if n == 0],
@@ -953,9 +1089,12 @@ def _noop() -> None:
     return None
 
 
-def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any, bar: _Bar) -> list[tuple]:
-    paths = [os.path.join(src, c[0]) for c in scan.candidates]
-    sizes = [c[2] for c in scan.candidates]
+def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any, bar: _Bar,
+              order: list[int]) -> list[tuple]:
+    """Validate the candidates in the seeded shard order (so each transcode cache file feeds one or a few
+    consecutive shards and can be deleted once they are written); results in candidate order."""
+    paths = [os.path.join(src, scan.candidates[k][0]) for k in order]
+    sizes = [scan.candidates[k][2] for k in order]
     bar.start("validate", len(paths))
     chunks = [(i, paths[i:i + _CHUNK]) for i in range(0, len(paths), _CHUNK)]
     results: list[Any] = [None] * len(chunks)
@@ -972,14 +1111,17 @@ def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any
             j, i, k = futs[fut]
             results[j] = fut.result()
             bar.update(k, sum(sizes[i:i + k]))
-    out = []
+    out: list[Any] = [None] * len(order)
+    pos = 0
     for j, chunk_results in enumerate(results):
         for r in chunk_results:
-            out.append(r if r[6] is None else r[:6] + ((cache[j], *r[6]), r[7]))
+            out[order[pos]] = r if r[6] is None else r[:6] + ((cache[j], *r[6]), r[7])
+            pos += 1
     return out
 
 
-def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, bar: _Bar) -> dict[str, Any]:
+def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, bar: _Bar,
+               on_done: Callable[[str], None] = lambda name: None) -> dict[str, Any]:
     total = sum(len(t[1]) for t in tasks)
     bar.start("write", total)
     out: dict[str, Any] = {}
@@ -989,6 +1131,7 @@ def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, b
     if pool is None:
         for name, samples, _b in tasks:
             out[name] = _write_shard(dest, name, samples, opts, tick=lambda n: bar.update(n, int(n * mean)))
+            on_done(name)
         return out
     ex, counter = pool
     with counter.get_lock():
@@ -1000,6 +1143,7 @@ def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, b
         finished, pending = cf.wait(pending, timeout=0.25, return_when=cf.FIRST_COMPLETED)
         for fut in finished:
             out[futs[fut]] = fut.result()
+            on_done(futs[fut])
         now = counter.value
         if now > seen:
             bar.update(now - seen, int((now - seen) * mean))
@@ -1016,9 +1160,10 @@ def render_shard(report: ShardReport, max_items: int = 20) -> str:
     lines = [
         f"converted {r.num_samples} images in {r.num_classes} classes -> {r.num_shards} shards "
         f"({r.url_pattern}) in {r.dest}",
-        f"  {r.total_bytes / 1e6:.1f} MB written from {r.input_bytes / 1e6:.1f} MB input in {r.elapsed_s:.1f} s "
-        f"({r.samples_per_s:.0f} images/s, {r.mb_per_s:.1f} MB/s, {r.workers} workers; "
-        f"validate {r.validate_s:.1f} s, write {r.write_s:.1f} s)",
+        f"  set: {r.total_bytes / 1e6:.1f} MB in {r.num_shards} shards from {r.input_bytes / 1e6:.1f} MB input",
+        f"  this run: {r.num_shards_written} shard(s), {r.written_samples} images, {r.written_bytes / 1e6:.1f} MB "
+        f"written in {r.elapsed_s:.1f} s ({r.samples_per_s:.0f} images/s, {r.mb_per_s:.1f} MB/s input, "
+        f"{r.workers} workers; validate {r.validate_s:.1f} s, write {r.write_s:.1f} s)",
     ]
     if r.resumed:
         lines.append(f"  resumed: {r.num_shards_skipped} complete shard(s) kept, {r.num_shards_written} written")

@@ -239,3 +239,29 @@ def test_file_name_that_is_not_utf8(tmp_path: Path) -> None:
     rep = run(src, tmp_path / "out")
     assert rep.num_samples == 2 and rep.num_rejected == 0
     assert "a/caf\ufffd.jpg" in samples_by_source(tmp_path / "out")
+
+
+def test_class_folder_name_that_is_not_utf8(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from gpufeed.manifest import read_manifest
+    from gpufeed.shard import render_shard
+
+    src = tmp_path / "src"
+    write_image(src / "ok" / "b.jpg")
+    raw = os.fsencode(src) + b"/caf\xe9"  # Latin-1 bytes: not valid UTF-8; still read under its real name
+    os.mkdir(raw)
+    with open(raw + b"/a.jpg", "wb") as f:
+        f.write((src / "ok" / "b.jpg").read_bytes())
+    dest = tmp_path / "out"
+    rep = run(src, dest)
+    assert rep.num_samples == 2 and rep.classes == ["caf\ufffd", "ok"]  # labels in the real names' order
+    assert read_manifest(dest).classes == ["caf\ufffd", "ok"]
+    meta = json.loads(samples_by_source(dest)["caf\ufffd/a.jpg"]["json"])
+    assert meta["class"] == "caf\ufffd" and meta["label"] == 0
+    assert sorted(pq.read_table(dest / "index.parquet").column("class").to_pylist()) == ["caf\ufffd", "ok"]
+    assert json.loads((dest / "_info.json").read_text(encoding="utf-8"))["num_classes"] == 2
+    render_shard(rep).encode("utf-8")  # printable
+    out = json.loads(invoke(["shard", src, tmp_path / "out2", "--workers", "1", "--json"]).stdout)
+    assert out["classes"] == ["caf\ufffd", "ok"]
+    assert invoke(["verify", dest]).exit_code == 0

@@ -159,3 +159,49 @@ def test_index_parquet_must_match_the_shards(shard_set: Path) -> None:
     rep = verify_shards(shard_set, workers=1, decode=False)
     (problem,) = rep.problems
     assert problem.shard == "index.parquet" and problem.member == table.column("key")[0].as_py()
+
+
+def test_verify_reads_shards_from_the_manifest_root(tmp_path: Path) -> None:
+    import shutil
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    shutil.copy("/work/shared/fixtures/webdataset-sample.tgz", shards / "sample-000000.tgz")
+    invoke(["index", shards, "--out", tmp_path / "meta"])
+    assert not (tmp_path / "meta" / "sample-000000.tgz").exists()
+    rep = verify_shards(tmp_path / "meta", workers=1)
+    assert rep.ok, rep.problems
+    assert rep.num_samples == rep.num_expected == 90
+
+
+def test_gpufeed_set_needs_its_json_members_and_index(shard_set: Path) -> None:
+    from gpufeed.manifest import read_manifest
+
+    first = shard_set / "train-000000.tar"
+    with tarfile.open(first) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
+    dropped = next(n for n, _ in members if n.endswith(".json"))
+    with tarfile.open(first, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            if name != dropped:
+                add(tar, name, data)
+    m = read_manifest(shard_set)
+    body = first.read_bytes()
+    m.shards[0] = ShardInfo(name=first.name, num_samples=m.shards[0].num_samples, bytes=len(body),
+                            sha256=hashlib.sha256(body).hexdigest())
+    write_manifest(shard_set, m)
+    (shard_set / "index.parquet").unlink()
+    rep = verify_shards(shard_set, workers=1, decode=False)
+    found = {(p.shard, p.member): p.reason for p in rep.problems}
+    assert found == {("train-000000.tar", dropped.split(".")[0]): "sample has no .json member (every gpufeed "
+                     "sample has one)", ("index.parquet", None): "missing (every gpufeed shard set has one)"}
+
+
+def test_foreign_multi_dot_extension_is_a_member_not_a_dotted_key(tmp_path: Path) -> None:
+    j = jpeg_bytes(tmp_path)
+    root = foreign_set(tmp_path, [
+        [("x.jpg", j), ("x.seg.png", b"mask"), ("x.cls", b"0"), ("y.jpg", j), ("y.cls", b"1")],
+    ], gzip=False, sha=True)
+    rep = verify_shards(root, workers=1)
+    assert rep.ok, rep.problems
+    assert rep.num_samples == 2

@@ -5,9 +5,12 @@ match the manifest (sha256 is skipped when the manifest has none, e.g. ``gpufeed
 reads to the end (gzip shards of foreign sets included), its sample count matches, every member name is
 ``KEY.ext`` with a dot-free KEY and a known extension, keys are unique across the whole set, each sample has
 exactly one image member and a ``.cls`` label in ``0..C-1``, and (``decode``, default on) every image
-decodes to 3-channel RGB with Pillow. For sets written by ``gpufeed shard``, each ``KEY.json`` must parse,
-name the class of the label, and carry the sha256 of the image member, which pins a flipped bit to its
-member, and ``index.parquet`` must list exactly the (key, shard) pairs found. Every failure is a problem naming
+decodes to 3-channel RGB with Pillow. For sets written by ``gpufeed shard``, each sample must have a ``KEY.json``
+that parses, names the class of the label, and carries the sha256 of the image member, which pins a flipped bit
+to its member, and ``index.parquet`` must exist and list exactly the (key, shard) pairs found. Foreign sets
+(``gpufeed index``) are read as webdataset and the loader read them: KEY is the name up to the first dot (so
+``x.seg.png`` is a member of sample ``x``, not a key with a dot) and keys without an image member are not
+samples. The shards are looked up in the manifest's ``root`` when it has one. Every failure is a problem naming
 shard, member and reason; ``ok`` is True when there is none.
 """
 
@@ -113,6 +116,16 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], num_classes: i
         nonlocal decoded
         parts = samples.pop(key)
         images = [e for e in parts if e.lower() in READ_IMAGE_EXTENSIONS]
+        if not ours and not images:
+            # The loader and `gpufeed index` skip keys without an image member: not a sample. But an image
+            # behind a dot in its key (`k.3.jpg` -> key `k`, extension `3.jpg`) is an image the loader never reads.
+            keys.pop()  # (the key just finished is the last one)
+            for e in sorted(parts):
+                if "." in e and e.rsplit(".", 1)[1].lower() in READ_IMAGE_EXTENSIONS:
+                    bad(f"{key}.{e}", f"key holds a dot: readers take {key!r} as the key and {e!r} as the "
+                                      f"extension, so no reader sees this image")
+                    break
+            return
         if len(images) != 1:
             bad(key, f"sample has {len(images)} image members ({', '.join(sorted(parts))}); expected exactly one")
         label = None
@@ -142,7 +155,9 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], num_classes: i
                 decoded += 1
             except Exception as exc:  # noqa: BLE001 - any decoder failure is a problem record
                 bad(member, f"image does not decode ({type(exc).__name__}: {exc})")
-        if ours and META_EXTENSION in parts:
+        if ours and META_EXTENSION not in parts:
+            bad(key, "sample has no .json member (every gpufeed sample has one)")
+        elif ours:
             try:
                 meta = json.loads(parts[META_EXTENSION])
             except ValueError as exc:
@@ -169,7 +184,9 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], num_classes: i
                         bad(m.name, "member name has no extension (expected KEY.ext)")
                         continue
                     key, ext = split
-                    if "." in ext and ext.lower() not in _KNOWN:
+                    # Foreign sets: webdataset (and so the loader and `gpufeed index`) keys a member by its name
+                    # up to the first dot, so `x.seg.png` is member "seg.png" of sample "x", not a bad key.
+                    if ours and "." in ext and ext.lower() not in _KNOWN:
                         bad(m.name, f"key holds a dot: readers take {key!r} as the key and {ext!r} as the "
                                     f"extension")
                     fobj = tar.extractfile(m)
@@ -219,6 +236,8 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
     t0 = time.perf_counter()
     m = read_manifest(path)
     root = manifest_path(path).parent
+    if m.root:  # `gpufeed index --out` elsewhere: the shards stay in their folder (as the loader reads them)
+        root = root / m.root
     ours = m.created_by.startswith("gpufeed shard")
     gzip = (m.compression or "").lower() in ("gzip", "gz")
     jobs = [(str(root / s.name), s.name, {"bytes": s.bytes, "sha256": s.sha256, "num_samples": s.num_samples},
@@ -244,9 +263,12 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
                 problems.append(VerifyProblem(r["name"], k, f"key {k!r} is also used in {seen[k]}"))
             else:
                 seen[k] = r["name"]
-    index = root / "index.parquet"
-    if ours and index.exists():
-        problems.extend(_check_index(index, seen))
+    index = manifest_path(path).parent / "index.parquet"
+    if ours:
+        if index.exists():
+            problems.extend(_check_index(index, seen))
+        else:
+            problems.append(VerifyProblem("index.parquet", None, "missing (every gpufeed shard set has one)"))
     if found != m.num_samples and not any(p.member is None and "samples" in p.reason for p in problems):
         problems.append(VerifyProblem("", None, f"the set holds {found} samples, manifest says {m.num_samples}"))
     return VerifyReport(

@@ -20,6 +20,7 @@ def test_low_stall_but_far_below_ceiling_is_starved() -> None:
                                loader_cores_used=4, usable_cores=8, num_workers=4, read_bytes_per_s=1e6))
     assert v.status == "starved" and v.bound == "decode/CPU"
     assert "slows the training processes" in v.reason
+    assert any("costs ~1.0 cores at 1000.0 samples/s per core" in f for f in v.fixes)  # 1000/s at 4000/4 per core
 
 
 def test_decode_bound_names_cores_needed_at_per_core_rate() -> None:
@@ -94,3 +95,10 @@ def test_render_puts_status_and_fixes() -> None:
     v = Verdict("starved", "copy", "because", ["a", "b"])
     assert v.render().splitlines() == ["verdict: STARVED (copy-bound): because", "  fix: a", "  fix: b"]
     assert not v.ok
+
+
+def test_stalled_although_the_loader_is_fast_enough_on_average() -> None:
+    v = classify(VerdictInputs(stall_pct=12.0, end_to_end_rate=880, gpu_ceiling=1000, loader_ceiling=3000,
+                               loader_cores_used=6, usable_cores=16, num_workers=3, read_bytes_per_s=1e6))
+    assert v.bound == "decode/CPU" and "arrive late" in v.reason
+    assert any("prefetch_factor" in f for f in v.fixes)

@@ -358,7 +358,9 @@ class Trainer:
         if cfg.val_shards and cfg.mode == "real":
             from gpufeed.loader import build_loader
 
-            self.val_loader = build_loader(cfg.val_shards, self.loader_cfg, world, train=False, epoch=0)
+            # no persistent workers: they would sit idle (holding memory) through every training epoch
+            val_cfg = dataclasses.replace(self.loader_cfg, persistent_workers=False)
+            self.val_loader = build_loader(cfg.val_shards, val_cfg, world, train=False, epoch=0)
 
         # model
         random.seed(cfg.seed)

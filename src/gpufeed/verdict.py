@@ -203,6 +203,10 @@ def classify(v: VerdictInputs) -> Verdict:
                 fixes.append(f"needs ~{math.ceil(more)} more cores{where} at the measured {per_core:.1f} samples/s "
                              f"per core ({need_node:.1f} cores{where} to feed {per_node_target:.0f} samples/s; "
                              f"{used_node:.1f} busy now)")
+            elif stall_ok:
+                fixes.append(f"decoding {per_node_target:.0f} samples/s costs ~{need_node:.1f} cores{where} at "
+                             f"{per_core:.1f} samples/s per core, taken from the training processes: give the loader "
+                             "cores of its own, or make decoding cheaper")
             elif v.num_workers:
                 reason += (f"; the loader's rate suffices on average ({v.loader_ceiling:.1f} vs {target:.1f} samples/s "
                            "needed) but batches arrive late")

@@ -57,6 +57,21 @@ The plan (fingerprint of the scanned files' paths, sizes and mtimes and of every
 plus the validated sample list) is kept in ``DEST/.gpufeed/plan.json``; each completed shard leaves
 ``DEST/.gpufeed/<shard>.done.json`` with its size and sha256. A re-run with the same fingerprint skips shards
 whose file matches its sidecar and writes the rest; a different fingerprint is refused unless ``overwrite``.
+A run holds ``fcntl.flock`` on ``DEST/.gpufeed/lock``: a second run into the same DEST is refused. A
+pass-through file whose bytes differ from the validated ones (sha256) when its shard is written is refused.
+
+Disk space
+----------
+The candidates are validated in the seeded shard order (the accepted ones in that order are the shuffled
+list), so each transcode cache file ``DEST/.gpufeed/enc-*.bin`` (``--max-size``/``--quality``/CMYK/16-bit/...)
+feeds one or a few consecutive shards and is deleted as soon as they are written: DEST peaks near the output
+size. Free space is checked before anything is written (estimate: the input bytes) and again, exactly, before
+the shards are written. Any OS error while writing (DEST full included) is a ``DataError`` naming path and reason.
+
+Names
+-----
+Class folder names and file paths are recorded (manifest, ``.json``, ``index.parquet``, report) with bytes that
+are not UTF-8 replaced by U+FFFD; files are read under their real names; labels follow the real names' order.
 """
 
 from __future__ import annotations

@@ -182,6 +182,21 @@ def test_refinement_is_judged_per_cpu_second_when_cpu_bound(tmp_path: Path, monk
 
 
 @pytest.mark.usefixtures("four_cpus")
+def test_zero_workers_only_when_clearly_faster(tmp_path: Path) -> None:
+    toy = ToyPipeline()
+
+    def measure(shards: Any, cfg: LoaderConfig, world: World, **kw: Any) -> TrialRecord:
+        rec = toy(shards, cfg, world, **kw)
+        r = 1000.0 * (1.03 if cfg.num_workers == 0 else 1.0)  # flat: 0 workers ahead by less than min_gain
+        return dataclasses.replace(rec, samples_per_s=r, samples_per_s_runs=[r], samples_per_s_min=r,
+                                   samples_per_s_max=r, samples_per_core_s=None)
+
+    report = tune(toy_cfg(tmp_path, max_workers=2), LoaderConfig(decode="pil"), measure=measure, world=World.single())
+    assert report.best.num_workers >= 1
+    assert any("workers kept" in d for d in report.decisions)
+
+
+@pytest.mark.usefixtures("four_cpus")
 def test_tuner_stops_at_target_rate(tmp_path: Path) -> None:
     toy = ToyPipeline()
     target = toy.rate(LoaderConfig(num_workers=2, decode="pil")) / 1.2 - 1  # 2 workers x margin 1.2 is enough

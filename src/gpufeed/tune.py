@@ -614,7 +614,15 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
             s.decisions.append(f"workers: CPU budget saturated at {w} workers (tree used "
                                f"{rec.tree_cores_used:.2f} of {cores_budget:.2f} cores)")
             break
-    cur_rec = s.best()  # the fastest worker count measured
+    # the fastest worker count measured; 0 workers (loading in the training process, never overlapped with
+    # the step) only when it beats every worker count >= 1 by min_gain
+    cur_rec = s.best(lambda t: t.num_workers >= 1)
+    zero = s.best(lambda t: t.num_workers == 0)
+    if zero is not None and (cur_rec is None or zero.samples_per_s > cur_rec.samples_per_s * (1 + cfg.min_gain)):
+        cur_rec = zero
+    elif zero is not None and cur_rec is not None and zero.samples_per_s > cur_rec.samples_per_s:
+        s.decisions.append(f"workers: 0 workers measured {zero.samples_per_s:.0f} samples/s, within {cfg.min_gain:.0%} "
+                           f"of {cur_rec.num_workers} workers: workers kept (they overlap loading with training)")
     if cur_rec is not None:
         cur = cur_rec.loader_config(base)
         s.decisions.append(f"workers: keep {cur.num_workers} ({cur_rec.samples_per_s:.0f} samples/s)")

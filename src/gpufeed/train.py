@@ -335,6 +335,7 @@ class Trainer:
         self.num_nodes = max(1, world.world_size // max(1, self.local_world))
 
         if self.cuda:
+            torch.cuda.set_device(self.device)  # events, streams and NCCL use the current device
             torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick the fastest kernels
         if not self.cuda:
             from gpufeed.system import usable_cpus

@@ -179,6 +179,8 @@ def test_refinement_is_judged_per_cpu_second_when_cpu_bound(tmp_path: Path, monk
     report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=measure, world=World.single())
     assert report.best.decode == "pil-draft"
     assert any("samples per CPU-s" in d and "'pil' -> 'pil-draft'" in d for d in report.decisions)
+    assert [t.contended for t in report.trials if t.phase == "decode"] == [True]
+    assert any(d.startswith("warning: ") and "lower bounds" in d for d in report.decisions)
 
 
 @pytest.mark.usefixtures("four_cpus")

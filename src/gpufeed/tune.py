@@ -95,6 +95,9 @@ class TrialRecord:
     truncated: bool = False
     """The budget deadline cut the trial short (fewer repeats or a shorter window)."""
     over_cpu_budget: bool = False
+    contended: bool = False
+    """The machine was >= 90% busy while the loader got < 75% of the cores it could use: other processes
+    took CPU, so samples/s is a lower bound (samples_per_core_s still holds)."""
     note: str = ""
     error: str | None = None
 
@@ -478,6 +481,7 @@ class _Search:
         self.window_s = window_s
         self.ram_budget = ram_budget
         self.cpu_cores_budget = cpu_cores_budget
+        self.usable = max(1, int(round(cpu_cores_budget / max(cfg.cpu_budget, 1e-9))))
         self.progress = progress or (lambda s: None)
         self.t0 = time.monotonic()
         self.deadline = self.t0 + cfg.budget_s
@@ -522,8 +526,11 @@ class _Search:
             rec = dataclasses.replace(rec, wall_s=time.perf_counter() - t_start)
         over = bool(rec.ok and rec.tree_cores_used is not None and self.cfg.cpu_budget < 1
                     and rec.tree_cores_used > self.cpu_cores_budget * 1.1)
+        contended = bool(rec.ok and rec.cpu_percent_mean is not None and rec.tree_cores_used is not None
+                         and rec.cpu_percent_mean >= 90
+                         and rec.tree_cores_used < 0.75 * min(self.usable, max(1, rec.num_workers)))
         rec = dataclasses.replace(rec, trial=len(self.trials), phase=phase, over_cpu_budget=over,
-                                  note=rec.note or note)
+                                  contended=contended, note=rec.note or note)
         self.trials.append(rec)
         self.cache[key] = rec
         self.progress(f"trial {rec.trial:2d} {phase:16s} {describe(rec):60s} " +
@@ -694,6 +701,11 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
             f"not measured: a randomness knob, not a speed knob (a smaller buffer would 'win' by hurting "
             f"training); kept at {cur.shuffle_buffer}; its RAM is inside the measured RSS "
             f"({_mb(best.rss_max_bytes)} of {_mb(ram_budget)} budget)")
+    busy = [t.trial for t in s.trials if t.contended]
+    if busy:
+        s.decisions.append(f"warning: {len(busy)} of {len(s.trials)} trials (#{', #'.join(map(str, busy))}) ran while "
+                           f"other processes held the CPU (machine >= 90% busy, loader < 75% of its cores): their "
+                           f"samples/s are lower bounds; rerun on a quiet machine to trust the worker count")
     if not s.stop_reason:
         s.stop_reason = ("target reached" if s.target_reached() else "search complete")
     if s.target_reached():

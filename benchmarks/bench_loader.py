@@ -9,7 +9,8 @@ Side by side in one run, same JPEG bytes, same output (uint8 [B, 3, S, S], Rando
                             .decode("pil").to_tuple("jpg", "cls").map_tuple(transform, identity)`` + DataLoader;
 - ``gpufeed-tuned``        ``gpufeed tune`` on the shards (its winner);
 - ``gpufeed-exhaustive``   the best of an exhaustive sweep of the tuner's space (scores the tuner);
-- ``gpufeed-small``        ``gpufeed tune`` on shards made with ``gpufeed shard --max-size`` (stored-size reduction).
+- ``gpufeed-small``        ``gpufeed tune`` on shards made with ``gpufeed shard --max-size`` (stored-size reduction);
+- ``gpufeed-small-fullcfg`` the same small shards read with ``gpufeed-tuned``'s config (when it differs).
 
 The final comparison interleaves the variants round by round (the machine drifts), reports the median
 and min–max over all windows, prints a table and writes JSON under benchmarks/results/. Never asserts.
@@ -220,6 +221,9 @@ def main() -> None:
             variants.append(("gpufeed-exhaustive", measure_loader, full, exh_cfg))
     if tuned_small.best is not None:
         variants.append(("gpufeed-small", measure_loader, small, tuned_small.best))
+    if tuned_full.best is not None and (tuned_small.best is None or _knobs(tuned_small.best) != _knobs(tuned_full.best)):
+        # the same bytes-reduced shards read with the full set's winner (guards against a noisy small-set tune)
+        variants.append(("gpufeed-small-fullcfg", measure_loader, small, tuned_full.best))
 
     runs: dict[str, list[TrialRecord]] = {v[0]: [] for v in variants}
     for rnd in range(args.rounds):
@@ -266,6 +270,7 @@ def main() -> None:
     targets = {
         "tuned_vs_imagefolder_best (target >= 2)": _ratio(by, "gpufeed-tuned", "imagefolder-best"),
         "small_vs_imagefolder_best (target >= 4)": _ratio(by, "gpufeed-small", "imagefolder-best"),
+        "small_fullcfg_vs_imagefolder_best (target >= 4)": _ratio(by, "gpufeed-small-fullcfg", "imagefolder-best"),
         "tuner_within_5pct_of_exhaustive": None if not score.get("tuner_vs_exhaustive") else
         score["tuner_vs_exhaustive"] >= 0.95,
         "tuner_time_le_third_of_exhaustive": None if not score.get("time_ratio") else score["time_ratio"] <= 1 / 3,

@@ -697,6 +697,9 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
             cur = dataclasses.replace(cur, persistent_workers=True)
         else:
             skipped["persistent_workers"] = "best has 0 workers: nothing to keep alive"
+        if hasattr(cur, "resize"):
+            skipped["resize"] = (f"not measured: kept at {cur.resize!r}; 'torch' is the loader's SIMD uint8 kernel, "
+                                 f"'pil' its reference path (same filter, slower)")
         skipped["shuffle_buffer"] = (
             f"not measured: a randomness knob, not a speed knob (a smaller buffer would 'win' by hurting "
             f"training); kept at {cur.shuffle_buffer}; its RAM is inside the measured RSS "

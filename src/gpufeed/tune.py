@@ -648,7 +648,7 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
             if rec is None:
                 skipped.setdefault(knob, "budget: no time left for this trial")
                 return
-            metric, a, b = _compare_on(ref, rec, usable)
+            metric, a, b = _compare_on(ref, rec, usable, knob)
             if rec.ok and b > a * (1 + cfg.min_gain):
                 s.decisions.append(f"{knob}: {getattr(cur, knob)!r} -> {v!r} ({metric} {a:.0f} -> {b:.0f}; "
                                    f"samples/s {ref.samples_per_s:.0f} -> {rec.samples_per_s:.0f})")
@@ -739,16 +739,17 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     return report
 
 
-def _compare_on(ref: TrialRecord, rec: TrialRecord, usable: int) -> tuple[str, float, float]:
+def _compare_on(ref: TrialRecord, rec: TrialRecord, usable: int, knob: str = "") -> tuple[str, float, float]:
     """The quantity a refinement is judged on: ``(name, ref value, candidate value)``.
 
-    At a fixed worker count on a CPU-bound loader every remaining knob (decode path, in-worker
-    batching, prefetch depth) changes the rate through its CPU cost, so candidates are compared on
-    samples per CPU-second of the loader processes, which other tenants of a shared machine barely
-    move (they take cores away, and samples/s drifts 10-50% with them). Otherwise (I/O-bound, GPU
-    decode, no CPU telemetry) they are compared on samples/s.
+    At a fixed worker count on a CPU-bound loader the decode path and in-worker batching change the
+    rate through their CPU cost, so those candidates are compared on samples per CPU-second of the
+    loader processes, which other tenants of a shared machine barely move (they take cores away, and
+    samples/s drifts 10-50% with them). Prefetch depth and pinning do not change the CPU work per
+    sample (they hide latency), and I/O-bound, GPU-decode or unmeasured trials have no CPU story:
+    those are compared on samples/s.
     """
-    if (rec.ok and ref.samples_per_core_s and rec.samples_per_core_s and "gpu" not in (ref.decode, rec.decode)
+    if (knob not in ("prefetch_factor", "pin_memory") and rec.ok and ref.samples_per_core_s and rec.samples_per_core_s and "gpu" not in (ref.decode, rec.decode)
             and ref.num_workers == rec.num_workers and classify_bound(ref, usable)[0] == "CPU-bound"):
         return "samples per CPU-s", ref.samples_per_core_s, rec.samples_per_core_s
     return "samples/s", ref.samples_per_s or 0.0, rec.samples_per_s or 0.0

@@ -14,6 +14,8 @@ Variants, each a whole command in a subprocess, as a user runs it:
 * ``max512``       ``gpufeed shard --max-size 512`` (re-encode), default workers, and ``max512_w1`` with one
 * ``w1`` / ``w2``  ``gpufeed shard --workers 1`` / ``--workers 2`` (parallel efficiency)
 * ``import_wds``   ``python -c "import webdataset"`` (start-up cost users pay in the ShardWriter loop)
+* extras, only with ``--only``: ``header_2sh``, ``w1_2sh``, ``w2_2sh`` add ``--shard-samples N/2`` (two shards,
+  so the write phase can use both workers; by default a 3,000-image set is one shard, written serially)
 
 Repeats are interleaved (A B C ... A B C ...), output goes to a RAM disk (/dev/shm) when it has room and
 is removed after every run (not timed). The source folder is read once before timing, so every variant
@@ -49,7 +51,7 @@ def gpufeed_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "gpufeed.cli", *args]
 
 
-def variants(src: str, out: str) -> dict[str, list[str]]:
+def variants(src: str, out: str, shard_samples: int) -> dict[str, list[str]]:
     d = f"{out}/shards"
     return {
         "full": gpufeed_cmd("shard", src, d, "--json"),
@@ -61,7 +63,15 @@ def variants(src: str, out: str) -> dict[str, list[str]]:
         "w1": gpufeed_cmd("shard", src, d, "--workers", "1", "--json"),
         "w2": gpufeed_cmd("shard", src, d, "--workers", "2", "--json"),
         "import_wds": [sys.executable, "-c", "import webdataset, sys; print(int('torch' in sys.modules))"],
+        # Extras (only with --only): two shards, so the write phase can run on both workers too.
+        "header_2sh": gpufeed_cmd("shard", src, d, "--check", "header", "--shard-samples", str(shard_samples),
+                                  "--json"),
+        "w1_2sh": gpufeed_cmd("shard", src, d, "--workers", "1", "--shard-samples", str(shard_samples), "--json"),
+        "w2_2sh": gpufeed_cmd("shard", src, d, "--workers", "2", "--shard-samples", str(shard_samples), "--json"),
     }
+
+
+EXTRAS = ("header_2sh", "w1_2sh", "w2_2sh")
 
 
 def scan(src: Path) -> tuple[int, int]:
@@ -205,6 +215,14 @@ def ratios(summary: dict[str, dict], cpus: int, runs: list[dict]) -> dict[str, d
         v = rate("w2") / rate("w1") / 2
         res["parallel_efficiency_1_to_2"] = {"value": v, "target": ">= 0.90", "met": v >= 0.9,
                                              "paired": [x / 2 for x in paired(runs, "w2", "w1")]}
+    if rate("w1_2sh") and rate("w2_2sh"):
+        v = rate("w2_2sh") / rate("w1_2sh") / 2
+        res["parallel_efficiency_1_to_2_two_shards"] = {"value": v, "target": ">= 0.90", "met": v >= 0.9,
+                                                        "paired": [x / 2 for x in paired(runs, "w2_2sh", "w1_2sh")]}
+    if wall("header_2sh") and wall("tar"):
+        v = wall("header_2sh") / wall("tar")
+        res["header_2sh_wall_vs_tar_wall"] = {"value": v, "target": "<= 2.0", "met": v <= 2.0,
+                                              "paired": paired(runs, "tar", "header_2sh")}
     if rate("full") and rate("w2"):
         res["full_default_vs_w2"] = {"value": rate("full") / rate("w2"), "target": "~1 (default = usable CPUs)",
                                      "met": None}
@@ -238,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", help="Reuse an existing ImageFolder (e.g. bench-data/synth-3000).")
     p.add_argument("--out", help="JSON result path [default: benchmarks/results/bench_shard-<date>.json].")
     p.add_argument("--work-dir", help="Where outputs are written [default: /dev/shm when it has room].")
-    p.add_argument("--only", help="Comma-separated variants to run (default: all).")
+    p.add_argument("--only", help="Comma-separated variants to run (default: all but the extras "
+                   "header_2sh, w1_2sh, w2_2sh, which write two shards).")
     a = p.parse_args(argv)
 
     from gpufeed.system import environment_snapshot, usable_cpus
@@ -263,9 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         base = Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="gpufeed-bench-", dir=base))
-    cmds = variants(str(src), str(work / "out"))
+    cmds = variants(str(src), str(work / "out"), max(1, (num_images + 1) // 2))
     if a.only:
         cmds = {k: v for k, v in cmds.items() if k in a.only.split(",")}
+    else:
+        cmds = {k: v for k, v in cmds.items() if k not in EXTRAS}
 
     runs: list[dict] = []
     try:

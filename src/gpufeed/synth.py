@@ -55,7 +55,7 @@ _P_444 = 0.2
 _SHARPEN_PERCENT = (100, 300)
 
 _CLASS_RE = re.compile(r"^n\d{4,}$")
-_FILE_RE = re.compile(r"^n\d{4,}_\d{8}\.jpg$")
+_FILE_RE = re.compile(r"^\.?n\d{4,}_\d{8}\.jpg(\.tmp)?$")  # our files, and temporaries left by an interrupt
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,14 @@ def synthesize(cfg: SynthConfig) -> SynthReport:
     else:
         import multiprocessing as mp
 
-        ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+        import threading
+
+        # fork is fast and safe while this process has one thread; otherwise start clean interpreters.
+        methods = mp.get_all_start_methods()
+        if threading.active_count() == 1 and "fork" in methods:
+            ctx = mp.get_context("fork")
+        else:
+            ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
         with ctx.Pool(workers, initializer=_load_sources) as pool:
             for part in pool.imap_unordered(_render_range, jobs):
                 stats.extend(part)

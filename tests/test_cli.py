@@ -27,6 +27,20 @@ def test_every_command_has_help() -> None:
 def test_every_job_command_has_json(name: str) -> None:
     from gpufeed.cli import cli
 
-    if name not in cli.commands:
-        pytest.skip(f"{name} not implemented yet")
+    assert name in cli.commands
     assert "--json" in invoke([name, "--help"]).stdout
+
+
+def test_input_error_is_one_sentence_and_exit_2(tmp_path) -> None:
+    res = invoke(["verify", str(tmp_path / "nowhere")], expect=2)
+    assert "Traceback" not in res.stderr
+    assert "does not exist" in res.stderr
+
+
+def test_os_error_becomes_input_error(tmp_path, image_folder) -> None:
+    src = image_folder(classes=2, per_class=2)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    res = invoke(["shard", str(src), str(afile / "out"), "--quiet"], expect=2)
+    assert "Traceback" not in res.stderr
+    assert "afile" in res.stderr

@@ -372,12 +372,16 @@ def _encode(data: bytes, action: str, opts: dict[str, Any]) -> tuple[bytes, str,
 
 
 def _inspect(path: str, opts: dict[str, Any]) -> tuple:
-    """Validate one file -> (ok, reason_or_action, fmt, width, height, orientation[, transcoded, sha256])."""
+    """Validate one file -> (ok, reason_or_action, fmt, width, height, orientation[, transcoded, sha256, ident]).
+
+    ``ident`` is the opened file's identity (size, mtime_ns, inode, device) after reading it: the writer checks
+    the source it copies against it instead of hashing the bytes a second time."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with open(path, "rb") as f:
             data = f.read()
+            st = os.fstat(f.fileno())
     except OSError as exc:
         return (False, f"unreadable ({exc.strerror or exc})", None, 0, 0, 1)
     if not data:
@@ -411,7 +415,8 @@ def _inspect(path: str, opts: dict[str, Any]) -> tuple:
             if action != "copy":
                 # Transcoding decodes the whole image (the validation) and its output is kept for the writer.
                 out, ext, ow, oh = _encode(data, action, opts)
-                return (True, action, fmt, w, h, orientation, (out, ext, ow, oh), hashlib.sha256(out).hexdigest())
+                return (True, action, fmt, w, h, orientation, (out, ext, ow, oh), hashlib.sha256(out).hexdigest(),
+                        None)
             if opts["check"] == "full":
                 if fmt == "JPEG":
                     # Scaled IDCT: libjpeg still parses and entropy-decodes every coefficient of the whole
@@ -422,7 +427,8 @@ def _inspect(path: str, opts: dict[str, Any]) -> tuple:
                     im.convert("RGB")
         except Exception as exc:  # noqa: BLE001 - truncated / corrupt data is a per-file reject
             return (False, f"decode failed ({type(exc).__name__}: {exc})", fmt, w, h, orientation)
-    return (True, action, fmt, w, h, orientation, None, hashlib.sha256(data).hexdigest())
+    ident = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+    return (True, action, fmt, w, h, orientation, None, hashlib.sha256(data).hexdigest(), ident)
 
 
 def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = None) -> list[tuple]:
@@ -435,10 +441,10 @@ def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = 
         if r[0] and r[6] is not None:
             out, ext, ow, oh = r[6]
             blobs.append(out)
-            r = r[:6] + ((offset, len(out), ext, ow, oh), r[7])
+            r = r[:6] + ((offset, len(out), ext, ow, oh),) + r[7:]
             offset += len(out)
         elif not r[0]:
-            r = r + (None, None)
+            r = r + (None, None, None)
         results.append(r)
     if blobs:
         assert cache is not None
@@ -450,18 +456,10 @@ def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = 
 
 # --------------------------------------------------------------------------- writing (worker side)
 
-_PROGRESS: Any = None
-
-
-def _init_worker(progress: Any) -> None:
-    global _PROGRESS
-    _PROGRESS = progress
-
-
-def _tick(n: int) -> None:
-    if _PROGRESS is not None and n:
-        with _PROGRESS.get_lock():
-            _PROGRESS.value += n
+_RANGE_BYTES = 8 << 20
+"""Target bytes of one write task (a run of consecutive samples of one shard): small enough that hashing the
+shard in order trails the writers by little, large enough to amortise the per-task IPC."""
+_RANGE_SAMPLES = 256
 
 
 def ustar_header(name: str, size: int) -> bytes:
@@ -481,71 +479,123 @@ def _member(name: str, data: bytes) -> bytes:
     return ustar_header(name, len(data)) + data + b"\0" * (-len(data) % 512)
 
 
-def _write_shard(dest: str, name: str, samples: list[tuple], opts: dict[str, Any],
-                 tick: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Write one shard to a temporary name, rename it, then leave its ``.done.json`` sidecar.
+def _padded(n: int) -> int:
+    return n + (-n % 512)
 
-    No fsync: the rename makes the shard atomic against a killed process; after a power loss, resume and verify
-    compare the file with its recorded sha256, so a torn shard is rewritten, never trusted.
-    """
-    import queue
-    import threading
 
-    tick = tick or _tick
-    final = os.path.join(dest, name)
-    tmp = os.path.join(dest, f".{name}.tmp")
-    h = hashlib.sha256()
-    # sha256 runs in a helper thread (hashlib releases the GIL on large buffers), overlapping reads and writes.
-    blocks: queue.Queue = queue.Queue(maxsize=64)
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
 
-    def hash_blocks() -> None:
-        while (b := blocks.get()) is not None:
-            h.update(b)
 
-    hasher = threading.Thread(target=hash_blocks, name="gpufeed-sha256", daemon=True)
-    hasher.start()
+def _changed(rel: str) -> DataError:
+    return DataError(f"{rel} changed while sharding (it is not the file that was validated: size, mtime, inode "
+                     f"or device differ, or its bytes do); re-run (with --overwrite when asked)")
+
+
+def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: list[int] | None,
+                 digest: str) -> None:
+    """Copy a pass-through source into the shard at ``pos`` (``sendfile``: no user-space copy), after checking
+    that the opened file is the one validated (``os.fstat`` identity; plans without one: sha256 again)."""
+    sfd = os.open(path, os.O_RDONLY)
     try:
-        rows, size = _write_members(tmp, samples, blocks.put, tick)
-    except BaseException:
+        st = os.fstat(sfd)
+        if st.st_size != nbytes:
+            raise _changed(rel)
+        if ident is not None:
+            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != tuple(ident):
+                raise _changed(rel)
+        else:  # a plan written before identities were recorded
+            data = os.pread(sfd, nbytes + 1, 0)
+            if len(data) != nbytes or hashlib.sha256(data).hexdigest() != digest:
+                raise _changed(rel)
+            _pwrite_all(fd, data, pos)
+            return
+        done = 0
         try:
-            os.unlink(tmp)  # a half-written shard only takes space (DEST may be full)
-        except OSError:
-            pass
-        raise
+            os.lseek(fd, pos, os.SEEK_SET)
+            while done < nbytes:
+                n = os.sendfile(fd, sfd, done, nbytes - done)
+                if n == 0:  # the file shrank after the check
+                    raise _changed(rel)
+                done += n
+        except OSError as exc:
+            import errno
+
+            if done or exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            data = os.pread(sfd, nbytes, 0)  # no sendfile between these file systems
+            if len(data) != nbytes:
+                raise _changed(rel) from None
+            _pwrite_all(fd, data, pos)
     finally:
-        blocks.put(None)
-        hasher.join()
-    os.replace(tmp, final)
-    result = {"name": name, "num_samples": len(samples), "bytes": size, "sha256": h.hexdigest(), "rows": rows}
-    side = os.path.join(dest, STATE_DIR, f"{name}.done.json")
-    with open(side + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(side + ".tmp", side)
-    return result
+        os.close(sfd)
 
 
-def _write_members(tmp: str, samples: list[tuple], emit: Callable[[bytes], None],
-                   tick: Callable[[int], None]) -> tuple[list[tuple], int]:
-    """Write the samples' members (image, cls, json; fixed headers) and the end-of-archive blocks to ``tmp``."""
-    rows = []
-    pending = 0
-    size = 0
-    with open(tmp, "wb") as out:
-        for key, path, label, cname, rel, action, orientation, ext, w, h, digest, nbytes, enc in samples:
+def _write_range(tmp: str, items: list[tuple]) -> None:
+    """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
+    the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
+    write disjoint ranges of one shard; padding and the end-of-archive blocks are the file's zeros."""
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        for offset, key, ext, img_len, cls_b, json_b, source in items:
+            pos = start = offset
+            buf: list[bytes] = []
+            for name, payload in sorted([(ext, None), ("cls", cls_b), ("json", json_b)], key=lambda m: m[0]):
+                size = img_len if payload is None else len(payload)
+                buf.append(ustar_header(f"{key}.{name}", size))
+                pos += 512
+                if payload is not None:
+                    buf.append(payload)
+                    buf.append(b"\0" * (-size % 512))
+                    pos += _padded(size)
+                    continue
+                _pwrite_all(fd, b"".join(buf), start)
+                if source[0] == "file":
+                    _, path, rel, ident, digest = source
+                    _copy_source(fd, pos, path, rel, img_len, ident, digest)
+                else:  # transcoded during validation; read back from the batch cache
+                    _, cache, coff = source
+                    with open(cache, "rb") as f:
+                        f.seek(coff)
+                        data = f.read(img_len)
+                    if len(data) != img_len:
+                        raise DataError(f"the transcode cache {cache} is incomplete; re-run with --overwrite")
+                    _pwrite_all(fd, data, pos)
+                pos += _padded(size)
+                buf, start = [], pos
+            if buf:
+                _pwrite_all(fd, b"".join(buf), start)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- writing (main side)
+
+
+class _ShardJob:
+    """One shard being written: its layout, temporary file, write ranges and in-order hashing."""
+
+    def __init__(self, dest: str, name: str, samples: list[tuple]) -> None:
+        import queue
+
+        self.name = name
+        self.final = os.path.join(dest, name)
+        self.tmp = os.path.join(dest, f".{name}.tmp")
+        self.rows: list[tuple] = []
+        items = []
+        pos = 0
+        for key, path, label, cname, rel, action, orientation, ext, w, h, digest, nbytes, enc, ident in samples:
             ow, oh = w, h
-            if enc is None:  # pass through, byte for byte
-                with open(path, "rb") as f:
-                    data = f.read()
-                if len(data) != nbytes or hashlib.sha256(data).hexdigest() != digest:
-                    raise DataError(f"{rel} changed while sharding (its bytes differ from the validated ones); "
-                                    f"re-run (with --overwrite when asked)")
-            else:  # transcoded during validation; read it back from the batch cache
-                cache, offset, length, ext, w, h = enc
-                with open(cache, "rb") as f:
-                    f.seek(offset)
-                    data = f.read(length)
-                if len(data) != length:
-                    raise DataError(f"the transcode cache {cache} is incomplete; re-run with --overwrite")
+            if enc is None:
+                img_len = nbytes
+                source: tuple = ("file", path, rel, ident, digest)
+            else:
+                cache, coff, img_len, ext, w, h = enc
+                source = ("cache", cache, coff)
             meta: dict[str, Any] = {"source": rel, "class": cname, "label": label, "width": w, "height": h,
                                     "format": ext, "sha256": digest}
             if orientation != 1:
@@ -553,23 +603,78 @@ def _write_members(tmp: str, samples: list[tuple], emit: Callable[[bytes], None]
             if (ow, oh) != (w, h):
                 meta["orig_width"], meta["orig_height"] = ow, oh
             json_b = json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
-            block = b"".join(_member(f"{key}.{e}", payload)
-                             for e, payload in sorted([(ext, data), ("cls", str(label).encode("ascii")),
-                                                       ("json", json_b)]))
-            out.write(block)
-            emit(block)
-            size += len(block)
-            rows.append((key, len(data), w, h))
-            pending += 1
-            if pending >= 16:
-                tick(pending)
-                pending = 0
-        end = b"\0" * (1024 + (-(size + 1024) % tarfile.RECORDSIZE))  # end-of-archive, padded like tarfile
-        out.write(end)
-        emit(end)
-        size += len(end)
-    tick(pending)
-    return rows, size
+            cls_b = str(label).encode("ascii")
+            items.append((pos, key, ext, img_len, cls_b, json_b, source))
+            pos += 3 * 512 + _padded(img_len) + _padded(len(cls_b)) + _padded(len(json_b))
+            self.rows.append((key, img_len, w, h))
+        self.size = pos + 1024 + (-(pos + 1024) % tarfile.RECORDSIZE)  # end-of-archive, padded like tarfile
+        # Contiguous runs of samples, each one write task: [(items, end offset)].
+        self.ranges: list[tuple[list[tuple], int, int]] = []
+        first = 0
+        for i in range(1, len(items) + 1):
+            if i == len(items) or items[i][0] - items[first][0] >= _RANGE_BYTES or i - first >= _RANGE_SAMPLES:
+                end = self.size if i == len(items) else items[i][0]
+                self.ranges.append((items[first:i], end, sum(it[3] for it in items[first:i])))
+                first = i
+        self.done = [False] * len(self.ranges)
+        self.hashed_to = 0  # ranges [0, hashed_to) are queued for hashing
+        self.submitted = 0
+        self.blocks: Any = queue.SimpleQueue()
+        self.hash_future: Any = None
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.ftruncate(fd, self.size)  # holes read as zeros: the padding and the end-of-archive blocks
+        finally:
+            os.close(fd)
+
+    def range_done(self, i: int) -> None:
+        self.done[i] = True
+        while self.hashed_to < len(self.ranges) and self.done[self.hashed_to]:
+            start = 0 if self.hashed_to == 0 else self.ranges[self.hashed_to - 1][1]
+            self.blocks.put((start, self.ranges[self.hashed_to][1]))
+            self.hashed_to += 1
+        if self.hashed_to == len(self.ranges):
+            self.blocks.put(None)
+
+    def abort(self) -> None:
+        self.blocks.put(None)
+        try:
+            os.unlink(self.tmp)  # a half-written shard only takes space (DEST may be full)
+        except OSError:
+            pass
+
+
+def _hash_file_ranges(path: str, blocks: Any) -> str:
+    """sha256 of ``path`` fed in order by (start, end) ranges as they are written (hashlib releases the GIL)."""
+    h = hashlib.sha256()
+    buf = bytearray(4 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while (r := blocks.get()) is not None:
+            start, end = r
+            while start < end:
+                view = memoryview(buf)[:min(len(buf), end - start)]
+                n = os.preadv(f.fileno(), [view], start)
+                if n <= 0:
+                    raise OSError(f"{path} ended early while hashing")
+                h.update(view[:n])
+                start += n
+    return h.hexdigest()
+
+
+def _finish_shard(dest: str, job: _ShardJob, digest: str) -> dict[str, Any]:
+    """Rename a fully written and hashed shard into place, then leave its ``.done.json`` sidecar.
+
+    No fsync: the rename makes the shard atomic against a killed process; after a power loss, resume and verify
+    compare the file with its recorded sha256, so a torn shard is rewritten, never trusted.
+    """
+    os.replace(job.tmp, job.final)
+    result = {"name": job.name, "num_samples": len(job.rows), "bytes": job.size, "sha256": digest,
+              "rows": job.rows}
+    side = os.path.join(dest, STATE_DIR, f"{job.name}.done.json")
+    with open(side + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(side + ".tmp", side)
+    return result
 
 
 def _sha256_file(path: str) -> str:
@@ -768,7 +873,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             tasks.append((s["name"], [
                 (r["key"], os.path.join(src, r["path"]), r["label"], plan["classes"][r["label"]], r["source"],
                  r["action"], r["orientation"], r["ext"], r["width"], r["height"], r["sha256"], r["bytes"],
-                 None if r["enc"] is None else (os.path.join(state, r["enc"][0]), *r["enc"][1:]))
+                 None if r["enc"] is None else (os.path.join(state, r["enc"][0]), *r["enc"][1:]), r.get("ident"))
                 for r in rows], sum(r["bytes"] for r in rows)))
         caches_of = {s["name"]: s["caches"] for s in todo}
 
@@ -782,7 +887,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                         pass
 
         try:
-            written = _write_all(dest, tasks, opts, pool if len(tasks) > 1 else None, bar, shard_done)
+            written = _write_all(dest, tasks, opts, pool, bar, shard_done, workers=workers)
         except OSError as exc:
             raise _os_error(exc, cfg, need) from None
         done.update(written)
@@ -941,7 +1046,7 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: list[tuple], fingerprint:
     rejected = list(scan.rejected)
     position: dict[int, int] = {}
     for c, ((rel, label, size, _mtime), res) in enumerate(zip(scan.candidates, results)):
-        ok, what, fmt, w, h, orientation, enc, digest = res
+        ok, what, fmt, w, h, orientation, enc, digest, ident = res
         if not ok:
             rejected.append(FileIssue(_display(rel), what))
             continue
@@ -949,7 +1054,7 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: list[tuple], fingerprint:
         sample = {"source": _display(rel), "path": rel, "label": label, "bytes": size, "action": what,
                   "ext": _EXT.get(fmt, ""),
                   "width": w, "height": h, "orientation": orientation, "enc": None, "est_bytes": size,
-                  "sha256": digest}
+                  "sha256": digest, "ident": None if ident is None else list(ident)}
         if enc is not None:
             sample["enc"] = list(enc)  # [cache file, offset, length, ext, width, height]
             sample["est_bytes"] = enc[2]
@@ -1084,7 +1189,7 @@ class _Bar:
 
 
 def _make_pool(workers: int) -> tuple[cf.ProcessPoolExecutor, Any]:
-    """A spawn-context process pool plus a shared progress counter the workers tick."""
+    """A process pool (fork where safe, else spawn), started at once so its start-up overlaps the scan."""
     import multiprocessing as mp
 
     import threading
@@ -1092,12 +1197,9 @@ def _make_pool(workers: int) -> tuple[cf.ProcessPoolExecutor, Any]:
     # fork starts in milliseconds but is only safe while this process runs a single thread; ProcessPoolExecutor
     # forks every worker at the first submit, which happens right here. Otherwise spawn (slower, always safe).
     method = "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
-    ctx = mp.get_context(method)
-    counter = ctx.Value("q", 0)
-    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                                initargs=(counter,))
+    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method))
     ex.submit(_noop)  # start the workers now (spawn: their start-up overlaps the scan)
-    return ex, counter
+    return ex, None
 
 
 def _noop() -> None:
@@ -1130,39 +1232,72 @@ def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any
     pos = 0
     for j, chunk_results in enumerate(results):
         for r in chunk_results:
-            out[order[pos]] = r if r[6] is None else r[:6] + ((cache[j], *r[6]), r[7])
+            out[order[pos]] = r if r[6] is None else r[:6] + ((cache[j], *r[6]),) + r[7:]
             pos += 1
     return out
 
 
 def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, bar: _Bar,
-               on_done: Callable[[str], None] = lambda name: None) -> dict[str, Any]:
+               on_done: Callable[[str], None] = lambda name: None, workers: int = 1) -> dict[str, Any]:
+    """Write the shards: every shard is split into runs of consecutive samples written in parallel at their
+    offsets (``_write_range``, in the worker processes, or one thread without a pool), while one thread per
+    shard hashes it in order as its runs complete; a shard is renamed once written and hashed. Several shards
+    are in flight at once, so a one-shard plan uses every worker too."""
     total = sum(len(t[1]) for t in tasks)
     bar.start("write", total)
     out: dict[str, Any] = {}
     if not tasks:
         return out
-    mean = sum(t[2] for t in tasks) / max(1, total)
-    if pool is None:
-        for name, samples, _b in tasks:
-            out[name] = _write_shard(dest, name, samples, opts, tick=lambda n: bar.update(n, int(n * mean)))
-            on_done(name)
-        return out
-    ex, counter = pool
-    with counter.get_lock():
-        counter.value = 0
-    futs = {ex.submit(_write_shard, dest, name, samples, opts): name for name, samples, _b in tasks}
-    seen = 0
-    pending = set(futs)
-    while pending:
-        finished, pending = cf.wait(pending, timeout=0.25, return_when=cf.FIRST_COMPLETED)
-        for fut in finished:
-            out[futs[fut]] = fut.result()
-            on_done(futs[fut])
-        now = counter.value
-        if now > seen:
-            bar.update(now - seen, int((now - seen) * mean))
-            seen = now
+    own = pool is None
+    ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufeed-write") if own else pool[0]
+    hashers = cf.ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="gpufeed-sha256")
+    depth = 2 * max(1, workers)  # write tasks in flight
+    pending = iter(tasks)
+    jobs: list[_ShardJob] = []  # opened, not yet finished
+    current: _ShardJob | None = None
+    running: dict[Any, tuple[_ShardJob, int]] = {}
+    hashing: dict[Any, _ShardJob] = {}
+    try:
+        while True:
+            while len(running) < depth:
+                if current is None or current.submitted == len(current.ranges):
+                    if len(jobs) >= max(1, workers):  # as many shards in flight as workers (DEST space check)
+                        break
+                    nxt = next(pending, None)
+                    if nxt is None:
+                        break
+                    current = _ShardJob(dest, nxt[0], nxt[1])
+                    jobs.append(current)
+                    fut = hashers.submit(_hash_file_ranges, current.tmp, current.blocks)
+                    hashing[fut] = current
+                i = current.submitted
+                running[ex.submit(_write_range, current.tmp, current.ranges[i][0])] = (current, i)
+                current.submitted += 1
+            if not running and not hashing:
+                break
+            finished, _ = cf.wait(list(running) + list(hashing), return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                if fut in running:
+                    job, i = running.pop(fut)
+                    fut.result()
+                    job.range_done(i)
+                    items, _end, nbytes = job.ranges[i]
+                    bar.update(len(items), nbytes)
+                else:
+                    job = hashing.pop(fut)
+                    out[job.name] = _finish_shard(dest, job, fut.result())
+                    jobs.remove(job)
+                    on_done(job.name)
+    except BaseException:
+        for fut in running:
+            fut.cancel()
+        for job in jobs:
+            job.abort()
+        raise
+    finally:
+        hashers.shutdown(wait=True)
+        if own:
+            ex.shutdown(wait=True)
     return out
 
 

@@ -1,8 +1,15 @@
 """``gpufeed shard SRC DEST``: an ImageFolder -> deterministic WebDataset tar shards + manifest.
 
 Pipeline (DESIGN §1): scan -> validate (parallel, batched per task) -> plan (seeded shuffle, N equal
-shards) -> write (parallel over shards, each to a temporary name, then renamed) -> ``index.parquet``,
-timm's ``_info.json`` and, last and atomically, ``manifest.json``. No torch import anywhere on this path.
+shards) -> write -> ``index.parquet``, timm's ``_info.json`` and, last and atomically, ``manifest.json``.
+No torch import anywhere on this path.
+
+Writing is parallel within a shard as well as across shards (a 3,000-image folder plans one shard): tar
+blocks are position-independent and every header follows from the plan, so the main process computes each
+member's offset, creates the shard's temporary file at its final size (holes read as the zero padding and
+end-of-archive blocks), and the workers write runs of consecutive samples at their offsets (``pwrite``, image
+bytes by ``sendfile``) while a thread of the main process hashes the file in order as the runs complete; the
+file is renamed only once fully written and hashed. The bytes are the same for any ``--workers``.
 
 Input rules
 -----------
@@ -57,8 +64,15 @@ The plan (fingerprint of the scanned files' paths, sizes and mtimes and of every
 plus the validated sample list) is kept in ``DEST/.gpufeed/plan.json``; each completed shard leaves
 ``DEST/.gpufeed/<shard>.done.json`` with its size and sha256. A re-run with the same fingerprint skips shards
 whose file matches its sidecar and writes the rest; a different fingerprint is refused unless ``overwrite``.
-A run holds ``fcntl.flock`` on ``DEST/.gpufeed/lock``: a second run into the same DEST is refused. A
-pass-through file whose bytes differ from the validated ones (sha256) when its shard is written is refused.
+A run holds ``fcntl.flock`` on ``DEST/.gpufeed/lock``: a second run into the same DEST is refused. A killed run
+leaves at most ``.<shard>.tmp`` files (full-sized but never renamed), which the next run deletes.
+
+A pass-through file is hashed once, at validation (its sha256 goes into ``KEY.json``), which also records the
+opened file's identity (size, mtime_ns, inode, device). When its shard is written, the opened source must
+still have that identity, else the run is refused ("changed while sharding"): any rewrite in place moves mtime
+and a replacement by rename changes the inode. Not caught: a rewrite at the same size that keeps (or restores,
+``touch -d``) the exact mtime_ns — re-hashing would catch it, at the cost of a third SHA-256 pass over the
+input. (Plans written before identities were recorded fall back to comparing the sha256.)
 
 Disk space
 ----------
@@ -794,6 +808,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
          progress: bool, t0: float) -> ShardReport:
     state = os.path.join(dest, STATE_DIR)
     pool = _make_pool(workers) if workers > 1 else None
+    _preload_finish_imports()
     bar = _Bar(progress)
     try:
         scan = _scan(src)
@@ -931,6 +946,20 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         rejected=rejected, ignored=ignored, shards=names, url_pattern=manifest.url_pattern,
         manifest=os.path.join(dest, "manifest.json"),
     )
+
+
+def _preload_finish_imports() -> None:
+    """Import pyarrow (~0.15 s with numpy) in a thread while the workers validate, instead of on the serial tail
+    before ``index.parquet`` (after the pool is started: it forks only while this process has one thread)."""
+    import threading
+
+    def load() -> None:
+        try:
+            import pyarrow.parquet  # noqa: F401
+        except Exception:  # noqa: BLE001 - _finish imports it again and reports the error there
+            pass
+
+    threading.Thread(target=load, name="gpufeed-preload", daemon=True).start()
 
 
 def _clear_cache(state: str) -> None:

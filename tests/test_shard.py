@@ -145,6 +145,28 @@ def test_deterministic_across_workers_and_runs(image_folder, tmp_path: Path) -> 
     assert d.num_samples == a.num_samples and digests(tmp_path / "d") != digests(tmp_path / "a")
 
 
+def test_one_shard_written_by_two_workers_is_byte_identical(image_folder, tmp_path: Path, monkeypatch) -> None:
+    """A one-shard plan is split into ranges written by several processes at their offsets: same bytes."""
+    import gpufeed.shard as mod
+
+    src = image_folder(classes=3, per_class=12)
+    write_image(src / "class_0" / "cmyk.jpg", mode="CMYK")  # one transcoded sample (from the batch cache)
+    monkeypatch.setattr(mod, "_RANGE_SAMPLES", 5)  # many ranges per shard
+    a = shard(src, tmp_path / "a", workers=1)
+    b = shard(src, tmp_path / "b", workers=2)
+    monkeypatch.setattr(mod, "_RANGE_SAMPLES", 1000)  # one range
+    c = shard(src, tmp_path / "c", workers=2)
+    assert a.num_shards == b.num_shards == c.num_shards == 1 and b.workers == 2
+    assert a.transforms.get("cmyk_to_rgb_jpeg") == 1
+    assert digests(tmp_path / "a") == digests(tmp_path / "b") == digests(tmp_path / "c")
+    for d in "bc":
+        for f in ("manifest.json", "index.parquet"):
+            assert (tmp_path / d / f).read_bytes() == (tmp_path / "a" / f).read_bytes()
+    with tarfile.open(tmp_path / "b" / "train-000000.tar") as tf:
+        assert len(tf.getmembers()) == 3 * a.num_samples
+    assert not list((tmp_path / "b").glob(".*.tmp"))
+
+
 def test_resume_after_lost_shards_is_byte_identical(image_folder, tmp_path: Path) -> None:
     src = image_folder(classes=2, per_class=10)
     ref = tmp_path / "ref"
@@ -441,13 +463,50 @@ def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatc
 
     def plan_then_swap(*a, **k):
         plan = real(*a, **k)
-        victim.write_bytes(b"\xff\xd8\xff" + b"\0" * (victim.stat().st_size - 3))  # same size, garbage
+        st = victim.stat()
+        victim.write_bytes(b"\xff\xd8\xff" + b"\0" * (st.st_size - 3))  # same size, garbage
+        # A rewrite moves mtime (the writer checks size, mtime_ns, inode and device, not the bytes); set it
+        # explicitly, as a rewrite within one tick of a coarse file system clock might not.
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         return plan
 
     monkeypatch.setattr(mod, "_make_plan", plan_then_swap)
     with pytest.raises(DataError, match=r"a/1\.jpg changed while sharding.*re-run"):
         shard(src, tmp_path / "out")
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_plan_without_source_identities_compares_sha256(tmp_path: Path, monkeypatch) -> None:
+    """Plans written before identities were recorded: the writer hashes the source again (same bytes out)."""
+    import gpufeed.shard as mod
+
+    src = tmp_path / "src"
+    for i in range(3):
+        write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
+    ref = shard(src, tmp_path / "ref")
+    real = mod._make_plan
+
+    def no_ident(*a, **k):
+        plan = real(*a, **k)
+        for s in plan["samples"]:
+            s.pop("ident")
+        return plan
+
+    monkeypatch.setattr(mod, "_make_plan", no_ident)
+    shard(src, tmp_path / "old")
+    assert ref.num_samples == 3 and digests(tmp_path / "old") == digests(tmp_path / "ref")
+    victim = src / "a" / "1.jpg"
+
+    def no_ident_then_swap(*a, **k):
+        plan = no_ident(*a, **k)
+        st = victim.stat()
+        victim.write_bytes(b"\xff\xd8\xff" + b"\0" * (st.st_size - 3))
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with its mtime restored
+        return plan
+
+    monkeypatch.setattr(mod, "_make_plan", no_ident_then_swap)
+    with pytest.raises(DataError, match=r"a/1\.jpg changed while sharding"):
+        shard(src, tmp_path / "swapped")
 
 
 def test_resume_report_counts_only_what_this_run_wrote(image_folder, tmp_path: Path) -> None:

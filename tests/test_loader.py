@@ -274,6 +274,22 @@ def test_every_mode_becomes_rgb(mode):
         assert np.abs(out - ref).mean() <= 3.0, (mode, m)
 
 
+@pytest.mark.parametrize("subsampling", [0, 2])
+def test_cmyk_jpeg_with_any_sampling_decodes_on_every_path(subsampling):
+    """TurboJPEG's header parser rejects CMYK JPEGs with 4:2:0 sampling: simplejpeg must fall back to PIL."""
+    from gpufeed import decode as dec
+
+    buf = io.BytesIO()
+    smooth_image(60, 50, 2).convert("CMYK").save(buf, "JPEG", quality=95, subsampling=subsampling)
+    data = buf.getvalue()
+    ref = torchvision_reference(data, 16).astype(np.float32)
+    methods = ["pil", "pil-draft"] + (["simplejpeg"] if _has_simplejpeg() else [])
+    for m in methods:
+        out = np.empty((16, 16, 3), np.uint8)
+        dec.decode_into(data, "jpg", m, lambda w, h: dec.eval_crop(w, h, 16), 16, out)
+        assert np.abs(out - ref).mean() <= 3.0, (subsampling, m)
+
+
 def _has_simplejpeg() -> bool:
     try:
         import simplejpeg  # noqa: F401

@@ -237,7 +237,10 @@ def _import_simplejpeg():
 def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str = "torch") -> None:
     """libjpeg-turbo decode at the smallest M/8 scale that keeps the crop >= ``size``; CMYK goes to PIL."""
     sj = _import_simplejpeg()
-    h, w, colorspace, _ = sj.decode_jpeg_header(data)
+    try:
+        h, w, colorspace, _ = sj.decode_jpeg_header(data)
+    except ValueError:  # e.g. CMYK with unusual sampling factors: TurboJPEG cannot say; PIL can (or raises)
+        colorspace = "unknown"
     if colorspace not in ("YCbCr", "Gray", "RGB"):  # CMYK / YCCK: libjpeg-turbo cannot output RGB
         decode_pil(data, crop_fn, size, out, draft=True, resize=resize)
         return

@@ -125,7 +125,7 @@ class LoaderConfig:
     """Collate batches inside the workers (one IPC message per batch instead of per sample)."""
     shuffle_buffer: int = 2_000
     """Samples in the seeded shuffle buffer (0 = no shuffle)."""
-    decode: Literal["pil", "pil-draft", "simplejpeg", "gpu"] = "pil-draft"
+    decode: Literal["pil", "pil-draft", "simplejpeg", "gpu"] = "simplejpeg"
     """Decode path: PIL full, PIL reduced-size draft, simplejpeg (libjpeg-turbo) or GPU nvjpeg."""
     image_size: int = 224
     """Output side in pixels."""

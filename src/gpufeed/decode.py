@@ -228,7 +228,7 @@ def _import_simplejpeg():
         except ImportError:
             raise ConfigError(
                 "decode = 'simplejpeg' needs the simplejpeg package (libjpeg-turbo): "
-                "pip install 'gpufeed[turbo]' or choose decode = 'pil-draft'"
+                "pip install simplejpeg, or choose decode = 'pil-draft'"
             ) from None
         _simplejpeg = simplejpeg
     return _simplejpeg

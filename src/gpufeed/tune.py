@@ -574,7 +574,7 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     if world is None:
         world = World.from_env(cfg.device) if cfg.device != "cpu" else World.single()
     base = dataclasses.replace(base or LoaderConfig(), batch_size=cfg.batch_size, image_size=cfg.image_size)
-    if base.decode == "gpu" and not world.is_cuda:
+    if (base.decode == "gpu" and not world.is_cuda) or (base.decode == "simplejpeg" and not _has_module("simplejpeg")):
         base = dataclasses.replace(base, decode="pil-draft")
 
     usable = usable_cpus()
@@ -673,7 +673,7 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
             if d == cur.decode:
                 continue
             if d == "simplejpeg" and not _has_module("simplejpeg"):
-                skipped["decode=simplejpeg"] = "simplejpeg is not installed (pip install gpufeed[turbo])"
+                skipped["decode=simplejpeg"] = "simplejpeg is not installed (pip install simplejpeg)"
             elif d == "gpu" and not world.is_cuda:
                 skipped["decode=gpu"] = "no CUDA device"
             else:

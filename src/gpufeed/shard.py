@@ -686,7 +686,7 @@ def _finish_shard(dest: str, job: _ShardJob, digest: str) -> dict[str, Any]:
               "rows": job.rows}
     side = os.path.join(dest, STATE_DIR, f"{job.name}.done.json")
     with open(side + ".tmp", "w") as f:
-        json.dump(result, f)
+        f.write(json.dumps(result))  # one C-encoder call: json.dump streams through the pure-Python encoder
     os.replace(side + ".tmp", side)
     return result
 

@@ -5,6 +5,9 @@ Side by side in one run, same JPEG bytes, same output (uint8 [B, 3, S, S], Rando
 - ``imagefolder-default``  torchvision ImageFolder + DataLoader as the PyTorch ImageNet example runs it
                             (``-j 4`` workers, default prefetch 2, pin_memory);
 - ``imagefolder-best``     the same with its own best workers/prefetch (small sweep first);
+- ``imagefolder-best-normalized`` the same config with the PyTorch ImageNet example's CPU tail, ``ToTensor()`` +
+                            ``Normalize`` (float32 out): what hand-written pipelines do, and what the issue's
+                            272 samples/s baseline measured;
 - ``wds-recipe``           the plain webdataset README recipe over the shards: ``WebDataset(...).shuffle(1000)
                             .decode("pil").to_tuple("jpg", "cls").map_tuple(transform, identity)`` + DataLoader;
 - ``gpufeed-tuned``        ``gpufeed tune`` on the shards (its winner);
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import datetime as dt
 import subprocess
 import sys
@@ -211,6 +215,8 @@ def main() -> None:
     ]
     if (b := best_of(if_recs)) is not None:
         variants.append(("imagefolder-best", measure_imagefolder, args.data, b.loader_config(base)))
+        variants.append(("imagefolder-best-normalized", functools.partial(measure_imagefolder, normalize=True),
+                         args.data, b.loader_config(base)))
     if (b := best_of(wds_recs)) is not None:
         variants.append(("wds-recipe", measure_wds_recipe, full, b.loader_config(base)))
     if tuned_full.best is not None:
@@ -270,6 +276,8 @@ def main() -> None:
     targets = {
         "tuned_vs_imagefolder_best (target >= 2)": _ratio(by, "gpufeed-tuned", "imagefolder-best"),
         "small_vs_imagefolder_best (target >= 4)": _ratio(by, "gpufeed-small", "imagefolder-best"),
+        "tuned_vs_imagefolder_best_normalized": _ratio(by, "gpufeed-tuned", "imagefolder-best-normalized"),
+        "small_vs_imagefolder_best_normalized": _ratio(by, "gpufeed-small", "imagefolder-best-normalized"),
         "small_fullcfg_vs_imagefolder_best (target >= 4)": _ratio(by, "gpufeed-small-fullcfg", "imagefolder-best"),
         "tuner_within_5pct_of_exhaustive": None if not score.get("tuner_vs_exhaustive") else
         score["tuner_vs_exhaustive"] >= 0.95,

@@ -360,11 +360,14 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
 
 def measure_imagefolder(src: str | Path, cfg: LoaderConfig, world: World | None = None, *, warmup_batches: int = 2,
                         window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
-                        deadline: float | None = None, ram_budget_bytes: int | None = None) -> TrialRecord:
+                        deadline: float | None = None, ram_budget_bytes: int | None = None,
+                        normalize: bool = False) -> TrialRecord:
     """The same measurement for torchvision ``ImageFolder`` + ``DataLoader`` (the usual recipe).
 
     Transform: ``RandomResizedCrop(image_size)`` + ``RandomHorizontalFlip()`` + ``PILToTensor()`` (uint8,
-    same output as gpufeed's loader; normalisation would happen on the device). Uses ``cfg``'s
+    same output as gpufeed's loader; normalisation would happen on the device). With ``normalize`` the
+    PyTorch ImageNet example's ``ToTensor()`` + ``Normalize(mean, std)`` on the CPU instead (float32), which is
+    what most hand-written pipelines do. Uses ``cfg``'s
     batch_size, num_workers, prefetch_factor, pin_memory (CUDA only) and persistent_workers.
     """
     world = world or World.single()
@@ -376,8 +379,10 @@ def measure_imagefolder(src: str | Path, cfg: LoaderConfig, world: World | None 
         from torchvision import datasets, transforms
 
         if "loader" not in holder:
+            tail = ([transforms.ToTensor(), transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
+                    if normalize else [transforms.PILToTensor()])
             tf = transforms.Compose([transforms.RandomResizedCrop(cfg.image_size), transforms.RandomHorizontalFlip(),
-                                     transforms.PILToTensor()])
+                                     *tail])
             ds = datasets.ImageFolder(str(src), transform=tf)
             g = torch.Generator()
             g.manual_seed(cfg.seed)

@@ -9,6 +9,10 @@ import pytest
 from click.testing import CliRunner, Result
 
 
+WDS_SAMPLE = Path(__file__).resolve().parent / "fixtures" / "webdataset-sample.tgz"
+"""90 samples written by the webdataset project's own tooling (see tests/fixtures/README.md)."""
+
+
 def invoke(args: list[str], expect: int | None = 0) -> Result:
     """Run the gpufeed CLI in-process; on an unexpected exit code, fail showing stdout and stderr."""
     from gpufeed.cli import cli

@@ -14,11 +14,9 @@ from gpufeed.config import LoaderConfig
 from gpufeed.errors import DataError
 from gpufeed.manifest import read_manifest
 from gpufeed.world import World
-from tests.conftest import invoke, invoke_json
+from tests.conftest import WDS_SAMPLE, invoke, invoke_json
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "webdataset-sample.tgz"
-if not FIXTURE.exists():
-    FIXTURE = Path("/work/shared/fixtures/webdataset-sample.tgz")
+FIXTURE = WDS_SAMPLE
 
 
 def cfg(**kw) -> LoaderConfig:
@@ -30,8 +28,6 @@ def cfg(**kw) -> LoaderConfig:
 
 @pytest.fixture
 def sample_set(tmp_path):
-    if not FIXTURE.exists():
-        pytest.skip("webdataset-sample.tgz fixture not available")
     d = tmp_path / "foreign"
     d.mkdir()
     shutil.copy(FIXTURE, d / FIXTURE.name)
@@ -161,3 +157,17 @@ def test_index_refuses_to_replace_a_gpufeed_shard_manifest(tmp_path):
     rep = index_shards(d, out=tmp_path / "idx")
     assert rep.num_samples == 6
     assert read_manifest(tmp_path / "idx").classes == ["0", "1", "2"]
+
+
+def test_tune_and_verify_work_on_an_indexed_foreign_set(sample_set, tmp_path):
+    """Shards that gpufeed did not write: index, then verify and tune them like our own."""
+    from gpufeed.config import load_config
+
+    invoke(["index", sample_set])
+    assert invoke_json(["verify", sample_set])["ok"] is True
+    out = tmp_path / "tuned.toml"
+    obj = invoke_json(["tune", sample_set, "--budget", "6", "--batch-size", "8", "--image-size", "16",
+                       "--max-workers", "1", "--repeats", "1", "--window", "0.2", "--run-dir", tmp_path / "run",
+                       "--out", out])
+    assert obj["ok"] is True and obj["best_samples_per_s"]["median"] > 0
+    assert load_config(out).loader.num_workers == obj["best"]["num_workers"]

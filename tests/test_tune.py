@@ -297,7 +297,6 @@ def test_shipped_configs_tune_sections_are_valid() -> None:
 
 
 def test_measure_loader_on_tiny_shards(tiny_shards: Path) -> None:
-    pytest.importorskip("gpufeed.loader")
     from gpufeed.tune import measure_loader
 
     cfg = LoaderConfig(batch_size=8, num_workers=0, image_size=32, shuffle_buffer=16, decode="pil")
@@ -311,7 +310,6 @@ def test_measure_loader_on_tiny_shards(tiny_shards: Path) -> None:
 
 
 def test_measure_loader_ram_budget_is_an_error_record(tiny_shards: Path) -> None:
-    pytest.importorskip("gpufeed.loader")
     from gpufeed.tune import measure_loader
 
     cfg = LoaderConfig(batch_size=8, num_workers=0, image_size=32, shuffle_buffer=16, decode="pil")
@@ -320,7 +318,6 @@ def test_measure_loader_ram_budget_is_an_error_record(tiny_shards: Path) -> None
 
 
 def test_real_tune_end_to_end_on_tiny_shards(tiny_shards: Path, tmp_path: Path, image_folder: Any) -> None:
-    pytest.importorskip("gpufeed.loader")
     src = image_folder(classes=3, per_class=16, size=(48, 40))
     cfg = TuneConfig(shards=str(tiny_shards), budget_s=12.0, batch_size=8, image_size=32, max_workers=2,
                      run_dir=str(tmp_path / "run"), out=str(tmp_path / "tuned.toml"), baseline_imagefolder=str(src),
@@ -342,7 +339,6 @@ def test_real_tune_end_to_end_on_tiny_shards(tiny_shards: Path, tmp_path: Path, 
 
 
 def test_cli_tune_json_prints_one_object(tiny_shards: Path, tmp_path: Path) -> None:
-    pytest.importorskip("gpufeed.loader")
     out = tmp_path / "t.toml"
     obj = invoke_json(["tune", tiny_shards, "--budget", "6", "--batch-size", "8", "--image-size", "32",
                        "--max-workers", "1", "--repeats", "1", "--window", "0.2", "--run-dir", tmp_path / "run",

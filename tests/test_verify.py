@@ -14,7 +14,7 @@ from gpufeed.errors import DataError
 from gpufeed.manifest import Manifest, ShardInfo, write_manifest
 from gpufeed.shard import write_shards
 from gpufeed.verify import render_verify, verify_shards
-from tests.conftest import invoke, invoke_json, write_image
+from tests.conftest import WDS_SAMPLE, invoke, invoke_json, write_image
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def test_verify_reads_shards_from_the_manifest_root(tmp_path: Path) -> None:
 
     shards = tmp_path / "shards"
     shards.mkdir()
-    shutil.copy("/work/shared/fixtures/webdataset-sample.tgz", shards / "sample-000000.tgz")
+    shutil.copy(WDS_SAMPLE, shards / "sample-000000.tgz")
     invoke(["index", shards, "--out", tmp_path / "meta"])
     assert not (tmp_path / "meta" / "sample-000000.tgz").exists()
     rep = verify_shards(tmp_path / "meta", workers=1)

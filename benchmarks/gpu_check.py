@@ -10,6 +10,11 @@ Steps, each timed and recorded even if a later one fails:
      loader-only and real end-to-end, stall %, GPU telemetry, verdict, once per decode path.
 
 Usage: python benchmarks/gpu_check.py --out DIR [--images 4000] [--steps 40]
+
+On the lent device machine (its image has torch, torchvision, scikit-image, pyarrow, psutil, nvidia-ml-py, but not
+webdataset): carry wheels of webdataset, braceexpand and simplejpeg for Python 3.12 in .whl/ and run
+``python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site:src
+python3 benchmarks/gpu_check.py --out $OUT``.
 Writes DIR/gpu_check.json (updated after every step) and prints a summary table. Never asserts.
 """
 
@@ -81,8 +86,13 @@ def main() -> int:
 
     gf = [sys.executable, "-m", "gpufeed.cli"]
 
+    import os
+
+    sub_env = dict(os.environ)  # the CLI subprocesses import gpufeed from this checkout, installed or not
+    sub_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
+
     def run(cmd: list[str]) -> dict[str, Any]:
-        p = subprocess.run(cmd + ["--json"], capture_output=True, text=True)
+        p = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=sub_env)
         sys.stderr.write(p.stderr[-3000:])
         if p.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr[-500:]}")

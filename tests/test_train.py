@@ -240,3 +240,39 @@ def test_resume_after_sigkill(shards, tmp_path: Path) -> None:
     assert log[0]["step"] == saved + 1
     for r in log:  # the LR continues on the same warm-up + cosine schedule
         assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, total=40, warmup=4, peak=0.1))
+
+
+def test_timing_window_drains_the_worker_backlog() -> None:
+    """W workers x P prefetched batches are ready before timing starts: they must fall in the warm-up."""
+    from types import SimpleNamespace
+
+    from gpufeed.config import LoaderConfig
+    from gpufeed.train import Trainer
+
+    t = SimpleNamespace(cfg=SimpleNamespace(timing_warmup_steps=3), loader=object(),
+                        loader_cfg=LoaderConfig(num_workers=16, prefetch_factor=4), accum=1)
+    assert Trainer.timing_window(t, "loader-only", 20) == (65, 32)
+    assert Trainer.timing_window(t, "synthetic", 20) == (3, 20)
+    t.accum = 2
+    assert Trainer.timing_window(t, "real", 20) == (33, 20)
+    t.loader_cfg = LoaderConfig(num_workers=0)
+    assert Trainer.timing_window(t, "real", 20) == (3, 20)
+
+
+def test_meter_leaves_paused_time_out_of_the_rate() -> None:
+    import time
+
+    from gpufeed.train import _Meter
+    from gpufeed.world import World
+
+    m = _Meter(0, 10, World.single())
+    m.before_step()
+    time.sleep(0.05)
+    m.add(0.05, 0.0, 0.0, 0.05, 10)
+    m.pause()
+    time.sleep(0.3)  # e.g. validation
+    m.resume()
+    m.stop()
+    time.sleep(0.2)  # e.g. logging and worker shutdown, after the window
+    r = m.finish()
+    assert r.wall_s < 0.2 and r.samples_per_s > 50

@@ -10,9 +10,10 @@ def test_fed_when_stall_low_and_near_the_lower_ceiling() -> None:
     assert abs(v.numbers["fraction_of_ceiling"] - 2900 / 3000) < 1e-9
 
 
-def test_fed_without_ceilings_says_they_were_not_measured() -> None:
+def test_low_stall_without_ceilings_is_unverified_not_fed() -> None:
     v = classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=100))
-    assert v.ok and "--measure" in v.reason
+    assert v.status == "unverified" and v.ok and "--measure" in v.reason
+    assert classify(VerdictInputs(stall_pct=20.0, end_to_end_rate=100)).status == "starved"
 
 
 def test_low_stall_but_far_below_ceiling_is_starved() -> None:

@@ -98,6 +98,8 @@ class Telemetry:
         self._cpu_last: dict[int, float] = {}
         self._io_base: dict[int, int] = {}
         self._io_last: dict[int, int] = {}
+        self._ppid: dict[int, int] = {}
+        self._alive: set[int] = set()
         self._rss: list[int] = []
         self._nprocs: list[int] = []
         self._gpu: list[dict[str, float]] = []
@@ -114,6 +116,14 @@ class Telemetry:
     def _sample(self, first: bool = False) -> None:
         rss = 0
         procs = self._tree()
+        alive = {p.pid for p in procs}
+        for gone in self._alive - alive:
+            # Linux adds a reaped child's I/O counters to its parent's: shift the parent's base by what this
+            # child had already been counted for, so its bytes are counted once
+            parent = self._ppid.get(gone)
+            if parent in self._io_base:
+                self._io_base[parent] += self._io_last.get(gone, 0)
+        self._alive = alive
         for p in procs:
             try:
                 with p.oneshot():
@@ -130,6 +140,10 @@ class Telemetry:
                 # processes alive at start count from now; processes born later count from zero
                 self._cpu_base[p.pid] = cpu if first else 0.0
                 self._io_base[p.pid] = rb if first else 0
+                try:
+                    self._ppid[p.pid] = p.ppid()
+                except psutil.Error:
+                    pass
             self._cpu_last[p.pid] = cpu
             self._io_last[p.pid] = rb
         self._rss.append(rss)

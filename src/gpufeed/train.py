@@ -197,6 +197,8 @@ class _Meter:
         self.steps: list[tuple[float, float, float, float, int]] = []  # step, next, h2d, compute, samples
         self.t0: float | None = None
         self.t1: float | None = None
+        self.paused_s = 0.0
+        self._pause0: float | None = None
         self.tel: Telemetry | None = None
 
     def before_step(self) -> None:
@@ -211,13 +213,28 @@ class _Meter:
             self.steps.append((step_s, next_s, h2d_s, compute_s, samples))
         self.index += 1
 
+    def pause(self) -> None:
+        """Leave what follows (validation, checkpoints) out of the timed window."""
+        if self.t0 is not None and self.t1 is None and self._pause0 is None:
+            self._pause0 = time.perf_counter()
+
+    def resume(self) -> None:
+        if self._pause0 is not None:
+            self.paused_s += time.perf_counter() - self._pause0
+            self._pause0 = None
+
+    def stop(self) -> None:
+        """End the timed window right after the last step (before logging and worker shutdown)."""
+        if self.t1 is None:
+            self.resume()
+            self.t1 = time.perf_counter()
+            if self.tel is not None:
+                self.tel.stop()
+
     def finish(self) -> RankTiming:
-        self.t1 = time.perf_counter()
-        tel = None
-        if self.tel is not None:
-            self.tel.stop()
-            tel = self.tel.summary()
-        wall = (self.t1 - self.t0) if self.t0 is not None else 0.0
+        self.stop()
+        tel = self.tel.summary() if self.tel is not None else None
+        wall = (self.t1 - self.t0 - self.paused_s) if self.t0 is not None else 0.0
         cols = list(zip(*self.steps)) if self.steps else [(), (), (), (), ()]
         step_s, next_s, h2d_s, comp_s = (float(sum(c)) for c in cols[:4])
         samples = int(sum(cols[4]))
@@ -657,8 +674,9 @@ class Trainer:
     # ---- modes
     def run_mode(self, mode: str, num_steps: int) -> ModeRecord | None:
         """synthetic / loader-only / real (measure) for num_steps timed steps after the warm-up."""
-        meter = _Meter(self.cfg.timing_warmup_steps, self.cfg.log_every, self.world)
-        n = self.cfg.timing_warmup_steps + num_steps
+        warm, num_steps = self.timing_window(mode, num_steps)
+        meter = _Meter(warm, self.cfg.log_every, self.world)
+        n = warm + num_steps
         it = None if mode == "synthetic" else self._cycle()
         self.module.train()
         window: list[Any] = []
@@ -678,6 +696,7 @@ class Trainer:
                 if len(window) >= self.cfg.log_every:
                     self.log(mode, window)
                     window = []
+            meter.stop()
             self.log(mode, window)
         finally:
             if progress is not None:
@@ -685,6 +704,18 @@ class Trainer:
             self._progress = None
             del it
         return self._aggregate(mode, meter)
+
+    def timing_window(self, mode: str, num_steps: int) -> tuple[int, int]:
+        """(warm-up steps, timed steps). With W workers prefetching P batches each, the first ~W x P batches
+        come from a backlog filled during start-up: timing them would overstate the loader and hide the stall.
+        So the warm-up drains that backlog, and the window holds at least two batches per worker."""
+        warm = self.cfg.timing_warmup_steps
+        if mode == "synthetic" or self.loader is None:
+            return warm, num_steps
+        w = self.loader_cfg.num_workers
+        backlog = w * self.loader_cfg.prefetch_factor if w > 0 else 0
+        per_step = 1 if mode == "loader-only" else self.accum
+        return max(warm, -(-backlog // per_step) + 1), max(num_steps, -(-2 * w // per_step))
 
     def _aggregate(self, mode: str, meter: _Meter) -> ModeRecord | None:
         timing = meter.finish()
@@ -709,7 +740,7 @@ class Trainer:
         else:
             state = None
         # time at least one step, however short the run
-        warm = min(cfg.timing_warmup_steps, max(0, self.total_steps - self.step - 1))
+        warm = min(self.timing_window("real", 0)[0], max(0, self.total_steps - self.step - 1))
         meter = _Meter(warm, cfg.log_every, self.world)
         vals: list[ValRecord] = []
         window: list[Any] = []
@@ -738,17 +769,22 @@ class Trainer:
                         self.log("real", window)
                         window = []
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        meter.pause()
                         self.save_checkpoint()
+                        meter.resume()
                     if on_step is not None:
                         on_step(self.step)
                 del it
                 if self.step_in_epoch >= self.steps_per_epoch:  # epoch end
+                    meter.pause()
                     if self.val_loader is not None:
                         vals.append(self.validate())
                     self.epoch += 1
                     self.step_in_epoch = 0
                     if cfg.checkpoint_dir and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
                         self.save_checkpoint()
+                    meter.resume()
+            meter.stop()
             self.log("real", window)
             if self.val_loader is not None and (not vals or vals[-1].step != self.step) and self.step_in_epoch:
                 vals.append(self.validate())

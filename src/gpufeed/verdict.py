@@ -67,7 +67,8 @@ class VerdictInputs:
 
 @dataclass(frozen=True)
 class Verdict:
-    status: Literal["fed", "starved"]
+    status: Literal["fed", "starved", "unverified"]
+    """'unverified': stall is low but no ceiling was measured, so DESIGN's second condition cannot be checked."""
     bound: str | None
     """None when fed; otherwise 'decode/CPU', 'storage', 'copy' or 'rank imbalance'."""
     reason: str
@@ -79,7 +80,8 @@ class Verdict:
 
     @property
     def ok(self) -> bool:
-        return self.status == "fed"
+        """False only when starved: an unverified run is not a failed check, but it is not called fed either."""
+        return self.status != "starved"
 
     def render(self) -> str:
         head = f"verdict: {self.status.upper()}" + (f" ({self.bound}-bound)" if self.bound else "")
@@ -105,8 +107,10 @@ def classify(v: VerdictInputs) -> Verdict:
 
     if stall_ok and rate_ok:
         if lower is None:
-            reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% at {v.end_to_end_rate:.1f} samples/s "
-                      "(ceilings not measured: run with --measure to compare)")
+            reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% at {v.end_to_end_rate:.1f} samples/s, "
+                      "but no ceiling was measured, so whether this is the GPU's own speed is unknown: "
+                      "run with --measure to compare")
+            return Verdict("unverified", None, reason, [], nums)
         else:
             reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% and {v.end_to_end_rate:.1f} samples/s "
                       f"= {100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ceiling ({lower:.1f})")

@@ -103,3 +103,12 @@ def test_stalled_although_the_loader_is_fast_enough_on_average() -> None:
                                loader_cores_used=6, usable_cores=16, num_workers=3, read_bytes_per_s=1e6))
     assert v.bound == "decode/CPU" and "arrive late" in v.reason
     assert any("prefetch_factor" in f for f in v.fixes)
+
+
+def test_gpu_decode_time_is_not_blamed_on_the_copy() -> None:
+    v = classify(VerdictInputs(stall_pct=20.0, end_to_end_rate=2000, gpu_ceiling=3000, loader_ceiling=2500,
+                               copy_wait_pct=18.0, decode="gpu"))
+    assert v.status == "starved" and v.bound == "GPU decode" and "pin_memory" not in " ".join(v.fixes)
+    v = classify(VerdictInputs(stall_pct=20.0, end_to_end_rate=2000, gpu_ceiling=3000, loader_ceiling=2500,
+                               copy_wait_pct=18.0, decode="simplejpeg"))
+    assert v.bound == "copy"

@@ -70,7 +70,7 @@ class Verdict:
     status: Literal["fed", "starved", "unverified"]
     """'unverified': stall is low but no ceiling was measured, so DESIGN's second condition cannot be checked."""
     bound: str | None
-    """None when fed; otherwise 'decode/CPU', 'storage', 'copy' or 'rank imbalance'."""
+    """None unless starved; then 'decode/CPU', 'storage', 'copy', 'GPU decode' or 'rank imbalance'."""
     reason: str
     """One sentence with the numbers that decided it."""
     fixes: list[str] = field(default_factory=list)
@@ -147,6 +147,18 @@ def classify(v: VerdictInputs) -> Verdict:
                 nums)
 
     # 2. copy-bound: most of the wait is host-to-device copy
+    if v.decode == "gpu" and v.copy_wait_pct is not None and v.copy_wait_pct >= 0.5 * max(v.stall_pct, 1e-9) \
+            and v.copy_wait_pct >= 1.0:
+        # with GPU decode the timed "copy" also holds nvjpeg decode + crop/resize on the device
+        nums["copy_wait_pct"] = v.copy_wait_pct
+        return Verdict(
+            "starved", "GPU decode",
+            f"{why}; {v.copy_wait_pct:.1f}% of step time is spent moving encoded batches and decoding them on the GPU, "
+            "not overlapped with compute",
+            ["decode on the CPU workers instead (decode = 'simplejpeg') if they have cores to spare: compare "
+             "`gpufeed tune` loader ceilings for both decode paths",
+             "store images at <= 512 px (gpufeed shard --max-size 512): less to decode per sample"],
+            nums)
     if v.copy_wait_pct is not None and v.copy_wait_pct >= 0.5 * max(v.stall_pct, 1e-9) and v.copy_wait_pct >= 1.0:
         nums["copy_wait_pct"] = v.copy_wait_pct
         return Verdict(

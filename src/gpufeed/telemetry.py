@@ -63,7 +63,7 @@ class _Nvml:
 
             pynvml.nvmlInit()
             self.nvml = pynvml
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.handle = _handle_by_uuid(pynvml, index) or pynvml.nvmlDeviceGetHandleByIndex(index)
         except Exception as exc:  # no driver, no GPU, no package
             self.error = f"{type(exc).__name__}: {exc}"
             self.handle = None
@@ -218,6 +218,20 @@ class Telemetry:
             disk_read_bytes=disk,
             gpu=gpu,
         )
+
+
+def _handle_by_uuid(pynvml: Any, torch_index: int) -> Any:
+    """NVML numbers GPUs in PCI order and ignores CUDA_VISIBLE_DEVICES; torch's index does not. Match by UUID."""
+    import sys
+
+    torch = sys.modules.get("torch")  # only when the caller already uses torch (train); never import it here
+    if torch is None:
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(torch_index).uuid)
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception:  # older torch without .uuid, MIG devices, no CUDA: fall back to the index
+        return None
 
 
 def _disk_read() -> int | None:

@@ -17,7 +17,7 @@ def usable_cpus() -> int:
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # macOS / Windows
-        n = os.process_cpu_count() if hasattr(os, "process_cpu_count") else (os.cpu_count() or 1)  # noqa
+        n = getattr(os, "process_cpu_count", os.cpu_count)() or 1  # Python 3.13+ honours affinity here too
     quota = _cgroup_cpu_quota()
     if quota is not None:
         n = min(n, max(1, int(quota + 0.999)))

@@ -12,7 +12,7 @@ from typing import Any
 def usable_cpus() -> int:
     """CPUs this process may actually use: CPU affinity, then the cgroup CPU quota (containers, SLURM).
 
-    ``os.cpu_count()`` reports the host's CPUs, which over-subscribes containers and batch jobs.
+    The host-wide CPU count over-subscribes containers and batch jobs.
     """
     try:
         n = len(os.sched_getaffinity(0))

@@ -18,12 +18,6 @@ from gpufeed import __version__
 from gpufeed.errors import GpufeedError
 
 
-class InputError(click.ClickException):
-    """A usage or input error: one sentence on stderr, exit code 2."""
-
-    exit_code = 2
-
-
 def config_option(f: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--config", "config_path", type=click.Path(exists=True, dir_okay=False),
@@ -38,21 +32,43 @@ def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
+def _verbose() -> bool:
+    import os
+
+    return os.environ.get("GPUFEED_VERBOSE", "") not in ("", "0")
+
+
+def fail(message: str, exit_code: int) -> None:
+    """One sentence on stderr, then exit (with ``--verbose`` the active traceback is printed first)."""
+    if _verbose():
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+    click.echo(f"error: {message}", err=True)
+    sys.exit(exit_code)
+
+
 def run_job(job: Callable[[], Any], render: Callable[[Any], str], as_json: bool) -> None:
     """Call ``job``, render its record, and exit 0, or 1 when the record says a check failed.
 
-    A record signals a failed check with a false ``ok`` attribute (or key).
+    A record signals a failed check with a false ``ok`` attribute (or key). Errors are one sentence:
+    a GpufeedError exits with its ``exit_code`` (2 input/usage, 1 a started run failed), an OSError with 2,
+    anything else (a bug) with 1; tracebacks only with ``gpufeed --verbose``.
     """
+    from gpufeed.errors import one_line
+
     try:
         record = job()
     except GpufeedError as exc:
-        raise InputError(str(exc)) from None
+        fail(one_line(exc), exc.exit_code)
     except OSError as exc:  # a path that is not a folder, no permission, a full disk: the user's to fix
         where = f" ({exc.filename})" if exc.filename else ""
-        raise InputError(f"{exc.strerror or exc}{where}") from None
+        fail(f"{exc.strerror or exc}{where}", 2)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - a bug: still one sentence unless --verbose
+        fail(f"unexpected {type(exc).__name__}: {one_line(exc)} (rerun with gpufeed --verbose for the traceback)", 1)
     human = render(record)
     if as_json:
         from gpufeed.records import dumps
@@ -73,13 +89,14 @@ def load(config_path: str | None, section: str, overrides: dict[str, Any]) -> An
     try:
         cfg = load_config(config_path, {f"{section}.{k}": v for k, v in overrides.items()})
     except GpufeedError as exc:
-        raise InputError(str(exc)) from None
+        fail(str(exc), exc.exit_code)
     return getattr(cfg, section)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="gpufeed")
-def cli() -> None:
+@click.option("--verbose", "-v", is_flag=True, help="Print tracebacks with errors (also GPUFEED_VERBOSE=1).")
+def cli(verbose: bool) -> None:
     """Keep GPUs fed: image folder -> WebDataset shards -> tuned loader -> measured training.
 
     \b
@@ -90,6 +107,10 @@ def cli() -> None:
     gpufeed tune    SHARDS         measured DataLoader sweep -> [loader] config
     gpufeed train   --shards DEST  AMP + DDP ResNet run with a fed/starved verdict
     """
+    if verbose:
+        import os
+
+        os.environ["GPUFEED_VERBOSE"] = "1"  # torchrun ranks inherit it
 
 
 # Commands are added below, one per job; each imports its job module inside the function.
@@ -311,7 +332,7 @@ def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int 
     try:
         conf = load_config(config_path, overrides)
     except GpufeedError as exc:
-        raise InputError(str(exc)) from None
+        fail(str(exc), exc.exit_code)
 
     def job() -> Any:
         from gpufeed.train import launch

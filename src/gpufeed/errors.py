@@ -1,8 +1,15 @@
-"""Exception hierarchy. The CLI turns every GpufeedError into a one-sentence message and exit code 2."""
+"""Exception hierarchy and exit codes.
+
+The CLI turns every :class:`GpufeedError` into one sentence on stderr (a traceback only with
+``gpufeed --verbose``) and exits with the error's ``exit_code``:
+
+- 2: a usage or input error found before the job started (bad option, missing shard, bad manifest);
+- 1: the job started and then failed (:class:`RunError`), or it ran and a check failed (the record's ``ok``).
+"""
 
 
 class GpufeedError(Exception):
-    """Base class: a usage or input problem the user can fix (exit code 2)."""
+    """Base class: a usage or input problem the user can fix, found before work started (exit code 2)."""
 
     exit_code = 2
 
@@ -13,3 +20,16 @@ class ConfigError(GpufeedError):
 
 class DataError(GpufeedError):
     """Bad input data: a missing folder, an unreadable shard set, a refused plan."""
+
+
+class RunError(GpufeedError):
+    """A job that started and then failed (a corrupt shard met mid-run, a rank that died): exit code 1."""
+
+    exit_code = 1
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (torch re-raises worker errors with the worker traceback
+    appended to the message; the cause is the first line)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

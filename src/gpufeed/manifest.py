@@ -124,6 +124,41 @@ class Manifest:
             raise DataError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
 
 
+MAX_LABEL_BYTES = 1024
+"""A ``.cls`` member longer than this is not a label (a class name or a decimal index is short)."""
+
+
+class LabelError(ValueError):
+    """A ``.cls`` member that is not a label of the set."""
+
+
+def parse_label(raw: bytes | None, classes: list[str] | tuple[str, ...],
+                class_index: dict[str, int] | None = None) -> int:
+    """The one label rule of every reader (loader, verify, index): the ``.cls`` member holds either a decimal
+    class index in ``0..C-1`` or one of the manifest's class names (UTF-8, surrounding white space ignored).
+
+    ``class_index`` (name -> index) may be passed to avoid rebuilding it per sample. Raises LabelError.
+    """
+    if raw is None:
+        raise LabelError("no .cls label member")
+    if len(raw) > MAX_LABEL_BYTES:
+        raise LabelError(f".cls member is {len(raw)} bytes; a label is at most {MAX_LABEL_BYTES}")
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise LabelError(".cls member is not UTF-8 text") from None
+    n = len(classes)
+    if text.isascii() and text.isdigit():
+        label = int(text)
+        if not 0 <= label < n:
+            raise LabelError(f"label {label} is outside 0..{n - 1}" if n else f"label {label}: the set has no classes")
+        return label
+    index = class_index if class_index is not None else {c: i for i, c in enumerate(classes)}
+    if text not in index:
+        raise LabelError(f"label {text[:80]!r} is neither a class index nor a class of the manifest")
+    return index[text]
+
+
 def brace_pattern(names: list[str]) -> str:
     """``train-000000.tar … train-000127.tar`` -> ``train-{000000..000127}.tar`` (webdataset/braceexpand syntax)."""
     if not names:

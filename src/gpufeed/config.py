@@ -137,9 +137,12 @@ class LoaderConfig:
     """Eval transform: resize the shorter side to image_size / crop_ratio, then centre-crop image_size."""
     resize: Literal["torch", "pil"] = "torch"
     """Crop+resize kernel (uint8, antialiased bilinear): torch's SIMD kernel (fast) or PIL resize(box=...)."""
+    max_pixels: int = 89_478_485
+    """Decompression-bomb limit (width x height) for a stored image, as in ``shard``: larger images are refused
+    (``on_error = "raise"``) or skipped and counted (``"skip"``) before they are decoded."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "batch_size", "prefetch_factor", "image_size")
+        _check_positive(self, "batch_size", "prefetch_factor", "image_size", "max_pixels")
         _check_non_negative(self, "num_workers", "shuffle_buffer")
         if not 0 < self.crop_ratio <= 1:
             raise ConfigError(f"crop_ratio must be in (0, 1], got {self.crop_ratio}")

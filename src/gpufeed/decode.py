@@ -15,6 +15,10 @@ train, and torchvision's exact resize-whole-then-centre-crop for eval; ``resize 
 Reduced-size decodes (PIL ``draft``, simplejpeg ``min_width``/``min_height``) pick a DCT scale that keeps
 the crop region at least ``size`` pixels on both sides, so no resolution is lost.
 
+Every path reads the stored width x height from the image header first and refuses an image over
+``max_pixels`` (:class:`ImageTooLarge`) before any pixel is decoded: a few KB of PNG can declare
+13,000 x 13,000 pixels and cost gigabytes once decoded.
+
 Every path returns 3-channel RGB (CMYK, gray, palette and alpha are converted as PIL's ``convert("RGB")``
 does, which is what torchvision's ImageFolder loader does). Non-JPEG images always go through PIL.
 """
@@ -32,6 +36,7 @@ import warnings
 import numpy as np
 from PIL import Image
 
+from gpufeed.config import LoaderConfig
 from gpufeed.errors import ConfigError
 
 DecodeMethod = Literal["pil", "pil-draft", "simplejpeg", "gpu"]
@@ -39,6 +44,9 @@ JPEG_EXTENSIONS = ("jpg", "jpeg")
 
 # np.asarray(PIL image) is read-only; the resize only reads it, so torch's warning about that is noise
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+DEFAULT_MAX_PIXELS = LoaderConfig.max_pixels
+"""Decompression-bomb limit (stored width x height) when the caller passes none: ``LoaderConfig``'s default."""
 
 _BILINEAR = Image.Resampling.BILINEAR
 _FLIP = Image.Transpose.FLIP_LEFT_RIGHT
@@ -139,6 +147,16 @@ def draft_scale(crop: Crop, size: int) -> int:
 # --------------------------------------------------------------------------- decoding
 
 
+class ImageTooLarge(ValueError):
+    """An image whose header declares more pixels than ``max_pixels`` (refused before decoding)."""
+
+
+def check_pixels(width: int, height: int, max_pixels: int) -> None:
+    """Raise :class:`ImageTooLarge` when ``width x height`` (from the header) exceeds ``max_pixels``."""
+    if width * height > max_pixels:
+        raise ImageTooLarge(f"image is {width} x {height} = {width * height} pixels, over max_pixels = {max_pixels}")
+
+
 def image_size(data: bytes) -> tuple[int, int]:
     """``(width, height)`` from the header only (no pixel decode)."""
     with Image.open(io.BytesIO(data)) as img:
@@ -202,10 +220,14 @@ def resize_array_into(arr: np.ndarray, crop: Crop, size: int, out: np.ndarray, s
 
 
 def decode_pil(data: bytes, crop_fn, size: int, out: np.ndarray, *, draft: bool = False,
-               resize: str = "torch") -> None:
-    """PIL decode (full, or reduced-size DCT with ``draft`` for JPEG), crop, resize into ``out``."""
+               resize: str = "torch", max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    """PIL decode (full, or reduced-size DCT with ``draft`` for JPEG), crop, resize into ``out``.
+
+    ``Image.open`` reads only the header: the size is checked against ``max_pixels`` before ``load``.
+    """
     img = Image.open(io.BytesIO(data))
     w, h = img.size
+    check_pixels(w, h, max_pixels)
     crop = crop_fn(w, h)
     sx = sy = 1.0
     if draft and img.format == "JPEG":
@@ -234,16 +256,21 @@ def _import_simplejpeg():
     return _simplejpeg
 
 
-def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str = "torch") -> None:
-    """libjpeg-turbo decode at the smallest M/8 scale that keeps the crop >= ``size``; CMYK goes to PIL."""
+def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str = "torch",
+                      max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    """libjpeg-turbo decode at the smallest M/8 scale that keeps the crop >= ``size``; CMYK goes to PIL.
+
+    The header's size is checked against ``max_pixels`` before decoding (by PIL when TurboJPEG cannot read it).
+    """
     sj = _import_simplejpeg()
     try:
         h, w, colorspace, _ = sj.decode_jpeg_header(data)
     except ValueError:  # e.g. CMYK with unusual sampling factors: TurboJPEG cannot say; PIL can (or raises)
         colorspace = "unknown"
     if colorspace not in ("YCbCr", "Gray", "RGB"):  # CMYK / YCCK: libjpeg-turbo cannot output RGB
-        decode_pil(data, crop_fn, size, out, draft=True, resize=resize)
+        decode_pil(data, crop_fn, size, out, draft=True, resize=resize, max_pixels=max_pixels)
         return
+    check_pixels(w, h, max_pixels)
     crop = crop_fn(w, h)
     min_w = min(w, math.ceil(w * size / max(crop.width, 1e-6)))
     min_h = min(h, math.ceil(h * size / max(crop.height, 1e-6)))
@@ -256,21 +283,28 @@ def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *, resiz
 
 
 def decode_into(data: bytes, ext: str, method: DecodeMethod, crop_fn, size: int, out: np.ndarray, *,
-                resize: str = "torch") -> None:
+                resize: str = "torch", max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
     """Decode one encoded image into ``out`` (uint8 [size, size, 3]) with the chosen CPU path.
 
     ``resize``: "torch" (default, torch's uint8 SIMD kernel) or "pil" (PIL ``resize(box=...)``).
+    Raises :class:`ImageTooLarge` (before decoding) when the image has more than ``max_pixels`` pixels.
     """
     is_jpeg = ext in JPEG_EXTENSIONS
     if method == "simplejpeg" and is_jpeg:
-        decode_simplejpeg(data, crop_fn, size, out, resize=resize)
+        decode_simplejpeg(data, crop_fn, size, out, resize=resize, max_pixels=max_pixels)
     else:
-        decode_pil(data, crop_fn, size, out, draft=(method != "pil" and is_jpeg), resize=resize)
+        decode_pil(data, crop_fn, size, out, draft=(method != "pil" and is_jpeg), resize=resize,
+                   max_pixels=max_pixels)
 
 
-def is_gpu_decodable(data: bytes) -> tuple[bool, int, int]:
-    """(True, width, height) when nvjpeg can decode ``data`` to RGB (a baseline/progressive YCbCr or gray JPEG)."""
+def is_gpu_decodable(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[bool, int, int]:
+    """(True, width, height) when nvjpeg can decode ``data`` to RGB (a baseline/progressive YCbCr or gray JPEG).
+
+    Reads the header only; raises :class:`ImageTooLarge` when the image has more than ``max_pixels`` pixels
+    (whatever its format: the CPU fallback would decode it too).
+    """
     with Image.open(io.BytesIO(data)) as img:
         w, h = img.size
         ok = img.format == "JPEG" and img.mode in ("RGB", "L")
+    check_pixels(w, h, max_pixels)
     return ok, w, h

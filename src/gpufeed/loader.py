@@ -12,12 +12,24 @@ yields a fixed share of them and stops, so DDP never waits on an uneven tail. Sa
 they are the last ones out of the shuffle buffer. Corrupt samples skipped under ``on_error = "skip"``
 are replaced by reading on (a worker re-reads its range if it must), never by a short rank.
 
+What is read is checked against the manifest: a shard that ends before its promised sample count
+(a 0-byte shard, a shard cut at a member boundary, a manifest count too high) or holds more samples than
+promised is a :class:`DataError` under ``on_error = "raise"``; under ``"skip"`` every sample lost is
+counted (``num_skipped``: a corrupt sample counts 1, an unreadable rest of a segment counts each of its
+samples, surplus samples count each), and samples re-read to fill a worker's quota are counted apart
+(``num_repeated``). Images larger than ``max_pixels`` are refused from their header, before decoding.
+A data error met in a DataLoader worker reaches the main process as one sentence (shard, member, reason).
+
 The per-sample work (decode, crop, resize, flip) is in :mod:`gpufeed.decode`. Batches are built inside
 the workers directly into a shared-memory ``[B, S, S, 3]`` uint8 tensor and handed out as the
 ``[B, 3, S, S]`` view (channels-last memory) with one IPC message per batch.
 
-Security: samples are read with ``webdataset.WebDataset`` without its decoders; only image members
-(``manifest.READ_IMAGE_EXTENSIONS``) and ``.cls`` labels are read at all, and nothing is unpickled.
+Security: shards are local files, opened by the loader itself by path; no shard name ever reaches a URL
+opener (webdataset's ``gopen`` runs ``pipe:`` names as shell commands). Plain ``.tar`` shards are read by
+:mod:`gpufeed.tarread` (every header size and offset validated); gzip-compressed shards by webdataset's
+tar iterator (``tar_file_expander`` + ``group_by_keys``) over the stream the loader opened, without its
+decoders. Only image members (``manifest.READ_IMAGE_EXTENSIONS``) and ``.cls`` labels are read at all,
+labels follow :func:`gpufeed.manifest.parse_label`, and nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -25,6 +37,8 @@ from __future__ import annotations
 import math
 import multiprocessing
 import random
+import tarfile
+import zlib
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -37,8 +51,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from gpufeed import decode as dec
 from gpufeed import tarread
 from gpufeed.config import LoaderConfig
-from gpufeed.errors import ConfigError, DataError
-from gpufeed.manifest import LABEL_EXTENSION, READ_IMAGE_EXTENSIONS, Manifest, manifest_path, read_manifest
+from gpufeed.errors import ConfigError, DataError, GpufeedError
+from gpufeed.manifest import (LABEL_EXTENSION, READ_IMAGE_EXTENSIONS, Manifest, manifest_path, parse_label,
+                              read_manifest)
 from gpufeed.world import World
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -150,19 +165,39 @@ class EncodedBatch:
         return list(torch.split(self.blob, self.lengths))
 
 
-class _ErrorPolicy:
-    """Webdataset handler + counter for tar-level errors (truncated shard, bad member)."""
+def _text(value: object) -> str:
+    """``value`` as text for a one-line message: names from data may hold newlines or control characters."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)
 
-    def __init__(self, on_error: str, url: str):
-        self.on_error = on_error
-        self.url = url
-        self.count = 0
 
-    def __call__(self, exn: Exception) -> bool:
-        if self.on_error == "skip":
-            self.count += 1
-            return True
-        raise DataError(f"shard {self.url}: cannot read it ({type(exn).__name__}: {exn})") from exn
+def _reason(exc: BaseException) -> str:
+    """``Type: message`` of a reading error, on one line (webdataset appends its stream objects to ``args``)."""
+    msg = str(exc.args[0]) if exc.args else ""
+    msg = msg.split(" @ <", 1)[0]  # webdataset's tar_file_iterator appends " @ <stream repr>"
+    return _text(f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__)
+
+
+_READ_ERRORS = (OSError, EOFError, ValueError, tarfile.TarError, zlib.error)
+"""What reading a malformed shard raises: tarread.TarFormatError (a ValueError), tarfile and gzip errors."""
+
+
+class _Tally:
+    """Samples a worker lost (corrupt, unreadable or surplus) in the pass that counts them."""
+
+    def __init__(self) -> None:
+        self.lost = 0
+
+
+class _WorkerFailure:
+    """What a worker yields instead of a batch after a data error: the one-sentence message.
+
+    The main process raises it as a :class:`DataError`; raising inside the worker would reach the user
+    as torch's re-raised worker traceback.
+    """
+
+    def __init__(self, message: str):
+        self.message = message
 
 
 def _select(fname: str) -> bool:
@@ -177,8 +212,8 @@ class ShardStream(IterableDataset):
                  train: bool, epoch_value: Any):
         self.paths = paths
         self.counts = counts
+        self.classes = list(classes)
         self.class_index = {c: i for i, c in enumerate(classes)}
-        self.num_classes = len(classes)
         self.cfg = cfg
         self.world = world
         self.train = train
@@ -189,39 +224,72 @@ class ShardStream(IterableDataset):
 
     # ------------------------------------------------------------------ reading
 
-    def _read_segments(self, segments: tuple[Segment, ...], errors: list[int]) -> Iterator[dict]:
-        import webdataset as wds
+    def _refuse(self, message: str, lost: int, tally: _Tally) -> None:
+        """Apply ``on_error`` to ``lost`` samples: raise a one-line DataError, or count them."""
+        if self.cfg.on_error == "raise":
+            raise DataError(message.replace("\n", " "))
+        tally.lost += lost
 
+    def _read_segments(self, segments: tuple[Segment, ...], tally: _Tally) -> Iterator[dict]:
         for seg in segments:
-            url = self.paths[seg.shard]
-            policy = _ErrorPolicy(self.cfg.on_error, url)
-            if self.fast_tar and url.endswith(".tar"):
-                try:
-                    for sample in tarread.iter_samples(url, _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS,
-                                                       seg.start, seg.stop):
-                        sample["__ext__"] = next(e for e in READ_IMAGE_EXTENSIONS if e in sample)
-                        yield sample
-                except (OSError, ValueError, StopIteration) as exc:
-                    policy(exc)  # raises DataError naming the shard, or counts it under "skip"
-                errors[0] += policy.count
-                continue
-            ds = wds.WebDataset(url, handler=policy, shardshuffle=False, nodesplitter=None,
-                                workersplitter=None, select_files=_select, empty_check=False)
-            i = 0
-            try:
-                for sample in ds:
-                    ext = next((e for e in READ_IMAGE_EXTENSIONS if e in sample), None)
-                    if ext is None:
-                        continue  # not an image sample (indexing does not count these either)
-                    if i >= seg.start:
-                        sample["__ext__"] = ext
-                        yield sample
-                    i += 1
-                    if i >= seg.stop:
-                        break
-            finally:
-                errors[0] += policy.count
-                policy.count = 0
+            yield from self._read_segment(seg, tally)
+
+    def _read_segment(self, seg: Segment, tally: _Tally) -> Iterator[dict]:
+        """Samples ``[seg.start, seg.stop)`` of one shard, checked against the manifest's count.
+
+        A segment that ends its shard (``stop`` == the manifest's count) reads on to the end of the file
+        (only end-of-archive blocks and non-image keys there when the manifest is right) to notice surplus
+        samples. Each sample carries ``__ext__``, its image member's extension (None: no image data read).
+        """
+        path = self.paths[seg.shard]
+        promised = self.counts[seg.shard]
+        planned = seg.stop - seg.start
+        to_end = seg.stop >= promised
+        total = [-1]  # the shard's sample count, set when the reader reaches its end
+        got = surplus = 0
+        try:
+            for sample in self._shard_samples(path, seg.start, None if to_end else seg.stop, total):
+                if got >= planned:
+                    surplus += 1  # not yielded: keep reading only to count them
+                    continue
+                sample["__ext__"] = next((e for e in READ_IMAGE_EXTENSIONS if e in sample), None)
+                got += 1
+                yield sample
+        except _READ_ERRORS as exc:
+            self._refuse(f"shard {_text(path)} is malformed ({_reason(exc)}); {planned - got} of its samples "
+                         f"{seg.start}..{seg.stop - 1} cannot be read", planned - got, tally)
+            return
+        if got < planned:
+            self._refuse(f"shard {_text(path)} holds {total[0]} samples, the manifest says {promised}", planned - got,
+                         tally)
+        elif surplus:
+            self._refuse(f"shard {_text(path)} holds {promised + surplus} samples, the manifest says {promised}",
+                         surplus, tally)
+
+    def _shard_samples(self, path: str, start: int, stop: int | None, total: list[int]) -> Iterator[dict]:
+        """Image samples ``[start, stop)`` (``stop`` None: to the end) of the local shard at ``path``.
+
+        The file is opened here, by path: webdataset only ever sees the open stream, never the name.
+        """
+        if self.fast_tar and path.endswith(".tar"):
+            yield from tarread.iter_samples(path, _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS, start, stop, total)
+            return
+        from webdataset.handlers import reraise_exception
+        from webdataset.tariterators import group_by_keys, tar_file_expander
+
+        i = 0
+        with open(path, "rb") as f:
+            files = tar_file_expander([{"url": path, "stream": f}], handler=reraise_exception,
+                                      select_files=_select)
+            for sample in group_by_keys(files, handler=reraise_exception):
+                if not any(e in sample for e in READ_IMAGE_EXTENSIONS):
+                    continue  # not an image sample (indexing does not count these either)
+                if i >= start:
+                    yield sample
+                i += 1
+                if stop is not None and i >= stop:
+                    return
+        total[0] = i
 
     def _shuffled(self, items: Iterator[dict], rng: random.Random) -> Iterator[dict]:
         size = self.cfg.shuffle_buffer if self.train else 0
@@ -240,25 +308,16 @@ class ShardStream(IterableDataset):
         yield from buf
 
     def _label(self, sample: dict) -> int:
-        raw = sample.get(LABEL_EXTENSION)
-        if raw is None:
-            raise ValueError("no .cls label member")
-        text = raw.decode("utf-8").strip()
-        try:
-            label = int(text)
-        except ValueError:
-            if text not in self.class_index:
-                raise ValueError(f"label {text!r} is neither a class index nor a class of the manifest") from None
-            return self.class_index[text]
-        if not 0 <= label < max(self.num_classes, 1) and self.num_classes:
-            raise ValueError(f"label {label} is outside 0..{self.num_classes - 1}")
-        return label
+        return parse_label(sample.get(LABEL_EXTENSION), self.classes, self.class_index)
 
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self):
         if get_worker_info() is not None:  # workers run single-threaded already (worker_init)
-            yield from self._iter()
+            try:
+                yield from self._iter()
+            except GpufeedError as exc:  # hand the main process the sentence, not a worker traceback
+                yield _WorkerFailure(str(exc))
             return
         # num_workers == 0: the per-sample torch ops must not fan out to the caller's intra-op threads
         # (tiny ops on an OpenMP pool burn ~10x the CPU); restore the caller's setting around each yield.
@@ -293,45 +352,48 @@ class ShardStream(IterableDataset):
             crop_fn = partial(dec.train_crop, rng=rng)
         else:
             crop_fn = partial(dec.eval_crop, size=S, crop_ratio=getattr(cfg, "crop_ratio", 0.875))
-        errors = [0]
-        skipped_reported = 0
+        tally = _Tally()
+        lost_reported = repeated = repeated_reported = 0
         batch = None
         filled = 0
         done = 0
         passes = 0
-        first_pass_errors = 0
+        first_pass_lost = 0
         while done < quota:
-            if passes == 1:  # re-reading the range: its corrupt samples were counted on the first pass
-                first_pass_errors = errors[0]
+            if passes == 1:  # re-reading the range: its lost samples were counted on the first pass
+                first_pass_lost = tally.lost
             good_this_pass = 0
-            for sample in self._shuffled(self._read_segments(plan.segments, errors), rng):
+            for sample in self._shuffled(self._read_segments(plan.segments, tally), rng):
                 if batch is None:
                     batch = self._new_batch(B, S, shared, gpu)
                 images, labels, enc = batch
                 row = 0 if self.per_sample else filled
+                ext = sample["__ext__"]
                 try:
                     label = self._label(sample)
-                    data = sample[sample["__ext__"]]
-                    if gpu and self._gpu_prepare(data, sample["__ext__"], crop_fn, enc, row):
+                    if ext is None:
+                        raise ValueError("no image data")
+                    data = sample[ext]
+                    if gpu and self._gpu_prepare(data, ext, crop_fn, enc, row):
                         pass
                     else:
-                        dec.decode_into(data, sample["__ext__"], cfg.decode, crop_fn, S, images[row],
-                                        resize=getattr(cfg, "resize", "torch"))
+                        dec.decode_into(data, ext, cfg.decode, crop_fn, S, images[row],
+                                        resize=getattr(cfg, "resize", "torch"), max_pixels=cfg.max_pixels)
                 except Exception as exc:  # noqa: BLE001 - the policy decides
-                    where = f"sample {sample.get('__key__')!r} in shard {sample.get('__url__')}"
-                    if cfg.on_error == "raise":
-                        raise DataError(f"corrupt {where}: {type(exc).__name__}: {exc}") from exc
-                    errors[0] += 1
+                    member = f"{sample.get('__key__')}.{ext}" if ext else sample.get("__key__")
+                    self._refuse(f"corrupt sample {str(member)!r} in shard {_text(sample.get('__url__'))}: "
+                                 f"{_reason(exc)}", 1, tally)
                     continue
                 labels[row] = label
                 good_this_pass += 1
                 done += 1
                 filled += 1
+                if passes > 0:
+                    repeated += 1  # every good sample of the range was used once on the first pass
                 if self.per_sample or filled == B:
-                    total = errors[0] if passes == 0 else first_pass_errors
-                    skipped = total - skipped_reported
-                    skipped_reported = total
-                    yield self._emit(batch, 1 if self.per_sample else B, skipped)
+                    lost = tally.lost if passes == 0 else first_pass_lost
+                    yield self._emit(batch, lost - lost_reported, repeated - repeated_reported)
+                    lost_reported, repeated_reported = lost, repeated
                     batch, filled = None, 0
                 if done >= quota:
                     break
@@ -351,17 +413,18 @@ class ShardStream(IterableDataset):
         enc = EncodedBatch([], [], [], [], images, S) if gpu else None
         return images.numpy(), labels.numpy(), enc
 
-    def _emit(self, batch, n: int, skipped: int):
+    def _emit(self, batch, skipped: int, repeated: int):
+        """``(images, labels, skipped, repeated)``: the samples lost and re-read since the previous batch."""
         images, labels, enc = batch
         if enc is not None:
-            return enc.pack(), torch.from_numpy(labels), skipped
-        return torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(labels), skipped
+            return enc.pack(), torch.from_numpy(labels), skipped, repeated
+        return torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(labels), skipped, repeated
 
     def _gpu_prepare(self, data: bytes, ext: str, crop_fn, enc: EncodedBatch, row: int) -> bool:
         """Record a device-decodable JPEG (bytes + crop) in ``enc``; False sends the sample to the CPU path."""
         if ext not in dec.JPEG_EXTENSIONS:
             return False
-        ok, w, h = dec.is_gpu_decodable(data)
+        ok, w, h = dec.is_gpu_decodable(data, self.cfg.max_pixels)
         if not ok:
             return False
         crop = crop_fn(w, h)
@@ -387,7 +450,18 @@ class ShardLoader:
     ``images`` is uint8 ``[B, 3, S, S]`` (a channels-last view; pinned when ``cfg.pin_memory`` and the
     world is CUDA), ``labels`` int64 ``[B]``. With ``decode = "gpu"`` ``images`` is an
     :class:`EncodedBatch`; :meth:`to_device` decodes it on the device. Every rank yields ``len(self)``
-    batches per epoch. ``num_skipped`` counts corrupt samples skipped so far (all epochs, all workers).
+    batches per epoch.
+
+    Counters (all epochs, all workers, updated as batches arrive), under ``on_error = "skip"``:
+
+    - ``num_skipped``: samples lost, one by one: a corrupt or oversized sample counts 1; a shard that ends
+      early or cannot be read further counts every planned sample it did not deliver; a shard holding
+      more samples than the manifest says counts each surplus sample.
+    - ``num_repeated``: samples read a second time to fill a worker's quota after losses (duplicates
+      within the epoch that keep every rank at ``len(self)`` batches).
+
+    A data error (``on_error = "raise"``) is raised as a one-sentence :class:`DataError` naming the shard
+    and member, also when it happens in a DataLoader worker.
     """
 
     def __init__(self, shards: str | Path, cfg: LoaderConfig, world: World, *, train: bool = True, epoch: int = 0,
@@ -400,7 +474,8 @@ class ShardLoader:
         if self.manifest.root:
             root = root / self.manifest.root
         self.root = root
-        self.paths = [str(p) for p in self.manifest.shard_paths(root)]
+        # absolute local paths: a name like "pipe:cmd" or "-" must stay a file name wherever it is used
+        self.paths = [str(p.absolute()) for p in self.manifest.shard_paths(root)]
         missing = [p for p in self.paths if not Path(p).is_file()]
         if missing:
             raise DataError(f"{len(missing)} shard(s) of the manifest are missing, e.g. {missing[0]}")
@@ -414,6 +489,7 @@ class ShardLoader:
         if cfg.decode == "simplejpeg":
             dec._import_simplejpeg()
         self.num_skipped = 0
+        self.num_repeated = 0
         self._epoch = multiprocessing.get_context().Value("q", epoch, lock=False)
         self._dataset = ShardStream(self.paths, counts, self.manifest.classes, cfg, world, train, self._epoch)
         nw = cfg.num_workers
@@ -439,8 +515,8 @@ class ShardLoader:
     def __iter__(self):
         produced = 0
         if self.cfg.worker_batching:
-            for images, labels, skipped in self._loader:
-                self.num_skipped += int(skipped)
+            for item in self._loader:
+                images, labels = self._count(item)
                 produced += 1
                 yield images, labels
         else:
@@ -452,13 +528,22 @@ class ShardLoader:
         if produced != self.num_batches:  # a rank that stops early would hang DDP: fail loudly instead
             raise DataError(f"rank {self.world.rank} yielded {produced} batches, expected {self.num_batches}")
 
+    def _count(self, item) -> tuple[Any, torch.Tensor]:
+        """Add a worker item's counters; raise a worker's data error here, as the sentence it sent."""
+        if isinstance(item, _WorkerFailure):
+            raise DataError(item.message)
+        images, labels, skipped, repeated = item
+        self.num_skipped += int(skipped)
+        self.num_repeated += int(repeated)
+        return images, labels
+
     def _batch_in_main(self):
         B, S = self.cfg.batch_size, self.cfg.image_size
         gpu = self.cfg.decode == "gpu"
         rows: list[Any] = []
         labels: list[int] = []
-        for images, label, skipped in self._loader:
-            self.num_skipped += int(skipped)
+        for item in self._loader:
+            images, label = self._count(item)
             rows.append(images)
             labels.append(int(label[0]))
             if len(rows) == B:

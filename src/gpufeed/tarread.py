@@ -5,49 +5,93 @@ sample that costs about a quarter of the decode time. This reader parses only th
 checks the header checksum, reads only the members the loader wants, and seeks over everything else,
 including whole samples before a segment's start. Samples are grouped exactly as webdataset groups
 them (key = path up to the first dot of the file name, consecutive members), so counts agree with
-``gpufeed index`` and with the webdataset path the loader uses for compressed or remote shards.
+``gpufeed index`` and with the webdataset tar iterator the loader uses for gzip-compressed shards.
 
 Handles POSIX ustar (with prefix), GNU long names (``L``) and pax headers (``x`` path/size, ``g`` ignored).
+
+Shards are untrusted: every size read from a header (octal, GNU base-256, pax ``size``) must be a
+non-negative integer whose data lies inside the file, pax records must be well formed, long names and pax
+headers are bounded (:data:`MAX_LONG_NAME_BYTES`, :data:`MAX_PAX_BYTES`), and every header moves the read
+position forward by at least one block, so a malformed shard raises :class:`TarFormatError` (naming the
+member and its offset) instead of looping or allocating without bound.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import BinaryIO, Iterator
 
 _BLOCK = 512
 _META = re.compile(r"__[^/]*__($|/)")
+_OCTAL = re.compile(rb"[0-7]+")
+_DECIMAL = re.compile(r"[0-9]+")
+
+MAX_LONG_NAME_BYTES = 64 * 1024
+"""Largest GNU long-name (``L``) member accepted: a path, even a very long one, is far shorter."""
+MAX_PAX_BYTES = 64 * 1024
+"""Largest pax extended header (``x``/``g``) accepted: gpufeed reads only ``path`` and ``size`` from it."""
 
 
 class TarFormatError(ValueError):
-    """The shard is not a well-formed tar file (bad checksum, truncated member)."""
+    """The shard is not a well-formed tar file (bad checksum, bad size field, truncated member)."""
+
+
+def _show(name: str) -> str:
+    """A member name for a one-line message (quoted; control characters escaped)."""
+    return repr(name[:200])
 
 
 def _octal(field: bytes) -> int:
-    if field and field[0] & 0x80:  # GNU base-256 for large values
-        n = 0
-        for b in field[1:]:
-            n = (n << 8) | b
-        return n
-    text = field.rstrip(b"\0 ").strip()
-    return int(text, 8) if text else 0
+    """A numeric header field: NUL/space-terminated octal, or GNU base-256 (first byte 0x80: positive,
+    0xff: negative, two's complement), read as ``tarfile`` reads it. Raises ValueError on anything else."""
+    if field and field[0] & 0x80:
+        if field[0] not in (0x80, 0xFF):
+            raise ValueError(f"bad base-256 marker 0x{field[0]:02x}")
+        n = int.from_bytes(field[1:], "big")
+        return n - 256 ** (len(field) - 1) if field[0] == 0xFF else n
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    if not text:
+        return 0
+    if not _OCTAL.fullmatch(text):
+        raise ValueError(f"{text[:20]!r} is not an octal number")
+    return int(text, 8)
 
 
 def _pax(data: bytes) -> dict[str, str]:
+    """Parse pax records ``"%d %s=%s\\n"``; raises TarFormatError on a malformed record."""
     out: dict[str, str] = {}
     pos = 0
     while pos < len(data):
-        sp = data.index(b" ", pos)
+        if data[pos] == 0:  # NUL padding after the last record
+            break
+        sp = data.find(b" ", pos, pos + 21)
+        if sp < 0 or not data[pos:sp].isdigit():
+            raise TarFormatError(f"malformed pax record at byte {pos}")
         length = int(data[pos:sp])
-        kv = data[sp + 1: pos + length - 1].decode("utf-8", "replace")
-        k, _, v = kv.partition("=")
+        end = pos + length
+        if length <= sp - pos + 1 or end > len(data) or data[end - 1:end] != b"\n":
+            raise TarFormatError(f"pax record at byte {pos} has a bad length {length}")
+        kv = data[sp + 1: end - 1].decode("utf-8", "replace")
+        k, eq, v = kv.partition("=")
+        if not eq:
+            raise TarFormatError(f"pax record at byte {pos} has no '='")
         out[k] = v
-        pos += length
+        pos = end  # length > 0: always moves forward
     return out
 
 
+def _padded(size: int) -> int:
+    return (size + _BLOCK - 1) // _BLOCK * _BLOCK
+
+
 def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
-    """Regular members as ``(name, data)``; ``data`` is None (not read) unless ``want(name)``."""
+    """Regular members as ``(name, data)``; ``data`` is None (not read) unless ``want(name)``.
+
+    ``f`` must be a seekable file; its size bounds every member. Raises TarFormatError on a malformed header.
+    """
+    file_size = os.fstat(f.fileno()).st_size
+    pos = f.tell()
     long_name: str | None = None
     pax: dict[str, str] = {}
     while True:
@@ -55,26 +99,42 @@ def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
         if len(hdr) < _BLOCK:
             if not hdr:
                 return  # no end-of-archive blocks: tolerated, as tarfile does
-            raise TarFormatError("truncated header")
+            raise TarFormatError(f"truncated header at offset {pos}")
         if hdr.count(0) == _BLOCK:
             return  # end of archive
-        chk = _octal(hdr[148:156])
+        raw_name = hdr[0:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        where = f"member {_show(raw_name)} (header at offset {pos})"
+        try:
+            chk = _octal(hdr[148:156])
+            size = _octal(hdr[124:136])
+        except ValueError as exc:
+            raise TarFormatError(f"{where}: bad numeric field ({exc})") from None
         if chk != sum(hdr[:148]) + 256 + sum(hdr[156:]):
-            raise TarFormatError("bad header checksum")
-        size = _octal(hdr[124:136])
+            raise TarFormatError(f"{where}: bad header checksum")
+        data_start = pos + _BLOCK
         typ = hdr[156:157]
-        padded = (size + _BLOCK - 1) // _BLOCK * _BLOCK
         if typ in (b"L", b"x", b"g"):
+            bound = MAX_LONG_NAME_BYTES if typ == b"L" else MAX_PAX_BYTES
+            if not 0 <= size <= bound:
+                raise TarFormatError(f"{where}: {'long-name' if typ == b'L' else 'pax'} header size {size} "
+                                     f"is outside 0..{bound}")
+            if data_start + size > file_size:
+                raise TarFormatError(f"{where}: truncated member (size {size} runs past the end of the file)")
+            padded = _padded(size)
             data = f.read(padded)
-            if len(data) < padded:
-                raise TarFormatError("truncated member")
+            if len(data) < size:
+                raise TarFormatError(f"{where}: truncated member")
             data = data[:size]
+            pos = data_start + padded
             if typ == b"L":
                 long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
             elif typ == b"x":
-                pax = _pax(data)
+                try:
+                    pax = _pax(data)
+                except TarFormatError as exc:
+                    raise TarFormatError(f"{where}: {exc}") from None
             continue
-        name = hdr[0:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        name = raw_name
         if hdr[257:263] == b"ustar\0":
             prefix = hdr[345:500].split(b"\0", 1)[0]
             if prefix:
@@ -84,22 +144,28 @@ def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
         if pax:
             name = pax.get("path", name)
             if "size" in pax:
+                if not _DECIMAL.fullmatch(pax["size"]):
+                    raise TarFormatError(f"member {_show(name)} (header at offset {pos}): pax size "
+                                         f"{pax['size'][:20]!r} is not a non-negative decimal")
                 size = int(pax["size"])
-                padded = (size + _BLOCK - 1) // _BLOCK * _BLOCK
             pax = {}
+        where = f"member {_show(name)} (header at offset {pos})"
+        if size < 0:
+            raise TarFormatError(f"{where}: negative size {size}")
+        if data_start + size > file_size:
+            raise TarFormatError(f"{where}: truncated member (size {size} runs past the end of the file)")
+        padded = _padded(size)
+        pos = data_start + padded  # > the header's offset: every header moves forward
         if typ not in (b"0", b"\0", b"7"):  # not a regular file: skip its data (usually none)
-            f.seek(padded, 1)
+            f.seek(pos)
             continue
         if want(name):
             data = f.read(padded)
-            if len(data) < padded:
-                raise TarFormatError(f"truncated member {name!r}")
-            yield name, data[:size] if size != padded else data
+            if len(data) < size:
+                raise TarFormatError(f"{where}: truncated member")
+            yield name, data[:size] if size != len(data) else data
         else:
-            pos = f.tell()
-            f.seek(padded, 1)
-            if f.tell() != pos + padded:  # pragma: no cover - seek past EOF is allowed on files
-                raise TarFormatError(f"truncated member {name!r}")
+            f.seek(pos)
             yield name, None
 
 
@@ -113,11 +179,13 @@ def split_name(name: str) -> tuple[str | None, str]:
 
 
 def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[str, ...], start: int = 0,
-                 stop: int | None = None) -> Iterator[dict]:
+                 stop: int | None = None, total: list[int] | None = None) -> Iterator[dict]:
     """Samples ``[start, stop)`` of a local tar shard, counting only keys with an image member.
 
     Each sample is ``{"__key__", "__url__", ext: bytes}`` for the members whose (lower-case) extension is in
-    ``extensions``. Samples before ``start`` are skipped by seeking, without reading their data.
+    ``extensions``. Samples before ``start`` are skipped by seeking, without reading their data. When the
+    reader reaches the end of the shard (before ``stop``), ``total[0]`` is set to the shard's sample count.
+    Raises TarFormatError on a malformed shard.
     """
     index = 0  # samples (keys with an image member) completed so far
     key: str | None = None
@@ -154,8 +222,12 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
                 has_image = True
             if data is not None and ext in extensions:
                 sample[ext] = data
-        if key is not None and has_image and index >= start and (stop is None or index < stop):
-            yield sample
+        if key is not None and has_image:
+            if index >= start and (stop is None or index < stop):
+                yield sample
+            index += 1
+        if total is not None:
+            total[0] = index
 
 
 def _wanted(name: str, extensions: frozenset[str]) -> bool:

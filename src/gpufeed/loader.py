@@ -237,9 +237,10 @@ class ShardStream(IterableDataset):
     def _read_segment(self, seg: Segment, tally: _Tally) -> Iterator[dict]:
         """Samples ``[seg.start, seg.stop)`` of one shard, checked against the manifest's count.
 
-        A segment that ends its shard (``stop`` == the manifest's count) reads on to the end of the file
-        (only end-of-archive blocks and non-image keys there when the manifest is right) to notice surplus
-        samples. Each sample carries ``__ext__``, its image member's extension (None: no image data read).
+        A segment that ends its shard (``stop`` == the manifest's count) holds back its last sample and reads
+        on to the end of the file (only end-of-archive blocks and non-image keys there when the manifest is
+        right) to notice surplus samples before the caller can stop. Each sample carries ``__ext__``, its
+        image member's extension (None: no image data read).
         """
         path = self.paths[seg.shard]
         promised = self.counts[seg.shard]
@@ -247,24 +248,30 @@ class ShardStream(IterableDataset):
         to_end = seg.stop >= promised
         total = [-1]  # the shard's sample count, set when the reader reaches its end
         got = surplus = 0
+        last = None
         try:
             for sample in self._shard_samples(path, seg.start, None if to_end else seg.stop, total):
                 if got >= planned:
-                    surplus += 1  # not yielded: keep reading only to count them
+                    surplus += 1  # not yielded: read on only to count them
                     continue
                 sample["__ext__"] = next((e for e in READ_IMAGE_EXTENSIONS if e in sample), None)
                 got += 1
-                yield sample
+                if to_end and got == planned:
+                    last = sample
+                else:
+                    yield sample
         except _READ_ERRORS as exc:
             self._refuse(f"shard {_text(path)} is malformed ({_reason(exc)}); {planned - got} of its samples "
                          f"{seg.start}..{seg.stop - 1} cannot be read", planned - got, tally)
-            return
-        if got < planned:
-            self._refuse(f"shard {_text(path)} holds {total[0]} samples, the manifest says {promised}", planned - got,
-                         tally)
-        elif surplus:
-            self._refuse(f"shard {_text(path)} holds {promised + surplus} samples, the manifest says {promised}",
-                         surplus, tally)
+        else:
+            if got < planned:
+                self._refuse(f"shard {_text(path)} holds {total[0]} samples, the manifest says {promised}",
+                             planned - got, tally)
+            elif surplus:
+                self._refuse(f"shard {_text(path)} holds {promised + surplus} samples, the manifest says {promised}",
+                             surplus, tally)
+        if last is not None:
+            yield last
 
     def _shard_samples(self, path: str, start: int, stop: int | None, total: list[int]) -> Iterator[dict]:
         """Image samples ``[start, stop)`` (``stop`` None: to the end) of the local shard at ``path``.
@@ -581,13 +588,38 @@ def _merge_encoded(rows: list[EncodedBatch], S: int) -> EncodedBatch:
     return out.pack()
 
 
-def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bool = True) -> torch.Tensor:
-    """Batched ``torchvision.io.decode_jpeg`` on ``device``, then crop + resize + flip of the whole batch there.
+CROP_MARGIN = 1
+"""Pixels kept around a crop box (after rounding it out to whole pixels) when ``gpu_decode`` cuts each decoded
+image to its crop: roi_align's bilinear samples of the box read at most one pixel beyond it."""
 
-    The decoded images are padded into one tensor and cropped/resized with one ``torchvision.ops.roi_align``
-    (``aligned=True``, adaptive sampling: each output pixel averages ``ceil(scale)``^2 bilinear samples of
-    its bin, an antialiased downscale close to PIL's bilinear filter), so the work is a few kernels per
-    batch instead of several per sample.
+
+def crop_window(box: tuple[float, float, float, float], width: int, height: int) -> tuple[int, int, int, int]:
+    """``(x0, y0, x1, y1)``: the pixels of a ``width x height`` image that roi_align (``aligned=True``) reads
+    for ``box`` - the box rounded out to whole pixels plus :data:`CROP_MARGIN`, clipped to the image (never empty)."""
+    l, t, r, b = box
+    x0 = min(max(math.floor(l) - CROP_MARGIN, 0), width - 1)
+    y0 = min(max(math.floor(t) - CROP_MARGIN, 0), height - 1)
+    x1 = max(min(math.ceil(r) + CROP_MARGIN, width), x0 + 1)
+    y1 = max(min(math.ceil(b) + CROP_MARGIN, height), y0 + 1)
+    return x0, y0, x1, y1
+
+
+def crop_buffer_shape(windows: list[tuple[int, int, int, int]]) -> tuple[int, int]:
+    """``(height, width)`` of the padded buffer ``gpu_decode`` hands roi_align: the largest crop window,
+    so its size is bounded by the crop boxes (at most box + 2 x CROP_MARGIN + 1 per side), not by the images."""
+    return max(y1 - y0 for _, y0, _, y1 in windows), max(x1 - x0 for x0, _, x1, _ in windows)
+
+
+def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bool = True) -> torch.Tensor:
+    """``torchvision.io.decode_jpeg`` of the batch's JPEGs on ``device``, then crop + resize + flip there.
+
+    One batched decode call; then, per image, its crop window (:func:`crop_window`) is copied into a zero
+    buffer of :func:`crop_buffer_shape` (the window's last row/column replicated once into the padding, so
+    bilinear samples at an image's right/bottom edge do not blend in zeros) and the decoded image is freed.
+    One ``torchvision.ops.roi_align`` over that buffer (``aligned=True``, adaptive sampling: each output
+    pixel averages ``ceil(scale)``^2 bilinear samples of its bin, an antialiased downscale close to PIL's
+    bilinear filter) resizes every crop to ``S x S``, then flips and the uint8 cast are batched. Memory
+    besides the decoded JPEGs is bounded by the crops: ``K x 3 x window`` uint8 and float32.
     """
     from torchvision.io import ImageReadMode, decode_jpeg
     from torchvision.ops import roi_align
@@ -600,21 +632,24 @@ def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bo
     else:
         out = torch.empty((len(batch), S, S, 3), dtype=torch.uint8, device=device).permute(0, 3, 1, 2)
     decoded = decode_jpeg(batch.chunks(), mode=ImageReadMode.RGB, device=device)
-    hmax = max(int(x.shape[1]) for x in decoded)
-    wmax = max(int(x.shape[2]) for x in decoded)
+    windows = [crop_window(box, int(img.shape[2]), int(img.shape[1])) for img, box in zip(decoded, batch.boxes)]
+    hmax, wmax = crop_buffer_shape(windows)
     padded = torch.zeros((len(decoded), 3, hmax, wmax), dtype=torch.uint8, device=device)
-    for k, img in enumerate(decoded):
-        h, w = int(img.shape[1]), int(img.shape[2])
-        padded[k, :, :h, :w] = img
-        # replicate the last row/column once: roi_align's bilinear samples within half a pixel of the
-        # right/bottom edge must not blend in the zero padding (upscaled small crops)
+    rois = []
+    for k, (x0, y0, x1, y1) in enumerate(windows):
+        h, w = y1 - y0, x1 - x0
+        padded[k, :, :h, :w] = decoded[k][:, y0:y1, x0:x1]
+        decoded[k] = None  # free the full image as soon as its window is copied
         if w < wmax:
-            padded[k, :, :h, w] = img[:, :, w - 1]
+            padded[k, :, :h, w] = padded[k, :, :h, w - 1]
         if h < hmax:
             padded[k, :, h, : min(w + 1, wmax)] = padded[k, :, h - 1, : min(w + 1, wmax)]
-    rois = torch.tensor([(k, *box) for k, box in enumerate(batch.boxes)], dtype=torch.float32).to(device)
-    dtype = torch.float32
-    crops = roi_align(padded.to(dtype), rois, output_size=(S, S), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+        l, t, r, b = batch.boxes[k]
+        rois.append((k, l - x0, t - y0, r - x0, b - y0))
+    del decoded
+    rois_t = torch.tensor(rois, dtype=torch.float32).to(device)
+    crops = roi_align(padded.to(torch.float32), rois_t, output_size=(S, S), spatial_scale=1.0, sampling_ratio=-1,
+                      aligned=True)
     flips = torch.tensor(batch.flips, dtype=torch.bool).to(device)
     crops = torch.where(flips.view(-1, 1, 1, 1), crops.flip(-1), crops)
     crops = crops.round_().clamp_(0, 255).to(torch.uint8)

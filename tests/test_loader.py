@@ -356,6 +356,7 @@ def test_corrupt_sample_skip_counts_and_keeps_batch_count(tmp_path, workers):
     batches = list(loader)
     assert len(batches) == len(loader) == 4
     assert loader.num_skipped == 2
+    assert loader.num_repeated == 2  # the 12-sample epoch is filled by re-reading 2 samples
 
 
 def test_normalize():
@@ -444,3 +445,68 @@ def test_loads_gpufeed_shard_output(tmp_path, image_folder):
         assert len(loader) == 15 // 2 // 2 and loader.manifest.classes == ["class_0", "class_1", "class_2"]
         seen += [int(x) for _, labels in loader for x in labels]
     assert len(seen) == 12 and set(seen) <= {0, 1, 2}
+
+
+# --------------------------------------------------------------------------- device decode memory
+
+
+def _gpu_decode_padded_whole(batch, device):
+    """The former gpu_decode: every whole image padded to the batch's largest (reference for the crop-first one)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+    from torchvision.ops import roi_align
+
+    S = batch.size
+    decoded = decode_jpeg(batch.chunks(), mode=ImageReadMode.RGB, device=device)
+    hmax = max(int(x.shape[1]) for x in decoded)
+    wmax = max(int(x.shape[2]) for x in decoded)
+    padded = torch.zeros((len(decoded), 3, hmax, wmax), dtype=torch.uint8, device=device)
+    for k, img in enumerate(decoded):
+        h, w = int(img.shape[1]), int(img.shape[2])
+        padded[k, :, :h, :w] = img
+        if w < wmax:
+            padded[k, :, :h, w] = img[:, :, w - 1]
+        if h < hmax:
+            padded[k, :, h, : min(w + 1, wmax)] = padded[k, :, h - 1, : min(w + 1, wmax)]
+    rois = torch.tensor([(k, *box) for k, box in enumerate(batch.boxes)], dtype=torch.float32)
+    crops = roi_align(padded.float(), rois, output_size=(S, S), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+    crops = torch.where(torch.tensor(batch.flips).view(-1, 1, 1, 1), crops.flip(-1), crops)
+    return crops.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def test_gpu_decode_crops_before_padding(monkeypatch):
+    """Mixed sizes (300x200, 40x30, 64x64) with train, eval, whole-image, edge and upscaled crops: same pixels as
+    padding whole images (within 1 level), while roi_align sees a buffer bounded by the crops, not the images."""
+    import torchvision.ops
+
+    from gpufeed import decode as dec
+    from gpufeed.loader import EncodedBatch, crop_buffer_shape, crop_window, gpu_decode
+
+    S = 16
+    sizes = [(300, 200), (40, 30), (64, 64), (300, 200), (40, 30)]
+    crops = [dec.Crop((10, 20, 50, 61), flip=True), dec.eval_crop(40, 30, S), dec.Crop((40, 44, 64, 64)),
+             dec.Crop((283.5, 0.25, 300, 17.75)), dec.Crop((0, 0, 40, 30), flip=True)]
+    data = [encode(smooth_image(w, h, k), quality=95) for k, (w, h) in enumerate(sizes)]
+    batch = EncodedBatch([], [], [], [], torch.zeros((5, S, S, 3), dtype=torch.uint8), S)
+    for k, (d, c) in enumerate(zip(data, crops)):
+        batch.data.append(d)
+        batch.index.append(k)
+        batch.boxes.append(tuple(float(v) for v in c.box))
+        batch.flips.append(c.flip)
+    batch.pack()
+    seen = []
+    real = torchvision.ops.roi_align
+
+    def spy(x, *args, **kw):
+        seen.append(tuple(x.shape))
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(torchvision.ops, "roi_align", spy)
+
+    out = gpu_decode(batch, "cpu")
+    windows = [crop_window(b, w, h) for b, (w, h) in zip(batch.boxes, sizes)]
+    assert seen == [(5, 3, *crop_buffer_shape(windows))]
+    assert crop_buffer_shape(windows) == (43, 42)  # the 40 x 41 crop + 1 px each side; images are up to 300 x 200
+    assert windows[0] == (9, 19, 51, 62) and windows[3] == (282, 0, 300, 19)
+    ref = _gpu_decode_padded_whole(batch, "cpu")
+    assert tuple(out.shape) == (5, 3, S, S)
+    assert (out.int() - ref.int()).abs().max() <= 1

@@ -606,7 +606,7 @@ def crop_window(box: tuple[float, float, float, float], width: int, height: int)
 
 def crop_buffer_shape(windows: list[tuple[int, int, int, int]]) -> tuple[int, int]:
     """``(height, width)`` of the padded buffer ``gpu_decode`` hands roi_align: the largest crop window,
-    so its size is bounded by the crop boxes (at most box + 2 x CROP_MARGIN + 1 per side), not by the images."""
+    so its size is bounded by the crop boxes (each side at most the box's + 2 + 2 x CROP_MARGIN), not by the images."""
     return max(y1 - y0 for _, y0, _, y1 in windows), max(x1 - x0 for x0, _, x1, _ in windows)
 
 

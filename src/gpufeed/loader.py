@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from gpufeed import decode as dec
 from gpufeed import tarread
 from gpufeed.config import LoaderConfig
-from gpufeed.errors import ConfigError, DataError, GpufeedError
+from gpufeed.errors import DataError, GpufeedError
 from gpufeed.manifest import (LABEL_EXTENSION, READ_IMAGE_EXTENSIONS, Manifest, manifest_path, parse_label,
                               read_manifest)
 from gpufeed.world import World
@@ -173,7 +173,7 @@ def _text(value: object) -> str:
 
 def _reason(exc: BaseException) -> str:
     """``Type: message`` of a reading error, on one line (webdataset appends its stream objects to ``args``)."""
-    msg = str(exc.args[0]) if exc.args else ""
+    msg = str(exc.args[0]) if len(exc.args) > 1 and isinstance(exc.args[0], str) else str(exc)
     msg = msg.split(" @ <", 1)[0]  # webdataset's tar_file_iterator appends " @ <stream repr>"
     return _text(f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__)
 

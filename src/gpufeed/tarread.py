@@ -31,6 +31,8 @@ MAX_LONG_NAME_BYTES = 64 * 1024
 """Largest GNU long-name (``L``) member accepted: a path, even a very long one, is far shorter."""
 MAX_PAX_BYTES = 64 * 1024
 """Largest pax extended header (``x``/``g``) accepted: gpufeed reads only ``path`` and ``size`` from it."""
+MAX_PAX_LENGTH_DIGITS = 20
+"""Most digits in a pax record's length field (a record is at most MAX_PAX_BYTES long anyway)."""
 
 
 class TarFormatError(ValueError):
@@ -65,7 +67,7 @@ def _pax(data: bytes) -> dict[str, str]:
     while pos < len(data):
         if data[pos] == 0:  # NUL padding after the last record
             break
-        sp = data.find(b" ", pos, pos + 21)
+        sp = data.find(b" ", pos, pos + MAX_PAX_LENGTH_DIGITS + 1)
         if sp < 0 or not data[pos:sp].isdigit():
             raise TarFormatError(f"malformed pax record at byte {pos}")
         length = int(data[pos:sp])

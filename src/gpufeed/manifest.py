@@ -95,7 +95,7 @@ class Manifest:
             raise DataError(f"{where}: a manifest is a JSON object")
         if d.get("format") != FORMAT_NAME:
             raise DataError(f"{where}: format is {str(d.get('format'))[:80]!r}, expected {FORMAT_NAME!r}")
-        version = _count(d, "format_version", where, FORMAT_VERSION, default=FORMAT_VERSION)
+        version = _count(d, "format_version", where, 2 ** 31, default=FORMAT_VERSION)
         if version > FORMAT_VERSION:
             raise DataError(f"{where}: format_version {version} is newer than this gpufeed reads "
                             f"({FORMAT_VERSION}); upgrade gpufeed")

@@ -48,7 +48,8 @@ def _manifest(folder, **changes):
 
 
 @pytest.mark.parametrize("name", [PIPE_NAME + ".tgz", "s3://bucket/data.tgz", "http:data.tgz", "data-{0..9}.tgz",
-                                  "../data.tgz", "-data.tgz", "data\x00.tgz", "|data.tgz", "data.zip", "a" * 300 + ".tgz"])
+                                  "../data.tgz", "-data.tgz", "data\x00.tgz", "|data.tgz", "data.zip",
+                                  "a" * 300 + ".tgz"])
 def test_manifest_refuses_shard_names_that_are_not_plain_file_names(tmp_path, monkeypatch, name):
     from gpufeed.errors import DataError
     from gpufeed.manifest import read_manifest

@@ -30,7 +30,6 @@ import os
 import re
 import tarfile
 import time
-import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,9 +91,12 @@ class _TailReader:
     def read(self, size: int = -1) -> bytes:
         b = self.f.read(size)
         self.n += len(b)
-        self.tail += b
-        if len(self.tail) > 2 * _TAIL_KEEP:
-            del self.tail[:-_TAIL_KEEP]
+        if len(b) >= _TAIL_KEEP:
+            self.tail = bytearray(b[-_TAIL_KEEP:])
+        else:
+            self.tail += b
+            if len(self.tail) > 2 * _TAIL_KEEP:
+                del self.tail[:-_TAIL_KEEP]
         return b
 
 

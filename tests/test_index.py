@@ -100,7 +100,7 @@ def test_index_brace_pattern_text_labels_and_unlabeled(tmp_path):
     _tar(d / "data-001.tar", [("c.webp", _webp()), ("c.cls", b"dog"), ("d.png", png), ("d.cls", b"cat")])
     rep = index_shards(str(d / "data-{000..001}.tar"))
     assert rep.num_samples == 4 and rep.num_classes == 2 and rep.class_source == "text .cls"
-    assert rep.num_ignored_keys == 1 and rep.ok
+    assert rep.num_ignored_keys == 2 and rep.ok  # readme, orphan
     m = read_manifest(d)
     assert m.classes == ["cat", "dog"] and m.url_pattern == "data-{000..001}.tar" and m.prefix == "data"
     loader = build_loader(d, cfg(batch_size=2, num_workers=0), World.single(), train=False)
@@ -171,3 +171,131 @@ def test_tune_and_verify_work_on_an_indexed_foreign_set(sample_set, tmp_path):
                        "--out", out])
     assert obj["ok"] is True and obj["best_samples_per_s"]["median"] > 0
     assert load_config(out).loader.num_workers == obj["best"]["num_workers"]
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_index_refuses_a_tar_cut_at_a_member_boundary(tmp_path, gz):
+    import gzip
+
+    from gpufeed.index import index_shards
+    from tests.test_verify import _cut_at_member_boundary
+
+    d = tmp_path / "cut"
+    d.mkdir()
+    png = _png()
+    cut = _cut_at_member_boundary([("a.png", png), ("a.cls", b"0"), ("b.png", png), ("b.cls", b"1")], 2)
+    (d / ("data-000.tgz" if gz else "data-000.tar")).write_bytes(gzip.compress(cut) if gz else cut)
+    with pytest.raises(DataError, match=r"data-000\.t.*: tar is truncated after member a\.cls"):
+        index_shards(d)
+    assert not (d / "manifest.json").exists()
+
+
+def test_index_counts_and_lists_dropped_images_duplicates_and_ungrouped_keys(tmp_path):
+    d = tmp_path / "odd"
+    d.mkdir()
+    png, jpg = _png(), _jpeg()
+    _tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"0"), ("k.3.jpg", jpg), ("k.3.cls", b"1"),
+                              ("b.jpg", jpg), ("b.png", png), ("b.cls", b"1"), ("c.png", png), ("c.cls", b"0"),
+                              ("c.cls", b"1"), ("a.jpeg", jpg), ("a.cls", b"1")])
+    res = invoke(["index", d], expect=1)  # manifest written (the loader reads what it can), but a check failed
+    lines = res.stdout.splitlines()
+    assert "4 samples" in lines[0]  # a, b, c and a again, as the loader counts them
+    assert ("error: 2 image member(s) that no reader sees: data-000.tar: k.3.jpg (a dot in its key); "
+            "data-000.tar: b.png (a second image; the loader reads b.jpg)") in lines
+    assert "error: 1 member(s) a sample holds twice (readers keep only one): data-000.tar: c.cls" in lines
+    assert ("error: 1 key(s) that come back after other keys (readers take them as more samples): "
+            "data-000.tar: a.jpeg") in lines
+    assert not any("not a readable tar" in line for line in lines)
+    assert read_manifest(d).num_samples == 4
+
+
+def test_index_checks_labels_with_the_loaders_rule(tmp_path):
+    d = tmp_path / "mixed"
+    d.mkdir()
+    png = _png()
+    # "5" is a class index for every reader, but the set has 2 classes ("5" and "cat"): the loader rejects it
+    _tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"5"), ("b.png", png), ("b.cls", b"cat"),
+                              ("c.png", png), ("c.cls", b"\xff")])
+    res = invoke_json(["index", d], expect=1)
+    assert res["num_bad_labels"] == 2 and res["num_classes"] == 2
+    assert res["bad_labels"] == ["data-000.tar: a.cls (label 5 is outside 0..1)",
+                                 "data-000.tar: c.cls (.cls member is not UTF-8 text)"]
+
+
+def test_index_refuses_a_set_without_labels(tmp_path):
+    from gpufeed.index import index_shards
+
+    d = tmp_path / "nolabels"
+    d.mkdir()
+    _tar(d / "data-000.tar", [("a.png", _png()), ("b.png", _png())])
+    with pytest.raises(DataError, match="no sample in .* has a .cls label"):
+        index_shards(d)
+    assert not (d / "manifest.json").exists()
+    (d / "classes.txt").write_text("\n\n")
+    with pytest.raises(DataError, match="classes.txt lists no class name"):
+        index_shards(d)
+
+
+def _write_manifest_json(folder: Path, **changes) -> Path:
+    import json
+
+    d = {"format": "gpufeed-shards", "format_version": 1, "prefix": "data", "classes": ["cat", "dog"],
+         "shards": [{"name": "data-000.tar", "num_samples": 3, "bytes": 10, "sha256": None},
+                    {"name": "data-001.tar", "num_samples": 2, "bytes": 10, "sha256": None}],
+         "num_samples": 5, "created_by": "gpufeed index"}
+    d.update(changes)
+    folder.mkdir(exist_ok=True)
+    (folder / "manifest.json").write_text(json.dumps(d))
+    return folder
+
+
+def test_manifest_with_no_classes_is_refused_in_one_sentence(tmp_path):
+    d = _write_manifest_json(tmp_path / "m", classes=[])
+    with pytest.raises(DataError, match="classes must be a non-empty list"):
+        read_manifest(d)
+    res = invoke(["verify", d], expect=2)
+    assert res.stderr.strip().splitlines() == [f"error: {d / 'manifest.json'}: classes must be a non-empty list "
+                                               f"of class names (a label needs a class)"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"classes": ["cat", "cat"]}, "class 'cat' is listed twice"),
+    ({"classes": ["cat", 3]}, "class '3' is not a class name"),
+    ({"num_samples": 6}, "num_samples is 6 but the shards hold 5"),
+    ({"num_samples": -1}, "num_samples must be an integer in 0..1099511627776, got -1"),
+    ({"num_samples": 5.0}, "num_samples must be an integer"),
+    ({"num_samples": True}, "num_samples must be an integer"),
+    ({"shards": [{"name": "data-000.tar", "num_samples": 2 ** 41, "bytes": 1}]}, "num_samples must be an integer"),
+    ({"shards": [{"name": "data-000.tar", "num_samples": 5, "bytes": -3}]}, "bytes must be an integer"),
+    ({"shards": [{"name": "data-000.tar", "num_samples": 5, "bytes": 1, "sha256": "zz"}]}, "sha256"),
+    ({"shards": [{"name": "x.tar", "num_samples": 2, "bytes": 1}, {"name": "x.tar", "num_samples": 3, "bytes": 1}]},
+     "listed twice"),
+    ({"shards": []}, "shards must be a non-empty list"),
+    ({"compression": "pipe:zcat"}, "compression"),
+    ({"format_version": 2}, "newer than this gpufeed reads"),
+])
+def test_manifest_fields_are_checked(tmp_path, changes, message):
+    d = _write_manifest_json(tmp_path / "m", **changes)
+    with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_manifest(d)
+
+
+def test_manifest_size_is_bounded_before_parsing(tmp_path, monkeypatch):
+    import gpufeed.manifest as manifest
+
+    d = _write_manifest_json(tmp_path / "m")
+    assert read_manifest(d).num_samples == 5
+    monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(DataError, match="larger than"):
+        read_manifest(d)
+
+
+def test_index_and_verify_import_no_torch(sample_set):
+    import subprocess
+    import sys
+
+    code = ("import sys; from gpufeed.cli import cli\n"
+            "try: cli(['index', sys.argv[1]])\nexcept SystemExit: pass\n"
+            "try: cli(['verify', sys.argv[1], '--workers', '1'])\nexcept SystemExit as e: assert e.code == 0, e\n"
+            "assert 'torch' not in sys.modules and 'webdataset' not in sys.modules, 'imported'\n")
+    subprocess.run([sys.executable, "-c", code, str(sample_set)], check=True, capture_output=True)

@@ -205,3 +205,92 @@ def test_foreign_multi_dot_extension_is_a_member_not_a_dotted_key(tmp_path: Path
     rep = verify_shards(root, workers=1)
     assert rep.ok, rep.problems
     assert rep.num_samples == 2
+
+
+def test_verify_accepts_text_labels_like_index_and_the_loader(tmp_path: Path) -> None:
+    j = jpeg_bytes(tmp_path)
+    root = tmp_path / "text"
+    root.mkdir()
+    with tarfile.open(root / "data-000.tar", "w") as tar:
+        for key, label in (("a", b"dog"), ("b", b"cat\n"), ("c", b"1")):
+            add(tar, f"{key}.jpg", j)
+            add(tar, f"{key}.cls", label)
+    invoke(["index", root])
+    rep = verify_shards(root, workers=1)
+    assert rep.ok, rep.problems
+    assert rep.num_samples == 3
+
+
+def test_verify_names_a_key_that_comes_back_as_not_grouped(tmp_path: Path) -> None:
+    j = jpeg_bytes(tmp_path)
+    root = foreign_set(tmp_path, [
+        [("a.jpg", j), ("a.cls", b"0"), ("b.jpg", j), ("b.cls", b"1"), ("a.png", j), ("a.cls", b"1")],
+    ], gzip=False)
+    rep = verify_shards(root, workers=1)  # the manifest says 2 samples: readers count 3
+    found = {(p.shard, p.member): p.reason for p in rep.problems}
+    assert found == {
+        ("part-0000.tar", "a.png"): "key 'a' appears again after other samples (not grouped): readers take it as "
+                                    "another sample",
+        ("part-0000.tar", None): "holds 3 samples, manifest says 2",
+    }
+
+
+def test_verify_duplicate_member_is_a_problem(tmp_path: Path) -> None:
+    j = jpeg_bytes(tmp_path)
+    root = foreign_set(tmp_path, [[("a.jpg", j), ("a.cls", b"0"), ("a.cls", b"1")]], gzip=False)
+    (problem,) = verify_shards(root, workers=1).problems
+    assert (problem.member, problem.reason) == ("a.cls", "duplicate member in the sample: readers keep only one "
+                                                          "of them")
+
+
+def test_verify_groups_a_repeated_problem_into_one_line(tmp_path: Path) -> None:
+    j = jpeg_bytes(tmp_path)
+    root = foreign_set(tmp_path, [[(f"k{i:02d}.jpg", j) for i in range(12)]], gzip=False)
+    rep = verify_shards(root, workers=1)
+    assert rep.num_problems == 12 and len(rep.problems) == 12
+    text = render_verify(rep)
+    lines = [line for line in text.splitlines() if "no .cls" in line]
+    assert lines == ["  12 x sample has no .cls label member (part-0000.tar member k00; also part-0000.tar member "
+                     "k01, part-0000.tar member k02, part-0000.tar member k03, part-0000.tar member k04 and 7 more)"]
+    assert text.splitlines()[0].startswith("FAILED") and "12 problem(s)" in text.splitlines()[0]
+
+
+def test_verify_warns_about_shard_files_the_manifest_does_not_list(tmp_path: Path) -> None:
+    import shutil
+
+    j = jpeg_bytes(tmp_path)
+    root = foreign_set(tmp_path, [[("a.jpg", j), ("a.cls", b"0")]], gzip=False)
+    shutil.copy(root / "part-0000.tar", root / "part-0001.tar")
+    rep = verify_shards(root, workers=1)
+    assert rep.ok and rep.warnings == [f"1 shard-like file(s) in {root} are not in the manifest, so no reader uses "
+                                       f"them: part-0001.tar"]
+    res = invoke(["verify", root, "--workers", "1"])
+    assert res.stdout.splitlines()[1] == f"warning: {rep.warnings[0]}"
+
+
+def _cut_at_member_boundary(members: list[tuple[str, bytes]], keep: int) -> bytes:
+    """A tar of ``members`` cut right after the first ``keep`` members (no end-of-archive blocks)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            add(tar, name, data)
+    body = buf.getvalue()
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        cut = tar.getmembers()[keep].offset
+    return body[:cut]
+
+
+@pytest.mark.parametrize("gzip", [False, True])
+def test_verify_finds_a_tar_cut_at_a_member_boundary(tmp_path: Path, gzip: bool) -> None:
+    import gzip as gz
+
+    j = jpeg_bytes(tmp_path)
+    members = [("a.jpg", j), ("a.cls", b"0"), ("b.jpg", j), ("b.cls", b"1")]
+    root = foreign_set(tmp_path, [members[:2]], gzip=gzip)  # the manifest of the cut shard: 1 sample
+    cut = _cut_at_member_boundary(members, 2)
+    name = "part-0000.tgz" if gzip else "part-0000.tar"
+    (root / name).write_bytes(gz.compress(cut) if gzip else cut)
+    rep = verify_shards(root, workers=1)
+    assert rep.num_samples == rep.num_expected == 1  # the count alone cannot tell
+    assert ("a.cls", "tar is truncated after this member") in [(p.member, p.reason.split(":")[0])
+                                                               for p in rep.problems]

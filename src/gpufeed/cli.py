@@ -178,14 +178,20 @@ def shard(src: str, dest: str, workers: int | None, seed: int | None, shard_samp
 @click.argument("dest", type=click.Path())
 @click.option("--decode/--no-decode", default=True, show_default=True, help="Decode every image.")
 @click.option("--workers", type=int, help="Worker processes  [default: the CPUs this process may use].")
+@click.option("--max-pixels", type=int,
+              help="Decompression-bomb limit (width x height, from the image header)  [default: the [loader] "
+                   "max_pixels, 89478485].")
+@config_option
 @json_option
-def verify(dest: str, decode: bool, workers: int | None, as_json: bool) -> None:
+def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None, config_path: str | None,
+           as_json: bool) -> None:
     """Re-read the shard set DEST against its manifest: sha256, counts, keys, labels, images. Exit 1 on a mismatch."""
+    loader = load(config_path, "loader", {"max_pixels": max_pixels})
 
     def job() -> Any:
         from gpufeed.verify import verify_shards
 
-        return verify_shards(dest, decode=decode, workers=workers)
+        return verify_shards(dest, decode=decode, workers=workers, max_pixels=loader.max_pixels)
 
     def render(report: Any) -> str:
         from gpufeed.verify import render_verify

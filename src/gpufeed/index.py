@@ -7,11 +7,19 @@ image members and ``.cls`` labels) and writes a :class:`gpufeed.manifest.Manifes
 
 - SHARDS is a folder (its ``*.tar``, ``*.tgz``, ``*.tar.gz``), a glob, a brace pattern
   (``data-{000..009}.tar``) or one file. All shards must sit in one folder.
+- Shard file names are plain local file names (:func:`gpufeed.manifest.shard_name_problem`): a shard-looking
+  file whose name holds URL or shell syntax (``pipe:...``) is refused with a sentence asking to rename it.
+- Each shard is read once (sha256 included) with :class:`gpufeed.verify.TarPass` and grouped with
+  :class:`gpufeed.verify.SampleGrouper`, so index and verify read a shard alike: a tar without its
+  end-of-archive blocks (cut short) or with a bad header after a member is refused, not indexed in part.
 - A sample is a key with an image member (``manifest.READ_IMAGE_EXTENSIONS``); keys without one are
-  not counted (the loader ignores them too). Samples without ``.cls`` are reported.
-- Classes: a ``classes.txt`` (one name per line) next to the shards wins; otherwise integer labels give
+  not counted (the loader ignores them too). Counted and listed (and the exit status is 1, as verify would
+  fail them): samples without ``.cls`` or with a label :func:`gpufeed.manifest.parse_label` refuses, images
+  no reader sees (behind a dot in the key, or a second image in a sample), members a sample holds twice
+  and keys that come back after other keys.
+- Classes: a ``classes.txt`` (one name per line) next to the shards wins; otherwise decimal labels give
   ``["0", ..., str(max)]`` (so label == index even with gaps), and text labels give their sorted distinct
-  values (the loader maps each name to its index).
+  values (the loader maps each name to its index). A set without any ``.cls`` label is refused.
 - The manifest goes to ``--out DIR`` (default: the shard folder). When DIR is not the shard folder, the
   manifest's ``root`` holds the shard folder's absolute path.
 """
@@ -19,18 +27,39 @@ image members and ``.cls`` labels) and writes a :class:`gpufeed.manifest.Manifes
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufeed.errors import DataError
-from gpufeed.manifest import (LABEL_EXTENSION, MANIFEST_NAME, READ_IMAGE_EXTENSIONS, Manifest, ShardInfo,
-                              manifest_path, write_manifest)
+from gpufeed.manifest import (LABEL_EXTENSION, MANIFEST_NAME, MAX_LABEL_BYTES, READ_IMAGE_EXTENSIONS,
+                              SHARD_SUFFIXES, LabelError, Manifest, ShardInfo, manifest_path, parse_label,
+                              shard_name_problem, write_manifest)
 
-SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
 CLASS_MAP_NAME = "classes.txt"
+MAX_CLASS_MAP_BYTES = 256 << 20
+"""A ``classes.txt`` larger than this (256 MiB) is refused before it is read."""
+MAX_EXAMPLES = 5
+"""Examples listed per kind of problem in an index record."""
+
+
+@dataclass
+class Problems:
+    """One kind of problem: how many, and the first few places (``shard: member``)."""
+
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, where: str, n: int = 1) -> None:
+        self.count += n
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(where)
+
+    def merge(self, other: "Problems") -> None:
+        self.count += other.count
+        self.examples.extend(other.examples[:MAX_EXAMPLES - len(self.examples)])
 
 
 @dataclass(frozen=True)
@@ -49,11 +78,34 @@ class IndexReport:
     hashed: bool
     class_source: str
     classes_preview: list[str] = field(default_factory=list)
+    unlabeled: list[str] = field(default_factory=list)
+    """The first samples without a .cls member (``shard: key``)."""
+    num_bad_labels: int = 0
+    """Samples whose .cls label parse_label refuses (the loader refuses them too)."""
+    bad_labels: list[str] = field(default_factory=list)
+    num_dropped_images: int = 0
+    """Image members no reader sees: behind a dot in the key (``k.3.jpg``) or a second image in a sample."""
+    dropped_images: list[str] = field(default_factory=list)
+    num_duplicate_members: int = 0
+    """Members a sample already holds (same key and extension); readers keep only one of them."""
+    duplicate_members: list[str] = field(default_factory=list)
+    num_ungrouped_keys: int = 0
+    """Keys that come back after other keys in a shard: readers take them as further samples."""
+    ungrouped_keys: list[str] = field(default_factory=list)
     ok: bool = True
 
 
+def _check_name(path: Path) -> None:
+    why = shard_name_problem(path.name)
+    if why:
+        raise DataError(f"refusing shard file {str(path)!r}: {why}; rename it (or move it out of the folder)")
+
+
 def resolve_shards(spec: str | Path) -> list[Path]:
-    """A folder, a glob, a brace pattern or a file -> sorted shard paths (all in one folder)."""
+    """A folder, a glob, a brace pattern or a file -> sorted shard paths (all in one folder).
+
+    Every shard's file name must be a plain local file name (no URL or shell syntax): DataError otherwise.
+    """
     text = str(spec)
     p = Path(text)
     if p.is_dir():
@@ -76,6 +128,8 @@ def resolve_shards(spec: str | Path) -> list[Path]:
         paths = [p]
     else:
         raise DataError(f"{text} is neither a folder, a shard file, a glob nor a brace pattern")
+    for q in paths:
+        _check_name(q)
     folders = {q.resolve().parent for q in paths}
     if len(folders) > 1:
         raise DataError(f"the shards of {text} are spread over {len(folders)} folders; index one folder at a time")
@@ -91,51 +145,114 @@ def _compression(paths: list[Path]) -> str | None:
     return kinds.pop()
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+@dataclass
+class ShardScan:
+    """What one shard holds, as the loader will see it."""
+
+    samples: int = 0
+    ignored: int = 0
+    """Keys without an image member."""
+    sha256: str | None = None
+    labels: Counter = field(default_factory=Counter)
+    """Raw .cls bytes -> samples with that label (None for a .cls member too large to be a label)."""
+    label_examples: dict = field(default_factory=dict)
+    """Raw .cls bytes -> the first sample carrying it (``shard: key``)."""
+    unlabeled: Problems = field(default_factory=Problems)
+    dropped: Problems = field(default_factory=Problems)
+    duplicates: Problems = field(default_factory=Problems)
+    ungrouped: Problems = field(default_factory=Problems)
 
 
-def scan_shard(path: Path) -> tuple[int, int, int, list[str]]:
-    """(samples, unlabeled, keys without image, label texts) as the loader will see them."""
-    import webdataset as wds
-    from webdataset.tariterators import group_by_keys, tar_file_expander
+def scan_shard(path: Path, hash: bool = True) -> ShardScan:
+    """Read one shard file (opened here, never through a URL opener) in one pass: samples, labels, problems
+    and sha256. A shard that does not read to its end-of-archive blocks raises DataError."""
+    from gpufeed.verify import SampleGrouper, TarPass, TruncatedMember, dotted_image, split_name
 
-    from gpufeed.loader import _select
+    scan = ShardScan()
+    name = path.name
+    kinds = {"duplicate": scan.duplicates, "ungrouped": scan.ungrouped}
 
-    samples = unlabeled = ignored = 0
-    labels: list[str] = []
+    def bad(member: str, reason: str, kind: str) -> None:
+        if kind in kinds:
+            kinds[kind].add(f"{name}: {member}")
+
+    def want(member: str, size: int) -> bool:  # only labels are read; images are counted, not decoded
+        split = split_name(member)
+        return split is not None and split[1] == LABEL_EXTENSION and size <= MAX_LABEL_BYTES
+
+    def finish(key: str, parts: dict) -> None:
+        images = [e for e in parts if e in READ_IMAGE_EXTENSIONS]
+        if not images:
+            scan.ignored += 1
+            member = dotted_image(key, parts)
+            if member:
+                scan.dropped.add(f"{name}: {member} (a dot in its key)")
+            return
+        scan.samples += 1
+        for e in images[1:]:
+            scan.dropped.add(f"{name}: {key}.{e} (a second image; the loader reads {key}.{images[0]})")
+        if LABEL_EXTENSION not in parts:
+            scan.unlabeled.add(f"{name}: {key}")
+        else:
+            raw = parts[LABEL_EXTENSION]
+            scan.labels[raw] += 1
+            scan.label_examples.setdefault(raw, f"{name}: {key}.cls")
+
+    grouper = SampleGrouper(bad)
+    tar = None
     try:
         with open(path, "rb") as f:
-            files = tar_file_expander([{"url": str(path), "stream": f}], select_files=_select)
-            for sample in group_by_keys(files, handler=wds.reraise_exception):
-                if not any(e in sample for e in READ_IMAGE_EXTENSIONS):
-                    ignored += 1
-                    continue
-                samples += 1
-                raw = sample.get(LABEL_EXTENSION)
-                if raw is None:
-                    unlabeled += 1
-                else:
-                    labels.append(raw.decode("utf-8", errors="replace").strip())
-    except DataError:
-        raise
-    except Exception as exc:  # tarfile.ReadError, EOFError, gzip errors, duplicate members...
-        raise DataError(f"shard {path} is not a readable tar file ({type(exc).__name__}: {exc})") from None
-    return samples, unlabeled, ignored, labels
+            tar = TarPass(f, gzip=name.endswith((".tgz", ".tar.gz")), hash=hash)
+            for member, _, data in tar.members(want):
+                done = grouper.add(member, data)
+                if done:
+                    finish(*done)
+            done = grouper.close()
+            if done:
+                finish(*done)
+            end = tar.end_problem()
+    except TruncatedMember as exc:
+        raise DataError(f"shard {path} is truncated ({exc}); index refuses to count part of a shard") from None
+    except Exception as exc:  # tarfile.ReadError, EOFError, gzip and zlib errors...
+        last = f" after member {tar.last}" if tar is not None and tar.last else ""
+        raise DataError(f"shard {path} is not a readable tar file{last} ({type(exc).__name__}: {exc})") from None
+    if end:
+        raise DataError(f"shard {path}: {end.replace('this member', f'member {tar.last}')}; index refuses to "
+                        f"count part of a shard")
+    scan.sha256 = tar.sha256
+    return scan
+
+
+def _label_text(raw: bytes | None) -> str | None:
+    """A label's text as parse_label reads it (None when it is not UTF-8 or too long)."""
+    if raw is None or len(raw) > MAX_LABEL_BYTES:
+        return None
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
 
 
 def _classes(folder: Path, labels: set[str]) -> tuple[list[str], str]:
     class_map = folder / CLASS_MAP_NAME
     if class_map.is_file():
-        names = [line.strip() for line in class_map.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if class_map.stat().st_size > MAX_CLASS_MAP_BYTES:
+            raise DataError(f"{class_map} is larger than {MAX_CLASS_MAP_BYTES >> 20} MiB; it is not a class list")
+        try:
+            text = class_map.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"{class_map} is not UTF-8 text") from None
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+        if not names:
+            raise DataError(f"{class_map} lists no class name; write one name per line")
+        if len(set(names)) != len(names):
+            dup = next(c for i, c in enumerate(names) if c in names[:i])
+            raise DataError(f"{class_map} lists class {dup[:80]!r} twice")
         return names, CLASS_MAP_NAME
     if not labels:
-        return [], "none"
-    if all(re.fullmatch(r"\d+", x) for x in labels):
+        raise DataError(f"no sample in {folder} has a .cls label, so there are no classes to train on; add "
+                        f".cls members or a {CLASS_MAP_NAME} next to the shards")
+    if all(x.isascii() and x.isdigit() for x in labels):
         return [str(i) for i in range(max(int(x) for x in labels) + 1)], "integer .cls"
     return sorted(labels), "text .cls"
 
@@ -165,43 +282,54 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         import json
 
         try:
-            created_by = json.loads(existing.read_text(encoding="utf-8")).get("created_by")
-        except (OSError, ValueError, AttributeError):
+            with open(existing, "rb") as f:
+                created_by = json.loads(f.read(1 << 20)).get("created_by")
+        except (OSError, ValueError, AttributeError, RecursionError):
             created_by = None
         if created_by != "gpufeed index":
-            raise DataError(f"{existing} already exists (created by {created_by!r}); it is not replaced by an index "
-                            f"- choose another --out DIR")
+            raise DataError(f"{existing} already exists (created by {str(created_by)[:80]!r}); it is not replaced "
+                            f"by an index - choose another --out DIR")
     compression = _compression(paths)
     infos: list[ShardInfo] = []
-    all_labels: set[str] = set()
-    total = unlabeled = ignored = 0
+    labels: Counter = Counter()
+    label_examples: dict = {}
+    unlabeled, dropped, duplicates, ungrouped = Problems(), Problems(), Problems(), Problems()
+    total = ignored = 0
     for p in paths:
-        n, u, ig, labels = scan_shard(p)
-        total += n
-        unlabeled += u
-        ignored += ig
-        all_labels.update(labels)
-        infos.append(ShardInfo(name=p.name, num_samples=n, bytes=p.stat().st_size,
-                               sha256=sha256_file(p) if hash else None))
+        scan = scan_shard(p, hash=hash)
+        total += scan.samples
+        ignored += scan.ignored
+        labels.update(scan.labels)
+        for raw, where in scan.label_examples.items():
+            label_examples.setdefault(raw, where)
+        for mine, theirs in ((unlabeled, scan.unlabeled), (dropped, scan.dropped), (duplicates, scan.duplicates),
+                             (ungrouped, scan.ungrouped)):
+            mine.merge(theirs)
+        infos.append(ShardInfo(name=p.name, num_samples=scan.samples, bytes=p.stat().st_size, sha256=scan.sha256))
     if total == 0:
         raise DataError(f"{shards}: no sample with an image member ({', '.join(READ_IMAGE_EXTENSIONS)}) in "
                         f"{len(paths)} shard(s)")
-    classes, class_source = _classes(folder, all_labels)
-    if class_source == CLASS_MAP_NAME:
-        unknown = sorted(x for x in all_labels if not re.fullmatch(r"\d+", x) and x not in classes)
-        bad_ints = sorted(int(x) for x in all_labels if re.fullmatch(r"\d+", x) and int(x) >= len(classes))
-        if unknown or bad_ints:
-            raise DataError(f"labels {(unknown + [str(b) for b in bad_ints])[:5]} are not in {folder / CLASS_MAP_NAME}")
+    texts = {t for t in map(_label_text, labels) if t is not None}
+    classes, class_source = _classes(folder, texts)
+    class_index = {c: i for i, c in enumerate(classes)}
+    bad_labels = Problems()
+    for raw, n in labels.items():  # the loader's rule decides which labels the manifest's classes accept
+        try:
+            parse_label(raw, classes, class_index)
+        except LabelError as exc:
+            why = f"a .cls member over {MAX_LABEL_BYTES} bytes" if raw is None else str(exc)
+            bad_labels.add(f"{label_examples[raw]} ({why})", n)
     prefix, pattern = _prefix_and_pattern([p.name for p in paths])
     total_bytes = sum(i.bytes for i in infos)
     manifest = Manifest(
         prefix=prefix, classes=classes, shards=infos, num_samples=total, total_bytes=total_bytes,
         mean_sample_bytes=total_bytes / total, url_pattern=pattern,
         options={"source": str(shards), "hashed": hash, "class_source": class_source,
-                 "num_unlabeled": unlabeled, "num_ignored_keys": ignored},
+                 "num_unlabeled": unlabeled.count, "num_ignored_keys": ignored},
         created_by="gpufeed index", gpufeed_version=__version__, compression=compression,
         root=None if dest == folder else str(folder),
     )
+    Manifest.from_dict(manifest.to_dict(), where=f"the manifest for {folder}")  # never write what readers refuse
     try:
         dest.mkdir(parents=True, exist_ok=True)
         if not os.access(dest, os.W_OK):
@@ -212,22 +340,41 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         raise DataError(f"cannot write {dest / MANIFEST_NAME} ({exc.strerror or exc}){hint}") from None
     return IndexReport(
         manifest_path=str(written), shard_folder=str(folder), num_shards=len(paths), num_samples=total,
-        num_classes=len(classes), num_unlabeled=unlabeled, num_ignored_keys=ignored, total_bytes=total_bytes,
+        num_classes=len(classes), num_unlabeled=unlabeled.count, num_ignored_keys=ignored, total_bytes=total_bytes,
         compression=compression, hashed=hash, class_source=class_source, classes_preview=classes[:10],
-        ok=unlabeled == 0,
+        unlabeled=unlabeled.examples, num_bad_labels=bad_labels.count, bad_labels=bad_labels.examples,
+        num_dropped_images=dropped.count, dropped_images=dropped.examples,
+        num_duplicate_members=duplicates.count, duplicate_members=duplicates.examples,
+        num_ungrouped_keys=ungrouped.count, ungrouped_keys=ungrouped.examples,
+        ok=not (unlabeled.count or bad_labels.count or dropped.count or duplicates.count or ungrouped.count),
     )
 
 
+def _line(what: str, count: int, examples: list[str]) -> str:
+    more = f" and {count - len(examples)} more" if count > len(examples) else ""
+    return f"error: {count} {what}: {'; '.join(examples)}{more}"
+
+
 def render(report: IndexReport) -> str:
+    """Summary, manifest path, then one line per kind of problem (count and first examples)."""
+    r = report
     lines = [
-        f"indexed {report.num_shards} shard(s) in {report.shard_folder}: {report.num_samples} samples, "
-        f"{report.num_classes} classes ({report.class_source}), {report.total_bytes / 1e6:.1f} MB"
-        + (f", {report.compression}" if report.compression else "")
-        + ("" if report.hashed else ", no sha256 (--no-hash)"),
-        f"manifest: {report.manifest_path}",
+        f"indexed {r.num_shards} shard(s) in {r.shard_folder}: {r.num_samples} samples, "
+        f"{r.num_classes} classes ({r.class_source}), {r.total_bytes / 1e6:.1f} MB"
+        + (f", {r.compression}" if r.compression else "")
+        + ("" if r.hashed else ", no sha256 (--no-hash)"),
+        f"manifest: {r.manifest_path}",
     ]
-    if report.num_ignored_keys:
-        lines.append(f"ignored {report.num_ignored_keys} key(s) without an image member")
-    if report.num_unlabeled:
-        lines.append(f"error: {report.num_unlabeled} sample(s) have no .cls label; the loader will reject them")
+    if r.num_ignored_keys:
+        lines.append(f"ignored {r.num_ignored_keys} key(s) without an image member")
+    for what, count, examples in (
+        ("sample(s) have no .cls label; the loader will reject them", r.num_unlabeled, r.unlabeled),
+        ("sample(s) have a label the loader rejects", r.num_bad_labels, r.bad_labels),
+        ("image member(s) that no reader sees", r.num_dropped_images, r.dropped_images),
+        ("member(s) a sample holds twice (readers keep only one)", r.num_duplicate_members, r.duplicate_members),
+        ("key(s) that come back after other keys (readers take them as more samples)", r.num_ungrouped_keys,
+         r.ungrouped_keys),
+    ):
+        if count:
+            lines.append(_line(what, count, examples))
     return "\n".join(lines)

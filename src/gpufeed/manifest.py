@@ -10,6 +10,7 @@ Readers (loader, tune, train, verify) only need :func:`read_manifest`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,40 +89,153 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "manifest") -> "Manifest":
-        try:
-            if d.get("format") != FORMAT_NAME:
-                raise DataError(f"{where}: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
-            if int(d.get("format_version", 0)) > FORMAT_VERSION:
-                raise DataError(
-                    f"{where}: format_version {d['format_version']} is newer than this gpufeed reads "
-                    f"({FORMAT_VERSION}); upgrade gpufeed"
-                )
-            shards = [ShardInfo(name=s["name"], num_samples=int(s["num_samples"]), bytes=int(s["bytes"]),
-                                sha256=s.get("sha256")) for s in d["shards"]]
-            for s in shards:
-                if "/" in s.name or "\\" in s.name or s.name in ("", ".", ".."):
-                    raise DataError(f"{where}: shard name {s.name!r} must be a plain file name in the set's folder")
-            return cls(
-                prefix=str(d["prefix"]),
-                classes=[str(c) for c in d["classes"]],
-                shards=shards,
-                num_samples=int(d["num_samples"]),
-                num_rejected=int(d.get("num_rejected", 0)),
-                total_bytes=int(d.get("total_bytes", 0)),
-                mean_sample_bytes=float(d.get("mean_sample_bytes", 0.0)),
-                url_pattern=str(d.get("url_pattern", "")),
-                options=dict(d.get("options", {})),
-                created_by=str(d.get("created_by", "")),
-                gpufeed_version=str(d.get("gpufeed_version", "")),
-                format=str(d["format"]),
-                format_version=int(d.get("format_version", FORMAT_VERSION)),
-                compression=d.get("compression"),
-                root=d.get("root"),
-            )
-        except DataError:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DataError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
+        """Build a manifest from untrusted JSON, checking every field: types, bounds, shard names, the root
+        folder, the classes and that the per-shard counts add up. Raises DataError (one sentence)."""
+        if not isinstance(d, dict):
+            raise DataError(f"{where}: a manifest is a JSON object")
+        if d.get("format") != FORMAT_NAME:
+            raise DataError(f"{where}: format is {str(d.get('format'))[:80]!r}, expected {FORMAT_NAME!r}")
+        version = _count(d, "format_version", where, 2 ** 31, default=FORMAT_VERSION)
+        if version > FORMAT_VERSION:
+            raise DataError(f"{where}: format_version {version} is newer than this gpufeed reads "
+                            f"({FORMAT_VERSION}); upgrade gpufeed")
+        raw_shards = d.get("shards")
+        if not isinstance(raw_shards, list) or not raw_shards:
+            raise DataError(f"{where}: shards must be a non-empty list")
+        if len(raw_shards) > MAX_SHARDS:
+            raise DataError(f"{where}: {len(raw_shards)} shards; a manifest lists at most {MAX_SHARDS}")
+        shards = []
+        names: set[str] = set()
+        for i, s in enumerate(raw_shards):
+            if not isinstance(s, dict):
+                raise DataError(f"{where}: shards[{i}] is not an object")
+            name = s.get("name")
+            if not isinstance(name, str):
+                raise DataError(f"{where}: shards[{i}] has no name")
+            why = shard_name_problem(name)
+            if why:
+                raise DataError(f"{where}: shard name {name[:80]!r} is refused: {why}")
+            if name in names:
+                raise DataError(f"{where}: shard {name!r} is listed twice")
+            names.add(name)
+            sha = s.get("sha256")
+            if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+                raise DataError(f"{where}: shard {name!r} has a sha256 that is not 64 lower-case hex digits")
+            shards.append(ShardInfo(name=name, num_samples=_count(s, "num_samples", f"{where}: shard {name!r}",
+                                                                  MAX_NUM_SAMPLES),
+                                    bytes=_count(s, "bytes", f"{where}: shard {name!r}", MAX_SHARD_BYTES),
+                                    sha256=sha))
+        num_samples = _count(d, "num_samples", where, MAX_NUM_SAMPLES)
+        listed = sum(s.num_samples for s in shards)
+        if listed != num_samples:
+            raise DataError(f"{where}: num_samples is {num_samples} but the shards hold {listed}")
+        classes = d.get("classes")
+        if not isinstance(classes, list) or not classes:
+            raise DataError(f"{where}: classes must be a non-empty list of class names (a label needs a class)")
+        if len(classes) > MAX_CLASSES:
+            raise DataError(f"{where}: {len(classes)} classes; a manifest lists at most {MAX_CLASSES}")
+        for c in classes:
+            if not isinstance(c, str) or len(c.encode("utf-8", "surrogatepass")) > MAX_LABEL_BYTES:
+                raise DataError(f"{where}: class {str(c)[:80]!r} is not a class name (a string of at most "
+                                f"{MAX_LABEL_BYTES} bytes)")
+        if len(set(classes)) != len(classes):
+            dup = next(c for i, c in enumerate(classes) if c in classes[:i])
+            raise DataError(f"{where}: class {dup[:80]!r} is listed twice")
+        root = d.get("root")
+        if root is not None:
+            why = root_problem(root)
+            if why:
+                raise DataError(f"{where}: root {str(root)[:80]!r} is refused: {why}")
+        compression = d.get("compression")
+        if compression not in (None, "gzip"):
+            raise DataError(f"{where}: compression is {str(compression)[:20]!r}, expected null or 'gzip'")
+        options = d.get("options", {})
+        if not isinstance(options, dict):
+            raise DataError(f"{where}: options must be an object")
+        mean = d.get("mean_sample_bytes", 0.0)
+        if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 <= mean <= MAX_SHARD_BYTES:
+            raise DataError(f"{where}: mean_sample_bytes must be a number in 0..{MAX_SHARD_BYTES}")
+        strings = {}
+        for key in ("prefix", "url_pattern", "created_by", "gpufeed_version"):
+            value = d.get(key, "")
+            if not isinstance(value, str):
+                raise DataError(f"{where}: {key} must be a string")
+            strings[key] = value
+        return cls(
+            prefix=strings["prefix"], classes=list(classes), shards=shards, num_samples=num_samples,
+            num_rejected=_count(d, "num_rejected", where, MAX_NUM_SAMPLES, default=0),
+            total_bytes=_count(d, "total_bytes", where, MAX_NUM_SAMPLES * MAX_SHARD_BYTES, default=0),
+            mean_sample_bytes=float(mean), url_pattern=strings["url_pattern"], options=options,
+            created_by=strings["created_by"], gpufeed_version=strings["gpufeed_version"], format=FORMAT_NAME,
+            format_version=version, compression=compression, root=root,
+        )
+
+
+MAX_MANIFEST_BYTES = 256 << 20
+"""A ``manifest.json`` larger than this (256 MiB) is refused before it is parsed (10 M shards fit)."""
+MAX_SHARDS = 10_000_000
+"""Most shards a manifest may list."""
+MAX_NUM_SAMPLES = 2 ** 40
+"""Most samples a manifest (or one shard of it) may count."""
+MAX_SHARD_BYTES = 2 ** 44
+"""Largest shard file size (16 TiB) a manifest may record."""
+MAX_CLASSES = 10_000_000
+"""Most classes a manifest may list."""
+MAX_SHARD_NAME_BYTES = 255
+"""Longest shard file name in UTF-8 bytes (the usual file-system limit)."""
+MAX_ROOT_CHARS = 4096
+"""Longest ``root`` folder a manifest may name (PATH_MAX)."""
+SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
+"""File name endings of shard files (plain or gzip-compressed tar)."""
+URL_SYNTAX = frozenset(':/\\{}[]*?#|;&$<>`\'"')
+"""Characters refused in shard names: path separators, URL scheme and query syntax (``pipe:``, ``s3://``,
+``?``, ``#``), webdataset's brace expansion, glob and shell syntax. A shard name is a plain local file name."""
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def shard_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a plain local shard file name (None when it is one).
+
+    Shard names come from directory listings and manifests, never from the user, so they must never reach a
+    URL opener or a shell as anything but a file name: no URL or shell syntax, no path, no control character.
+    """
+    if name in ("", ".", ".."):
+        return "it is not a file name"
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_SHARD_NAME_BYTES:
+        return f"it is longer than {MAX_SHARD_NAME_BYTES} bytes"
+    bad = sorted({c for c in name if c in URL_SYNTAX or ord(c) < 32 or ord(c) == 127})
+    if bad:
+        return (f"it holds {', '.join(repr(c) for c in bad)} (URL, path, shell or control characters); shard names "
+                f"are plain file names")
+    if name[0] in "-~ " or name[-1] == " ":
+        return "it starts with '-', '~' or a space, or ends with a space"
+    if not name.endswith(SHARD_SUFFIXES):
+        return f"it does not end in {', '.join(SHARD_SUFFIXES)}"
+    return None
+
+
+def root_problem(root: object) -> str | None:
+    """Why a manifest's ``root`` is not a local folder path (None when it is one): a string path, absolute or
+    relative to the manifest's folder, without a URL scheme (``pipe:``, ``s3://``), brace pattern or control
+    characters."""
+    if not isinstance(root, str) or not root:
+        return "it is not a folder path"
+    if len(root) > MAX_ROOT_CHARS:
+        return f"it is longer than {MAX_ROOT_CHARS} characters"
+    if any(ord(c) < 32 or ord(c) == 127 for c in root):
+        return "it holds control characters"
+    if _SCHEME.match(root) or root[0] in "|-":
+        return "it looks like a URL or a command, not a local folder"
+    if "{" in root or "}" in root:
+        return "it holds brace-pattern syntax ('{', '}')"
+    return None
+
+
+def _count(d: dict[str, Any], key: str, where: str, limit: int, default: int | None = None) -> int:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise DataError(f"{where}: {key} must be an integer in 0..{limit}, got {str(value)[:40]}")
+    return value
 
 
 MAX_LABEL_BYTES = 1024
@@ -189,11 +303,13 @@ def read_manifest(shards: str | Path) -> Manifest:
             f"(for shards written by other tools, run `gpufeed index {path.parent}`)"
         )
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        with open(path, "rb") as f:
+            text = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise DataError(f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB; it is not a manifest")
+        data = json.loads(text.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise DataError(f"{path} is not readable JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path} is not a JSON object")
     return Manifest.from_dict(data, where=str(path))
 
 

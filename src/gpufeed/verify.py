@@ -2,35 +2,222 @@
 
 Per shard (in parallel over processes, one streaming pass per file): the file exists, its size and sha256
 match the manifest (sha256 is skipped when the manifest has none, e.g. ``gpufeed index --no-hash``), the tar
-reads to the end (gzip shards of foreign sets included), its sample count matches, every member name is
-``KEY.ext`` with a dot-free KEY and a known extension, keys are unique across the whole set, each sample has
-exactly one image member and a ``.cls`` label in ``0..C-1``, and (``decode``, default on) every image
+reads to the end and ends with its end-of-archive blocks (gzip shards of foreign sets included), its sample
+count matches, every member name is ``KEY.ext``, keys are unique across the whole set and each key's members
+are consecutive (grouped), no sample holds a member twice, each sample has exactly one image member and a
+``.cls`` label that :func:`gpufeed.manifest.parse_label` accepts (the loader's rule), every image is at most
+``max_pixels`` (width x height, read from its header before any pixel is decoded) and (``decode``, default on)
 decodes to 3-channel RGB with Pillow. For sets written by ``gpufeed shard``, each sample must have a ``KEY.json``
 that parses, names the class of the label, and carries the sha256 of the image member, which pins a flipped bit
 to its member, and ``index.parquet`` must exist and list exactly the (key, shard) pairs found. Foreign sets
 (``gpufeed index``) are read as webdataset and the loader read them: KEY is the name up to the first dot (so
 ``x.seg.png`` is a member of sample ``x``, not a key with a dot) and keys without an image member are not
 samples. The shards are looked up in the manifest's ``root`` when it has one. Every failure is a problem naming
-shard, member and reason; ``ok`` is True when there is none.
+shard, member and reason; ``ok`` is True when there is none. Shard-like files in the set's folder that the
+manifest does not list are a warning (the loader never reads them), not a failure.
+
+:class:`TarPass` and :class:`SampleGrouper` are shared with ``gpufeed index``, so both read a shard alike.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import gzip as gzip_module
 import hashlib
 import io
 import json
 import os
+import re
 import tarfile
 import time
-import warnings
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
-from gpufeed.manifest import LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, read_manifest
+from gpufeed.config import LoaderConfig
+from gpufeed.manifest import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SHARD_SUFFIXES, LabelError,
+                              parse_label, read_manifest)
 
 _KNOWN = set(READ_IMAGE_EXTENSIONS) | {LABEL_EXTENSION, META_EXTENSION, "txt", "cls2", "pth", "npy", "id"}
+
+DEFAULT_MAX_PIXELS = LoaderConfig.max_pixels
+"""Decompression-bomb limit (width x height) verify applies by default: the same as ``shard`` and the loader."""
+MAX_MEMBER_BYTES = 1 << 30
+"""A tar member larger than this (1 GiB) is a problem and is not read into memory (no image or label is that
+large; a gzip shard could otherwise inflate one member to any size)."""
+MAX_SHARD_PROBLEMS = 200
+"""Problems recorded per shard; more are counted in ``num_problems`` but not listed."""
+MAX_REPORTED_PROBLEMS = 10_000
+"""Problems listed in a verify record (the JSON stays bounded); ``num_problems`` counts them all."""
+MAX_LISTED = 5
+"""Examples listed per grouped problem line, extra-file warning or index problem kind."""
+_TAIL_KEEP = 1 << 16
+"""Decompressed bytes :class:`TarPass` keeps to check what follows the last member (tarfile reads 10 KiB ahead)."""
+_META = re.compile(r"__[^/]*__($|/)")
+"""Member names webdataset (and so the loader) skips as metadata."""
+
+ProblemSink = Callable[[str, str, str], None]
+"""``bad(member, reason, kind)``: how :class:`SampleGrouper` reports a problem; kind is ``"name"``,
+``"duplicate"`` or ``"ungrouped"``."""
+
+
+class _HashingReader:
+    def __init__(self, f: Any, hash: bool = True) -> None:
+        self.f = f
+        self.h = hashlib.sha256() if hash else None
+        self.n = 0
+
+    def read(self, size: int = -1) -> bytes:
+        b = self.f.read(size)
+        if self.h is not None:
+            self.h.update(b)
+        self.n += len(b)
+        return b
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+class _TailReader:
+    """Counts the bytes read from a (decompressed) stream and keeps the last ones."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.n = 0
+        self.tail = bytearray()
+
+    def read(self, size: int = -1) -> bytes:
+        b = self.f.read(size)
+        self.n += len(b)
+        if len(b) >= _TAIL_KEEP:
+            self.tail = bytearray(b[-_TAIL_KEEP:])
+        else:
+            self.tail += b
+            if len(self.tail) > 2 * _TAIL_KEEP:
+                del self.tail[:-_TAIL_KEEP]
+        return b
+
+
+class TruncatedMember(ValueError):
+    """A member's data ends before its header's size."""
+
+
+class TarPass:
+    """One streaming pass over an open shard file: the file's sha256 and size, its regular members, and the
+    end-of-archive check (the tar, decompressed for gzip shards, must end with two zero blocks after the last
+    member and hold nothing but zeros after them; a tar cut at a member boundary or a bad header after a
+    member reads as a shorter, clean-looking shard to every tar reader, so only this check catches it).
+
+    Call :meth:`members` to the end, then :meth:`end_problem`. Unreadable data raises ``tarfile.TarError``,
+    ``EOFError``, ``OSError`` (gzip), ``zlib.error`` or :class:`TruncatedMember`.
+    """
+
+    def __init__(self, f: Any, gzip: bool, hash: bool = True) -> None:
+        self.raw = _HashingReader(f, hash)
+        self.stream = _TailReader(gzip_module.GzipFile(fileobj=self.raw, mode="rb") if gzip else self.raw)
+        self.offset = 0
+        self.last: str | None = None
+        """Name of the last member read (for messages)."""
+
+    def members(self, want: Callable[[str, int], bool]) -> Iterator[tuple[str, int, bytes | None]]:
+        """Regular members as ``(name, size, data)``; data is read only when ``want(name, size)``."""
+        with tarfile.open(fileobj=self.stream, mode="r|") as tar:
+            for m in tar:
+                self.last = m.name
+                if not m.isreg():
+                    continue
+                data = None
+                if want(m.name, m.size):
+                    fobj = tar.extractfile(m)
+                    data = fobj.read() if fobj is not None else b""
+                    if len(data) != m.size:
+                        raise TruncatedMember(f"member {m.name} is truncated: {len(data)} of {m.size} bytes")
+                yield m.name, m.size, data
+            self.offset = tar.offset
+
+    def end_problem(self) -> str | None:
+        """After :meth:`members`: read the rest of the file; a sentence when the tar does not end cleanly."""
+        read = self.stream.n
+        ahead = read - self.offset  # bytes tarfile read past the last member, kept in the tail
+        garbage = ahead > 0 and bool(bytes(self.stream.tail[-ahead:]).strip(b"\0"))
+        while b := self.stream.read(1 << 20):
+            garbage = garbage or bool(b.strip(b"\0"))
+        self.raw.drain()
+        if self.stream.n - self.offset < 1024:
+            return ("tar is truncated after this member: it ends without its end-of-archive blocks (the tar does "
+                    "not read to the end; the shard was probably cut short)")
+        if garbage:
+            return (f"invalid tar header after this member (byte {self.offset} of the tar): readers stop here and "
+                    f"silently lose the rest of the shard")
+        return None
+
+    @property
+    def sha256(self) -> str | None:
+        return self.raw.h.hexdigest() if self.raw.h is not None else None
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """webdataset's ``base_plus_ext``: KEY is the path up to the first dot of the base name (a non-empty stem);
+    the rest, lower-cased as readers do, is the extension. None for a name without one."""
+    d, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    if not dot or not stem:
+        return None
+    return (f"{d}/{stem}" if d else stem), ext.lower()
+
+
+class SampleGrouper:
+    """Groups members into samples as the loader does: consecutive members with the same KEY form a sample;
+    webdataset's metadata members (``__...__``) are skipped. Reports (through ``bad``) names without an
+    extension, a member a sample already has (readers keep one of them) and a key that comes back after
+    other keys in the same shard (readers take it as another sample, so it is yielded again)."""
+
+    def __init__(self, bad: ProblemSink) -> None:
+        self.bad = bad
+        self.key: str | None = None
+        self.parts: dict[str, bytes | None] = {}
+        self.seen: set[str] = set()
+
+    def add(self, name: str, data: bytes | None) -> tuple[str, dict[str, bytes | None]] | None:
+        """Add one member; returns the sample it ends (key, {ext: data}), if any."""
+        base = name.rpartition("/")[2]
+        if _META.match(name) or (base == name and name.startswith("__") and name.endswith("__")):
+            return None
+        split = split_name(name)
+        if split is None:
+            self.bad(name, "member name has no extension (expected KEY.ext)", "name")
+            return None
+        key, ext = split
+        done = None
+        if key != self.key:
+            done = self.close()
+            if key in self.seen:
+                self.bad(name, f"key {key!r} appears again after other samples (not grouped): readers take "
+                               f"it as another sample", "ungrouped")
+            self.seen.add(key)
+            self.key, self.parts = key, {}
+        if ext in self.parts:
+            self.bad(name, "duplicate member in the sample: readers keep only one of them", "duplicate")
+        else:
+            self.parts[ext] = data
+        return done
+
+    def close(self) -> tuple[str, dict[str, bytes | None]] | None:
+        """The last sample (call once the members are exhausted)."""
+        done = (self.key, self.parts) if self.key is not None else None
+        self.key, self.parts = None, {}
+        return done
+
+
+def dotted_image(key: str, parts: dict[str, Any]) -> str | None:
+    """For a key without an image member: a member that is an image behind a dot in its key (``k.3.jpg`` is
+    key ``k``, extension ``3.jpg``), which no reader ever sees."""
+    for e in sorted(parts):
+        if "." in e and e.rsplit(".", 1)[1] in READ_IMAGE_EXTENSIONS:
+            return f"{key}.{e}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -57,178 +244,159 @@ class VerifyReport:
     decode: bool
     created_by: str
     problems: list[VerifyProblem]
+    """The problems, at most MAX_SHARD_PROBLEMS per shard and MAX_REPORTED_PROBLEMS in all."""
+    num_problems: int = 0
+    """All problems found (``problems`` lists the first ones)."""
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    warnings: list[str] = field(default_factory=list)
+    """Findings that do not fail the set (shard-like files the manifest does not list)."""
     ok: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ok", not self.problems)
+        object.__setattr__(self, "ok", not self.problems and not self.num_problems)
 
 
-class _HashingReader:
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.h = hashlib.sha256()
-        self.n = 0
+def _check_image(member: str, data: bytes, decode: bool, max_pixels: int, bad: Callable[[str, str], None]) -> bool:
+    """The image's size from its header against ``max_pixels`` first, then (``decode``) a full decode to RGB.
+    True when it was decoded."""
+    from PIL import Image
 
-    def read(self, size: int = -1) -> bytes:
-        b = self.f.read(size)
-        self.h.update(b)
-        self.n += len(b)
-        return b
+    prev = Image.MAX_IMAGE_PIXELS
+    # Pillow's own bomb check (a warning up to 2x its limit) is replaced by the max_pixels check below, made on
+    # the header before any pixel is decoded.
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        im = Image.open(io.BytesIO(data))
+        w, h = im.size
+        if w * h > max_pixels:
+            bad(member, f"decompression bomb: {w}x{h} = {w * h} pixels > max_pixels {max_pixels}")
+            return False
+        if not decode:
+            return False
+        im.load()
+        rgb = im.convert("RGB")
+        if rgb.mode != "RGB" or len(rgb.getbands()) != 3:
+            bad(member, f"does not convert to 3-channel RGB (mode {im.mode})")
+        return True
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is a problem record
+        bad(member, f"image does not decode ({type(exc).__name__}: {exc})")
+        return False
+    finally:
+        Image.MAX_IMAGE_PIXELS = prev
 
-    def drain(self) -> bool:
-        """Read to the end; True when everything left is zero padding (a cleanly ended tar)."""
-        clean = True
-        while b := self.read(1 << 20):
-            clean = clean and not b.strip(b"\0")
-        return clean
 
-
-def _split(name: str) -> tuple[str, str] | None:
-    """webdataset's rule: KEY is the path up to the first dot of the base name; the rest is the extension."""
-    d, _, base = name.rpartition("/")
-    if "." not in base:
-        return None
-    stem, ext = base.split(".", 1)
-    return (f"{d}/{stem}" if d else stem), ext
-
-
-def _verify_shard(path: str, name: str, expected: dict[str, Any], num_classes: int, classes: list[str],
-                  gzip: bool, decode: bool, ours: bool, max_problems: int = 200) -> dict[str, Any]:
+def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[str], gzip: bool, decode: bool,
+                  ours: bool, max_pixels: int = DEFAULT_MAX_PIXELS) -> dict[str, Any]:
     problems: list[tuple[str | None, str]] = []
-    keys: list[str] = []
+    count = [0]  # all problems, listed or not
+    keys: list[str] = []  # distinct keys of samples, in order (for the set-wide uniqueness check)
+    found = 0  # samples as readers count them (a key that comes back is another sample)
     decoded = 0
+    class_index = {c: i for i, c in enumerate(classes)}
 
-    def bad(member: str | None, reason: str) -> None:
-        if len(problems) < max_problems:
+    def bad(member: str | None, reason: str, kind: str = "") -> None:
+        count[0] += 1
+        if len(problems) < MAX_SHARD_PROBLEMS:
             problems.append((member, reason))
 
     if not os.path.isfile(path):
-        return {"name": name, "problems": [(None, "shard file is missing")], "keys": [], "decoded": 0}
+        return {"name": name, "problems": [(None, "shard file is missing")], "num_problems": 1, "keys": [],
+                "found": 0, "decoded": 0}
     size = os.path.getsize(path)
     if expected.get("bytes") and size != expected["bytes"]:
         bad(None, f"size is {size} bytes, manifest says {expected['bytes']}")
+    listed: set[str] = set()
 
-    samples: dict[str, dict[str, bytes]] = {}
-    order: list[str] = []
-    last = None
-
-    def finish(key: str) -> None:
-        nonlocal decoded
-        parts = samples.pop(key)
-        images = [e for e in parts if e.lower() in READ_IMAGE_EXTENSIONS]
+    def finish(key: str, parts: dict[str, bytes | None]) -> None:
+        nonlocal decoded, found
+        images = [e for e in parts if e in READ_IMAGE_EXTENSIONS]
         if not ours and not images:
             # The loader and `gpufeed index` skip keys without an image member: not a sample. But an image
             # behind a dot in its key (`k.3.jpg` -> key `k`, extension `3.jpg`) is an image the loader never reads.
-            keys.pop()  # (the key just finished is the last one)
-            for e in sorted(parts):
-                if "." in e and e.rsplit(".", 1)[1].lower() in READ_IMAGE_EXTENSIONS:
-                    bad(f"{key}.{e}", f"key holds a dot: readers take {key!r} as the key and {e!r} as the "
-                                      f"extension, so no reader sees this image")
-                    break
+            member = dotted_image(key, parts)
+            if member:
+                bad(member, f"key holds a dot: readers take {key!r} as the key and "
+                            f"{member[len(key) + 1:]!r} as the extension, so no reader sees this image")
             return
+        found += 1
+        if key not in listed:
+            listed.add(key)
+            keys.append(key)
         if len(images) != 1:
             bad(key, f"sample has {len(images)} image members ({', '.join(sorted(parts))}); expected exactly one")
         label = None
         if LABEL_EXTENSION not in parts:
             bad(key, "sample has no .cls label member")
-        else:
-            text = parts[LABEL_EXTENSION].decode("ascii", "replace").strip()
+        elif parts[LABEL_EXTENSION] is not None:
             try:
-                label = int(text)
-            except ValueError:
-                bad(f"{key}.cls", f"label {text!r} is not an integer")
-            else:
-                if not 0 <= label < num_classes:
-                    bad(f"{key}.cls", f"label {label} is outside 0..{num_classes - 1}")
-        if images and decode:
-            member = f"{key}.{images[0]}"
-            try:
-                from PIL import Image
-
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                    im = Image.open(io.BytesIO(parts[images[0]]))
-                    im.load()
-                    rgb = im.convert("RGB")
-                if rgb.mode != "RGB" or len(rgb.getbands()) != 3:
-                    bad(member, f"does not convert to 3-channel RGB (mode {im.mode})")
-                decoded += 1
-            except Exception as exc:  # noqa: BLE001 - any decoder failure is a problem record
-                bad(member, f"image does not decode ({type(exc).__name__}: {exc})")
+                label = parse_label(parts[LABEL_EXTENSION], classes, class_index)
+            except LabelError as exc:
+                bad(f"{key}.cls", str(exc))
+        image = parts[images[0]] if images else None
+        if image is not None and _check_image(f"{key}.{images[0]}", image, decode, max_pixels, bad):
+            decoded += 1
         if ours and META_EXTENSION not in parts:
             bad(key, "sample has no .json member (every gpufeed sample has one)")
-        elif ours:
+        elif ours and parts[META_EXTENSION] is not None:
             try:
                 meta = json.loads(parts[META_EXTENSION])
+                if not isinstance(meta, dict):
+                    raise ValueError("not a JSON object")
             except ValueError as exc:
                 bad(f"{key}.json", f"not valid JSON ({exc})")
             else:
-                if label is not None and 0 <= label < num_classes and meta.get("class") != classes[label]:
-                    bad(f"{key}.json", f"class {meta.get('class')!r} does not match label {label} "
+                if label is not None and meta.get("class") != classes[label]:
+                    bad(f"{key}.json", f"class {str(meta.get('class'))[:80]!r} does not match label {label} "
                                        f"({classes[label]!r})")
                 digest = meta.get("sha256")
-                if digest and images and hashlib.sha256(parts[images[0]]).hexdigest() != digest:
+                if digest and image is not None and hashlib.sha256(image).hexdigest() != digest:
                     bad(f"{key}.{images[0]}", "image bytes do not match the sha256 recorded in its .json")
 
-    reader = None
+    def want(member: str, member_size: int) -> bool:
+        if member_size > MAX_MEMBER_BYTES:
+            bad(member, f"member is {member_size} bytes, more than the {MAX_MEMBER_BYTES} verify reads")
+            return False
+        return True
+
+    tar = None
+    grouper = SampleGrouper(bad)
     try:
         with open(path, "rb") as f:
-            reader = _HashingReader(f)
-            with tarfile.open(fileobj=reader, mode="r|gz" if gzip else "r|") as tar:
-                for m in tar:
-                    last = m.name
-                    if not m.isfile():
-                        continue
-                    split = _split(m.name)
-                    if split is None:
-                        bad(m.name, "member name has no extension (expected KEY.ext)")
-                        continue
-                    key, ext = split
-                    # Foreign sets: webdataset (and so the loader and `gpufeed index`) keys a member by its name
-                    # up to the first dot, so `x.seg.png` is member "seg.png" of sample "x", not a bad key.
-                    if ours and "." in ext and ext.lower() not in _KNOWN:
-                        bad(m.name, f"key holds a dot: readers take {key!r} as the key and {ext!r} as the "
-                                    f"extension")
-                    fobj = tar.extractfile(m)
-                    data = fobj.read() if fobj is not None else b""
-                    if len(data) != m.size:
-                        bad(m.name, f"member is truncated: {len(data)} of {m.size} bytes; the tar does not read "
-                                    f"to the end")
-                        break
-                    if key not in samples:
-                        if order and order[-1] in samples:
-                            finish(order[-1])
-                        keys.append(key)
-                        order.append(key)
-                        samples[key] = {}
-                    elif order[-1] != key:
-                        bad(m.name, f"key {key!r} appears again after other samples (not grouped)")
-                    if ext in samples[key]:
-                        bad(m.name, "duplicate member in the sample")
-                    samples[key][ext] = data
-                if order and order[-1] in samples:
-                    finish(order[-1])
-            end = reader.n
-            clean = reader.drain()
-            if not gzip and tar.offset + 1024 > size:
-                bad(last, f"tar is truncated: it ends at byte {size} without its end-of-archive blocks "
-                          f"(the tar does not read to the end)")
-            elif not clean:
-                bad(last, f"invalid tar header after this member (byte {end} of {size}): readers stop here "
-                          f"and silently lose the rest of the shard")
-    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+            tar = TarPass(f, gzip, hash=bool(expected.get("sha256")))
+            for member, _, data in tar.members(want):
+                split = split_name(member)
+                # Foreign sets: webdataset (and so the loader and `gpufeed index`) keys a member by its name
+                # up to the first dot, so `x.seg.png` is member "seg.png" of sample "x", not a bad key.
+                if ours and split and "." in split[1] and split[1] not in _KNOWN:
+                    bad(member, f"key holds a dot: readers take {split[0]!r} as the key and {split[1]!r} as the "
+                                f"extension")
+                done = grouper.add(member, data)
+                if done:
+                    finish(*done)
+            done = grouper.close()
+            if done:
+                finish(*done)
+            end = tar.end_problem()
+            if end:
+                bad(tar.last, end)
+    except TruncatedMember as exc:
+        bad(tar.last if tar else None, f"{exc}; the tar does not read to the end")
+    except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error) as exc:
+        last = tar.last if tar else None
         where = f"after member {last}" if last else "at the start"
         bad(last, f"tar does not read to the end ({type(exc).__name__}: {exc}) {where}")
-    if reader is not None and expected.get("sha256"):
-        got = reader.h.hexdigest()
-        if reader.n == size and got != expected["sha256"]:
+    if tar is not None and tar.sha256 is not None:
+        got = tar.sha256
+        if tar.raw.n == size and got != expected["sha256"]:
             bad(None, f"sha256 {got[:16]}... does not match the manifest's {expected['sha256'][:16]}...")
-    if expected.get("num_samples") is not None and len(keys) != expected["num_samples"]:
-        bad(None, f"holds {len(keys)} samples, manifest says {expected['num_samples']}")
-    return {"name": name, "problems": problems, "keys": keys, "decoded": decoded}
+    if expected.get("num_samples") is not None and found != expected["num_samples"]:
+        bad(None, f"holds {found} samples, manifest says {expected['num_samples']}")
+    return {"name": name, "problems": problems, "num_problems": count[0], "keys": keys, "found": found,
+            "decoded": decoded}
 
 
-def verify_shards(path: str | Path, decode: bool = True, workers: int | None = None) -> VerifyReport:
+def verify_shards(path: str | Path, decode: bool = True, workers: int | None = None,
+                  max_pixels: int = DEFAULT_MAX_PIXELS) -> VerifyReport:
     """Verify the shard set at ``path`` (folder or manifest.json). Input errors raise DataError."""
     from gpufeed.manifest import manifest_path
     from gpufeed.system import usable_cpus
@@ -239,9 +407,9 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
     if m.root:  # `gpufeed index --out` elsewhere: the shards stay in their folder (as the loader reads them)
         root = root / m.root
     ours = m.created_by.startswith("gpufeed shard")
-    gzip = (m.compression or "").lower() in ("gzip", "gz")
+    gzip = m.compression == "gzip"
     jobs = [(str(root / s.name), s.name, {"bytes": s.bytes, "sha256": s.sha256, "num_samples": s.num_samples},
-             m.num_classes, m.classes, gzip or s.name.endswith((".tgz", ".tar.gz")), decode, ours)
+             m.classes, gzip or s.name.endswith((".tgz", ".tar.gz")), decode, ours, max_pixels)
             for s in m.shards]
     workers = min(workers or usable_cpus(), max(1, len(jobs)))
     if workers > 1:
@@ -253,29 +421,55 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
         results = [_verify_shard(*j) for j in jobs]
 
     problems: list[VerifyProblem] = []
+    num_problems = 0
+
+    def add(problem: VerifyProblem, counted: int = 1) -> None:
+        nonlocal num_problems
+        num_problems += counted
+        if len(problems) < MAX_REPORTED_PROBLEMS:
+            problems.append(problem)
+
     seen: dict[str, str] = {}
     found = 0
     for r in results:
-        problems.extend(VerifyProblem(r["name"], member, reason) for member, reason in r["problems"])
-        found += len(r["keys"])
+        for member, reason in r["problems"]:
+            add(VerifyProblem(r["name"], member, reason), 0)
+        num_problems += r["num_problems"]
+        found += r["found"]
         for k in r["keys"]:
             if k in seen:
-                problems.append(VerifyProblem(r["name"], k, f"key {k!r} is also used in {seen[k]}"))
+                add(VerifyProblem(r["name"], k, f"key {k!r} is also used in {seen[k]}"))
             else:
                 seen[k] = r["name"]
     index = manifest_path(path).parent / "index.parquet"
     if ours:
         if index.exists():
-            problems.extend(_check_index(index, seen))
+            for p in _check_index(index, seen):
+                add(p)
         else:
-            problems.append(VerifyProblem("index.parquet", None, "missing (every gpufeed shard set has one)"))
+            add(VerifyProblem("index.parquet", None, "missing (every gpufeed shard set has one)"))
     if found != m.num_samples and not any(p.member is None and "samples" in p.reason for p in problems):
-        problems.append(VerifyProblem("", None, f"the set holds {found} samples, manifest says {m.num_samples}"))
+        add(VerifyProblem("", None, f"the set holds {found} samples, manifest says {m.num_samples}"))
     return VerifyReport(
         path=str(root), num_shards=len(m.shards), num_samples=found, num_expected=m.num_samples,
         num_decoded=sum(r["decoded"] for r in results), total_bytes=sum(s.bytes for s in m.shards),
         elapsed_s=time.perf_counter() - t0, decode=decode, created_by=m.created_by, problems=problems,
+        num_problems=num_problems, max_pixels=max_pixels, warnings=_extra_files(root, {s.name for s in m.shards}),
     )
+
+
+def _extra_files(root: Path, listed: set[str]) -> list[str]:
+    """One warning naming the shard-like files in ``root`` that the manifest does not list (none: [])."""
+    try:
+        extra = sorted(e.name for e in os.scandir(root)
+                       if e.name.endswith(SHARD_SUFFIXES) and not e.name.startswith(".") and e.name not in listed)
+    except OSError:
+        return []
+    if not extra:
+        return []
+    more = f" and {len(extra) - MAX_LISTED} more" if len(extra) > MAX_LISTED else ""
+    return [f"{len(extra)} shard-like file(s) in {root} are not in the manifest, so no reader uses them: "
+            f"{', '.join(extra[:MAX_LISTED])}{more}"]
 
 
 def _check_index(index: Path, seen: dict[str, str]) -> list[VerifyProblem]:
@@ -298,18 +492,38 @@ def _check_index(index: Path, seen: dict[str, str]) -> list[VerifyProblem]:
     return out
 
 
+def _where(p: VerifyProblem) -> str:
+    return (p.shard or "(set)") + (f" member {p.member}" if p.member else "")
+
+
+def _shape(reason: str) -> str:
+    """A problem's reason without its particulars (quoted names, numbers): problems of one shape group."""
+    return re.sub(r"\d+", "N", re.sub(r"'[^']*'", "'_'", reason))
+
+
 def render_verify(report: VerifyReport, max_items: int = 30) -> str:
+    """The verdict line, then one line per kind of problem: a problem met once as ``SHARD member M: reason``,
+    a problem met many times as one line with its count and the first few places."""
     r = report
     head = (f"{r.num_shards} shards, {r.num_samples}/{r.num_expected} samples, "
             f"{r.num_decoded} images decoded, {r.total_bytes / 1e6:.1f} MB in {r.elapsed_s:.1f} s")
+    warn = [f"warning: {w}" for w in r.warnings]
     if r.ok:
-        return f"OK {r.path}: {head}"
-    lines = [f"FAILED {r.path}: {len(r.problems)} problem(s); {head}"]
-    for p in r.problems[:max_items]:
-        where = p.shard or "(set)"
-        if p.member:
-            where += f" member {p.member}"
-        lines.append(f"  {where}: {p.reason}")
-    if len(r.problems) > max_items:
-        lines.append(f"  ... and {len(r.problems) - max_items} more (see --json)")
-    return "\n".join(lines)
+        return "\n".join([f"OK {r.path}: {head}", *warn])
+    lines = [f"FAILED {r.path}: {r.num_problems} problem(s); {head}"]
+    groups: dict[str, list[VerifyProblem]] = {}
+    for p in r.problems:
+        groups.setdefault(_shape(p.reason), []).append(p)
+    for members in list(groups.values())[:max_items]:
+        first = members[0]
+        if len(members) == 1:
+            lines.append(f"  {_where(first)}: {first.reason}")
+            continue
+        also = ", ".join(_where(p) for p in members[1:MAX_LISTED])
+        more = f" and {len(members) - MAX_LISTED} more" if len(members) > MAX_LISTED else ""
+        lines.append(f"  {len(members)} x {first.reason} ({_where(first)}; also {also}{more})")
+    if len(groups) > max_items:
+        lines.append(f"  ... and {len(groups) - max_items} more kinds of problem (see --json)")
+    if r.num_problems > len(r.problems):
+        lines.append(f"  ({r.num_problems - len(r.problems)} more problem(s) are counted but not listed)")
+    return "\n".join(lines + warn)

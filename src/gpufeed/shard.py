@@ -462,9 +462,9 @@ def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = 
         results.append(r)
     if blobs:
         assert cache is not None
-        with open(cache + ".tmp", "wb") as f:
-            f.write(b"".join(blobs))
-        os.replace(cache + ".tmp", cache)
+        from gpufeed.records import atomic_write_bytes
+
+        atomic_write_bytes(cache, b"".join(blobs))
     return results
 
 
@@ -678,16 +678,17 @@ def _hash_file_ranges(path: str, blocks: Any) -> str:
 def _finish_shard(dest: str, job: _ShardJob, digest: str) -> dict[str, Any]:
     """Rename a fully written and hashed shard into place, then leave its ``.done.json`` sidecar.
 
-    No fsync: the rename makes the shard atomic against a killed process; after a power loss, resume and verify
-    compare the file with its recorded sha256, so a torn shard is rewritten, never trusted.
+    No fsync of the shard: the rename makes it atomic against a killed process; after a power loss, resume and
+    verify compare the file with the sha256 its (durable) sidecar records, so a torn shard is rewritten, never
+    trusted.
     """
+    from gpufeed.records import atomic_write_bytes
+
     os.replace(job.tmp, job.final)
     result = {"name": job.name, "num_samples": len(job.rows), "bytes": job.size, "sha256": digest,
               "rows": job.rows}
-    side = os.path.join(dest, STATE_DIR, f"{job.name}.done.json")
-    with open(side + ".tmp", "w") as f:
-        f.write(json.dumps(result))  # one C-encoder call: json.dump streams through the pure-Python encoder
-    os.replace(side + ".tmp", side)
+    # One C-encoder call: json.dump streams through the pure-Python encoder.
+    atomic_write_bytes(os.path.join(dest, STATE_DIR, f"{job.name}.done.json"), json.dumps(result).encode("utf-8"))
     return result
 
 
@@ -879,7 +880,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         need = max(0, sum(s["est_bytes"] for s in todo) - cached) + in_flight
         _check_free_space(dest, need, cfg)
         for leftover in os.listdir(dest):
-            if leftover.startswith(".") and leftover.endswith(".tar.tmp"):
+            if leftover.startswith(".") and leftover.endswith(".tar.tmp") or _atomic_leftover(leftover):
                 os.unlink(os.path.join(dest, leftover))
         samples = plan["samples"]
         tasks = []
@@ -962,9 +963,16 @@ def _preload_finish_imports() -> None:
     threading.Thread(target=load, name="gpufeed-preload", daemon=True).start()
 
 
+def _atomic_leftover(name: str) -> bool:
+    """A temporary file that ``records.atomic_write_bytes`` left in DEST when a run was killed mid-write."""
+    return name.endswith(".tmp") and name.startswith(tuple(f".{n}." for n in ("manifest.json", "index.parquet",
+                                                                               "_info.json")))
+
+
 def _clear_cache(state: str) -> None:
+    """Delete the transcode cache files and the temporary files of interrupted atomic writes in the state folder."""
     for name in os.listdir(state):
-        if name.startswith("enc-") and (name.endswith(".bin") or name.endswith(".bin.tmp")):
+        if (name.startswith("enc-") and name.endswith(".bin")) or (name.startswith(".") and name.endswith(".tmp")):
             os.unlink(os.path.join(state, name))
 
 
@@ -1149,9 +1157,9 @@ def _finish(dest: str, cfg: ShardConfig, plan: dict[str, Any], infos: list[dict[
         "source": pa.array(cols["source"], pa.string()), "bytes": pa.array(cols["bytes"], pa.int64()),
         "width": pa.array(cols["width"], pa.int32()), "height": pa.array(cols["height"], pa.int32()),
     })
-    tmp = os.path.join(dest, f".{INDEX_NAME}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, os.path.join(dest, INDEX_NAME))
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf)
+    atomic_write_bytes(os.path.join(dest, INDEX_NAME), buf.getvalue().to_pybytes())
 
     names = [i["name"] for i in infos]
     shard_infos = [ShardInfo(name=i["name"], num_samples=i["num_samples"], bytes=i["bytes"], sha256=i["sha256"])

@@ -534,6 +534,48 @@ def test_concurrent_run_into_the_same_dest_is_refused(image_folder, tmp_path: Pa
     (dest / ".gpufeed").mkdir(parents=True)
     with open(dest / ".gpufeed" / "lock", "a+b") as held:  # what a running `gpufeed shard` holds
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
-        with pytest.raises(DataError, match="in use by another `gpufeed shard` run"):
+        held.write(b"4242\n")  # the holder's pid, as a run records it
+        held.flush()
+        with pytest.raises(DataError, match=r"in use by another `gpufeed shard` run \(pid 4242\)"):
             shard(src, dest)
     assert shard(src, dest).num_samples == 2  # released: runs
+    assert (dest / ".gpufeed" / "lock").read_bytes() == f"{os.getpid()}\n".encode()
+
+
+def test_refused_run_leaves_no_dest_behind(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=1, per_class=2)
+    dest = tmp_path / "new" / "deeper" / "out"
+    with pytest.raises(DataError, match="need at least 4 images"):
+        shard(src, dest, multiple_of=4)
+    assert not (tmp_path / "new").exists()  # every folder the refused run created is gone
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(DataError, match="need at least 4 images"):
+        shard(src, existing, multiple_of=4)
+    assert existing.is_dir() and not list(existing.iterdir())  # the user's folder stays, empty as it was
+
+
+def test_atomic_writer_syncs_file_and_folder(tmp_path: Path, monkeypatch) -> None:
+    import stat
+
+    from gpufeed import records
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(records.os, "fsync", lambda fd: (synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)),
+                                                          real_fsync(fd))[1])
+    records.atomic_write_text(tmp_path / "a.json", "{}\n")
+    assert (tmp_path / "a.json").read_text() == "{}\n" and synced == [False, True]  # the file, then its folder
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_leftovers_of_killed_atomic_writes_are_cleaned(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=2, per_class=2)
+    dest = tmp_path / "out"
+    shard(src, dest)
+    (dest / "manifest.json").unlink()  # as if killed before the end
+    for name in (".index.parquet.k3j2.tmp", ".gpufeed/.plan.json.x8y.tmp", ".gpufeed/.enc-000000.bin.abc.tmp"):
+        (dest / name).write_bytes(b"partial")
+    rep = shard(src, dest)
+    assert rep.resumed and rep.num_shards_written == 0
+    assert sorted(p.name for p in dest.rglob("*.tmp")) == []

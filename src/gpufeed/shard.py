@@ -64,8 +64,11 @@ The plan (fingerprint of the scanned files' paths, sizes and mtimes and of every
 plus the validated sample list) is kept in ``DEST/.gpufeed/plan.json``; each completed shard leaves
 ``DEST/.gpufeed/<shard>.done.json`` with its size and sha256. A re-run with the same fingerprint skips shards
 whose file matches its sidecar and writes the rest; a different fingerprint is refused unless ``overwrite``.
-A run holds ``fcntl.flock`` on ``DEST/.gpufeed/lock``: a second run into the same DEST is refused. A killed run
-leaves at most ``.<shard>.tmp`` files (full-sized but never renamed), which the next run deletes.
+A run holds ``fcntl.flock`` on ``DEST/.gpufeed/lock`` (which records its pid): a second run into the same DEST is
+refused, naming that pid. The worker processes die with the main process and never keep the lock, so after a
+``kill -9`` (or the OOM killer) the next run takes the lock at once. A killed run leaves at most ``.<shard>.tmp``
+files (full-sized but never renamed), which the next run deletes. A run refused before it wrote anything removes
+the folders it created (DEST included).
 
 A pass-through file is hashed once, at validation (its sha256 goes into ``KEY.json``), which also records the
 opened file's identity (size, mtime_ns, inode, device). When its shard is written, the opened source must
@@ -774,41 +777,64 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
     options = _options(cfg)
     opts = {"check": cfg.check, "max_pixels": cfg.max_pixels, "max_size": cfg.max_size, "quality": cfg.quality}
     state = os.path.join(dest, STATE_DIR)
-    created = not os.path.isdir(state)
+    created = []  # the folders this run creates, innermost first: DEST/.gpufeed, DEST, missing parents of DEST
+    d = state
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        created.append(d)
+        d = os.path.dirname(d)
     try:
         os.makedirs(state, exist_ok=True)
     except OSError as exc:
         raise DataError(f"DEST {cfg.dest} cannot be created ({exc.strerror or exc})") from None
     lock = _lock(dest, cfg)
     try:
-        return _run(cfg, src, dest, workers, options, opts, progress, t0)
+        return _run(cfg, src, dest, workers, options, opts, progress, t0, lock)
     except DataError:
         if created and os.listdir(state) == [LOCK_NAME]:  # refused before writing: leave DEST as it was
             os.unlink(os.path.join(state, LOCK_NAME))
-            os.rmdir(state)
+            for folder in created:
+                try:
+                    os.rmdir(folder)  # only while empty
+                except OSError:
+                    break
         raise
     finally:
-        lock.close()
+        os.close(lock)
 
 
-def _lock(dest: str, cfg: ShardConfig) -> Any:
-    """An exclusive lock on DEST/.gpufeed/lock for the whole run: a second run into the same DEST is refused."""
+_LOCK_PID_BYTES = 32
+"""Bytes of the lock file read for the holder's pid (it holds one decimal number and a newline)."""
+
+
+def _lock(dest: str, cfg: ShardConfig) -> int:
+    """An exclusive ``flock`` on DEST/.gpufeed/lock for the whole run (a second run into the same DEST is refused,
+    naming the holder's pid, which the file records). The descriptor is close-on-exec and the forked pool workers
+    close their copy (``system.die_with_parent``), so the lock dies with this process: a run killed with -9 leaves
+    a lock the next run simply takes."""
     import fcntl
 
-    f = open(os.path.join(dest, STATE_DIR, LOCK_NAME), "a+b")
+    path = os.path.join(dest, STATE_DIR, LOCK_NAME)
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        raise DataError(f"{path} cannot be opened ({exc.strerror or exc}); DEST {cfg.dest} is not writable") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        f.close()
-        raise DataError(f"DEST {cfg.dest} is in use by another `gpufeed shard` run; wait for it to finish or "
+        holder = os.pread(fd, _LOCK_PID_BYTES, 0).strip()
+        os.close(fd)
+        who = f" (pid {int(holder)})" if holder.isdigit() and len(holder) <= 10 else ""
+        raise DataError(f"DEST {cfg.dest} is in use by another `gpufeed shard` run{who}; wait for it to finish or "
                         f"choose another DEST") from None
-    return f
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str, Any], opts: dict[str, Any],
-         progress: bool, t0: float) -> ShardReport:
+         progress: bool, t0: float, lock_fd: int) -> ShardReport:
     state = os.path.join(dest, STATE_DIR)
-    pool = _make_pool(workers) if workers > 1 else None
+    pool = _make_pool(workers, lock_fd) if workers > 1 else None
     _preload_finish_imports()
     bar = _Bar(progress)
     try:
@@ -1225,16 +1251,22 @@ class _Bar:
             self.bar = None
 
 
-def _make_pool(workers: int) -> tuple[cf.ProcessPoolExecutor, Any]:
-    """A process pool (fork where safe, else spawn), started at once so its start-up overlaps the scan."""
+def _make_pool(workers: int, lock_fd: int) -> tuple[cf.ProcessPoolExecutor, Any]:
+    """A process pool (fork where safe, else spawn), started at once so its start-up overlaps the scan. Its
+    workers die with this process and do not keep the DEST lock (``system.die_with_parent``)."""
     import multiprocessing as mp
 
     import threading
 
+    from gpufeed.system import die_with_parent
+
     # fork starts in milliseconds but is only safe while this process runs a single thread; ProcessPoolExecutor
     # forks every worker at the first submit, which happens right here. Otherwise spawn (slower, always safe).
     method = "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
-    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method))
+    # Only a forked worker inherits the lock descriptor (spawn starts a fresh program; the fd is close-on-exec).
+    inherited = (lock_fd,) if method == "fork" else ()
+    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method),
+                                initializer=die_with_parent, initargs=(os.getpid(), inherited))
     ex.submit(_noop)  # start the workers now (spawn: their start-up overlaps the scan)
     return ex, None
 

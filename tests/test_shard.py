@@ -579,3 +579,71 @@ def test_leftovers_of_killed_atomic_writes_are_cleaned(image_folder, tmp_path: P
     rep = shard(src, dest)
     assert rep.resumed and rep.num_shards_written == 0
     assert sorted(p.name for p in dest.rglob("*.tmp")) == []
+
+
+def test_disk_full_at_finish_names_no_made_up_need(image_folder, tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import gpufeed.shard as mod
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    src = image_folder(classes=2, per_class=3)
+    dest = tmp_path / "out"
+    monkeypatch.setattr(mod, "_finish", full)  # the index/manifest write after every shard is complete
+    with pytest.raises(DataError) as err:
+        shard(src, dest, shard_samples=3)
+    msg = str(err.value)
+    assert f"DEST {dest} is full" in msg and "0.0 MB more" not in msg and "needed" not in msg
+    assert "after its 2 complete shard(s), which a re-run keeps" in msg and "bytes free" in msg
+    monkeypatch.undo()
+    assert shard(src, dest, shard_samples=3).num_shards_skipped == 2
+
+
+def test_disk_full_while_reencoding_names_gpufeeds_own_cache(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    from gpufeed import records
+
+    src = noise_folder(tmp_path / "src", per_class=24)  # 48 images: two validation batches, two cache files
+    dest = tmp_path / "out"
+    real = records.atomic_write_bytes
+    calls = []
+
+    def second_fills_the_disk(path, data):
+        calls.append((path, len(data)))
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(records, "atomic_write_bytes", second_fills_the_disk)
+    with pytest.raises(DataError) as err:
+        shard(src, dest, quality=80)
+    (first, first_bytes), _ = calls
+    msg = str(err.value)
+    assert os.path.basename(first) == "enc-000000.bin" and not os.path.exists(first)  # written, then deleted
+    assert f"DEST {dest} is full" in msg
+    assert f"{first_bytes} bytes of the space was gpufeed's own transcode cache of re-encoded images" in msg
+    assert f"under {dest / '.gpufeed'}, now deleted" in msg
+    assert not list(dest.rglob("enc-*"))
+
+
+def test_free_space_check_after_reencoding_names_the_cache(tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    import gpufeed.shard as mod
+
+    src = noise_folder(tmp_path / "src", per_class=4)
+    real = shutil.disk_usage
+    calls = []
+    # The first check (before validation) passes; the exact one after it finds the disk full.
+    monkeypatch.setattr(mod.shutil, "disk_usage",
+                        lambda p: (calls.append(p), real(p) if len(calls) == 1 else real(p)._replace(free=1000))[1])
+    dest = tmp_path / "out"
+    with pytest.raises(DataError) as err:
+        shard(src, dest, max_size=16)
+    cached = sum(p.stat().st_size for p in (dest / ".gpufeed").glob("enc-*.bin"))
+    assert cached > 0 and len(calls) == 2
+    assert (f"; {cached} bytes of DEST is gpufeed's own transcode cache of re-encoded images under "
+            f"{dest / '.gpufeed'}") in str(err.value)

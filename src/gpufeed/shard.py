@@ -871,13 +871,17 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             try:
                 results = _validate(scan, src, state, opts, pool, bar, order)
             except OSError as exc:
+                cached = _cache_bytes(state)
                 _clear_cache(state)  # useless without a plan: give the space back
-                raise _os_error(exc, cfg, est) from None
+                raise _os_error(exc, cfg, est, cache_deleted=cached) from None
             plan = _make_plan(cfg, scan, results, fingerprint, options, order)
             _check_empty(cfg, plan["classes"], plan["class_counts"], warn, after_validation=True)
             from gpufeed.records import atomic_write_bytes
 
-            atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(plan).encode("utf-8"))
+            try:
+                atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(plan).encode("utf-8"))
+            except OSError as exc:
+                raise _os_error(exc, cfg, None, cache_kept=_cache_bytes(state)) from None
         else:
             bar.note("resume: the plan matches; validation skipped")
             _check_empty(cfg, plan["classes"], plan["class_counts"], warn, after_validation=True)
@@ -904,7 +908,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         cached = sum(os.path.getsize(os.path.join(state, c)) for c in users)
         in_flight = sum(sorted((s["cache_bytes"] for s in todo), reverse=True)[:workers])
         need = max(0, sum(s["est_bytes"] for s in todo) - cached) + in_flight
-        _check_free_space(dest, need, cfg)
+        _check_free_space(dest, need, cfg, cached)
         for leftover in os.listdir(dest):
             if leftover.startswith(".") and leftover.endswith(".tar.tmp") or _atomic_leftover(leftover):
                 os.unlink(os.path.join(dest, leftover))
@@ -931,7 +935,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         try:
             written = _write_all(dest, tasks, opts, pool, bar, shard_done, workers=workers)
         except OSError as exc:
-            raise _os_error(exc, cfg, need) from None
+            raise _os_error(exc, cfg, need, cache_kept=_cache_bytes(state)) from None
         done.update(written)
         write_s = time.perf_counter() - t_w
     finally:
@@ -944,7 +948,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     try:
         manifest = _finish(dest, cfg, plan, infos, options)
     except OSError as exc:
-        raise _os_error(exc, cfg, 0) from None
+        raise _os_error(exc, cfg, None, shards_done=len(infos)) from None
     _clear_cache(state)  # the transcode cache is only needed until every shard is complete
     input_bytes = sum(r["bytes"] for r in plan["samples"])
     elapsed = time.perf_counter() - t0
@@ -1002,8 +1006,31 @@ def _clear_cache(state: str) -> None:
             os.unlink(os.path.join(state, name))
 
 
-def _os_error(exc: OSError, cfg: ShardConfig, need: int) -> DataError:
-    """An OS error while writing DEST (or reading SRC) as one sentence naming the path and the reason."""
+def _amount(nbytes: int) -> str:
+    """Bytes for a message: MB (1e6) from 0.1 MB up, else the byte count (never "0.0 MB")."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes} bytes"
+
+
+def _cache_bytes(state: str) -> int:
+    """Bytes of the transcode cache files (``enc-*.bin``, re-encoded images awaiting their shards) in ``state``."""
+    total = 0
+    for name in os.listdir(state):
+        if name.startswith("enc-") and name.endswith(".bin"):
+            try:
+                total += os.path.getsize(os.path.join(state, name))
+            except OSError:
+                pass
+    return total
+
+
+def _os_error(exc: OSError, cfg: ShardConfig, need: int | None, *, cache_deleted: int = 0, cache_kept: int = 0,
+              shards_done: int = 0) -> DataError:
+    """An OS error while writing DEST (or reading SRC) as one sentence naming the path and the reason.
+
+    DEST full: ``need`` is the estimate of the bytes the job still had to write (None: not known, e.g. the index
+    and manifest after the shards); ``cache_deleted``/``cache_kept`` are the bytes of gpufeed's own transcode cache
+    under DEST/.gpufeed that took part of the space (deleted now / kept for the re-run); ``shards_done`` counts
+    complete shards a re-run keeps."""
     import errno
 
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -1011,10 +1038,26 @@ def _os_error(exc: OSError, cfg: ShardConfig, need: int) -> DataError:
             free = shutil.disk_usage(cfg.dest).free
         except OSError:
             free = 0
+        if need is None:
+            what = "the job could not finish"
+            if shards_done:
+                what += f" writing the index and manifest after its {shards_done} complete shard(s), which a re-run keeps"
+            counts = f"{free} bytes free"
+        else:
+            what = f"the job needed about {_amount(need)} more"
+            counts = f"{need} bytes needed, {free} bytes free"
+        cache = ""
+        if cache_deleted:
+            cache = (f"; {_amount(cache_deleted)} of the space was gpufeed's own transcode cache of re-encoded "
+                     f"images under {os.path.join(cfg.dest, STATE_DIR)}, now deleted (re-encoding needs room for "
+                     f"that cache and the shards)")
+        elif cache_kept:
+            cache = (f"; {_amount(cache_kept)} of it is gpufeed's own transcode cache of re-encoded images under "
+                     f"{os.path.join(cfg.dest, STATE_DIR)}, kept for the re-run (each file is deleted once its "
+                     f"shards are written)")
         return DataError(
-            f"DEST {cfg.dest} is full ({exc.strerror}): the job needed about {need / 1e6:.1f} MB more, "
-            f"{free / 1e6:.1f} MB are free now ({need} bytes needed, {free} bytes free); free space or choose "
-            f"another DEST, then re-run"
+            f"DEST {cfg.dest} is full ({exc.strerror}): {what}, {_amount(free)} are free now ({counts}){cache}; "
+            f"free space or choose another DEST, then re-run"
         )
     where = exc.filename if exc.filename is not None else cfg.dest
     return DataError(f"{os.fsdecode(where)}: {exc.strerror or exc} (while sharding into {cfg.dest})")
@@ -1089,15 +1132,19 @@ def _remove(dest: str, name: str) -> None:
         os.unlink(p)
 
 
-def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig) -> None:
+def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig, cached: int = 0) -> None:
+    """Refuse when DEST lacks ``est_bytes`` (+2% and 16 MB); ``cached``: bytes of gpufeed's transcode cache already
+    in DEST/.gpufeed (the estimate counts it as space the shards get back as they are written)."""
     if est_bytes <= 0:
         return
     needed = int(est_bytes * 1.02) + (16 << 20)
     free = shutil.disk_usage(dest).free
     if free < needed:
+        cache = (f"; {_amount(cached)} of DEST is gpufeed's own transcode cache of re-encoded images under "
+                 f"{os.path.join(cfg.dest, STATE_DIR)}, which the shards replace as they are written" if cached else "")
         raise DataError(
-            f"DEST {cfg.dest} has {free / 1e6:.1f} MB free but the shards need about {needed / 1e6:.1f} MB "
-            f"({needed} bytes needed, {free} bytes free); free space or choose another DEST"
+            f"DEST {cfg.dest} has {_amount(free)} free but the shards need about {_amount(needed)} "
+            f"({needed} bytes needed, {free} bytes free){cache}; free space or choose another DEST"
         )
 
 

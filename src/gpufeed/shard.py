@@ -15,10 +15,15 @@ Input rules
 -----------
 * Classes are the sorted names of the non-hidden folders in SRC (``entry.is_dir()``, symlinks followed), so
   labels agree with ``torchvision.datasets.ImageFolder`` (which would also count hidden folders as classes).
-* Inside a class folder every sub-folder is walked (as ImageFolder does), symlinks followed, loops cut.
+* Inside a class folder every sub-folder is walked (as ImageFolder does), symlinks followed, each folder
+  (device, inode) once per class, so loops end.
   Candidates carry one of ImageFolder's extensions (``.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp``,
   any case). A directory named ``x.jpg`` is just a folder. Hidden files/folders, other extensions, stray
   files at SRC's root, special files (FIFOs, sockets) are *ignored* (file + reason in the report).
+* Every file is stored once: paths that reach the same file (device, inode; symlinks followed, hard links
+  included), in one class or in several, keep one path (one reached without a symlink first, then the lowest
+  label, then the path); the others are *rejected* naming it. A class folder that is a symlink to another class
+  thus holds no file of its own and is refused as empty (the message says why).
 * A candidate is *rejected* (file + reason in the report, never an exception) when it is empty, a
   dangling symlink, not an image, undecodable or truncated (``--check full`` decodes every image;
   ``--check header`` only parses headers), or larger than ``max_pixels`` (decompression bombs; Pillow's own
@@ -205,6 +210,8 @@ class _Scan:
     class_counts: list[int]
     dirs: list[str] = field(default_factory=list)
     """The class folders' real names (file system access), in label order."""
+    duplicates: list[int] = field(default_factory=list)
+    """Per class: files rejected because the same file (device, inode) is already stored under another path."""
 
 
 def _rel(path: str, root: str) -> str:
@@ -232,34 +239,62 @@ def _scan(src: str) -> _Scan:
             ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
         else:
             ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
-    candidates: list[tuple[str, int, int, int]] = []
-    counts = []
+    found: list[tuple[str, int, int, int, tuple[int, int], bool]] = []
     for label, name in enumerate(classes):
-        before = len(candidates)
-        _walk_class(src, os.path.join(src, name), label, candidates, ignored, rejected)
-        counts.append(len(candidates) - before)
-    candidates.sort(key=lambda c: (c[1], c[0]))
+        _walk_class(src, os.path.join(src, name), label, found, ignored, rejected)
+    candidates, duplicates = _store_once(found, rejected, len(classes))
+    counts = [0] * len(classes)
+    for c in candidates:
+        counts[c[1]] += 1
     ignored.sort(key=lambda i: i.path)
     shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them
     if len(set(shown)) != len(shown):
         dup = sorted({c for c in shown if shown.count(c) > 1})
         raise DataError(f"class folders whose names are not valid UTF-8 read the same once shown ({', '.join(dup)}); "
                         f"rename them")
-    return _Scan(shown, candidates, ignored, rejected, counts, dirs=classes)
+    return _Scan(shown, candidates, ignored, rejected, counts, dirs=classes, duplicates=duplicates)
+
+
+def _store_once(found: list[tuple], rejected: list[FileIssue], num_classes: int
+                ) -> tuple[list[tuple[str, int, int, int]], list[int]]:
+    """Every file once: paths that reach the same file (device, inode) through symlinks or hard links, in one
+    class or several, keep one path (one reached without a symlink first, then the lowest label, then the path);
+    the others are rejected naming it. -> (candidates sorted by (label, path), duplicates per class)."""
+    first: dict[tuple[int, int], tuple] = {}
+    for f in sorted(found, key=lambda f: (f[5], f[1], f[0])):
+        first.setdefault(f[4], f)
+    candidates = []
+    duplicates = [0] * num_classes
+    for raw, label, size, mtime, ident, _via_link in found:
+        kept = first[ident]
+        if kept[0] == raw and kept[1] == label:
+            candidates.append((raw, label, size, mtime))
+            continue
+        duplicates[label] += 1
+        where = "" if kept[1] == label else " in another class"
+        rejected.append(FileIssue(_display(raw), f"same file as {_display(kept[0])}{where} (symlink or hard link); "
+                                                 f"stored once"))
+    candidates.sort(key=lambda c: (c[1], c[0]))
+    return candidates, duplicates
 
 
 def _walk_class(src: str, top: str, label: int, out: list, ignored: list, rejected: list) -> None:
+    """Collect a class' candidate files into ``out`` as (relpath, label, size, mtime_ns, (device, inode),
+    reached_through_a_symlink). Sub-folders are followed through symlinks, each folder (device, inode) once, so
+    loops end; folders reached without a symlink are walked first, so a folder also linked from elsewhere in the
+    class is listed under its own path."""
     seen: set[tuple[int, int]] = set()
-    stack = [top]
-    while stack:
-        d = stack.pop()
+    stack = [(top, os.path.islink(top))]  # real folders: walked first
+    linked: list[tuple[str, bool]] = []  # folders reached through a symlink: walked once ``stack`` is empty
+    while stack or linked:
+        d, via_link = stack.pop() if stack else linked.pop()
         try:
             st = os.stat(d)
         except OSError as exc:
             ignored.append(FileIssue(_rel(d, src), f"unreadable folder ({exc.strerror})"))
             continue
         if (st.st_dev, st.st_ino) in seen:
-            ignored.append(FileIssue(_rel(d, src), "folder already visited (symlink loop)"))
+            ignored.append(FileIssue(_rel(d, src), "folder already walked in this class (symlink loop or second link)"))
             continue
         seen.add((st.st_dev, st.st_ino))
         try:
@@ -278,7 +313,7 @@ def _walk_class(src: str, top: str, label: int, out: list, ignored: list, reject
             is_image_name = e.name.lower().endswith(CANDIDATE_EXTENSIONS)
             try:
                 if e.is_dir():
-                    subdirs.append(e.path)
+                    subdirs.append((e.path, via_link or e.is_symlink()))
                     continue
                 if e.is_symlink() and not os.path.exists(e.path):
                     (rejected if is_image_name else ignored).append(FileIssue(rel, "dangling symlink"))
@@ -297,8 +332,9 @@ def _walk_class(src: str, top: str, label: int, out: list, ignored: list, reject
             if st.st_size == 0:
                 rejected.append(FileIssue(rel, "empty file (0 bytes)"))
                 continue
-            out.append((raw, label, st.st_size, st.st_mtime_ns))
-        stack.extend(reversed(subdirs))
+            out.append((raw, label, st.st_size, st.st_mtime_ns, (st.st_dev, st.st_ino), via_link or e.is_symlink()))
+        stack.extend(sd for sd in reversed(subdirs) if not sd[1])
+        linked.extend(sd for sd in reversed(subdirs) if sd[1])
 
 
 # --------------------------------------------------------------------------- validation (worker side)
@@ -843,7 +879,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder "
                             f"reads)")
         warn: list[str] = []
-        _check_empty(cfg, scan.classes, scan.class_counts, warn)
+        _check_empty(cfg, scan.classes, scan.class_counts, warn, duplicates=scan.duplicates)
         fingerprint = _fingerprint(scan, options)
 
         plan = _load_plan(dest, fingerprint, cfg)
@@ -1064,15 +1100,20 @@ def _os_error(exc: OSError, cfg: ShardConfig, need: int | None, *, cache_deleted
 
 
 def _check_empty(cfg: ShardConfig, classes: list[str], counts: list[int], warn: list[str],
-                 after_validation: bool = False) -> None:
+                 after_validation: bool = False, duplicates: list[int] | None = None) -> None:
+    """Refuse empty classes (or keep them with a warning). ``duplicates``: per class, the files rejected as the
+    same file as one stored under another path (an empty class of only those is a symlink to another class)."""
     empty = [c for c, n in zip(classes, counts) if n == 0]
     if not empty:
         return
     what = "has no valid image after validation" if after_validation else "holds no image file"
     shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+    dup = [f"{c} ({duplicates[classes.index(c)]})" for c in empty if duplicates and duplicates[classes.index(c)]]
+    why = (f" of its own (only files already stored under another path, symlinks or hard links: "
+           f"{', '.join(dup[:5])})" if dup else "")
     if not cfg.allow_empty_classes:
         raise DataError(
-            f"class folder(s) {shown} {what}; remove them or pass --allow-empty-classes to keep their labels"
+            f"class folder(s) {shown} {what}{why}; remove them or pass --allow-empty-classes to keep their labels"
         )
     for c in empty:
         msg = f"class {c!r} (label {classes.index(c)}) is empty; its label is kept (no renumbering)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -75,3 +76,40 @@ def test_kill_9_of_the_main_process_frees_dest(tmp_path: Path) -> None:
     assert (dest / "manifest.json").read_bytes() == (ref / "manifest.json").read_bytes()
     assert (dest / "index.parquet").read_bytes() == (ref / "index.parquet").read_bytes()
     assert lock.read_bytes().strip() == str(os.getpid()).encode()  # the re-run (this process) took the lock
+
+
+def test_spawned_pool_workers_die_with_their_parent(tmp_path: Path) -> None:
+    """verify's pool (spawn) uses the same initializer: its workers die with a parent killed by -9."""
+    code = (
+        "import concurrent.futures as cf, multiprocessing as mp, os, sys, time\n"
+        "from gpufeed.system import die_with_parent\n"
+        "if __name__ == '__main__':\n"
+        "    ex = cf.ProcessPoolExecutor(1, mp_context=mp.get_context('spawn'), initializer=die_with_parent,\n"
+        "                                initargs=(os.getpid(),))\n"
+        "    print(ex.submit(os.getpid).result(), flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    script = tmp_path / "pool.py"
+    script.write_text(code)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the pool did not start within 60 s"
+        worker = psutil.Process(int(proc.stdout.readline()))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs([worker], timeout=10)
+        assert not alive, "the spawned worker outlived its parent"
+    finally:
+        if worker is not None and worker.is_running():
+            worker.kill()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_worker_whose_parent_is_already_gone_exits() -> None:
+    code = "from gpufeed.system import die_with_parent\ndie_with_parent(parent_pid=-1)\nprint('working')\n"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and res.stdout == ""

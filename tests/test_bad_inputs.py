@@ -97,6 +97,7 @@ EXPECTED_REJECTED = {
     "cats/bomb.png": "decompression bomb",
     "cats/pixelbomb.png": "decompression bomb",
     "cats/dangling.jpg": "dangling symlink",
+    "cats/link.jpg": "same file as cats/ok.jpg (symlink or hard link); stored once",
 }
 EXPECTED_IGNORED = {
     ".hidden_class": "hidden", "stray.txt": "root", "stray.jpg": "root", "cats/.hidden.jpg": "hidden",
@@ -145,10 +146,9 @@ def test_messy_folder(messy: Path, tmp_path: Path) -> None:
     assert not any(p.endswith("x.jpg") for p in rejected)
 
     got = samples_by_source(dest)
-    assert rep.num_samples == len(got) == 25
+    assert rep.num_samples == len(got) == 24
     for name in ["ok.jpg", "UPPER.JPG", "upper2.JPEG", "up.PNG", "many.dots.in.name.jpg", "with space.jpg",
-                 "ünïcödé 写真.jpg", LONG, "same.jpg", "same.png", "nested/deeper/n.jpg", "folder.jpg/inner.jpg",
-                 "link.jpg"]:
+                 "ünïcödé 写真.jpg", LONG, "same.jpg", "same.png", "nested/deeper/n.jpg", "folder.jpg/inner.jpg"]:
         assert f"cats/{name}" in got, name
     keys = [s["__key__"] for s in got.values()]
     assert len(set(keys)) == len(keys) and not any("." in k for k in keys)
@@ -156,7 +156,7 @@ def test_messy_folder(messy: Path, tmp_path: Path) -> None:
     for source, s in got.items():
         assert int(s["cls"]) == rep.classes.index(source.split("/")[0])
     assert got["dogs/ok.jpg"]["jpg"] == (messy / "dogs/ok.jpg").read_bytes()
-    assert got["cats/link.jpg"]["jpg"] == (messy / "cats/ok.jpg").read_bytes()
+    assert "cats/link.jpg" not in got  # the symlink to cats/ok.jpg: that file is stored once, under its own path
 
     # The member extension names the real format.
     assert image_member(got["cats/webp_inside.jpg"])[0] == "webp"
@@ -164,7 +164,7 @@ def test_messy_folder(messy: Path, tmp_path: Path) -> None:
     assert image_member(got["cats/bitmap.bmp"])[0] == "png"
     assert image_member(got["cats/gray16.png"])[0] == "png"
     assert image_member(got["cats/cmyk.jpg"])[0] == "jpg"
-    assert rep.transforms == {"16bit_to_png8": 1, "cmyk_to_rgb_jpeg": 1, "copy": 22, "to_png": 1}
+    assert rep.transforms == {"16bit_to_png8": 1, "cmyk_to_rgb_jpeg": 1, "copy": 21, "to_png": 1}
 
     # Every accepted sample decodes to 3-channel RGB; pass-through ones equal the source pixel for pixel.
     for source, s in got.items():
@@ -205,7 +205,7 @@ def test_messy_folder(messy: Path, tmp_path: Path) -> None:
 def test_messy_folder_is_deterministic_across_workers(messy: Path, tmp_path: Path) -> None:
     a = run(messy, tmp_path / "a", allow_empty_classes=True, shard_samples=6)
     b = run(messy, tmp_path / "b", allow_empty_classes=True, shard_samples=6, workers=2)
-    assert a.num_shards == b.num_shards == 5
+    assert a.num_shards == b.num_shards == 4
     for p in sorted((tmp_path / "a").glob("*.tar")):
         assert p.read_bytes() == (tmp_path / "b" / p.name).read_bytes(), p.name
 
@@ -224,10 +224,15 @@ def test_header_check_catches_less_and_verify_catches_the_rest(messy: Path, tmp_
 
 
 def test_pillow_limit_is_never_disabled(messy: Path, tmp_path: Path) -> None:
-    run(messy, tmp_path / "out", allow_empty_classes=True, max_pixels=10**12)
+    from gpufeed.config import MAX_PIXELS_LIMIT
+
+    png_header_bomb(messy / "cats" / "gigapixel.png", 40_000, 25_000)  # 1 Gpx: under the highest max_pixels
+    run(messy, tmp_path / "out", allow_empty_classes=True, max_pixels=MAX_PIXELS_LIMIT)
     assert Image.MAX_IMAGE_PIXELS == 89_478_485
-    rep = run(messy, tmp_path / "out2", allow_empty_classes=True, max_pixels=10**12)
-    assert "decompression bomb" in {r.path: r.reason for r in rep.rejected}["cats/bomb.png"]
+    rep = run(messy, tmp_path / "out2", allow_empty_classes=True, max_pixels=MAX_PIXELS_LIMIT)
+    rejected = {r.path: r.reason for r in rep.rejected}
+    assert "decompression bomb" in rejected["cats/bomb.png"]
+    assert "exceeds limit of 178956970 pixels" in rejected["cats/gigapixel.png"]  # Pillow's own guard
 
 
 def test_file_name_that_is_not_utf8(tmp_path: Path) -> None:
@@ -265,3 +270,56 @@ def test_class_folder_name_that_is_not_utf8(tmp_path: Path) -> None:
     out = json.loads(invoke(["shard", src, tmp_path / "out2", "--workers", "1", "--json"]).stdout)
     assert out["classes"] == ["caf\ufffd", "ok"]
     assert invoke(["verify", dest]).exit_code == 0
+
+
+# --------------------------------------------------------------------------- one file, stored once
+
+
+def test_class_folder_symlinked_to_another_class(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    write_image(src / "cats" / "a.jpg")
+    write_image(src / "cats" / "b.jpg", color=(0, 90, 0))
+    os.symlink(src / "cats", src / "dogs")
+    with pytest.raises(DataError) as err:
+        run(src, tmp_path / "out")
+    assert str(err.value).startswith("class folder(s) dogs holds no image file of its own (only files already "
+                                     "stored under another path, symlinks or hard links: dogs (2))")
+    rep = run(src, tmp_path / "out2", allow_empty_classes=True)
+    assert rep.classes == ["cats", "dogs"] and rep.num_samples == 2 and rep.empty_classes == ["dogs"]
+    assert {r.path: r.reason for r in rep.rejected} == {
+        "dogs/a.jpg": "same file as cats/a.jpg in another class (symlink or hard link); stored once",
+        "dogs/b.jpg": "same file as cats/b.jpg in another class (symlink or hard link); stored once"}
+    assert sorted(samples_by_source(tmp_path / "out2")) == ["cats/a.jpg", "cats/b.jpg"]
+
+
+def test_symlink_loop_inside_a_class_ends(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    write_image(src / "cats" / "sub" / "a.jpg")
+    os.symlink(src / "cats", src / "cats" / "sub" / "loop")  # cats/sub/loop/sub/loop/... forever
+    os.symlink(src / "cats" / "sub", src / "cats" / "alias")  # sorts before "sub": walked after it anyway
+    write_image(src / "dogs" / "d.jpg")
+    rep = run(src, tmp_path / "out")
+    assert rep.num_samples == 2 and rep.rejected == []
+    assert sorted(samples_by_source(tmp_path / "out")) == ["cats/sub/a.jpg", "dogs/d.jpg"]
+    ignored = {i.path: i.reason for i in rep.ignored}
+    assert ignored == {"cats/alias": "folder already walked in this class (symlink loop or second link)",
+                       "cats/sub/loop": "folder already walked in this class (symlink loop or second link)"}
+
+
+def test_file_symlinked_into_two_classes(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    outside = write_image(tmp_path / "elsewhere" / "x.jpg")
+    write_image(src / "cats" / "c.jpg")
+    write_image(src / "dogs" / "d.jpg", color=(0, 0, 200))
+    write_image(src / "dogs" / "e.jpg", color=(0, 60, 200))
+    os.symlink(outside, src / "cats" / "x.jpg")
+    os.symlink(outside, src / "dogs" / "x.jpg")
+    os.link(src / "dogs" / "d.jpg", src / "cats" / "hard.jpg")  # a hard link is the same file too
+    rep = run(src, tmp_path / "out")
+    assert rep.num_samples == 4
+    assert {r.path: r.reason for r in rep.rejected} == {
+        "dogs/x.jpg": "same file as cats/x.jpg in another class (symlink or hard link); stored once",
+        "dogs/d.jpg": "same file as cats/hard.jpg in another class (symlink or hard link); stored once"}
+    got = samples_by_source(tmp_path / "out")
+    assert sorted(got) == ["cats/c.jpg", "cats/hard.jpg", "cats/x.jpg", "dogs/e.jpg"]
+    assert got["cats/x.jpg"]["jpg"] == outside.read_bytes()

@@ -66,3 +66,128 @@ def test_shipped_configs_load() -> None:
     assert files, "configs/*.toml missing"
     for f in files:
         load_config(f)
+
+
+# --------------------------------------------------------------------------- bounds (every numeric knob)
+
+
+def _numeric_fields() -> list[tuple[str, str, bool]]:
+    """(section, key, is_int) for every int/float field of every section: a new field is covered by default."""
+    import dataclasses
+    import typing
+
+    from gpufeed.config import SECTIONS
+
+    out = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            args = set(typing.get_args(hints[f.name])) or {hints[f.name]}
+            if args & {int, float}:
+                out.append((section, f.name, float not in args))
+    return out
+
+
+NUMERIC_FIELDS = _numeric_fields()
+
+
+def test_the_table_covers_the_known_knobs() -> None:
+    keys = {(s, k) for s, k, _ in NUMERIC_FIELDS}
+    assert {("loader", "prefetch_factor"), ("loader", "max_pixels"), ("shard", "shard_bytes"),
+            ("tune", "budget_s"), ("train", "lr"), ("synth", "images")} <= keys
+    assert len(keys) >= 50
+
+
+@pytest.mark.parametrize("section, key, is_int", NUMERIC_FIELDS, ids=[f"{s}.{k}" for s, k, _ in NUMERIC_FIELDS])
+def test_every_numeric_knob_has_an_upper_bound(tmp_path: Path, section: str, key: str, is_int: bool) -> None:
+    import dataclasses
+
+    from gpufeed.config import SECTIONS
+
+    f = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[key]
+    assert "max" in f.metadata, f"[{section}] {key} declares no bound (use config.bounded)"
+    hi = f.metadata["max"]
+    above = 10**20 if hi < 10**19 else 2**63 - 1  # 2**63-1: the largest TOML integer
+    assert above > hi
+    p = tmp_path / "c.toml"
+    p.write_text(f"[{section}]\n{key} = {above}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    msg = str(exc.value)
+    assert f"config file {p} [{section}]" in msg and key in msg and str(hi) in msg, msg
+    # The same bound holds for a value from the command line (a Python int of any size).
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, {f"{section}.{key}": 10**5000})
+    if not is_int:
+        for bad in ("nan", "inf", "-inf"):
+            p.write_text(f"[{section}]\n{key} = {bad}\n")
+            with pytest.raises(ConfigError, match=f"{key} must be"):
+                load_config(p)
+
+
+def test_absurd_prefetch_factor_is_refused_with_the_bound(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("[loader]\nprefetch_factor = 99999999999999999999\n")  # > 2**63: tomllib reads it anyway
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    assert str(exc.value) == f"config file {p} [loader]: prefetch_factor must be <= 64, got 99999999999999999999"
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, {"loader.prefetch_factor": 99999999999999999999})
+    assert str(exc.value) == "config [loader]: prefetch_factor must be <= 64, got 99999999999999999999"
+    assert load_config(None, {"loader.prefetch_factor": 64}).loader.prefetch_factor == 64
+    with pytest.raises(ConfigError, match="seed must be >= 0, got -1"):
+        load_config(None, {"shard.seed": -1})
+
+
+def test_cli_refuses_an_absurd_knob_with_exit_2(tmp_path: Path) -> None:
+    from tests.conftest import invoke
+
+    p = tmp_path / "c.toml"
+    p.write_text("[loader]\nprefetch_factor = 1000000\n")
+    res = invoke(["tune", tmp_path / "shards", "--config", p], expect=2)
+    assert "prefetch_factor must be <= 64" in res.stderr and str(p) in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+# --------------------------------------------------------------------------- hostile files
+
+
+def test_non_utf8_file_is_one_sentence(tmp_path: Path) -> None:
+    p = tmp_path / "latin1.toml"
+    p.write_bytes('[shard]\nprefix = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    assert str(exc.value) == f"config file {p} is not UTF-8 text (byte 21 is 0xe9); TOML files must be UTF-8"
+
+
+def test_bad_size_names_file_section_and_key(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("[shard]\nshard_bytes = '1 potato'\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    assert str(exc.value) == (f"config file {p} [shard] shard_bytes: expected a size such as 1GB or 512MiB, "
+                              f"got '1 potato'")
+    p.write_text("[tune]\nram_budget = '" + "9" * 400 + "PB'\n")
+    with pytest.raises(ConfigError, match=rf"\[tune\] ram_budget: expected a size .* 402-character string"):
+        load_config(p)
+    p.write_text("[tune]\nram_budget = '" + "9" * 40 + "PB'\n")
+    with pytest.raises(ConfigError, match=r"\[tune\]: ram_budget must be <= 1125899906842624"):
+        load_config(p)
+    p.write_text("[shard]\nshard_bytes = inf\n")
+    with pytest.raises(ConfigError, match=r"\[shard\] shard_bytes: a size must be a finite number"):
+        load_config(p)
+
+
+def test_huge_deep_or_unreadable_files_are_refused(tmp_path: Path) -> None:
+    from gpufeed.config import MAX_CONFIG_BYTES
+
+    big = tmp_path / "big.toml"
+    big.write_text("# " + "x" * MAX_CONFIG_BYTES + "\n")
+    with pytest.raises(ConfigError, match=f"larger than {MAX_CONFIG_BYTES} bytes"):
+        load_config(big)
+    deep = tmp_path / "deep.toml"
+    deep.write_text("[shard]\nseed = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="(nests .* too deeply|not valid TOML)"):
+        load_config(deep)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path)  # a folder

@@ -534,6 +534,116 @@ def test_concurrent_run_into_the_same_dest_is_refused(image_folder, tmp_path: Pa
     (dest / ".gpufeed").mkdir(parents=True)
     with open(dest / ".gpufeed" / "lock", "a+b") as held:  # what a running `gpufeed shard` holds
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
-        with pytest.raises(DataError, match="in use by another `gpufeed shard` run"):
+        held.write(b"4242\n")  # the holder's pid, as a run records it
+        held.flush()
+        with pytest.raises(DataError, match=r"in use by another `gpufeed shard` run \(pid 4242\)"):
             shard(src, dest)
     assert shard(src, dest).num_samples == 2  # released: runs
+    assert (dest / ".gpufeed" / "lock").read_bytes() == f"{os.getpid()}\n".encode()
+
+
+def test_refused_run_leaves_no_dest_behind(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=1, per_class=2)
+    dest = tmp_path / "new" / "deeper" / "out"
+    with pytest.raises(DataError, match="need at least 4 images"):
+        shard(src, dest, multiple_of=4)
+    assert not (tmp_path / "new").exists()  # every folder the refused run created is gone
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(DataError, match="need at least 4 images"):
+        shard(src, existing, multiple_of=4)
+    assert existing.is_dir() and not list(existing.iterdir())  # the user's folder stays, empty as it was
+
+
+def test_atomic_writer_syncs_file_and_folder(tmp_path: Path, monkeypatch) -> None:
+    import stat
+
+    from gpufeed import records
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(records.os, "fsync", lambda fd: (synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)),
+                                                          real_fsync(fd))[1])
+    records.atomic_write_text(tmp_path / "a.json", "{}\n")
+    assert (tmp_path / "a.json").read_text() == "{}\n" and synced == [False, True]  # the file, then its folder
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_leftovers_of_killed_atomic_writes_are_cleaned(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=2, per_class=2)
+    dest = tmp_path / "out"
+    shard(src, dest)
+    (dest / "manifest.json").unlink()  # as if killed before the end
+    for name in (".index.parquet.k3j2.tmp", ".gpufeed/.plan.json.x8y.tmp", ".gpufeed/.enc-000000.bin.abc.tmp"):
+        (dest / name).write_bytes(b"partial")
+    rep = shard(src, dest)
+    assert rep.resumed and rep.num_shards_written == 0
+    assert sorted(p.name for p in dest.rglob("*.tmp")) == []
+
+
+def test_disk_full_at_finish_names_no_made_up_need(image_folder, tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import gpufeed.shard as mod
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    src = image_folder(classes=2, per_class=3)
+    dest = tmp_path / "out"
+    monkeypatch.setattr(mod, "_finish", full)  # the index/manifest write after every shard is complete
+    with pytest.raises(DataError) as err:
+        shard(src, dest, shard_samples=3)
+    msg = str(err.value)
+    assert f"DEST {dest} is full" in msg and "0.0 MB more" not in msg and "needed" not in msg
+    assert "after its 2 complete shard(s), which a re-run keeps" in msg and "bytes free" in msg
+    monkeypatch.undo()
+    assert shard(src, dest, shard_samples=3).num_shards_skipped == 2
+
+
+def test_disk_full_while_reencoding_names_gpufeeds_own_cache(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    from gpufeed import records
+
+    src = noise_folder(tmp_path / "src", per_class=24)  # 48 images: two validation batches, two cache files
+    dest = tmp_path / "out"
+    real = records.atomic_write_bytes
+    calls = []
+
+    def second_fills_the_disk(path, data):
+        calls.append((path, len(data)))
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(records, "atomic_write_bytes", second_fills_the_disk)
+    with pytest.raises(DataError) as err:
+        shard(src, dest, quality=80)
+    (first, first_bytes), _ = calls
+    msg = str(err.value)
+    assert os.path.basename(first) == "enc-000000.bin" and not os.path.exists(first)  # written, then deleted
+    assert f"DEST {dest} is full" in msg
+    assert f"{first_bytes} bytes of the space was gpufeed's own transcode cache of re-encoded images" in msg
+    assert f"under {dest / '.gpufeed'}, now deleted" in msg
+    assert not list(dest.rglob("enc-*"))
+
+
+def test_free_space_check_after_reencoding_names_the_cache(tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    import gpufeed.shard as mod
+
+    src = noise_folder(tmp_path / "src", per_class=4)
+    real = shutil.disk_usage
+    calls = []
+    # The first check (before validation) passes; the exact one after it finds the disk full.
+    monkeypatch.setattr(mod.shutil, "disk_usage",
+                        lambda p: (calls.append(p), real(p) if len(calls) == 1 else real(p)._replace(free=1000))[1])
+    dest = tmp_path / "out"
+    with pytest.raises(DataError) as err:
+        shard(src, dest, max_size=16)
+    cached = sum(p.stat().st_size for p in (dest / ".gpufeed").glob("enc-*.bin"))
+    assert cached > 0 and len(calls) == 2
+    assert (f"; {cached} bytes of DEST is gpufeed's own transcode cache of re-encoded images under "
+            f"{dest / '.gpufeed'}") in str(err.value)

@@ -1,7 +1,9 @@
 """Typed configuration: one frozen dataclass per job, one TOML section per dataclass.
 
 Precedence is CLI > file > defaults. Unknown sections and keys are errors, and every value is
-type-checked against the field's annotation before the dataclass' own ``__post_init__`` checks run.
+type-checked against the field's annotation before the dataclass' own ``__post_init__`` checks run. Every
+numeric field declares its range (``bounded``, limits ``MAX_*`` below), checked however the dataclass is built.
+A config file is read only up to ``MAX_CONFIG_BYTES`` and must be UTF-8.
 
 This module must stay free of torch imports: ``gpufeed --help`` loads it.
 """
@@ -9,6 +11,7 @@ This module must stay free of torch imports: ``gpufeed --help`` loads it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
 import types
@@ -40,10 +43,15 @@ def parse_size(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"expected a size such as 1GB or 512MiB, got {value!r}")
     if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"a size must be a finite number, got {value!r}")
         if value < 0:
-            raise ConfigError(f"a size must be >= 0, got {value!r}")
+            raise ConfigError(f"a size must be >= 0, got {_show(value)}")
         return int(value)
-    m = _SIZE_RE.match(str(value))
+    text = str(value)
+    if len(text) > _MAX_SIZE_TEXT:
+        raise ConfigError(f"expected a size such as 1GB or 512MiB, got a {len(text)}-character string")
+    m = _SIZE_RE.match(text)
     if not m or m.group(2) is None and not m.group(1):
         raise ConfigError(f"expected a size such as 1GB or 512MiB, got {value!r}")
     unit = (m.group(2) or "").lower()
@@ -52,9 +60,109 @@ def parse_size(value: int | float | str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
-def size_field(default: int | None, doc: str = "") -> Any:
-    """A byte-size field: accepts ints or strings such as ``1GB`` in files and on the CLI."""
-    return field(default=default, metadata={"size": True, "doc": doc})
+_MAX_SIZE_TEXT = 64
+"""Longest size string parsed (``"1.5GiB"`` needs a few characters); longer text is refused unread."""
+
+
+# --------------------------------------------------------------------------- limits
+# Every numeric field declares its range next to it (``bounded``); ``check_bounds`` enforces all of them, so a
+# value from a file or the command line can never reach a DataLoader, an allocation or a loop unchecked.
+
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read (1 MiB): real ones are a few KiB; a larger file is refused before it is parsed."""
+MAX_SEED = 2**63 - 1
+"""Seeds are 0..2**63-1: every consumer (random, numpy after ``% 2**32``, torch.manual_seed) takes them."""
+MAX_WORKERS = 1024
+"""Worker processes / threads per rank or job: above the CPU count of any single machine sold today."""
+MAX_BATCH_SIZE = 65_536
+"""Samples per batch: 64 Ki 224-px images are already ~10 GB of uint8 per batch."""
+MAX_PREFETCH_FACTOR = 64
+"""Batches prefetched per DataLoader worker; beyond a few, prefetching only costs RAM."""
+MAX_SHUFFLE_BUFFER = 10_000_000
+"""Samples held in the shuffle buffer: 10 M encoded ImageNet samples are ~1 TB of RAM."""
+MAX_IMAGE_SIZE = 8192
+"""Loader/training output side in pixels: an 8192^2 RGB sample is 200 MB."""
+MAX_IMAGE_SIDE = 65_535
+"""``shard --max-size`` long side: the largest side a JPEG can have."""
+MAX_PIXELS_LIMIT = 2**31
+"""Largest decompression-bomb limit (``max_pixels``) accepted: 2 Gpx, 6 GB as RGB; Pillow's default is 89 Mpx."""
+MAX_SHARD_SAMPLES = 10_000_000
+"""Target samples per shard."""
+MAX_SHARD_BYTES = 2**40
+"""Target bytes per shard (1 TiB)."""
+MAX_MULTIPLE_OF = 65_536
+"""Shard-count multiple (ranks x workers)."""
+MAX_RAM_BYTES = 2**50
+"""``tune --ram-budget`` (1 PiB)."""
+MAX_DURATION_S = 7 * 24 * 3600.0
+"""Wall-clock budgets in seconds: one week."""
+MAX_WINDOW_S = 3600.0
+"""One measurement window in seconds."""
+MAX_RATE = 1e9
+"""Samples/s targets: a billion samples a second is beyond any loader."""
+MAX_REPEATS = 1000
+"""Measurement windows per trial."""
+MAX_WARMUP_BATCHES = 100_000
+"""Batches read and discarded before measuring."""
+MAX_MIN_GAIN = 10.0
+"""``tune`` min_gain: a knob must win by at most 1000%."""
+MAX_TARGET_MARGIN = 100.0
+"""``tune`` target_margin (a factor)."""
+MAX_CLASSES = 1_000_000
+"""Classifier outputs / synth class folders (ImageNet-21k has 21,841)."""
+MAX_EPOCHS = 100_000
+"""Training epochs."""
+MAX_STEPS = 10**9
+"""Optimizer steps, warm-up steps, checkpoint and log intervals."""
+MAX_ACCUM_STEPS = 65_536
+"""Micro-batches accumulated per optimizer step."""
+MAX_LR = 100.0
+"""Learning rates (SGD diverges long before)."""
+MAX_MEASURE_STEPS = 1_000_000
+"""Timed / untimed steps per mode of ``train --mode measure``."""
+MAX_STORAGE_BYTES_PER_S = 1e15
+"""Measured storage read rate (1 PB/s)."""
+MAX_NPROC_PER_NODE = 1024
+"""Processes (GPUs) per node."""
+MAX_NODES = 65_536
+"""Nodes of a job (node_rank < this)."""
+MAX_SYNTH_IMAGES = 10_000_000
+"""Images ``gpufeed synth`` writes."""
+
+
+def bounded(default: Any, lo: float, hi: float, *, min_open: bool = False, max_open: bool = False,
+            size: bool = False) -> Any:
+    """A numeric field with its range: ``lo <= value <= hi`` (``min_open``/``max_open``: strict), checked by
+    ``check_bounds``; None (where the type allows it) means "not set". ``size`` fields also accept strings such
+    as ``1GB`` in files and on the CLI."""
+    return field(default=default, metadata={"min": lo, "max": hi, "min_open": min_open, "max_open": max_open,
+                                            "size": size})
+
+
+def check_bounds(cfg: Any) -> None:
+    """Refuse any numeric field outside its declared range (and NaN/inf): one sentence naming key and bound."""
+    for f in dataclasses.fields(cfg):
+        if "max" not in f.metadata:
+            continue
+        value = getattr(cfg, f.name)
+        if value is None:
+            continue
+        lo, hi = f.metadata["min"], f.metadata["max"]
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name} must be a finite number, got {value!r}")
+        if value < lo or (f.metadata["min_open"] and value == lo):
+            raise ConfigError(f"{f.name} must be {'>' if f.metadata['min_open'] else '>='} {lo}, got {_show(value)}")
+        if value > hi or (f.metadata["max_open"] and value == hi):
+            raise ConfigError(f"{f.name} must be {'<' if f.metadata['max_open'] else '<='} {hi}, got {_show(value)}")
+
+
+def _show(value: Any) -> str:
+    """A value for a one-sentence message: huge integers by their size (printing one can take seconds, or fail),
+    long text cut short."""
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 # --------------------------------------------------------------------------- job configs
@@ -68,21 +176,21 @@ class ShardConfig:
     """Input image folder in ImageFolder layout (one sub-folder per class)."""
     dest: str | None = None
     """Output folder for the shard set (NVMe or a RAM disk)."""
-    workers: int | None = None
+    workers: int | None = bounded(None, 1, MAX_WORKERS)
     """Worker processes; None = the CPUs this process may use (affinity and cgroup aware)."""
-    seed: int = 0
+    seed: int = bounded(0, 0, MAX_SEED)
     """Seed of the sample shuffle that spreads classes over shards."""
-    shard_samples: int = 10_000
+    shard_samples: int = bounded(10_000, 1, MAX_SHARD_SAMPLES)
     """Target samples per shard (the plan takes whichever of samples/bytes gives more shards)."""
-    shard_bytes: int = size_field(1_000_000_000, "Target bytes per shard.")
+    shard_bytes: int = bounded(1_000_000_000, 1, MAX_SHARD_BYTES, size=True)
     """Target bytes per shard."""
-    multiple_of: int = 1
+    multiple_of: int = bounded(1, 1, MAX_MULTIPLE_OF)
     """Round the shard count up to a multiple of this (set it to ranks x workers)."""
     prefix: str = "train"
     """Shard file prefix: train, val, ..."""
-    max_size: int | None = None
+    max_size: int | None = bounded(None, 8, MAX_IMAGE_SIDE)
     """Re-encode: resize the long side down to this many pixels (never up)."""
-    quality: int | None = None
+    quality: int | None = bounded(None, 1, 95)
     """Re-encode JPEG quality (1-95); implies re-encoding."""
     check: Literal["full", "header"] = "full"
     """full = decode every image; header = read headers only (faster, catches less)."""
@@ -92,17 +200,11 @@ class ShardConfig:
     """Replace an existing shard set at DEST whose plan differs."""
     allow_empty_classes: bool = False
     """Keep empty class folders as classes (with a warning) instead of refusing the input."""
-    max_pixels: int = 89_478_485
+    max_pixels: int = bounded(89_478_485, 1, MAX_PIXELS_LIMIT)
     """Decompression-bomb limit in pixels (Pillow's default); larger images are rejected."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "shard_samples", "shard_bytes", "multiple_of", "max_pixels")
-        if self.workers is not None and self.workers < 1:
-            raise ConfigError(f"workers must be >= 1, got {self.workers}")
-        if self.max_size is not None and self.max_size < 8:
-            raise ConfigError(f"max_size must be >= 8 pixels, got {self.max_size}")
-        if self.quality is not None and not 1 <= self.quality <= 95:
-            raise ConfigError(f"quality must be in 1..95, got {self.quality}")
+        check_bounds(self)
         if not re.fullmatch(r"[A-Za-z0-9_-]+", self.prefix):
             raise ConfigError(f"prefix must use letters, digits, '_' or '-' only, got {self.prefix!r}")
 
@@ -111,41 +213,38 @@ class ShardConfig:
 class LoaderConfig:
     """The DataLoader over a shard set, shared by ``tune`` and ``train``. ``tune`` writes this section."""
 
-    batch_size: int = 256
+    batch_size: int = bounded(256, 1, MAX_BATCH_SIZE)
     """Samples per batch (per rank)."""
-    num_workers: int = 4
+    num_workers: int = bounded(4, 0, MAX_WORKERS)
     """DataLoader worker processes per rank."""
     pin_memory: bool = True
     """Pin host batches (only meaningful with CUDA; ignored on CPU)."""
-    prefetch_factor: int = 2
+    prefetch_factor: int = bounded(2, 1, MAX_PREFETCH_FACTOR)
     """Batches prefetched per worker (ignored when num_workers == 0)."""
     persistent_workers: bool = True
     """Keep workers alive between epochs (ignored when num_workers == 0)."""
     worker_batching: bool = True
     """Collate batches inside the workers (one IPC message per batch instead of per sample)."""
-    shuffle_buffer: int = 2_000
+    shuffle_buffer: int = bounded(2_000, 0, MAX_SHUFFLE_BUFFER)
     """Samples in the seeded shuffle buffer (0 = no shuffle)."""
     decode: Literal["pil", "pil-draft", "simplejpeg", "gpu"] = "simplejpeg"
     """Decode path: PIL full, PIL reduced-size draft, simplejpeg (libjpeg-turbo) or GPU nvjpeg."""
-    image_size: int = 224
+    image_size: int = bounded(224, 1, MAX_IMAGE_SIZE)
     """Output side in pixels."""
     on_error: Literal["raise", "skip"] = "raise"
     """Corrupt sample policy: raise, or skip and count it."""
-    seed: int = 0
+    seed: int = bounded(0, 0, MAX_SEED)
     """Seed for shard order, shuffle buffer and random crops."""
-    crop_ratio: float = 0.875
+    crop_ratio: float = bounded(0.875, 0.0, 1.0, min_open=True)
     """Eval transform: resize the shorter side to image_size / crop_ratio, then centre-crop image_size."""
     resize: Literal["torch", "pil"] = "torch"
     """Crop+resize kernel (uint8, antialiased bilinear): torch's SIMD kernel (fast) or PIL resize(box=...)."""
-    max_pixels: int = 89_478_485
+    max_pixels: int = bounded(89_478_485, 1, MAX_PIXELS_LIMIT)
     """Decompression-bomb limit (width x height) for a stored image, as in ``shard``: larger images are refused
     (``on_error = "raise"``) or skipped and counted (``"skip"``) before they are decoded."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "batch_size", "prefetch_factor", "image_size", "max_pixels")
-        _check_non_negative(self, "num_workers", "shuffle_buffer")
-        if not 0 < self.crop_ratio <= 1:
-            raise ConfigError(f"crop_ratio must be in (0, 1], got {self.crop_ratio}")
+        check_bounds(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,48 +253,41 @@ class TuneConfig:
 
     shards: str | None = None
     """The shard set to read."""
-    budget_s: float = 300.0
+    budget_s: float = bounded(300.0, 0.0, MAX_DURATION_S, min_open=True)
     """Wall-clock budget of the whole sweep in seconds."""
-    batch_size: int = 256
+    batch_size: int = bounded(256, 1, MAX_BATCH_SIZE)
     """Batch size used in every trial."""
-    max_workers: int | None = None
+    max_workers: int | None = bounded(None, 0, MAX_WORKERS)
     """Largest num_workers tried; None = the usable CPUs."""
-    cpu_budget: float = 1.0
+    cpu_budget: float = bounded(1.0, 0.0, 1.0, min_open=True)
     """Fraction of the usable CPUs the loader may use (as tf.data AUTOTUNE's cpu_budget)."""
-    ram_budget: int | None = size_field(None, "RAM the loader processes may use; None = half of RAM.")
+    ram_budget: int | None = bounded(None, 1, MAX_RAM_BYTES, size=True)
     """RAM the loader processes may use (bytes or '8GB'); None = half of the machine's RAM."""
-    target_rate: float | None = None
+    target_rate: float | None = bounded(None, 0.0, MAX_RATE, min_open=True)
     """Samples/s the GPU needs; the search stops once the loader beats it with margin."""
     baseline_imagefolder: str | None = None
     """An ImageFolder of the same images: measure torchvision ImageFolder + DataLoader as baseline."""
     out: str | None = None
     """Where to write the winning [loader] section (TOML)."""
-    image_size: int = 224
+    image_size: int = bounded(224, 1, MAX_IMAGE_SIZE)
     """Output side in pixels, as in training."""
     run_dir: str | None = None
     """Run folder for trials, chart and summary; None = runs/tune-<UTC timestamp>/."""
-    repeats: int = 3
+    repeats: int = bounded(3, 1, MAX_REPEATS)
     """Measurement windows per trial (median and spread are reported)."""
-    window_s: float | None = None
+    window_s: float | None = bounded(None, 0.0, MAX_WINDOW_S, min_open=True)
     """Seconds per measurement window; None = sized from the budget (0.5-10 s)."""
-    warmup_batches: int = 2
+    warmup_batches: int = bounded(2, 0, MAX_WARMUP_BATCHES)
     """Batches read and discarded after start-up before measuring (start-up is reported separately)."""
-    min_gain: float = 0.05
+    min_gain: float = bounded(0.05, 0.0, MAX_MIN_GAIN)
     """A knob change must win by this fraction to be kept; the worker climb stops below it."""
-    target_margin: float = 1.2
+    target_margin: float = bounded(1.2, 1.0, MAX_TARGET_MARGIN)
     """Stop once the best rate >= target_rate x this margin."""
     device: str = "auto"
     """Where batches are moved: auto (CUDA when present), cpu, cuda or cuda:N."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "budget_s", "batch_size", "image_size", "repeats", "window_s", "target_rate")
-        _check_non_negative(self, "warmup_batches", "min_gain")
-        if not 0 < self.cpu_budget <= 1:
-            raise ConfigError(f"cpu_budget must be in (0, 1], got {self.cpu_budget}")
-        if self.max_workers is not None and self.max_workers < 0:
-            raise ConfigError(f"max_workers must be >= 0, got {self.max_workers}")
-        if self.target_margin < 1:
-            raise ConfigError(f"target_margin must be >= 1, got {self.target_margin}")
+        check_bounds(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,17 +300,17 @@ class TrainConfig:
     """Validation shard set (top-1/top-5 at the end of each epoch)."""
     arch: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = "resnet50"
     """torchvision ResNet architecture."""
-    num_classes: int | None = None
+    num_classes: int | None = bounded(None, 1, MAX_CLASSES)
     """Classifier outputs; None = the training set's class count (1000 with --synthetic and no shards)."""
-    epochs: int = 1
+    epochs: int = bounded(1, 1, MAX_EPOCHS)
     """Epochs to train (ignored when steps is set)."""
-    steps: int | None = None
+    steps: int | None = bounded(None, 1, MAX_STEPS)
     """Optimizer steps to train; overrides epochs."""
-    batch_size: int | None = None
+    batch_size: int | None = bounded(None, 1, MAX_BATCH_SIZE)
     """Samples per micro-batch per rank (per GPU); None = the [loader] batch_size."""
-    accum_steps: int = 1
+    accum_steps: int = bounded(1, 1, MAX_ACCUM_STEPS)
     """Micro-batches accumulated per optimizer step (DDP syncs gradients on the last one only)."""
-    image_size: int | None = None
+    image_size: int | None = bounded(None, 1, MAX_IMAGE_SIZE)
     """Training image side in pixels; None = the [loader] image_size."""
     amp: Literal["bf16", "fp16", "off"] = "bf16"
     """Autocast dtype (fp16 uses a GradScaler)."""
@@ -226,50 +318,50 @@ class TrainConfig:
     """Use the channels_last memory format (faster convolutions on tensor-core GPUs)."""
     compile: bool = False
     """torch.compile the model."""
-    lr: float = 0.1
+    lr: float = bounded(0.1, 0.0, MAX_LR)
     """Peak learning rate (SGD); reached after the warm-up, then cosine decay."""
-    warmup_steps: int | None = None
+    warmup_steps: int | None = bounded(None, 0, MAX_STEPS)
     """Linear LR warm-up in optimizer steps; None = 5% of the run (at most 2000 steps)."""
-    min_lr: float = 0.0
+    min_lr: float = bounded(0.0, 0.0, MAX_LR)
     """Learning rate at the end of the cosine decay."""
-    momentum: float = 0.9
+    momentum: float = bounded(0.9, 0.0, 1.0)
     """SGD momentum (Nesterov off)."""
-    weight_decay: float = 1e-4
+    weight_decay: float = bounded(1e-4, 0.0, 1.0)
     """SGD weight decay (not applied to BatchNorm and bias parameters)."""
-    label_smoothing: float = 0.1
+    label_smoothing: float = bounded(0.1, 0.0, 1.0, max_open=True)
     """Cross-entropy label smoothing."""
     checkpoint_dir: str | None = None
     """Folder for atomic checkpoints (last.pt); None = no checkpoints."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = bounded(0, 0, MAX_STEPS)
     """Checkpoint every N optimizer steps (0 = at epoch ends and at the end of the run only)."""
     resume: bool = False
     """Continue from checkpoint_dir/last.pt (same step, LR, optimizer and loader position)."""
-    seed: int = 0
+    seed: int = bounded(0, 0, MAX_SEED)
     """Seed for model init and data order."""
     mode: Literal["real", "synthetic", "loader-only", "measure"] = "real"
     """real = train; synthetic = fixed batch on the device (GPU ceiling); loader-only = loader alone (loader
     ceiling); measure = synthetic, loader-only and real, briefly, in that order, then the verdict."""
-    measure_steps: int = 20
+    measure_steps: int = bounded(20, 1, MAX_MEASURE_STEPS)
     """Timed steps per mode with mode = measure."""
-    timing_warmup_steps: int = 3
+    timing_warmup_steps: int = bounded(3, 0, MAX_MEASURE_STEPS)
     """Steps at the start of each mode left out of the timing (start-up, cudnn autotune, compile)."""
-    log_every: int = 10
+    log_every: int = bounded(10, 1, MAX_STEPS)
     """Optimizer steps per JSONL log record."""
     device: str = "auto"
     """auto (CUDA when present), cpu or cuda."""
-    threads: int | None = None
+    threads: int | None = bounded(None, 1, MAX_WORKERS)
     """torch CPU threads per rank; None = usable CPUs / processes on this node."""
-    storage_bytes_per_s: float | None = None
+    storage_bytes_per_s: float | None = bounded(None, 0.0, MAX_STORAGE_BYTES_PER_S, min_open=True)
     """Measured read rate of the shard storage (e.g. from gpufeed io); lets the verdict call a storage bound."""
-    nproc_per_node: int = 1
+    nproc_per_node: int = bounded(1, 1, MAX_NPROC_PER_NODE)
     """Processes (GPUs) per node; > 1 or nnodes > 1 launches through torchrun."""
     nnodes: str = "1"
     """Nodes (torchrun syntax: N or MIN:MAX)."""
-    node_rank: int | None = None
+    node_rank: int | None = bounded(None, 0, MAX_NODES - 1)
     """This node's rank for static rendezvous (with master_addr)."""
     master_addr: str | None = None
     """Static rendezvous host (rank 0's node)."""
-    master_port: int | None = None
+    master_port: int | None = bounded(None, 1, 65535)
     """Static rendezvous port."""
     rdzv_endpoint: str | None = None
     """c10d rendezvous endpoint HOST[:PORT] (instead of master_addr/master_port)."""
@@ -281,20 +373,13 @@ class TrainConfig:
     """tqdm progress bar on rank 0."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "epochs", "steps", "batch_size", "accum_steps", "image_size", "num_classes",
-                        "measure_steps", "log_every", "nproc_per_node", "threads", "storage_bytes_per_s")
-        _check_non_negative(self, "lr", "min_lr", "momentum", "weight_decay", "checkpoint_every",
-                            "timing_warmup_steps", "warmup_steps", "node_rank")
-        if not 0 <= self.label_smoothing < 1:
-            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        check_bounds(self)
         if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not re.fullmatch(r"\d+(:\d+)?", self.nnodes):
             raise ConfigError(f"nnodes must be N or MIN:MAX, got {self.nnodes!r}")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("resume needs checkpoint_dir (the folder holding last.pt)")
-        if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise ConfigError(f"master_port must be in 1..65535, got {self.master_port}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -303,21 +388,19 @@ class SynthConfig:
 
     dest: str | None = None
     """Output folder; class sub-folders n0000, n0001, ... are created in it."""
-    images: int = 1_000
+    images: int = bounded(1_000, 1, MAX_SYNTH_IMAGES)
     """Images to write in all (spread evenly over the classes)."""
-    classes: int = 10
+    classes: int = bounded(10, 1, MAX_CLASSES)
     """Class folders."""
-    seed: int = 0
+    seed: int = bounded(0, 0, MAX_SEED)
     """Same seed => byte-identical files (with the same Pillow/libjpeg build), whatever the workers."""
-    workers: int | None = None
+    workers: int | None = bounded(None, 1, MAX_WORKERS)
     """Worker processes; None = the CPUs this process may use. The output does not depend on it."""
     overwrite: bool = False
     """Replace an earlier synth folder at DEST (folders holding other files are refused)."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "images", "classes")
-        if self.workers is not None and self.workers < 1:
-            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        check_bounds(self)
         if self.classes > self.images:
             raise ConfigError(f"classes ({self.classes}) must not exceed images ({self.images}): "
                               "every class folder needs at least one image")
@@ -347,15 +430,28 @@ class Config:
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file, turning syntax errors into ConfigError naming the file."""
+    """Read a TOML file of at most ``MAX_CONFIG_BYTES``, turning every failure into one ConfigError naming it."""
     p = Path(path)
     try:
         with p.open("rb") as f:
-            return tomllib.load(f)
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"config file {p} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {p} cannot be read ({exc.strerror or exc})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {p} is larger than {MAX_CONFIG_BYTES} bytes; a config file is a few KiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start} is {raw[exc.start]:#04x}); "
+                          f"TOML files must be UTF-8") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {p} nests arrays or tables too deeply") from None
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
@@ -391,7 +487,10 @@ def build_section(cls: type, values: dict[str, Any], where: str = "config") -> A
     for key, value in values.items():
         f = fields[key]
         if f.metadata.get("size") and value is not None:
-            value = parse_size(value)
+            try:
+                value = parse_size(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{where} {key}: {exc}") from None
         checked[key] = _coerce(value, hints[key], f"{where} {key}")
     try:
         return cls(**checked)
@@ -438,14 +537,14 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
                 return _coerce(value, arg, where)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {_show(value)}")
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{where} must be one of {list(args)}, got {value!r}")
+            raise ConfigError(f"{where} must be one of {list(args)}, got {_show(value)}")
         return value
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
+            raise ConfigError(f"{where} must be a list, got {_show(value)}")
         inner = args[0] if args else Any
         items = [_coerce(v, inner, where) for v in value]
         return tuple(items) if origin is tuple else items
@@ -454,33 +553,22 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
+        raise ConfigError(f"{where} must be true or false, got {_show(value)}")
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
+        raise ConfigError(f"{where} must be an integer, got {_show(value)}")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{where} must be a number, got {value!r}")
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"{where} is too large, got {_show(value)}") from None
+        raise ConfigError(f"{where} must be a number, got {_show(value)}")
     if hint is str:
         if isinstance(value, (str, Path)):
             return str(value)
-        raise ConfigError(f"{where} must be a string, got {value!r}")
+        raise ConfigError(f"{where} must be a string, got {_show(value)}")
     return value
-
-
-def _check_positive(cfg: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name} must be > 0, got {value}")
-
-
-def _check_non_negative(cfg: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value is not None and value < 0:
-            raise ConfigError(f"{name} must be >= 0, got {value}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import errno
 import json
 import math
 import os
@@ -36,7 +37,9 @@ def to_jsonable(obj: Any) -> Any:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over ``path``."""
+    """THE atomic writer: a temporary file in the same folder, written and fsynced, renamed over ``path``, then
+    the folder fsynced, so ``path`` holds either its old content or all of ``data``, even after a power loss.
+    The file gets the usual ``0666 & ~umask`` permissions."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -53,6 +56,27 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:
+    """``atomic_write_bytes`` for text."""
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a rename (or creation) in ``folder`` durable; a no-op where folders cannot be fsynced."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:
@@ -98,11 +122,10 @@ def write_parquet(path: str | Path, records: list[Any]) -> Path:
             values = [None if v is None else json.dumps(v) for v in values]
         columns[key] = values
     table = pa.table(columns) if columns else pa.table({})
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-    return path
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf)
+    atomic_write_bytes(path, buf.getvalue().to_pybytes())
+    return Path(path)
 
 
 def make_run_dir(job: str, root: str | Path = "runs") -> Path:

@@ -15,10 +15,15 @@ Input rules
 -----------
 * Classes are the sorted names of the non-hidden folders in SRC (``entry.is_dir()``, symlinks followed), so
   labels agree with ``torchvision.datasets.ImageFolder`` (which would also count hidden folders as classes).
-* Inside a class folder every sub-folder is walked (as ImageFolder does), symlinks followed, loops cut.
+* Inside a class folder every sub-folder is walked (as ImageFolder does), symlinks followed, each folder
+  (device, inode) once per class, so loops end.
   Candidates carry one of ImageFolder's extensions (``.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp``,
   any case). A directory named ``x.jpg`` is just a folder. Hidden files/folders, other extensions, stray
   files at SRC's root, special files (FIFOs, sockets) are *ignored* (file + reason in the report).
+* Every file is stored once: paths that reach the same file (device, inode; symlinks followed, hard links
+  included), in one class or in several, keep one path (one reached without a symlink first, then the lowest
+  label, then the path); the others are *rejected* naming it. A class folder that is a symlink to another class
+  thus holds no file of its own and is refused as empty (the message says why).
 * A candidate is *rejected* (file + reason in the report, never an exception) when it is empty, a
   dangling symlink, not an image, undecodable or truncated (``--check full`` decodes every image;
   ``--check header`` only parses headers), or larger than ``max_pixels`` (decompression bombs; Pillow's own
@@ -64,8 +69,11 @@ The plan (fingerprint of the scanned files' paths, sizes and mtimes and of every
 plus the validated sample list) is kept in ``DEST/.gpufeed/plan.json``; each completed shard leaves
 ``DEST/.gpufeed/<shard>.done.json`` with its size and sha256. A re-run with the same fingerprint skips shards
 whose file matches its sidecar and writes the rest; a different fingerprint is refused unless ``overwrite``.
-A run holds ``fcntl.flock`` on ``DEST/.gpufeed/lock``: a second run into the same DEST is refused. A killed run
-leaves at most ``.<shard>.tmp`` files (full-sized but never renamed), which the next run deletes.
+A run holds ``fcntl.flock`` on ``DEST/.gpufeed/lock`` (which records its pid): a second run into the same DEST is
+refused, naming that pid. The worker processes die with the main process and never keep the lock, so after a
+``kill -9`` (or the OOM killer) the next run takes the lock at once. A killed run leaves at most ``.<shard>.tmp``
+files (full-sized but never renamed), which the next run deletes. A run refused before it wrote anything removes
+the folders it created (DEST included).
 
 A pass-through file is hashed once, at validation (its sha256 goes into ``KEY.json``), which also records the
 opened file's identity (size, mtime_ns, inode, device). When its shard is written, the opened source must
@@ -202,6 +210,8 @@ class _Scan:
     class_counts: list[int]
     dirs: list[str] = field(default_factory=list)
     """The class folders' real names (file system access), in label order."""
+    duplicates: list[int] = field(default_factory=list)
+    """Per class: files rejected because the same file (device, inode) is already stored under another path."""
 
 
 def _rel(path: str, root: str) -> str:
@@ -229,34 +239,62 @@ def _scan(src: str) -> _Scan:
             ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
         else:
             ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
-    candidates: list[tuple[str, int, int, int]] = []
-    counts = []
+    found: list[tuple[str, int, int, int, tuple[int, int], bool]] = []
     for label, name in enumerate(classes):
-        before = len(candidates)
-        _walk_class(src, os.path.join(src, name), label, candidates, ignored, rejected)
-        counts.append(len(candidates) - before)
-    candidates.sort(key=lambda c: (c[1], c[0]))
+        _walk_class(src, os.path.join(src, name), label, found, ignored, rejected)
+    candidates, duplicates = _store_once(found, rejected, len(classes))
+    counts = [0] * len(classes)
+    for c in candidates:
+        counts[c[1]] += 1
     ignored.sort(key=lambda i: i.path)
     shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them
     if len(set(shown)) != len(shown):
         dup = sorted({c for c in shown if shown.count(c) > 1})
         raise DataError(f"class folders whose names are not valid UTF-8 read the same once shown ({', '.join(dup)}); "
                         f"rename them")
-    return _Scan(shown, candidates, ignored, rejected, counts, dirs=classes)
+    return _Scan(shown, candidates, ignored, rejected, counts, dirs=classes, duplicates=duplicates)
+
+
+def _store_once(found: list[tuple], rejected: list[FileIssue], num_classes: int
+                ) -> tuple[list[tuple[str, int, int, int]], list[int]]:
+    """Every file once: paths that reach the same file (device, inode) through symlinks or hard links, in one
+    class or several, keep one path (one reached without a symlink first, then the lowest label, then the path);
+    the others are rejected naming it. -> (candidates sorted by (label, path), duplicates per class)."""
+    first: dict[tuple[int, int], tuple] = {}
+    for f in sorted(found, key=lambda f: (f[5], f[1], f[0])):
+        first.setdefault(f[4], f)
+    candidates = []
+    duplicates = [0] * num_classes
+    for raw, label, size, mtime, ident, _via_link in found:
+        kept = first[ident]
+        if kept[0] == raw and kept[1] == label:
+            candidates.append((raw, label, size, mtime))
+            continue
+        duplicates[label] += 1
+        where = "" if kept[1] == label else " in another class"
+        rejected.append(FileIssue(_display(raw), f"same file as {_display(kept[0])}{where} (symlink or hard link); "
+                                                 f"stored once"))
+    candidates.sort(key=lambda c: (c[1], c[0]))
+    return candidates, duplicates
 
 
 def _walk_class(src: str, top: str, label: int, out: list, ignored: list, rejected: list) -> None:
+    """Collect a class' candidate files into ``out`` as (relpath, label, size, mtime_ns, (device, inode),
+    reached_through_a_symlink). Sub-folders are followed through symlinks, each folder (device, inode) once, so
+    loops end; folders reached without a symlink are walked first, so a folder also linked from elsewhere in the
+    class is listed under its own path."""
     seen: set[tuple[int, int]] = set()
-    stack = [top]
-    while stack:
-        d = stack.pop()
+    stack = [(top, os.path.islink(top))]  # real folders: walked first
+    linked: list[tuple[str, bool]] = []  # folders reached through a symlink: walked once ``stack`` is empty
+    while stack or linked:
+        d, via_link = stack.pop() if stack else linked.pop()
         try:
             st = os.stat(d)
         except OSError as exc:
             ignored.append(FileIssue(_rel(d, src), f"unreadable folder ({exc.strerror})"))
             continue
         if (st.st_dev, st.st_ino) in seen:
-            ignored.append(FileIssue(_rel(d, src), "folder already visited (symlink loop)"))
+            ignored.append(FileIssue(_rel(d, src), "folder already walked in this class (symlink loop or second link)"))
             continue
         seen.add((st.st_dev, st.st_ino))
         try:
@@ -275,7 +313,7 @@ def _walk_class(src: str, top: str, label: int, out: list, ignored: list, reject
             is_image_name = e.name.lower().endswith(CANDIDATE_EXTENSIONS)
             try:
                 if e.is_dir():
-                    subdirs.append(e.path)
+                    subdirs.append((e.path, via_link or e.is_symlink()))
                     continue
                 if e.is_symlink() and not os.path.exists(e.path):
                     (rejected if is_image_name else ignored).append(FileIssue(rel, "dangling symlink"))
@@ -294,8 +332,9 @@ def _walk_class(src: str, top: str, label: int, out: list, ignored: list, reject
             if st.st_size == 0:
                 rejected.append(FileIssue(rel, "empty file (0 bytes)"))
                 continue
-            out.append((raw, label, st.st_size, st.st_mtime_ns))
-        stack.extend(reversed(subdirs))
+            out.append((raw, label, st.st_size, st.st_mtime_ns, (st.st_dev, st.st_ino), via_link or e.is_symlink()))
+        stack.extend(sd for sd in reversed(subdirs) if not sd[1])
+        linked.extend(sd for sd in reversed(subdirs) if sd[1])
 
 
 # --------------------------------------------------------------------------- validation (worker side)
@@ -462,9 +501,9 @@ def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = 
         results.append(r)
     if blobs:
         assert cache is not None
-        with open(cache + ".tmp", "wb") as f:
-            f.write(b"".join(blobs))
-        os.replace(cache + ".tmp", cache)
+        from gpufeed.records import atomic_write_bytes
+
+        atomic_write_bytes(cache, b"".join(blobs))
     return results
 
 
@@ -678,16 +717,17 @@ def _hash_file_ranges(path: str, blocks: Any) -> str:
 def _finish_shard(dest: str, job: _ShardJob, digest: str) -> dict[str, Any]:
     """Rename a fully written and hashed shard into place, then leave its ``.done.json`` sidecar.
 
-    No fsync: the rename makes the shard atomic against a killed process; after a power loss, resume and verify
-    compare the file with its recorded sha256, so a torn shard is rewritten, never trusted.
+    No fsync of the shard: the rename makes it atomic against a killed process; after a power loss, resume and
+    verify compare the file with the sha256 its (durable) sidecar records, so a torn shard is rewritten, never
+    trusted.
     """
+    from gpufeed.records import atomic_write_bytes
+
     os.replace(job.tmp, job.final)
     result = {"name": job.name, "num_samples": len(job.rows), "bytes": job.size, "sha256": digest,
               "rows": job.rows}
-    side = os.path.join(dest, STATE_DIR, f"{job.name}.done.json")
-    with open(side + ".tmp", "w") as f:
-        f.write(json.dumps(result))  # one C-encoder call: json.dump streams through the pure-Python encoder
-    os.replace(side + ".tmp", side)
+    # One C-encoder call: json.dump streams through the pure-Python encoder.
+    atomic_write_bytes(os.path.join(dest, STATE_DIR, f"{job.name}.done.json"), json.dumps(result).encode("utf-8"))
     return result
 
 
@@ -773,41 +813,64 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
     options = _options(cfg)
     opts = {"check": cfg.check, "max_pixels": cfg.max_pixels, "max_size": cfg.max_size, "quality": cfg.quality}
     state = os.path.join(dest, STATE_DIR)
-    created = not os.path.isdir(state)
+    created = []  # the folders this run creates, innermost first: DEST/.gpufeed, DEST, missing parents of DEST
+    d = state
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        created.append(d)
+        d = os.path.dirname(d)
     try:
         os.makedirs(state, exist_ok=True)
     except OSError as exc:
         raise DataError(f"DEST {cfg.dest} cannot be created ({exc.strerror or exc})") from None
     lock = _lock(dest, cfg)
     try:
-        return _run(cfg, src, dest, workers, options, opts, progress, t0)
+        return _run(cfg, src, dest, workers, options, opts, progress, t0, lock)
     except DataError:
         if created and os.listdir(state) == [LOCK_NAME]:  # refused before writing: leave DEST as it was
             os.unlink(os.path.join(state, LOCK_NAME))
-            os.rmdir(state)
+            for folder in created:
+                try:
+                    os.rmdir(folder)  # only while empty
+                except OSError:
+                    break
         raise
     finally:
-        lock.close()
+        os.close(lock)
 
 
-def _lock(dest: str, cfg: ShardConfig) -> Any:
-    """An exclusive lock on DEST/.gpufeed/lock for the whole run: a second run into the same DEST is refused."""
+_LOCK_PID_BYTES = 32
+"""Bytes of the lock file read for the holder's pid (it holds one decimal number and a newline)."""
+
+
+def _lock(dest: str, cfg: ShardConfig) -> int:
+    """An exclusive ``flock`` on DEST/.gpufeed/lock for the whole run (a second run into the same DEST is refused,
+    naming the holder's pid, which the file records). The descriptor is close-on-exec and the forked pool workers
+    close their copy (``system.die_with_parent``), so the lock dies with this process: a run killed with -9 leaves
+    a lock the next run simply takes."""
     import fcntl
 
-    f = open(os.path.join(dest, STATE_DIR, LOCK_NAME), "a+b")
+    path = os.path.join(dest, STATE_DIR, LOCK_NAME)
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        raise DataError(f"{path} cannot be opened ({exc.strerror or exc}); DEST {cfg.dest} is not writable") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        f.close()
-        raise DataError(f"DEST {cfg.dest} is in use by another `gpufeed shard` run; wait for it to finish or "
+        holder = os.pread(fd, _LOCK_PID_BYTES, 0).strip()
+        os.close(fd)
+        who = f" (pid {int(holder)})" if holder.isdigit() and len(holder) <= 10 else ""
+        raise DataError(f"DEST {cfg.dest} is in use by another `gpufeed shard` run{who}; wait for it to finish or "
                         f"choose another DEST") from None
-    return f
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str, Any], opts: dict[str, Any],
-         progress: bool, t0: float) -> ShardReport:
+         progress: bool, t0: float, lock_fd: int) -> ShardReport:
     state = os.path.join(dest, STATE_DIR)
-    pool = _make_pool(workers) if workers > 1 else None
+    pool = _make_pool(workers, lock_fd) if workers > 1 else None
     _preload_finish_imports()
     bar = _Bar(progress)
     try:
@@ -816,7 +879,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder "
                             f"reads)")
         warn: list[str] = []
-        _check_empty(cfg, scan.classes, scan.class_counts, warn)
+        _check_empty(cfg, scan.classes, scan.class_counts, warn, duplicates=scan.duplicates)
         fingerprint = _fingerprint(scan, options)
 
         plan = _load_plan(dest, fingerprint, cfg)
@@ -844,13 +907,17 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             try:
                 results = _validate(scan, src, state, opts, pool, bar, order)
             except OSError as exc:
+                cached = _cache_bytes(state)
                 _clear_cache(state)  # useless without a plan: give the space back
-                raise _os_error(exc, cfg, est) from None
+                raise _os_error(exc, cfg, est, cache_deleted=cached) from None
             plan = _make_plan(cfg, scan, results, fingerprint, options, order)
             _check_empty(cfg, plan["classes"], plan["class_counts"], warn, after_validation=True)
             from gpufeed.records import atomic_write_bytes
 
-            atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(plan).encode("utf-8"))
+            try:
+                atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(plan).encode("utf-8"))
+            except OSError as exc:
+                raise _os_error(exc, cfg, None, cache_kept=_cache_bytes(state)) from None
         else:
             bar.note("resume: the plan matches; validation skipped")
             _check_empty(cfg, plan["classes"], plan["class_counts"], warn, after_validation=True)
@@ -877,9 +944,9 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         cached = sum(os.path.getsize(os.path.join(state, c)) for c in users)
         in_flight = sum(sorted((s["cache_bytes"] for s in todo), reverse=True)[:workers])
         need = max(0, sum(s["est_bytes"] for s in todo) - cached) + in_flight
-        _check_free_space(dest, need, cfg)
+        _check_free_space(dest, need, cfg, cached)
         for leftover in os.listdir(dest):
-            if leftover.startswith(".") and leftover.endswith(".tar.tmp"):
+            if leftover.startswith(".") and leftover.endswith(".tar.tmp") or _atomic_leftover(leftover):
                 os.unlink(os.path.join(dest, leftover))
         samples = plan["samples"]
         tasks = []
@@ -904,7 +971,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         try:
             written = _write_all(dest, tasks, opts, pool, bar, shard_done, workers=workers)
         except OSError as exc:
-            raise _os_error(exc, cfg, need) from None
+            raise _os_error(exc, cfg, need, cache_kept=_cache_bytes(state)) from None
         done.update(written)
         write_s = time.perf_counter() - t_w
     finally:
@@ -917,7 +984,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     try:
         manifest = _finish(dest, cfg, plan, infos, options)
     except OSError as exc:
-        raise _os_error(exc, cfg, 0) from None
+        raise _os_error(exc, cfg, None, shards_done=len(infos)) from None
     _clear_cache(state)  # the transcode cache is only needed until every shard is complete
     input_bytes = sum(r["bytes"] for r in plan["samples"])
     elapsed = time.perf_counter() - t0
@@ -962,14 +1029,44 @@ def _preload_finish_imports() -> None:
     threading.Thread(target=load, name="gpufeed-preload", daemon=True).start()
 
 
+def _atomic_leftover(name: str) -> bool:
+    """A temporary file that ``records.atomic_write_bytes`` left in DEST when a run was killed mid-write."""
+    return name.endswith(".tmp") and name.startswith(tuple(f".{n}." for n in ("manifest.json", "index.parquet",
+                                                                               "_info.json")))
+
+
 def _clear_cache(state: str) -> None:
+    """Delete the transcode cache files and the temporary files of interrupted atomic writes in the state folder."""
     for name in os.listdir(state):
-        if name.startswith("enc-") and (name.endswith(".bin") or name.endswith(".bin.tmp")):
+        if (name.startswith("enc-") and name.endswith(".bin")) or (name.startswith(".") and name.endswith(".tmp")):
             os.unlink(os.path.join(state, name))
 
 
-def _os_error(exc: OSError, cfg: ShardConfig, need: int) -> DataError:
-    """An OS error while writing DEST (or reading SRC) as one sentence naming the path and the reason."""
+def _amount(nbytes: int) -> str:
+    """Bytes for a message: MB (1e6) from 0.1 MB up, else the byte count (never "0.0 MB")."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes} bytes"
+
+
+def _cache_bytes(state: str) -> int:
+    """Bytes of the transcode cache files (``enc-*.bin``, re-encoded images awaiting their shards) in ``state``."""
+    total = 0
+    for name in os.listdir(state):
+        if name.startswith("enc-") and name.endswith(".bin"):
+            try:
+                total += os.path.getsize(os.path.join(state, name))
+            except OSError:
+                pass
+    return total
+
+
+def _os_error(exc: OSError, cfg: ShardConfig, need: int | None, *, cache_deleted: int = 0, cache_kept: int = 0,
+              shards_done: int = 0) -> DataError:
+    """An OS error while writing DEST (or reading SRC) as one sentence naming the path and the reason.
+
+    DEST full: ``need`` is the estimate of the bytes the job still had to write (None: not known, e.g. the index
+    and manifest after the shards); ``cache_deleted``/``cache_kept`` are the bytes of gpufeed's own transcode cache
+    under DEST/.gpufeed that took part of the space (deleted now / kept for the re-run); ``shards_done`` counts
+    complete shards a re-run keeps."""
     import errno
 
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -977,25 +1074,46 @@ def _os_error(exc: OSError, cfg: ShardConfig, need: int) -> DataError:
             free = shutil.disk_usage(cfg.dest).free
         except OSError:
             free = 0
+        if need is None:
+            what = "the job could not finish"
+            if shards_done:
+                what += f" writing the index and manifest after its {shards_done} complete shard(s), which a re-run keeps"
+            counts = f"{free} bytes free"
+        else:
+            what = f"the job needed about {_amount(need)} more"
+            counts = f"{need} bytes needed, {free} bytes free"
+        cache = ""
+        if cache_deleted:
+            cache = (f"; {_amount(cache_deleted)} of the space was gpufeed's own transcode cache of re-encoded "
+                     f"images under {os.path.join(cfg.dest, STATE_DIR)}, now deleted (re-encoding needs room for "
+                     f"that cache and the shards)")
+        elif cache_kept:
+            cache = (f"; {_amount(cache_kept)} of it is gpufeed's own transcode cache of re-encoded images under "
+                     f"{os.path.join(cfg.dest, STATE_DIR)}, kept for the re-run (each file is deleted once its "
+                     f"shards are written)")
         return DataError(
-            f"DEST {cfg.dest} is full ({exc.strerror}): the job needed about {need / 1e6:.1f} MB more, "
-            f"{free / 1e6:.1f} MB are free now ({need} bytes needed, {free} bytes free); free space or choose "
-            f"another DEST, then re-run"
+            f"DEST {cfg.dest} is full ({exc.strerror}): {what}, {_amount(free)} are free now ({counts}){cache}; "
+            f"free space or choose another DEST, then re-run"
         )
     where = exc.filename if exc.filename is not None else cfg.dest
     return DataError(f"{os.fsdecode(where)}: {exc.strerror or exc} (while sharding into {cfg.dest})")
 
 
 def _check_empty(cfg: ShardConfig, classes: list[str], counts: list[int], warn: list[str],
-                 after_validation: bool = False) -> None:
+                 after_validation: bool = False, duplicates: list[int] | None = None) -> None:
+    """Refuse empty classes (or keep them with a warning). ``duplicates``: per class, the files rejected as the
+    same file as one stored under another path (an empty class of only those is a symlink to another class)."""
     empty = [c for c, n in zip(classes, counts) if n == 0]
     if not empty:
         return
     what = "has no valid image after validation" if after_validation else "holds no image file"
     shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+    dup = [f"{c} ({duplicates[classes.index(c)]})" for c in empty if duplicates and duplicates[classes.index(c)]]
+    why = (f" of its own (only files already stored under another path, symlinks or hard links: "
+           f"{', '.join(dup[:5])})" if dup else "")
     if not cfg.allow_empty_classes:
         raise DataError(
-            f"class folder(s) {shown} {what}; remove them or pass --allow-empty-classes to keep their labels"
+            f"class folder(s) {shown} {what}{why}; remove them or pass --allow-empty-classes to keep their labels"
         )
     for c in empty:
         msg = f"class {c!r} (label {classes.index(c)}) is empty; its label is kept (no renumbering)"
@@ -1055,15 +1173,19 @@ def _remove(dest: str, name: str) -> None:
         os.unlink(p)
 
 
-def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig) -> None:
+def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig, cached: int = 0) -> None:
+    """Refuse when DEST lacks ``est_bytes`` (+2% and 16 MB); ``cached``: bytes of gpufeed's transcode cache already
+    in DEST/.gpufeed (the estimate counts it as space the shards get back as they are written)."""
     if est_bytes <= 0:
         return
     needed = int(est_bytes * 1.02) + (16 << 20)
     free = shutil.disk_usage(dest).free
     if free < needed:
+        cache = (f"; {_amount(cached)} of DEST is gpufeed's own transcode cache of re-encoded images under "
+                 f"{os.path.join(cfg.dest, STATE_DIR)}, which the shards replace as they are written" if cached else "")
         raise DataError(
-            f"DEST {cfg.dest} has {free / 1e6:.1f} MB free but the shards need about {needed / 1e6:.1f} MB "
-            f"({needed} bytes needed, {free} bytes free); free space or choose another DEST"
+            f"DEST {cfg.dest} has {_amount(free)} free but the shards need about {_amount(needed)} "
+            f"({needed} bytes needed, {free} bytes free){cache}; free space or choose another DEST"
         )
 
 
@@ -1149,9 +1271,9 @@ def _finish(dest: str, cfg: ShardConfig, plan: dict[str, Any], infos: list[dict[
         "source": pa.array(cols["source"], pa.string()), "bytes": pa.array(cols["bytes"], pa.int64()),
         "width": pa.array(cols["width"], pa.int32()), "height": pa.array(cols["height"], pa.int32()),
     })
-    tmp = os.path.join(dest, f".{INDEX_NAME}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, os.path.join(dest, INDEX_NAME))
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf)
+    atomic_write_bytes(os.path.join(dest, INDEX_NAME), buf.getvalue().to_pybytes())
 
     names = [i["name"] for i in infos]
     shard_infos = [ShardInfo(name=i["name"], num_samples=i["num_samples"], bytes=i["bytes"], sha256=i["sha256"])
@@ -1217,16 +1339,22 @@ class _Bar:
             self.bar = None
 
 
-def _make_pool(workers: int) -> tuple[cf.ProcessPoolExecutor, Any]:
-    """A process pool (fork where safe, else spawn), started at once so its start-up overlaps the scan."""
+def _make_pool(workers: int, lock_fd: int) -> tuple[cf.ProcessPoolExecutor, Any]:
+    """A process pool (fork where safe, else spawn), started at once so its start-up overlaps the scan. Its
+    workers die with this process and do not keep the DEST lock (``system.die_with_parent``)."""
     import multiprocessing as mp
 
     import threading
 
+    from gpufeed.system import die_with_parent
+
     # fork starts in milliseconds but is only safe while this process runs a single thread; ProcessPoolExecutor
     # forks every worker at the first submit, which happens right here. Otherwise spawn (slower, always safe).
     method = "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
-    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method))
+    # Only a forked worker inherits the lock descriptor (spawn starts a fresh program; the fd is close-on-exec).
+    inherited = (lock_fd,) if method == "fork" else ()
+    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method),
+                                initializer=die_with_parent, initargs=(os.getpid(), inherited))
     ex.submit(_noop)  # start the workers now (spawn: their start-up overlaps the scan)
     return ex, None
 

@@ -98,3 +98,38 @@ def _torchvision_version() -> str | None:
         return torchvision.__version__
     except Exception:
         return None
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int | None = None, close_fds: tuple[int, ...] = ()) -> None:
+    """Process-pool initializer: this worker is SIGKILLed when its parent dies (Linux ``PR_SET_PDEATHSIG``), as
+    when the OOM killer or ``kill -9`` takes the main process, so no orphan keeps working or holds a file.
+
+    ``parent_pid`` (default: multiprocessing's record of the parent) closes the race of a parent that died before
+    the call: the worker exits at once. ``close_fds`` are descriptors a forked worker inherited but must not keep
+    (the DEST lock: a flock lives as long as any process holds its open file). Elsewhere than Linux only the
+    parent check and the closing are done. The signal follows the *thread* that started the worker: start pools
+    from a thread that outlives them (the main thread does)."""
+    for fd in close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if parent_pid is None:
+        import multiprocessing
+
+        parent = multiprocessing.parent_process()
+        parent_pid = parent.pid if parent is not None else None
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl in this libc: only the parent check below
+            pass
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)  # the parent is already gone (we were re-parented): do not start work for nobody

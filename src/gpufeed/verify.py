@@ -415,7 +415,10 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
     if workers > 1:
         import multiprocessing as mp
 
-        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        from gpufeed.system import die_with_parent  # the workers die with this process (kill -9, OOM killer)
+
+        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                                    initializer=die_with_parent, initargs=(os.getpid(),)) as ex:
             results = list(ex.map(_verify_shard, *zip(*jobs)))
     else:
         results = [_verify_shard(*j) for j in jobs]

@@ -487,6 +487,25 @@ def test_rank_entry_point_prints_one_sentence_and_writes_its_cause(shards, tmp_p
     assert report["message"] == err[0].removeprefix("rank 0: ")
 
 
+def test_rank_entry_point_shows_a_traceback_only_when_verbose(tmp_path: Path, capsys, monkeypatch) -> None:
+    import gpufeed.train as train_module
+    from gpufeed.config import to_toml
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer\nmore detail")
+
+    monkeypatch.setattr(train_module, "train", crash)
+    (tmp_path / "config.toml").write_text(to_toml("train", tiny(mode="synthetic", steps=1)))
+    monkeypatch.delenv("GPUFEED_VERBOSE", raising=False)
+    assert train_module.main([str(tmp_path / "config.toml")]) == 1
+    assert capsys.readouterr().err == "rank 0: unexpected RuntimeError: Connection closed by peer\n"
+    assert json.loads((tmp_path / "rank-0.error").read_text())["cause"] is False
+    monkeypatch.setenv("GPUFEED_VERBOSE", "1")
+    assert train_module.main([str(tmp_path / "config.toml")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith("rank 0: unexpected RuntimeError: Connection closed by peer\n")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ddp_rank_failure_ends_in_one_sentence_naming_the_shard(truncated, tmp_path: Path) -> None:

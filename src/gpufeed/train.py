@@ -16,6 +16,14 @@ CPU, where the work is synchronous). On CUDA each step ends by waiting for its o
 spent in ``next(loader)`` is time the GPU sits idle. Data stall % = Σ data wait / Σ step time.
 At the end of each mode the per-rank numbers are all-gathered and rank 0 writes the records.
 
+Checkpoints (``last.pt``) hold tensors and plain values only: ``--resume`` reads them with
+``torch.load(weights_only=True)`` and checks them against the run (arch, classes, every shape, the RNG
+states) before loading anything; nothing is unpickled into objects.
+
+Failures: what every rank would refuse before its first step (no shards, a missing shard, too few samples,
+a checkpoint that does not fit) exits 2; a failure after a rank began (a corrupt shard mid-epoch) exits 1.
+Under torchrun each failed rank prints ``rank R: <one sentence>`` and the launcher repeats the first cause.
+
 Entry points: :func:`launch` (run folder + torchrun or in-process), :func:`train` (inside one rank),
 :func:`measure` (the three modes in this process, for scripts), :func:`render` (summary -> text).
 """
@@ -365,8 +373,10 @@ class _RngState:
             torch.Generator().set_state(tch)
         except RuntimeError as exc:
             raise bad(f"the torch RNG state is malformed ({one_line(exc)})") from None
-        if cuda is not None and torch.cuda.is_available() and cuda.numel() != torch.cuda.get_rng_state().numel():
-            raise bad(f"the CUDA RNG state has {cuda.numel()} bytes, this GPU's has {torch.cuda.get_rng_state().numel()}")
+        if cuda is not None and torch.cuda.is_available():
+            want = torch.cuda.get_rng_state().numel()
+            if cuda.numel() != want:
+                raise bad(f"the CUDA RNG state has {cuda.numel()} bytes, this GPU's has {want}")
         return cls(python=python, numpy=numpy, torch=tch, cuda=cuda)
 
     def apply(self) -> None:
@@ -864,7 +874,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["initial_lr"] = peak
         return torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_at(s, total=total, warmup=warm, peak=peak, floor=floor) / peak if peak else 0.0,
+            self.optimizer,
+            lambda s: lr_at(s, total=total, warmup=warm, peak=peak, floor=floor) / peak if peak else 0.0,
             last_epoch=step - 1)
 
     def _check_optimizer_state(self, saved: Any) -> None:
@@ -1066,7 +1077,8 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer) -> VerdictInp
         per_rank_stall_pct=tuple(r.stall_pct for r in real.per_rank),
         copy_wait_pct=real.copy_wait_pct,
         loader_cores_used=lonly.loader_cores_used if lonly else None,
-        usable_cores=float(usable_cpus()), num_nodes=trainer.num_nodes, ranks_per_node=trainer.world.local_world_size,
+        usable_cores=float(usable_cpus()), num_nodes=trainer.num_nodes,
+        ranks_per_node=trainer.world.local_world_size,
         num_workers=trainer.loader_cfg.num_workers,
         read_bytes_per_s=(lonly or real).read_bytes_per_s,
         storage_bytes_per_s=trainer.cfg.storage_bytes_per_s,
@@ -1374,7 +1386,8 @@ def render(s: dict[str, Any]) -> str:
     if s.get("num_skipped"):
         lines.append(f"skipped samples: {s['num_skipped']} (corrupt, rank 0)")
     if s.get("num_repeated"):
-        lines.append(f"repeated samples: {s['num_repeated']} (read twice to keep the ranks' batch counts equal, rank 0)")
+        lines.append(f"repeated samples: {s['num_repeated']} (read twice to keep the ranks' batch counts equal, "
+                     f"rank 0)")
     for n in s.get("notes", []):
         lines.append(f"note: {n}")
     if s.get("checkpoint"):

@@ -563,8 +563,8 @@ class _Search:
                                   contended=contended, note=rec.note or note)
         self.trials.append(rec)
         self.cache[key] = rec
-        self.progress(f"trial {rec.trial:2d} {phase:16s} {describe(rec):60s} " +
-                      (f"{rec.samples_per_s:8.1f} samples/s" if rec.ok else f"ERROR {one_line(rec.error) if rec.error else 'no rate'}"))
+        result = f"{rec.samples_per_s:8.1f} samples/s" if rec.ok else f"ERROR {one_line(rec.error or 'no rate')}"
+        self.progress(f"trial {rec.trial:2d} {phase:16s} {describe(rec):60s} {result}")
         return rec
 
     def target_reached(self) -> bool:
@@ -587,6 +587,8 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     ``base`` supplies the knobs the tuner does not move (seed, on_error, ...) and the starting point
     (decode path, prefetch, batching); batch_size and image_size come from ``cfg``. ``measure`` has
     :func:`measure_loader`'s signature. With ``write`` the run folder and ``cfg.out`` are written.
+    With the real loader, a shard set that cannot be read (manifest, a missing or unreadable shard, fewer
+    samples than one batch) is a DataError (exit 2) before the first trial, as in ``gpufeed train``.
     """
     from gpufeed.system import total_ram_bytes, usable_cpus
 

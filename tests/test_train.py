@@ -51,10 +51,10 @@ def test_lr_warmup_then_cosine() -> None:
 
 def test_torchrun_command_rendezvous_options(tmp_path: Path) -> None:
     cmd = torchrun_command(tiny(nproc_per_node=2), tmp_path / "c.toml")
-    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in cmd
+    assert cmd[1:4] == ["-m", "gpufeed.train", "--torchrun"] and "--standalone" in cmd
     assert cmd[-3:] == ["-m", "gpufeed.train", str(tmp_path / "c.toml")]
     cmd = torchrun_command(tiny(nproc_per_node=8, nnodes="2", rdzv_endpoint="node0:29400", rdzv_id="job7"), "c")
-    assert ["--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", "job7"] == cmd[7:13]
+    assert ["--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", "job7"] == cmd[8:14]
     cmd = torchrun_command(tiny(nproc_per_node=4, nnodes="2", master_addr="10.0.0.1", node_rank=1), "c")
     assert "--master-addr" in cmd and cmd[cmd.index("--node-rank") + 1] == "1" and "29500" in cmd
     with pytest.raises(ConfigError, match="rdzv-endpoint"):
@@ -130,7 +130,7 @@ def test_resume_after_a_killed_run_continues_at_the_same_step_lr_and_state(shard
     cfg = tiny(shards=str(shards["train"]), steps=6, warmup_steps=2)  # 16 batches/epoch: one epoch
     ref = tmp_path / "ref"
     ref.mkdir()
-    train(cfg, LOADER, World.single(), run_dir=ref)
+    train(dataclasses.replace(cfg, checkpoint_dir=str(tmp_path / "ref-ck")), LOADER, World.single(), run_dir=ref)
     ref_log = {r["step"]: r for r in read_log(ref)}
 
     ck = tmp_path / "ck"
@@ -142,7 +142,7 @@ def test_resume_after_a_killed_run_continues_at_the_same_step_lr_and_state(shard
     with pytest.raises(Killed):
         train(dataclasses.replace(cfg, checkpoint_dir=str(ck), checkpoint_every=2), LOADER, World.single(),
               on_step=kill_at_3)
-    state = torch.load(ck / "last.pt", map_location="cpu", weights_only=False)
+    state = torch.load(ck / "last.pt", map_location="cpu", weights_only=True)
     assert state["step"] == 2 and state["loader_position"]["batches_consumed"] == 2
 
     # the resumed trainer holds the checkpoint's optimizer state
@@ -159,9 +159,16 @@ def test_resume_after_a_killed_run_continues_at_the_same_step_lr_and_state(shard
     log = read_log(run)
     assert [r["step"] for r in log] == [3, 4, 5, 6]
     for r in log:
-        assert r["lr"] == pytest.approx(ref_log[r["step"]]["lr"], rel=1e-12)
-        assert r["loss"] == pytest.approx(ref_log[r["step"]]["loss"], rel=1e-4)
-    assert torch.load(ck / "last.pt", map_location="cpu", weights_only=False)["step"] == 6
+        assert r["lr"] == ref_log[r["step"]]["lr"]
+        assert r["loss"] == ref_log[r["step"]]["loss"]
+    # bit for bit: the resumed run ends with the uninterrupted run's weights and momentum buffers
+    end = torch.load(ck / "last.pt", map_location="cpu", weights_only=True)
+    ref_end = torch.load(tmp_path / "ref-ck" / "last.pt", map_location="cpu", weights_only=True)
+    assert end["step"] == ref_end["step"] == 6
+    assert end["model"].keys() == ref_end["model"].keys()
+    assert all(torch.equal(v, ref_end["model"][k]) for k, v in end["model"].items())
+    assert all(torch.equal(v["momentum_buffer"], ref_end["optimizer"]["state"][k]["momentum_buffer"])
+               for k, v in end["optimizer"]["state"].items())
 
 
 # --------------------------------------------------------------------------- DDP (2 gloo processes via torchrun)
@@ -184,7 +191,7 @@ def test_ddp_uneven_shards_equal_steps_identical_weights_validation(shards, tmp_
     assert len({r["num_steps"] for r in real["per_rank"]}) == 1
     assert len(s["rank_param_checksums"]) == 2 and s["rank_param_checksums"][0] == s["rank_param_checksums"][1]
     assert [v["epoch"] for v in s["val"]] == [0, 1] and all(v["num_samples"] == 16 for v in s["val"])
-    state = torch.load(tmp_path / "ck" / "last.pt", map_location="cpu", weights_only=False)
+    state = torch.load(tmp_path / "ck" / "last.pt", map_location="cpu", weights_only=True)
     assert state["step"] == 16 and len(state["rng"]) == 2
     assert (run / "summary.json").is_file() and (run / "report.md").is_file()
     assert read_log(run)[-1]["step"] == 16
@@ -230,7 +237,7 @@ def test_resume_after_sigkill(shards, tmp_path: Path) -> None:
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    saved = torch.load(ck / "last.pt", map_location="cpu", weights_only=False)["step"]
+    saved = torch.load(ck / "last.pt", map_location="cpu", weights_only=True)["step"]
     assert saved % 3 == 0 and 3 <= saved < 40
 
     res = invoke(["train", *args, "--resume", "--run-dir", tmp_path / "resumed", "--json"], expect=None)
@@ -276,3 +283,241 @@ def test_meter_leaves_paused_time_out_of_the_rate() -> None:
     time.sleep(0.2)  # e.g. logging and worker shutdown, after the window
     r = m.finish()
     assert r.wall_s < 0.2 and r.samples_per_s > 50
+
+
+# --------------------------------------------------------------------------- the world each rank sees
+
+
+@pytest.mark.parametrize("env, device, expected", [
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, "cuda:0", "cuda:1"),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, "cuda", "cuda:1"),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, "auto", "cuda:1"),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, "cpu", "cpu"),
+    ({}, "cuda:3", "cuda:3"),  # one process keeps the GPU it was given
+])
+def test_world_from_env_puts_each_rank_on_its_local_gpu(monkeypatch, env, device, expected) -> None:
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    w = World.from_env(device)
+    assert w.device == expected and w.backend == ("gloo" if expected == "cpu" else "nccl")
+    if env:
+        assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.num_nodes) == (3, 4, 1, 2, 2)
+    else:
+        assert (w.rank, w.world_size, w.local_world_size, w.num_nodes) == (0, 1, 1, 1)
+
+
+# --------------------------------------------------------------------------- a checkpoint that does not fit
+
+
+TINY_ARGS = ["--arch", "resnet18", "--image-size", "32", "--num-workers", "0", "--amp", "off", "--device", "cpu",
+             "--quiet", "--threads", "1"]
+"""A cheap CPU run, without --steps and --batch-size."""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(shards, tmp_path_factory) -> Path:
+    """A real last.pt of a 1-step resnet18 run on shards['train']."""
+    ck = tmp_path_factory.mktemp("ck")
+    invoke(["train", "--shards", shards["train"], *TINY_ARGS, "--steps", "1", "--batch-size", "4",
+            "--checkpoint-dir", ck, "--run-dir", tmp_path_factory.mktemp("run")],
+           expect=None)  # exit 1 when the verdict says starved
+    assert (ck / "last.pt").is_file()
+    return ck / "last.pt"
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "junk":
+        path.write_bytes(b"not a checkpoint\n")
+    elif how == "record":  # a valid zip archive whose first tensor record is cut short
+        import io
+        import zipfile
+
+        src = zipfile.ZipFile(io.BytesIO(data))
+        with zipfile.ZipFile(path, "w") as out:
+            for name in src.namelist():
+                out.writestr(name, src.read(name)[:2] if name.endswith("/data/0") else src.read(name))
+    elif how == "fc":
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        state["model"]["fc.weight"] = torch.zeros(3, 512)
+        torch.save(state, path)
+
+
+@pytest.mark.parametrize("damage, args, says", [
+    ("none", ["--arch", "resnet34"], "was written for arch 'resnet18', this run trains 'resnet34'"),
+    ("truncate", [], "is not a gpufeed checkpoint: not a torch zip archive (truncated"),
+    ("junk", [], "is not a gpufeed checkpoint: not a torch zip archive"),
+    ("record", [], "cannot be read: truncated or corrupt (RuntimeError: record size"),
+    ("fc", [], "model['fc.weight'] is torch.float32 (3, 512), this run has torch.float32 (4, 512)"),
+])
+def test_resume_refuses_a_checkpoint_that_does_not_fit(shards, checkpoint, tmp_path: Path, damage, args,
+                                                        says) -> None:
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    path = ck / "last.pt"
+    path.write_bytes(checkpoint.read_bytes())
+    _damage(path, damage)
+    res = invoke(["train", "--shards", shards["train"], *TINY_ARGS, "--steps", "1", "--batch-size", "4", *args,
+                  "--checkpoint-dir", ck, "--resume", "--run-dir", tmp_path / "run"], expect=2)
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and says in err[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_resume_checks_the_checkpoint_before_loading_it(checkpoint, tmp_path: Path) -> None:
+    """The checks, one by one, on the Trainer (no CLI): each one is a DataError naming the file."""
+    from gpufeed.errors import DataError
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    cfg = tiny(mode="synthetic", steps=1, num_classes=4, checkpoint_dir=str(ck), resume=True)
+    good = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    cases = [
+        ({"version": 1}, "checkpoint version 1"),
+        ({"num_classes": 10}, "10 classes, this run has 4"),
+        ({"step": -1}, "step is -1"),
+        ({"rng": []}, "RNG states"),
+        ({"rng": [{**good["rng"][0], "torch": torch.zeros(3, dtype=torch.uint8)}]}, "torch RNG state is malformed"),
+        ({"rng": [{**good["rng"][0], "python": {"version": 3, "key": torch.zeros(3, dtype=torch.int64),
+                                                 "gauss": None}}]}, "Python RNG state is malformed"),
+        ({"optimizer": {**good["optimizer"], "state": {0: {"momentum_buffer": torch.zeros(2)}}}},
+         "optimizer state[0]"),
+        ({"optimizer": {**good["optimizer"], "param_groups": [{**g, "lr": "0.1"} for g in
+                                                                good["optimizer"]["param_groups"]]}},
+         "not a finite number"),
+    ]
+    for change, says in cases:
+        torch.save({**good, **change}, ck / "last.pt")
+        t = Trainer(cfg, LOADER, World.single())
+        with pytest.raises(DataError, match="last.pt") as info:
+            t.load_checkpoint()
+        assert says in str(info.value), (change.keys(), str(info.value))
+        assert t.step == 0  # nothing was applied
+    torch.save(good, ck / "last.pt")
+    t = Trainer(cfg, LOADER, World.single())
+    assert t.load_checkpoint() is not None and t.step == 1 and t.resume_rng is not None
+
+
+# --------------------------------------------------------------------------- failures: exit codes and one sentence
+
+
+@pytest.fixture(scope="module")
+def truncated(tmp_path_factory) -> Path:
+    """shards['train']'s layout with train-000001.tar cut in half (the manifest still lists it whole)."""
+    dest = write_tiny_shards(tmp_path_factory.mktemp("truncated") / "set", [16, 16, 16, 16])
+    shard = dest / "train-000001.tar"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    return dest
+
+
+def test_a_shard_failing_mid_run_is_a_run_error_exit_1(truncated, tmp_path: Path) -> None:
+    res = invoke(["train", "--shards", truncated, *TINY_ARGS, "--steps", "16", "--batch-size", "4",
+                  "--run-dir", tmp_path / "run"], expect=1)
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and "train-000001.tar" in err[0], res.stderr
+
+
+def test_too_few_samples_per_rank_is_refused_before_launch(shards, tmp_path: Path) -> None:
+    """64 samples, 2 ranks, batch 64: no batch per rank. Found before torchrun starts: exit 2, no run folder."""
+    run = tmp_path / "run"
+    res = invoke(["train", "--shards", shards["train"], *TINY_ARGS, "--steps", "1", "--batch-size", "64",
+                  "--nproc-per-node", "2", "--run-dir", run], expect=2)
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and "64 samples are not enough for one batch of 64 on each of 2 rank" in err[0], res.stderr
+    assert not run.exists()
+
+
+def test_a_missing_shard_is_exit_2_before_any_rank_starts(shards, tmp_path: Path) -> None:
+    import shutil
+
+    dest = tmp_path / "set"
+    shutil.copytree(shards["train"], dest)
+    (dest / "train-000002.tar").unlink()
+    for extra in ([], ["--nproc-per-node", "2"]):
+        res = invoke(["train", "--shards", dest, *TINY_ARGS, "--steps", "1", "--batch-size", "4", *extra,
+                      "--run-dir", tmp_path / "run"], expect=2)
+        err = res.stderr.strip().splitlines()
+        assert len(err) == 1 and "train-000002.tar" in err[0] and "missing" in err[0], res.stderr
+
+
+def test_rank_failure_reports_the_first_cause_with_its_exit_code(tmp_path: Path) -> None:
+    from gpufeed.errors import GpufeedError, RunError
+    from gpufeed.train import rank_failure
+
+    def report(rank: int, message: str, code: int, cause: bool, t: float) -> None:
+        (tmp_path / f"rank-{rank}.error").write_text(json.dumps(
+            {"rank": rank, "message": message, "exit_code": code, "cause": cause, "time": t}))
+
+    err = rank_failure(tmp_path, 1)
+    assert isinstance(err, RunError) and "no rank reported a cause" in str(err)
+    report(0, "unexpected RuntimeError: Connection closed by peer", 1, False, 10.0)  # the consequence, first
+    report(1, "shard /x/train-000001.tar: truncated", 1, True, 11.0)
+    report(2, "shard /x/train-000003.tar: truncated", 1, True, 12.0)
+    (tmp_path / "rank-3.error").write_text("{half a record")  # ignored
+    err = rank_failure(tmp_path, 1)
+    assert isinstance(err, RunError) and str(err) == "rank 1: shard /x/train-000001.tar: truncated"
+    report(1, "/ck/last.pt was written for arch 'resnet50', this run trains 'resnet18'", 2, True, 11.0)
+    err = rank_failure(tmp_path, 1)
+    assert not isinstance(err, RunError) and isinstance(err, GpufeedError) and err.exit_code == 2
+    assert str(err).startswith("rank 1: /ck/last.pt")
+
+
+def test_rank_entry_point_prints_one_sentence_and_writes_its_cause(shards, tmp_path: Path, capsys) -> None:
+    """What each rank does under torchrun, in this process: a refused checkpoint (before the first step) -> 2."""
+    from gpufeed.config import to_toml
+    from gpufeed.train import main
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "last.pt").write_bytes(b"junk")
+    cfg = tiny(shards=str(shards["train"]), steps=1, checkpoint_dir=str(ck), resume=True, run_dir=str(tmp_path))
+    (tmp_path / "config.toml").write_text(to_toml("loader", LOADER) + "\n" + to_toml("train", cfg))
+    assert main([str(tmp_path / "config.toml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rank 0: {ck / 'last.pt'} is not a gpufeed checkpoint: not a torch zip archive (truncated, "
+                   f"junk or an old torch format)"]
+    report = json.loads((tmp_path / "rank-0.error").read_text())
+    assert report["rank"] == 0 and report["exit_code"] == 2 and report["cause"] is True
+    assert report["message"] == err[0].removeprefix("rank 0: ")
+
+
+def test_rank_entry_point_shows_a_traceback_only_when_verbose(tmp_path: Path, capsys, monkeypatch) -> None:
+    import gpufeed.train as train_module
+    from gpufeed.config import to_toml
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer\nmore detail")
+
+    monkeypatch.setattr(train_module, "train", crash)
+    (tmp_path / "config.toml").write_text(to_toml("train", tiny(mode="synthetic", steps=1)))
+    monkeypatch.delenv("GPUFEED_VERBOSE", raising=False)
+    assert train_module.main([str(tmp_path / "config.toml")]) == 1
+    assert capsys.readouterr().err == "rank 0: unexpected RuntimeError: Connection closed by peer\n"
+    assert json.loads((tmp_path / "rank-0.error").read_text())["cause"] is False
+    monkeypatch.setenv("GPUFEED_VERBOSE", "1")
+    assert train_module.main([str(tmp_path / "config.toml")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith("rank 0: unexpected RuntimeError: Connection closed by peer\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ddp_rank_failure_ends_in_one_sentence_naming_the_shard(truncated, tmp_path: Path) -> None:
+    """2 gloo ranks, one meets a truncated shard mid-epoch: exit 1, no traceback, the cause on the last line."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpufeed.cli", "train", "--shards", str(truncated), *TINY_ARGS, "--steps", "8",
+         "--batch-size", "4", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr and len(lines) <= 4, proc.stderr
+    assert lines[-1].startswith("error: rank ") and "train-000001.tar" in lines[-1], proc.stderr

@@ -352,3 +352,61 @@ def test_cli_tune_missing_shards_is_a_usage_error(tmp_path: Path) -> None:
 
     res = invoke(["tune", tmp_path, "--budget", "5"], expect=2)
     assert "manifest" in res.stderr or "gpufeed index" in res.stderr
+
+
+def test_missing_shard_file_is_exit_2_from_tune_as_from_train(tiny_shards: Path, tmp_path: Path) -> None:
+    """The manifest is there, one shard file is not: both jobs refuse before work starts, in one sentence."""
+    import shutil
+
+    from tests.conftest import invoke
+
+    dest = tmp_path / "set"
+    shutil.copytree(tiny_shards, dest)
+    (dest / "train-000002.tar").unlink()
+    for args in (["tune", dest, "--budget", "5", "--batch-size", "8", "--image-size", "32", "--run-dir",
+                  tmp_path / "run"],
+                 ["train", "--shards", dest, "--arch", "resnet18", "--steps", "1", "--batch-size", "8",
+                  "--device", "cpu", "--run-dir", tmp_path / "train-run"]):
+        res = invoke(args, expect=2)
+        err = res.stderr.strip().splitlines()
+        assert err[-1].startswith("error: ") and "train-000002.tar" in err[-1] and "missing" in err[-1], res.stderr
+        assert len(err) == 1, res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_loader_failing_mid_measurement_is_a_one_sentence_error_with_the_partial_measurement() -> None:
+    """measure_stream keeps what it measured before the loader raised (no exception notes: Python 3.10)."""
+    from gpufeed.tune import _run_measurement, measure_stream
+
+    def open_batches(epoch: int):
+        import torch
+
+        yield torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64)
+        raise ValueError("corrupt sample 'k1' in shard s.tar\nOriginal Traceback (most recent call last): ...")
+
+    with pytest.raises(Exception) as info:
+        measure_stream(open_batches, window_batches=2, repeats=1)
+    assert str(info.value) == "ValueError: corrupt sample 'k1' in shard s.tar"
+    assert info.value.partial["startup_s"] > 0 and isinstance(info.value.__cause__, ValueError)
+
+    rec = _run_measurement(lambda: measure_stream(open_batches, window_batches=2, repeats=1),
+                           LoaderConfig(batch_size=4), "gpufeed", time.perf_counter(), cleanup=lambda: None)
+    assert rec.error == "ValueError: corrupt sample 'k1' in shard s.tar" and rec.startup_s > 0
+    assert rec.samples_per_s is None
+
+
+def test_render_shows_trial_errors_and_sample_counters_in_one_line_each(tmp_path: Path) -> None:
+    from gpufeed.tune import render
+
+    cfg = LoaderConfig(batch_size=8)
+    trials = [trial_record(cfg, [100.0, 110.0, 120.0], trial=0, phase="workers", num_skipped=3, num_repeated=2),
+              trial_record(cfg, trial=1, phase="workers", error="DataError: shard a.tar: truncated\nTraceback ...")]
+    report = TuneReport(
+        ok=True, shards="s", run_dir=None, out=None, best=cfg, best_trial=0, best_samples_per_s=None, baseline=None,
+        baseline_samples_per_s=None, ratio_vs_baseline=None, bound=None, bound_evidence="", stop_reason="done",
+        skipped={}, decisions=[], conclusion="best: ...", budget_s=5, elapsed_s=1, target_rate=None,
+        target_met=None, usable_cpus=2, device="cpu", num_trials=2, trials=trials)
+    text = render(report)
+    row = [line for line in text.splitlines() if line.endswith("DataError: shard a.tar: truncated")]
+    assert len(row) == 1 and "Traceback" not in text
+    assert "skipped samples: #0 3" in text.splitlines() and "repeated samples: #0 2" in text.splitlines()

@@ -313,7 +313,8 @@ def synth(dest: str, images: int | None, classes: int | None, seed: int | None, 
 @click.option("--master-port", type=int, help="Static rendezvous port  [default: 29500].")
 @click.option("--rdzv-endpoint", type=str, help="c10d rendezvous HOST[:PORT] (instead of --master-addr).")
 @click.option("--rdzv-id", type=str, help="Rendezvous job id, same on all nodes  [default: gpufeed].")
-@click.option("--device", type=str, help="auto, cpu or cuda  [default: auto].")
+@click.option("--device", type=str,
+              help="auto, cpu, cuda or cuda:N; under torchrun each rank takes cuda:LOCAL_RANK  [default: auto].")
 @click.option("--threads", type=int, help="torch CPU threads per rank  [default: usable CPUs / processes].")
 @click.option("--storage-rate", "storage_bytes_per_s", type=float,
               help="Measured storage read rate, bytes/s (lets the verdict call a storage bound).")
@@ -338,7 +339,9 @@ def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int 
     try:
         conf = load_config(config_path, overrides)
     except GpufeedError as exc:
-        fail(str(exc), exc.exit_code)
+        from gpufeed.errors import one_line
+
+        fail(one_line(exc), exc.exit_code)
 
     def job() -> Any:
         from gpufeed.train import launch

@@ -16,6 +16,14 @@ CPU, where the work is synchronous). On CUDA each step ends by waiting for its o
 spent in ``next(loader)`` is time the GPU sits idle. Data stall % = Σ data wait / Σ step time.
 At the end of each mode the per-rank numbers are all-gathered and rank 0 writes the records.
 
+Checkpoints (``last.pt``) hold tensors and plain values only: ``--resume`` reads them with
+``torch.load(weights_only=True)`` and checks them against the run (arch, classes, every shape, the RNG
+states) before loading anything; nothing is unpickled into objects.
+
+Failures: what every rank would refuse before its first step (no shards, a missing shard, too few samples,
+a checkpoint that does not fit) exits 2; a failure after a rank began (a corrupt shard mid-epoch) exits 1.
+Under torchrun each failed rank prints ``rank R: <one sentence>`` and the launcher repeats the first cause.
+
 Entry points: :func:`launch` (run folder + torchrun or in-process), :func:`train` (inside one rank),
 :func:`measure` (the three modes in this process, for scripts), :func:`render` (summary -> text).
 """
@@ -38,7 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gpufeed.config import LoaderConfig, TrainConfig, load_config, to_toml
-from gpufeed.errors import ConfigError, DataError, GpufeedError
+from gpufeed.errors import ConfigError, DataError, GpufeedError, RunError, one_line
 from gpufeed.metrics import Stat
 from gpufeed.records import append_jsonl, make_run_dir, to_jsonable, utc_now, write_json
 from gpufeed.telemetry import Telemetry
@@ -46,16 +54,13 @@ from gpufeed.verdict import Verdict, VerdictInputs, classify
 from gpufeed.world import World
 
 CHECKPOINT_NAME = "last.pt"
+CHECKPOINT_FORMAT = "gpufeed-train-checkpoint"
+CHECKPOINT_VERSION = 2
+"""2: tensors and plain values only (RNG states as tensors), loaded with ``weights_only=True``."""
 LOG_NAME = "log.jsonl"
 SUMMARY_NAME = "summary.json"
 CONFIG_NAME = "config.toml"
 MODES_MEASURE = ("synthetic", "loader-only", "real")
-
-
-class LaunchError(GpufeedError):
-    """torchrun or a rank failed."""
-
-    exit_code = 1
 
 
 # --------------------------------------------------------------------------- records
@@ -158,6 +163,9 @@ class TrainRecord:
     verdict: Verdict | None
     ok: bool
     num_skipped: int = 0
+    """Corrupt samples skipped (``on_error = "skip"``), rank 0's loader."""
+    num_repeated: int = 0
+    """Samples read a second time to keep the ranks' batch counts equal, rank 0's loader."""
     checkpoint: str | None = None
     run_dir: str | None = None
     wall_s: float = 0.0
@@ -298,22 +306,211 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
 
 
 def _rng_state(cuda: bool) -> dict[str, Any]:
+    """This process's RNG states as tensors and plain values (what ``torch.load(weights_only=True)`` reads)."""
     import numpy as np
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, key, gauss = random.getstate()
+    name, np_key, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": int(version), "key": torch.tensor(key, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"name": str(name), "key": torch.from_numpy(np_key.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if cuda:
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
+@dataclass(frozen=True)
+class _RngState:
+    """A checkpoint's RNG states, checked by applying them to scratch generators; :meth:`apply` cannot fail."""
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    python: tuple[Any, ...]
+    numpy: tuple[Any, ...]
+    torch: torch.Tensor
+    cuda: torch.Tensor | None
+
+    @classmethod
+    def parse(cls, state: Any, where: str) -> "_RngState":
+        import numpy as np
+
+        def bad(what: str) -> DataError:
+            return DataError(f"{where}: {what}")
+
+        if not isinstance(state, dict):
+            raise bad("the RNG state is not a mapping")
+        py, nps, tch, cuda = state.get("python"), state.get("numpy"), state.get("torch"), state.get("cuda")
+        try:
+            key = py["key"]
+            if not (isinstance(key, torch.Tensor) and key.dtype == torch.int64 and key.dim() == 1):
+                raise TypeError("key is not an int64 vector")
+            gauss = py["gauss"]
+            if gauss is not None and not isinstance(gauss, float):
+                raise TypeError("gauss is not a float")
+            python = (int(py["version"]), tuple(int(v) for v in key.tolist()), gauss)
+            random.Random().setstate(python)  # raises on a malformed state
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise bad(f"the Python RNG state is malformed ({one_line(exc)})") from None
+        try:
+            key = nps["key"]
+            if not (isinstance(key, torch.Tensor) and key.dtype == torch.int64 and key.dim() == 1
+                    and bool(((key >= 0) & (key < 2**32)).all())):
+                raise TypeError("key is not a vector of uint32 values")
+            if not isinstance(nps["name"], str):
+                raise TypeError("name is not a string")
+            numpy = (nps["name"], key.numpy().astype(np.uint32), int(nps["pos"]), int(nps["has_gauss"]),
+                     float(nps["cached_gaussian"]))
+            np.random.RandomState().set_state(numpy)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise bad(f"the NumPy RNG state is malformed ({one_line(exc)})") from None
+        for name, t in (("torch", tch), ("CUDA", cuda)):
+            if name == "CUDA" and t is None:
+                continue
+            if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
+                raise bad(f"the {name} RNG state is not a byte vector")
+        try:
+            torch.Generator().set_state(tch)
+        except RuntimeError as exc:
+            raise bad(f"the torch RNG state is malformed ({one_line(exc)})") from None
+        if cuda is not None and torch.cuda.is_available():
+            want = torch.cuda.get_rng_state().numel()
+            if cuda.numel() != want:
+                raise bad(f"the CUDA RNG state has {cuda.numel()} bytes, this GPU's has {want}")
+        return cls(python=python, numpy=numpy, torch=tch, cuda=cuda)
+
+    def apply(self) -> None:
+        import numpy as np
+
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(self.cuda)
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)``: tensors and plain values only, nothing is unpickled into
+    objects. Anything else (another format, a pickled object, a truncated or junk file) is a DataError."""
+    import pickle
+    import zipfile
+
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; the legacy raw-pickle format is refused
+        raise DataError(f"{path} is not a gpufeed checkpoint: not a torch zip archive (truncated, junk or "
+                        f"an old torch format)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the refusal below says it all
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise DataError(f"{path} is refused: the safe loader (tensors and plain values only) rejected it, and "
+                        f"loading it in full could run code") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to read an untrusted file is the same refusal
+        raise DataError(f"{path} cannot be read: truncated or corrupt ({type(exc).__name__}: "
+                        f"{one_line(exc)[:200]})") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise DataError(f"{path} is not a gpufeed train checkpoint")
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise DataError(f"{path} has checkpoint version {_short(state.get('version'))}, this gpufeed reads "
+                        f"version {CHECKPOINT_VERSION}; start without --resume")
+    return state
+
+
+def _short(value: Any) -> str:
+    """An untrusted value for a message: its repr, at most 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _count(state: dict[str, Any], key: str, where: Path) -> int:
+    v = state.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**53:
+        raise DataError(f"{where}: {key} is {_short(v)}, not a non-negative integer")
+    return v
+
+
+def _check_like(value: Any, template: Any, what: str) -> None:
+    """``value`` (from a checkpoint) has ``template``'s structure: the same keys, list lengths, tensor shapes
+    and dtypes, kinds of scalars. Raises ValueError naming the first difference."""
+    if isinstance(template, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or value.shape != template.shape or value.dtype != template.dtype:
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{what} is {got}, this run has {template.dtype} {tuple(template.shape)}")
+    elif isinstance(template, dict):
+        if not isinstance(value, dict):
+            raise ValueError(f"{what} is not a mapping")
+        extra = [k for k in value if k not in template]
+        if extra:
+            raise ValueError(f"{what} has the unknown key {_short(extra[0])}")
+        missing = [k for k in template if k not in value]
+        if missing:
+            raise ValueError(f"{what} lacks the key {missing[0]!r}")
+        for k, v in value.items():
+            _check_like(v, template[k], f"{what}[{k!r}]")
+    elif isinstance(template, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(template):
+            raise ValueError(f"{what} does not have {len(template)} entries")
+        for i, (v, t) in enumerate(zip(value, template)):
+            _check_like(v, t, f"{what}[{i}]")
+    elif isinstance(template, bool) or template is None or isinstance(template, str):
+        if type(value) is not type(template):
+            raise ValueError(f"{what} is {_short(value)}, expected a {type(template).__name__}")
+    elif isinstance(template, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{what} is {_short(value)}, not a finite number")
+    else:
+        raise ValueError(f"{what}: cannot check a {type(template).__name__}")
+
+
+def run_loader_config(cfg: TrainConfig, loader_cfg: LoaderConfig) -> LoaderConfig:
+    """The [loader] section with the run's seed, batch size and image size."""
+    overrides: dict[str, Any] = {"seed": cfg.seed}
+    if cfg.batch_size is not None:
+        overrides["batch_size"] = cfg.batch_size
+    if cfg.image_size is not None:
+        overrides["image_size"] = cfg.image_size
+    return dataclasses.replace(loader_cfg, **overrides)
+
+
+def steps_per_epoch(cfg: TrainConfig, loader: Any) -> int:
+    """Optimizer steps per epoch of ``loader``; a DataError when it has fewer batches than one step needs."""
+    n_batches = len(loader)
+    steps = n_batches // cfg.accum_steps
+    if steps < 1:
+        raise DataError(f"{cfg.shards}: {n_batches} batch(es) per rank per epoch at batch size "
+                        f"{loader.cfg.batch_size} is fewer than accum_steps={cfg.accum_steps}")
+    return steps
+
+
+def open_shards(shards: str | Path, loader_cfg: LoaderConfig, world: World, *, train: bool = True) -> Any:
+    """Build the loader of ``shards`` for rank 0 of ``world`` (no workers start) and open every shard once:
+    the checks that can be made before a run starts (manifest, shard files present and readable, enough
+    samples for one batch per rank). Raises DataError (exit 2); returns the loader."""
+    from gpufeed.loader import build_loader
+
+    loader = build_loader(shards, dataclasses.replace(loader_cfg, num_workers=0), world, train=train)
+    for path in loader.paths:
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise DataError(f"shard {path} cannot be opened: {exc.strerror or exc}") from None
+    return loader
+
+
+def check_data(cfg: TrainConfig, loader_cfg: LoaderConfig, world_size: int) -> None:
+    """What every rank of a ``world_size``-rank run would refuse before its first step, refused once before
+    launch (DataError/ConfigError, exit 2): no shards for a data mode, an unreadable manifest, a missing or
+    unreadable shard, too few samples for one step per rank."""
+    if cfg.mode not in ("real", "loader-only", "measure"):
+        return
+    if not cfg.shards:
+        raise ConfigError(f"mode {cfg.mode} needs --shards (only --synthetic runs without data)")
+    lc = run_loader_config(cfg, loader_cfg)
+    world = World(world_size=world_size)
+    steps_per_epoch(cfg, open_shards(cfg.shards, lc, world))
+    if cfg.val_shards and cfg.mode == "real":
+        open_shards(cfg.val_shards, lc, world, train=False)
 
 
 def _memory_bytes(world: World) -> int:
@@ -339,17 +536,11 @@ class Trainer:
         self.device = torch.device(world.device)
         self.cuda = world.is_cuda
         self.notes: list[str] = []
-        overrides: dict[str, Any] = {"seed": cfg.seed}
-        if cfg.batch_size is not None:
-            overrides["batch_size"] = cfg.batch_size
-        if cfg.image_size is not None:
-            overrides["image_size"] = cfg.image_size
-        self.loader_cfg = dataclasses.replace(loader_cfg, **overrides)
+        self.loader_cfg = run_loader_config(cfg, loader_cfg)
         self.batch_size = self.loader_cfg.batch_size
         self.image_size = self.loader_cfg.image_size
         self.accum = cfg.accum_steps
-        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        self.num_nodes = max(1, world.world_size // max(1, self.local_world))
+        self.num_nodes = world.num_nodes
 
         if self.cuda:
             torch.cuda.set_device(self.device)  # events, streams and NCCL use the current device
@@ -357,7 +548,7 @@ class Trainer:
         if not self.cuda:
             from gpufeed.system import usable_cpus
 
-            torch.set_num_threads(cfg.threads or max(1, usable_cpus() // self.local_world))
+            torch.set_num_threads(cfg.threads or max(1, usable_cpus() // world.local_world_size))
         elif cfg.threads:
             torch.set_num_threads(cfg.threads)
 
@@ -417,18 +608,12 @@ class Trainer:
 
         # schedule: total steps known once the loader length is
         if self.loader is not None:
-            n_batches = len(self.loader)
-            self.steps_per_epoch = n_batches // self.accum
-            if self.steps_per_epoch < 1:
-                raise DataError(f"{cfg.shards}: {n_batches} batch(es) per rank per epoch at batch size "
-                                f"{self.batch_size} is fewer than accum_steps={self.accum}")
+            self.steps_per_epoch = steps_per_epoch(cfg, self.loader)
         else:
             self.steps_per_epoch = cfg.steps or cfg.measure_steps
         self.total_steps = cfg.steps or cfg.epochs * self.steps_per_epoch
         self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else default_warmup(self.total_steps)
-        total, warm, peak, floor = self.total_steps, self.warmup_steps, cfg.lr, cfg.min_lr
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_at(s, total=total, warmup=warm, peak=peak, floor=floor) / peak if peak else 0.0)
+        self.scheduler = self._schedule(0)
 
         self.step = 0
         self.epoch = 0
@@ -437,6 +622,10 @@ class Trainer:
         self.step_lr = self.optimizer.param_groups[0]["lr"]
         """The LR the last optimizer step used."""
         self.start_step = 0
+        self.started = False
+        """True once this rank began reading data or computing: a failure after that is a RunError (exit 1)."""
+        self.resume_rng: _RngState | None = None
+        """This rank's RNG state from the checkpoint, applied once the loader is back at its position."""
         self._synthetic: tuple[torch.Tensor, torch.Tensor] | None = None
         self._progress = None
 
@@ -598,17 +787,20 @@ class Trainer:
         return Path(self.cfg.checkpoint_dir) / CHECKPOINT_NAME if self.cfg.checkpoint_dir else None
 
     def save_checkpoint(self) -> Path | None:
-        """Collective (RNG states are gathered from every rank); rank 0 writes last.pt atomically."""
+        """Collective (RNG states are gathered from every rank); rank 0 writes last.pt atomically.
+
+        Only tensors and plain values (what :func:`read_checkpoint` loads with ``weights_only=True``); the LR
+        scheduler is not saved: the schedule is a function of the step."""
         path = self.checkpoint_path()
         if path is None:
             return None
         rngs = self.gather(_rng_state(self.cuda))
         if self.world.is_main:
             state = {
-                "format": "gpufeed-train-checkpoint", "version": 1,
+                "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+                "arch": self.cfg.arch, "num_classes": self.num_classes,
                 "model": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "loader_position": {"epoch": self.epoch, "batches_consumed": self.step_in_epoch * self.accum,
@@ -625,27 +817,84 @@ class Trainer:
         return path
 
     def load_checkpoint(self) -> dict[str, Any] | None:
+        """Load last.pt into the model, optimizer and scaler after checking that it belongs to this run
+        (arch, classes, every tensor's shape); this rank's RNG state is kept for :meth:`run_real`.
+        A checkpoint that does not match or cannot be read is a DataError naming the file."""
         path = self.checkpoint_path()
         if path is None or not path.exists():
             self.notes.append(f"resume: no checkpoint at {path}; starting from step 0")
             return None
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        if state.get("format") != "gpufeed-train-checkpoint":
-            raise DataError(f"{path} is not a gpufeed train checkpoint")
+        state = read_checkpoint(path)
+        if state.get("arch") != self.cfg.arch:
+            raise DataError(f"{path} was written for arch {_short(state.get('arch'))}, this run trains "
+                            f"{self.cfg.arch!r}")
+        if state.get("num_classes") != self.num_classes:
+            raise DataError(f"{path} was written for {_short(state.get('num_classes'))} classes, this run has "
+                            f"{self.num_classes}")
+        step, epoch, step_in_epoch = (_count(state, k, path) for k in ("step", "epoch", "step_in_epoch"))
+        ranks = _count(state, "world_size", path)
+        rngs = state.get("rng")
+        if not isinstance(rngs, list) or len(rngs) != ranks or not rngs:
+            raise DataError(f"{path}: the RNG states are not one per rank of its {ranks}")
+        if ranks != self.world.world_size:
+            self.notes.append(f"resume: the checkpoint was written by {ranks} rank(s), this run has "
+                              f"{self.world.world_size}: the data order differs from an uninterrupted run")
+        rng = _RngState.parse(rngs[self.world.rank] if ranks == self.world.world_size else rngs[0], str(path))
+        try:
+            _check_like(state.get("model"), self.module.state_dict(), "model")
+            self._check_optimizer_state(state.get("optimizer"))
+            scaler = state.get("scaler")
+            if self.scaler.is_enabled() and scaler:
+                _check_like(scaler, self.scaler.state_dict(), "scaler")
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scaler.is_enabled() and scaler:
+                self.scaler.load_state_dict(scaler)
+        except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+            raise DataError(f"{path} does not match this run: {one_line(exc)}") from None
+        if self.scaler.is_enabled() and not scaler:
+            self.notes.append("resume: the checkpoint has no fp16 loss scale; the GradScaler starts afresh")
         if state.get("total_steps") != self.total_steps:
-            self.notes.append(f"resume: the checkpoint planned {state.get('total_steps')} steps, this run "
-                              f"{self.total_steps}; the LR schedule follows this run")
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.step = self.start_step = int(state["step"])
-        self.epoch = int(state["epoch"])
-        self.step_in_epoch = int(state["step_in_epoch"])
+            self.notes.append(f"resume: the checkpoint planned {_short(state.get('total_steps'))} steps, this "
+                              f"run {self.total_steps}; the LR schedule follows this run")
+        self.scheduler = self._schedule(step)
+        self.step = self.start_step = step
+        self.epoch = epoch
+        self.step_in_epoch = step_in_epoch
         if self.step_in_epoch >= self.steps_per_epoch:
             self.epoch += 1
             self.step_in_epoch = 0
+        self.resume_rng = rng
         return state
+
+    def _schedule(self, step: int) -> torch.optim.lr_scheduler.LambdaLR:
+        """The LR schedule (:func:`lr_at` of this run) positioned after ``step`` optimizer steps: it sets each
+        parameter group's LR for the next step."""
+        total, warm, peak, floor = self.total_steps, self.warmup_steps, self.cfg.lr, self.cfg.min_lr
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = peak
+        return torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_at(s, total=total, warmup=warm, peak=peak, floor=floor) / peak if peak else 0.0,
+            last_epoch=step - 1)
+
+    def _check_optimizer_state(self, saved: Any) -> None:
+        """SGD's state dict: the same parameter groups (options of the same kinds), momentum buffers shaped
+        like their parameters. Raises ValueError naming the first difference."""
+        ours = self.optimizer.state_dict()
+        if not isinstance(saved, dict) or set(saved) != {"state", "param_groups"}:
+            raise ValueError("optimizer is not an SGD state dict")
+        _check_like(saved["param_groups"], ours["param_groups"], "optimizer param_groups")
+        for g, (a, b) in enumerate(zip(saved["param_groups"], ours["param_groups"])):
+            if list(a["params"]) != list(b["params"]):
+                raise ValueError(f"optimizer param_groups[{g}] holds other parameters")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if not isinstance(saved["state"], dict):
+            raise ValueError("optimizer state is not a mapping")
+        for k, v in saved["state"].items():
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(params):
+                raise ValueError(f"optimizer state names the unknown parameter {_short(k)}")
+            _check_like(v, {"momentum_buffer": params[k].detach()}, f"optimizer state[{k}]")
 
     # ---- logging
     def log(self, mode: str, window: list[tuple[float, float, float, float, int]]) -> None:
@@ -678,6 +927,7 @@ class Trainer:
         meter = _Meter(warm, self.cfg.log_every, self.world)
         n = warm + num_steps
         it = None if mode == "synthetic" else self._cycle()
+        self.started = True
         self.module.train()
         window: list[Any] = []
         progress = self._bar(n, 0, mode)
@@ -736,9 +986,8 @@ class Trainer:
         """The training run: epochs or steps, validation at epoch ends, checkpoints, resume."""
         cfg = self.cfg
         if cfg.resume:
-            state = self.load_checkpoint()
-        else:
-            state = None
+            self.load_checkpoint()
+        self.started = True
         # time at least one step, however short the run
         warm = min(self.timing_window("real", 0)[0], max(0, self.total_steps - self.step - 1))
         meter = _Meter(warm, cfg.log_every, self.world)
@@ -752,10 +1001,9 @@ class Trainer:
                 it = iter(self.loader)
                 for _ in range(self.step_in_epoch * self.accum):  # replay to the checkpoint's position
                     next(it)
-                if state is not None:
-                    rngs = state["rng"]
-                    _set_rng_state(rngs[self.world.rank] if len(rngs) == self.world.world_size else rngs[0])
-                    state = None
+                if self.resume_rng is not None:
+                    self.resume_rng.apply()
+                    self.resume_rng = None
                 while self.step_in_epoch < self.steps_per_epoch and self.step < self.total_steps:
                     meter.before_step()
                     t = self.train_step("loader", it)
@@ -829,7 +1077,8 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer) -> VerdictInp
         per_rank_stall_pct=tuple(r.stall_pct for r in real.per_rank),
         copy_wait_pct=real.copy_wait_pct,
         loader_cores_used=lonly.loader_cores_used if lonly else None,
-        usable_cores=float(usable_cpus()), num_nodes=trainer.num_nodes, ranks_per_node=trainer.local_world,
+        usable_cores=float(usable_cpus()), num_nodes=trainer.num_nodes,
+        ranks_per_node=trainer.world.local_world_size,
         num_workers=trainer.loader_cfg.num_workers,
         read_bytes_per_s=(lonly or real).read_bytes_per_s,
         storage_bytes_per_s=trainer.cfg.storage_bytes_per_s,
@@ -841,12 +1090,16 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer) -> VerdictInp
 def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: str | Path | None = None,
           on_step: Callable[[int], None] | None = None) -> TrainRecord | None:
     """Run one rank. Rank 0 returns the TrainRecord (and writes summary.json/report.md into run_dir);
-    other ranks return None. ``on_step(step)`` is called after every real optimizer step (tests)."""
+    other ranks return None. ``on_step(step)`` is called after every real optimizer step (tests).
+
+    A GpufeedError raised before the rank read data or computed (a bad shard set, a refused checkpoint)
+    keeps its exit code 2; one raised after that (a corrupt shard met mid-epoch) becomes a RunError (exit 1)."""
     t0 = time.perf_counter()
     started = utc_now()
     if run_dir is not None and world.is_main:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     created = _init_distributed(world)
+    trainer: Trainer | None = None
     try:
         trainer = Trainer(cfg, loader_cfg, world, run_dir=run_dir)
         modes: dict[str, ModeRecord] = {}
@@ -879,6 +1132,7 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
             final_loss=float(trainer.last_loss) if trainer.last_loss is not None else None, final_lr=lr,
             modes=modes, val=vals, verdict=verdict, ok=verdict.ok if verdict else True,
             num_skipped=int(getattr(trainer.loader, "num_skipped", 0) or 0) if trainer.loader is not None else 0,
+            num_repeated=int(getattr(trainer.loader, "num_repeated", 0) or 0) if trainer.loader is not None else 0,
             checkpoint=str(trainer.checkpoint_path()) if trainer.checkpoint_path() else None,
             run_dir=str(run_dir) if run_dir else None, wall_s=time.perf_counter() - t0, started=started,
             notes=trainer.notes, rank_param_checksums=checksums,
@@ -888,6 +1142,10 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
             plot = plot_log(Path(run_dir))
             (Path(run_dir) / "report.md").write_text(render_markdown(to_jsonable(record), plot), encoding="utf-8")
         return record
+    except GpufeedError as exc:
+        if trainer is not None and trainer.started and not isinstance(exc, RunError):
+            raise RunError(str(exc)) from exc
+        raise
     finally:
         if created:
             import torch.distributed as dist
@@ -912,9 +1170,15 @@ def needs_torchrun(cfg: TrainConfig) -> bool:
     return cfg.nproc_per_node > 1 or cfg.nnodes != "1"
 
 
+TORCHRUN_FLAG = "--torchrun"
+"""``python -m gpufeed.train --torchrun ARGS``: torchrun with ARGS, run by :func:`main` (see :func:`_torchrun`)."""
+RANK_ERROR = "rank-{rank}.error"
+"""A failed rank's one-sentence cause, written next to the run's config.toml (JSON)."""
+
+
 def torchrun_command(cfg: TrainConfig, config_path: str | Path) -> list[str]:
-    """``python -m torch.distributed.run [rendezvous] -m gpufeed.train CONFIG``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc_per_node),
+    """``python -m gpufeed.train --torchrun [rendezvous] -m gpufeed.train CONFIG``."""
+    cmd = [sys.executable, "-m", "gpufeed.train", TORCHRUN_FLAG, "--nproc-per-node", str(cfg.nproc_per_node),
            "--nnodes", cfg.nnodes]
     if cfg.rdzv_endpoint:
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint, "--rdzv-id", cfg.rdzv_id]
@@ -928,12 +1192,22 @@ def torchrun_command(cfg: TrainConfig, config_path: str | Path) -> list[str]:
     return cmd + ["-m", "gpufeed.train", str(config_path)]
 
 
-def launch(cfg: TrainConfig, loader_cfg: LoaderConfig) -> dict[str, Any]:
-    """Create the run folder (resolved config, environment), run every rank, return summary.json as a dict.
+def _min_world_size(cfg: TrainConfig) -> int:
+    """Ranks of the smallest world ``nnodes`` (N or MIN:MAX) allows."""
+    return max(1, int(cfg.nnodes.split(":")[0])) * max(1, cfg.nproc_per_node)
 
-    One process runs in-process; more go through torchrun, which re-enters :func:`main` in each rank."""
+
+def launch(cfg: TrainConfig, loader_cfg: LoaderConfig) -> dict[str, Any]:
+    """Check the data, create the run folder (resolved config, environment), run every rank, return
+    summary.json as a dict.
+
+    One process runs in-process; more go through torchrun, which re-enters :func:`main` in each rank.
+    Errors: what every rank would refuse before starting is refused here (exit 2, see :func:`check_data`);
+    when torchrun fails, the first rank's cause (from the ``rank-R.error`` files) is raised with that
+    rank's exit code: 2 when it failed before its first step, else 1 (RunError)."""
     from gpufeed.system import environment_snapshot, usable_cpus
 
+    check_data(cfg, loader_cfg, _min_world_size(cfg))
     run_dir = Path(cfg.run_dir) if cfg.run_dir else make_run_dir("train")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
@@ -951,12 +1225,13 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig) -> dict[str, Any]:
         env["OMP_NUM_THREADS"] = str(cfg.threads or max(1, usable_cpus() // cfg.nproc_per_node))
     env.setdefault("PYTHONUNBUFFERED", "1")
     cmd = torchrun_command(cfg, config_path)
+    for old in run_dir.glob(RANK_ERROR.format(rank="*")):  # a reused run folder: only this run's causes count
+        old.unlink()
     # rank output goes to our stderr, so that stdout stays free for --json
     proc = subprocess.run(cmd, env=env, stdout=sys.__stderr__, stderr=sys.__stderr__)
-    summary = run_dir / SUMMARY_NAME
     if proc.returncode != 0:
-        raise LaunchError(f"torchrun exited with {proc.returncode} (command: {' '.join(cmd)}); "
-                          f"see the rank output above and {run_dir}")
+        raise rank_failure(run_dir, proc.returncode)
+    summary = run_dir / SUMMARY_NAME
     if not summary.exists():
         which = f" (node rank {cfg.node_rank})" if cfg.node_rank is not None else ""
         return {"ok": True, "run_dir": str(run_dir),
@@ -966,17 +1241,107 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig) -> dict[str, Any]:
     return json.loads(summary.read_text(encoding="utf-8"))
 
 
+def rank_failure(run_dir: Path, returncode: int) -> GpufeedError:
+    """The error for a failed torchrun: the first cause the ranks wrote to ``run_dir/rank-R.error``.
+
+    A GpufeedError in a rank is a cause; an unexpected exception is usually a consequence (a peer died
+    under a collective), so it is reported only when no rank named a cause. Among causes, the earliest.
+    The error keeps the rank's exit code: 2 (GpufeedError) when it failed before its first step, else 1."""
+    import json
+
+    reports = []
+    for path in sorted(run_dir.glob(RANK_ERROR.format(rank="*")))[:4096]:
+        try:
+            with open(path, "rb") as f:
+                r = json.loads(f.read(65536))
+            reports.append((not r["cause"], float(r["time"]), int(r["rank"]), one_line(str(r["message"])),
+                            int(r["exit_code"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a half-written or foreign file: the other ranks' reports still count
+    if not reports:
+        return RunError(f"torchrun exited with {returncode} and no rank reported a cause (killed by a signal or "
+                        f"out of memory?); see the output above and {run_dir}")
+    _, _, rank, message, code = min(reports)
+    text = f"rank {rank}: {message}"
+    return GpufeedError(text) if code == 2 else RunError(text)
+
+
+def _verbose() -> bool:
+    return os.environ.get("GPUFEED_VERBOSE", "") not in ("", "0")
+
+
+def _rank_failed(report_dir: Path, rank: int, message: str, exit_code: int, *, cause: bool) -> int:
+    """One sentence on stderr (a traceback first with GPUFEED_VERBOSE=1) and in ``rank-R.error``."""
+    import json
+
+    from gpufeed.records import atomic_write_bytes
+
+    if _verbose():
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+    print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
+    report = {"rank": rank, "message": message, "exit_code": exit_code, "cause": cause, "time": time.time()}
+    try:
+        atomic_write_bytes(report_dir / RANK_ERROR.format(rank=rank), json.dumps(report).encode())
+    except OSError:
+        pass  # the sentence above is on stderr; the launcher falls back to the exit code
+    return exit_code
+
+
+def _torchrun(args: list[str]) -> int:
+    """torchrun with ``args``, ending quietly when a rank fails: the ranks printed their one sentence, and
+    the launcher repeats the first cause. torchrun's own logs and its ChildFailedError report are shown
+    only with GPUFEED_VERBOSE=1."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    verbose = _verbose()
+    if not verbose:
+        logging.disable(logging.ERROR)
+    try:
+        run(parse_args(args))
+    except ChildFailedError:
+        if verbose:
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - rendezvous and agent failures: one sentence
+        if verbose:
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+        print(f"torchrun: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Rank entry point under torchrun: ``python -m gpufeed.train RUN_DIR/config.toml``."""
+    """Rank entry point under torchrun: ``python -m gpufeed.train RUN_DIR/config.toml``; with ``--torchrun``
+    first, the launcher's torchrun (:func:`_torchrun`).
+
+    A rank that fails prints ``rank R: <one sentence>`` and writes it to ``RUN_DIR/rank-R.error``; it exits
+    with the error's exit code (2: failed before its first step, 1: after, or an unexpected exception)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [TORCHRUN_FLAG]:
+        return _torchrun(argv[1:])
     if len(argv) != 1:
         print("usage: python -m gpufeed.train CONFIG.toml (normally started by gpufeed train)", file=sys.stderr)
         return 2
-    conf = load_config(argv[0])
-    world = World.from_env(conf.train.device)
-    record = train(conf.train, conf.loader, world, run_dir=conf.train.run_dir)
-    del record  # rank 0 wrote summary.json; the launcher sets the exit code from it
-    return 0
+    rank = int(os.environ.get("RANK", "0"))
+    report_dir = Path(argv[0]).parent
+    try:
+        conf = load_config(argv[0])
+        world = World.from_env(conf.train.device)
+        train(conf.train, conf.loader, world, run_dir=conf.train.run_dir)
+    except GpufeedError as exc:
+        return _rank_failed(report_dir, rank, one_line(exc), exc.exit_code, cause=True)
+    except Exception as exc:  # noqa: BLE001 - a bug or a consequence (a peer died): one sentence
+        return _rank_failed(report_dir, rank, f"unexpected {type(exc).__name__}: {one_line(exc)}", 1, cause=False)
+    return 0  # rank 0 wrote summary.json; the launcher sets the exit code from it
 
 
 # --------------------------------------------------------------------------- rendering
@@ -1019,7 +1384,10 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"val epoch {v['epoch']} step {v['step']}: top-1 {v['top1_pct']:.2f}%  top-5 {v['top5_pct']:.2f}%  "
                      f"loss {v['loss']:.4f} ({v['num_samples']} samples)")
     if s.get("num_skipped"):
-        lines.append(f"skipped samples: {s['num_skipped']}")
+        lines.append(f"skipped samples: {s['num_skipped']} (corrupt, rank 0)")
+    if s.get("num_repeated"):
+        lines.append(f"repeated samples: {s['num_repeated']} (read twice to keep the ranks' batch counts equal, "
+                     f"rank 0)")
     for n in s.get("notes", []):
         lines.append(f"note: {n}")
     if s.get("checkpoint"):

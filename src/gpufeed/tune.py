@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from gpufeed.config import LoaderConfig, TuneConfig, to_toml
-from gpufeed.errors import ConfigError
+from gpufeed.errors import ConfigError, GpufeedError, one_line
 from gpufeed.metrics import Stat
 from gpufeed.world import World
 
@@ -92,6 +92,9 @@ class TrialRecord:
     """Storage reads of the process tree (page-cache hits excluded)."""
     disk_read_bytes_per_s: float | None = None
     num_skipped: int = 0
+    """Corrupt samples the loader skipped (``on_error = "skip"``)."""
+    num_repeated: int = 0
+    """Samples the loader read a second time to keep its batch count."""
     truncated: bool = False
     """The budget deadline cut the trial short (fewer repeats or a shorter window)."""
     over_cpu_budget: bool = False
@@ -100,6 +103,7 @@ class TrialRecord:
     took CPU, so samples/s is a lower bound (samples_per_core_s still holds)."""
     note: str = ""
     error: str | None = None
+    """Why the trial failed, one sentence."""
 
     @property
     def ok(self) -> bool:
@@ -173,7 +177,8 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
                    window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
                    deadline: float | None = None, ram_budget_bytes: int | None = None,
                    cuda_sync: Callable[[], None] | None = None, telemetry_interval_s: float = 0.25,
-                   skipped: Callable[[], int] | None = None) -> dict[str, Any]:
+                   skipped: Callable[[], int] | None = None,
+                   repeated: Callable[[], int] | None = None) -> dict[str, Any]:
     """Measure steady-state samples/s of any batch iterable; returns TrialRecord fields.
 
     ``open_batches(epoch)`` returns one epoch of ``(images, labels)`` batches; epochs are chained
@@ -182,7 +187,9 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
     (``num_workers × prefetch_factor`` batches at most, stopping early as soon as a batch has to be
     waited for) plus ``warmup_batches``. A window lasts ``window_s`` and at least 2 batches per worker
     (or exactly ``window_batches``); ``deadline`` (``time.monotonic()``) cuts windows short.
-    Raises on loader errors; :func:`measure_loader` turns them into error records.
+    ``skipped`` / ``repeated`` read the loader's counters at the end.
+    A loader error is raised as an exception whose message is one sentence and whose ``partial`` holds
+    what was measured before it; :func:`measure_loader` turns it into an error record.
     """
     import psutil
 
@@ -292,19 +299,31 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
                            f"budget {_mb(ram_budget_bytes)}")
         if skipped is not None:
             out["num_skipped"] = int(skipped())
+        if repeated is not None:
+            out["num_repeated"] = int(repeated())
         return out
     except _TrialError as exc:
         exc.partial = out
         raise
     except Exception as exc:
-        exc.add_note(f"gpufeed: partial measurement {out}")
-        raise
+        raise _LoaderFailed(error_sentence(exc), out) from exc
     finally:
         stream.close()  # shuts DataLoader workers down
 
 
+def error_sentence(exc: BaseException) -> str:
+    """A failed trial in one sentence: a GpufeedError's own sentence, else the type and the first line."""
+    if isinstance(exc, GpufeedError):
+        return one_line(exc)
+    return f"{type(exc).__name__}: {one_line(exc)}"
+
+
 class _TrialError(Exception):
-    partial: dict[str, Any] = {}
+    """A trial that ended early; ``partial`` holds what was measured before."""
+
+    def __init__(self, message: str, partial: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.partial = dict(partial or {})
 
 
 class _OutOfBudget(_TrialError):
@@ -313,6 +332,10 @@ class _OutOfBudget(_TrialError):
 
 class _OverRam(_TrialError):
     pass
+
+
+class _LoaderFailed(_TrialError):
+    """The loader raised (its cause is ``__cause__``)."""
 
 
 def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = None, *, warmup_batches: int = 2,
@@ -354,7 +377,8 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
                                prefetch_factor=cfg.prefetch_factor, warmup_batches=warmup_batches, window_s=window_s,
                                window_batches=window_batches, repeats=repeats, deadline=deadline,
                                ram_budget_bytes=ram_budget_bytes, cuda_sync=sync,
-                               skipped=lambda: getattr(holder.get("loader"), "num_skipped", 0)),
+                               skipped=lambda: getattr(holder.get("loader"), "num_skipped", 0),
+                               repeated=lambda: getattr(holder.get("loader"), "num_repeated", 0)),
         cfg, "gpufeed", t0, cleanup=holder.clear)
 
 
@@ -415,9 +439,9 @@ def _run_measurement(fn: Callable[[], dict[str, Any]], cfg: LoaderConfig, pipeli
     try:
         fields_ = fn()
     except _TrialError as exc:
-        fields_, error = dict(exc.partial), str(exc)
+        fields_, error = dict(exc.partial), one_line(exc)
     except Exception as exc:  # a failed trial is a record; the sweep goes on
-        fields_, error = {}, f"{type(exc).__name__}: {exc}"
+        fields_, error = {}, error_sentence(exc)
     finally:
         cleanup()
     rates = fields_.pop("samples_per_s_runs", [])
@@ -527,7 +551,7 @@ class _Search:
                      window_s=self.window_s, repeats=self.cfg.repeats, deadline=deadline,
                      ram_budget_bytes=self.ram_budget)
         except Exception as exc:  # injected measures may raise; the sweep goes on
-            rec = trial_record(lc, error=f"{type(exc).__name__}: {exc}")
+            rec = trial_record(lc, error=error_sentence(exc))
         if not rec.wall_s:
             rec = dataclasses.replace(rec, wall_s=time.perf_counter() - t_start)
         over = bool(rec.ok and rec.tree_cores_used is not None and self.cfg.cpu_budget < 1
@@ -539,8 +563,8 @@ class _Search:
                                   contended=contended, note=rec.note or note)
         self.trials.append(rec)
         self.cache[key] = rec
-        self.progress(f"trial {rec.trial:2d} {phase:16s} {describe(rec):60s} " +
-                      (f"{rec.samples_per_s:8.1f} samples/s" if rec.ok else f"ERROR {rec.error}"))
+        result = f"{rec.samples_per_s:8.1f} samples/s" if rec.ok else f"ERROR {one_line(rec.error or 'no rate')}"
+        self.progress(f"trial {rec.trial:2d} {phase:16s} {describe(rec):60s} {result}")
         return rec
 
     def target_reached(self) -> bool:
@@ -563,17 +587,14 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     ``base`` supplies the knobs the tuner does not move (seed, on_error, ...) and the starting point
     (decode path, prefetch, batching); batch_size and image_size come from ``cfg``. ``measure`` has
     :func:`measure_loader`'s signature. With ``write`` the run folder and ``cfg.out`` are written.
+    With the real loader, a shard set that cannot be read (manifest, a missing or unreadable shard, fewer
+    samples than one batch) is a DataError (exit 2) before the first trial, as in ``gpufeed train``.
     """
     from gpufeed.system import total_ram_bytes, usable_cpus
 
     if not cfg.shards:
         raise ConfigError("tune needs a shard set: gpufeed tune SHARDS")
     shards = str(cfg.shards)
-    manifest = None
-    if measure is measure_loader:
-        from gpufeed.manifest import read_manifest
-
-        manifest = read_manifest(shards)  # DataError (exit 2) with a fix when missing
     if cfg.baseline_imagefolder and not Path(cfg.baseline_imagefolder).is_dir():
         raise ConfigError(f"--baseline-imagefolder {cfg.baseline_imagefolder} is not a folder")
     if world is None:
@@ -581,6 +602,13 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     base = dataclasses.replace(base or LoaderConfig(), batch_size=cfg.batch_size, image_size=cfg.image_size)
     if (base.decode == "gpu" and not world.is_cuda) or (base.decode == "simplejpeg" and not _has_module("simplejpeg")):
         base = dataclasses.replace(base, decode="pil-draft")
+    manifest = None
+    if measure is measure_loader:
+        from gpufeed.train import open_shards
+
+        # the checks gpufeed train makes before it starts, with the same exit code 2: manifest, shard files
+        # present and readable, one batch
+        manifest = open_shards(shards, base, World.single()).manifest
 
     usable = usable_cpus()
     cores_budget = cfg.cpu_budget * usable
@@ -855,8 +883,12 @@ def render(report: TuneReport) -> str:
             f"{_f(t.startup_s, 2):>7} {_f(t.tree_cores_used, 2):>5} "
             f"{_f(None if t.rss_max_bytes is None else t.rss_max_bytes / 1e6, 0):>7} "
             f"{_f(None if t.read_bytes_per_s is None else t.read_bytes_per_s / 1e6, 1):>9}"
-            + (f"  {t.error}" if t.error else ""))
+            + (f"  {one_line(t.error)}" if t.error else ""))
     lines.append("")
+    for what, attr in (("skipped samples", "num_skipped"), ("repeated samples", "num_repeated")):
+        counts = [f"#{t.trial} {getattr(t, attr)}" for t in report.trials if getattr(t, attr)]
+        if counts:
+            lines.append(f"{what}: " + ", ".join(counts))
     for k, why in report.skipped.items():
         lines.append(f"skipped {k}: {why}")
     lines.append(f"stop: {report.stop_reason}; {report.num_trials} trials in {report.elapsed_s:.1f} s "

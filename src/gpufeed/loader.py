@@ -20,7 +20,7 @@ samples, surplus samples count each), and samples re-read to fill a worker's quo
 (``num_repeated``). Images larger than ``max_pixels`` are refused from their header, before decoding.
 A data error met in a DataLoader worker reaches the main process as one sentence (shard, member, reason).
 
-Randomness. The shuffle buffer draws from one RNG per (seed, epoch, rank, worker). A training sample's
+Randomness. The shuffle buffer draws from one RNG per (seed, epoch, rank, worker slot). A training sample's
 crop and flip draw from its own RNG seeded by (seed, epoch, shard, key) (:func:`crop_rng`), so they do not
 depend on the worker layout or on the sample's position in the stream.
 
@@ -28,12 +28,16 @@ Resume without replay. ``set_epoch(epoch, start_batch=k)`` makes the next iterat
 ``k..len-1`` of the epoch, the same batches an uninterrupted iteration yields from there: each worker works
 out how many of its own samples the first ``k`` batches took (in-order DataLoader iteration takes the
 workers' items round-robin, skipping exhausted ones: :func:`items_taken`) and passes over that many without
-decoding them; as the DataLoader always asks worker 0 first, the workers' shares are rotated so that the
-interleaving continues where it stopped (:meth:`ShardStream.resume_slot`). To lose the same samples the first pass lost (``on_error = "skip"``), the skipped part applies
-the checks that need no pixel decode: the label, an image member, the image header and ``max_pixels``. An
-image whose header is valid but whose pixel data fails to decode (a truncated JPEG body, say) passes these
-checks: it counts as delivered, so that worker's remaining batches start one sample later than in the
-uninterrupted epoch (and the sample left over at the end of its quota is dropped with the spare ones).
+decoding them; as the DataLoader always asks worker 0 first, the workers' slots (shares of the epoch) are
+rotated so that the interleaving continues where it stopped (:meth:`ShardStream.resume_slot`). To lose the
+same samples the first pass lost (``on_error = "skip"``), the skipped part applies the checks that need no
+pixel decode: the label, an image member, PIL reading the image header, and ``max_pixels``. Residual case:
+an image whose header is valid but whose pixel data fails to decode (a truncated JPEG body, say) passes
+these checks, so it counts as delivered and that worker's remaining batches start one sample later than in
+the uninterrupted epoch (the sample left over at the end of its quota is dropped with the spare ones); the
+batch count stays right, but that sample is missing from ``num_skipped`` and the batches are no longer
+bit-identical. Losses the checks do find in the skipped part are counted in ``num_skipped`` of the resumed
+loader (the first ``start_batch`` batches' losses, as the uninterrupted loader counted them).
 :class:`LoaderPosition` is what a checkpoint stores; it is only valid for the same shard set, seed,
 batch size, shuffle buffer, number of workers and world size.
 

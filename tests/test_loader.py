@@ -258,6 +258,28 @@ def test_crop_params_follow_torchvision_rules():
         torch.zeros(3, 10, 1000), scale=[0.08, 1.0], ratio=[3 / 4, 4 / 3])
 
 
+def test_decode_leaves_the_warning_filters_alone():
+    """Importing gpufeed.decode adds no process-wide filter; its resize of a read-only array (np.asarray of a PIL
+    image) silences torch's 'not writable' warning at that call only, so it passes even with warnings as errors."""
+    import subprocess
+    import sys
+
+    code = "\n".join([
+        "import warnings, numpy as np, PIL.Image, gpufeed.config, gpufeed.errors",  # they add their own filters
+        "before = list(warnings.filters)",
+        "from gpufeed import decode as dec",
+        "assert warnings.filters == before, [f for f in warnings.filters if f not in before]",
+        "warnings.simplefilter('error')",
+        "arr = np.asarray(PIL.Image.new('RGB', (24, 20), (9, 99, 199)))",
+        "assert not arr.flags.writeable",
+        "out = np.zeros((8, 8, 3), np.uint8)",
+        "dec.resize_array_into(arr, dec.Crop((2, 2, 20, 18)), 8, out)",
+        "assert (out == (9, 99, 199)).all()",
+    ])
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
 @pytest.mark.parametrize("mode", ["L", "CMYK", "P", "RGBA"])
 def test_every_mode_becomes_rgb(mode):
     from gpufeed import decode as dec

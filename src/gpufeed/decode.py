@@ -28,10 +28,9 @@ from __future__ import annotations
 import io
 import math
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Literal
-
-import warnings
 
 import numpy as np
 from PIL import Image
@@ -41,9 +40,6 @@ from gpufeed.errors import ConfigError
 
 DecodeMethod = Literal["pil", "pil-draft", "simplejpeg", "gpu"]
 JPEG_EXTENSIONS = ("jpg", "jpeg")
-
-# np.asarray(PIL image) is read-only; the resize only reads it, so torch's warning about that is noise
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 DEFAULT_MAX_PIXELS = LoaderConfig.max_pixels
 """Decompression-bomb limit (stored width x height) when the caller passes none: ``LoaderConfig``'s default."""
@@ -163,6 +159,15 @@ def image_size(data: bytes) -> tuple[int, int]:
         return img.size
 
 
+def check_header(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    """What can be checked without decoding pixels: PIL reads the header and the size is within ``max_pixels``.
+
+    The loader's resume applies this to the samples it passes over; an image that passes may still fail to
+    decode (its pixel data is only read by a decode).
+    """
+    check_pixels(*image_size(data), max_pixels)
+
+
 def _finish(img: Image.Image, crop: Crop, size: int, out: np.ndarray, scale_x: float = 1.0,
             scale_y: float = 1.0, resize: str = "torch") -> None:
     """Crop + resize (+ flip) ``img`` into ``out`` [S, S, 3]; ``scale`` maps stored pixels to ``img`` pixels."""
@@ -195,7 +200,12 @@ def resize_array_into(arr: np.ndarray, crop: Crop, size: int, out: np.ndarray, s
     import torch
     import torch.nn.functional as F
 
-    x = torch.from_numpy(arr)
+    if arr.flags.writeable:
+        x = torch.from_numpy(arr)
+    else:  # np.asarray(PIL image) is read-only; the resize only reads it, so torch's warning about that is noise
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            x = torch.from_numpy(arr)
     if crop.resize is not None:
         rw, rh = crop.resize
         left, top = crop.offset or (0, 0)

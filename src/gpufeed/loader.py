@@ -20,6 +20,27 @@ samples, surplus samples count each), and samples re-read to fill a worker's quo
 (``num_repeated``). Images larger than ``max_pixels`` are refused from their header, before decoding.
 A data error met in a DataLoader worker reaches the main process as one sentence (shard, member, reason).
 
+Randomness. The shuffle buffer draws from one RNG per (seed, epoch, rank, worker slot). A training sample's
+crop and flip draw from its own RNG seeded by (seed, epoch, shard, key) (:func:`crop_rng`), so they do not
+depend on the worker layout or on the sample's position in the stream.
+
+Resume without replay. ``set_epoch(epoch, start_batch=k)`` makes the next iteration yield only batches
+``k..len-1`` of the epoch, the same batches an uninterrupted iteration yields from there: each worker works
+out how many of its own samples the first ``k`` batches took (in-order DataLoader iteration takes the
+workers' items round-robin, skipping exhausted ones: :func:`items_taken`) and passes over that many without
+decoding them; as the DataLoader always asks worker 0 first, the workers' slots (shares of the epoch) are
+rotated so that the interleaving continues where it stopped (:meth:`ShardStream.resume_slot`). To lose the
+same samples the first pass lost (``on_error = "skip"``), the skipped part applies the checks that need no
+pixel decode: the label, an image member, PIL reading the image header, and ``max_pixels``. Residual case:
+an image whose header is valid but whose pixel data fails to decode (a truncated JPEG body, say) passes
+these checks, so it counts as delivered and that worker's remaining batches start one sample later than in
+the uninterrupted epoch (the sample left over at the end of its quota is dropped with the spare ones); the
+batch count stays right, but that sample is missing from ``num_skipped`` and the batches are no longer
+bit-identical. Losses the checks do find in the skipped part are counted in ``num_skipped`` of the resumed
+loader (the first ``start_batch`` batches' losses, as the uninterrupted loader counted them).
+:class:`LoaderPosition` is what a checkpoint stores; it is only valid for the same shard set, seed,
+batch size, shuffle buffer, number of workers and world size.
+
 The per-sample work (decode, crop, resize, flip) is in :mod:`gpufeed.decode`. Batches are built inside
 the workers directly into a shared-memory ``[B, S, S, 3]`` uint8 tensor and handed out as the
 ``[B, 3, S, S]`` view (channels-last memory) with one IPC message per batch.
@@ -34,11 +55,13 @@ labels follow :func:`gpufeed.manifest.parse_label`, and nothing is unpickled.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import multiprocessing
 import random
 import tarfile
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -96,6 +119,42 @@ def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[i
     return order
 
 
+def worker_batches(num_batches: int, num_workers: int) -> list[int]:
+    """Batches each DataLoader worker of a rank yields: an even split, the first workers take one more."""
+    num_workers = max(1, num_workers)
+    return [num_batches // num_workers + (w < num_batches % num_workers) for w in range(num_workers)]
+
+
+def items_taken(counts: list[int], m: int) -> list[int]:
+    """How many items of each worker the first ``m`` items of a DataLoader iteration hold.
+
+    Worker ``w`` yields ``counts[w]`` items. In-order DataLoader iteration over an IterableDataset asks the
+    workers in turn (0, 1, ..., 0, 1, ...) and leaves out a worker once it is exhausted (torch's
+    ``_MultiProcessingDataLoaderIter``: ``_try_put_index`` cycles over the active workers, ``_next_data``
+    skips the tasks of exhausted ones; the cycle restarts at worker 0 every iteration). So the items come
+    in passes: pass ``j`` holds item ``j`` of every worker with more than ``j`` items, in worker order.
+    """
+    taken = [0] * len(counts)
+    level, left = 0, max(0, m)
+    while left > 0:
+        active = [w for w, n in enumerate(counts) if n > level]
+        if not active:
+            break
+        top = min(counts[w] for w in active)  # every active worker has items up to this pass
+        full = (top - level) * len(active)
+        if left >= full:
+            for w in active:
+                taken[w] = top
+            left -= full
+            level = top
+            continue
+        passes, rest = divmod(left, len(active))
+        for i, w in enumerate(active):
+            taken[w] = level + passes + (i < rest)
+        break
+    return taken
+
+
 def plan_slot(counts: list[int], *, rank: int, world_size: int, worker: int, num_workers: int,
               batch_size: int, seed: int = 0, epoch: int = 0, shuffle: bool = False) -> SlotPlan:
     """The shard segments and batch count of one (rank, worker) for one epoch (pure, deterministic)."""
@@ -104,7 +163,7 @@ def plan_slot(counts: list[int], *, rank: int, world_size: int, worker: int, num
     nb = batches_per_rank(total, world_size, batch_size)
     lo, hi = rank * total // world_size, (rank + 1) * total // world_size
     # worker w yields nb_w batches; the rank's spare samples are spread evenly for the shuffle to drop
-    nbw = [nb // num_workers + (w < nb % num_workers) for w in range(num_workers)]
+    nbw = worker_batches(nb, num_workers)
     spare = (hi - lo) - nb * batch_size
     sizes = [nbw[w] * batch_size + spare // num_workers + (w < spare % num_workers) for w in range(num_workers)]
     start = lo + sum(sizes[:worker])
@@ -200,6 +259,43 @@ class _WorkerFailure:
         self.message = message
 
 
+def crop_rng(seed: int, epoch: int, shard: int, key: str) -> random.Random:
+    """The RNG of one training sample's crop and flip: a function of (seed, epoch, shard index, key) only.
+
+    The shard index keeps samples apart whose keys repeat across shards. Seeding from a BLAKE2b digest
+    (~6 us per sample, against milliseconds to decode one) works for any key, surrogates included.
+    """
+    text = f"gpufeed-crop-{seed}-{epoch}-{shard}-{key}".encode("utf-8", "surrogatepass")
+    return random.Random(int.from_bytes(hashlib.blake2b(text, digest_size=16).digest(), "little"))
+
+
+@dataclass(frozen=True)
+class LoaderPosition:
+    """Where a rank stands in its epochs: ``batches_consumed`` batches of ``epoch`` were used.
+
+    What a checkpoint stores to resume with :meth:`ShardLoader.resume` (no replay). :meth:`from_dict`
+    validates a stored one: checkpoints are untrusted input.
+    """
+
+    epoch: int
+    batches_consumed: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> "LoaderPosition":
+        if not isinstance(obj, dict):
+            raise DataError(f"loader position must be a mapping, got {type(obj).__name__}")
+        vals = {}
+        for name in ("epoch", "batches_consumed"):
+            v = obj.get(name)
+            if type(v) is not int or not 0 <= v < 2**62:
+                raise DataError(f"loader position {name} must be a non-negative integer, got {_text(repr(v))[:80]}")
+            vals[name] = v
+        return cls(**vals)
+
+
 def _select(fname: str) -> bool:
     base = fname.rsplit("/", 1)[-1]
     return "." in base and base.split(".", 1)[1].lower() in _READ_EXTENSIONS
@@ -209,7 +305,7 @@ class ShardStream(IterableDataset):
     """One epoch of one rank: each DataLoader worker reads its planned segments and yields batches."""
 
     def __init__(self, paths: list[str], counts: list[int], classes: list[str], cfg: LoaderConfig, world: World,
-                 train: bool, epoch_value: Any):
+                 train: bool, epoch_value: Any, start_value: Any):
         self.paths = paths
         self.counts = counts
         self.classes = list(classes)
@@ -218,6 +314,8 @@ class ShardStream(IterableDataset):
         self.world = world
         self.train = train
         self.epoch_value = epoch_value
+        self.start_value = start_value
+        """Batches of the epoch the next iteration passes over without decoding (see ShardLoader.set_epoch)."""
         self.per_sample = not cfg.worker_batching
         self.fast_tar = True
         """Read local plain .tar shards with :mod:`gpufeed.tarread`; False = webdataset for every shard."""
@@ -240,7 +338,7 @@ class ShardStream(IterableDataset):
         A segment that ends its shard (``stop`` == the manifest's count) holds back its last sample and reads
         on to the end of the file (only end-of-archive blocks and non-image keys there when the manifest is
         right) to notice surplus samples before the caller can stop. Each sample carries ``__ext__``, its
-        image member's extension (None: no image data read).
+        image member's extension (None: no image data read), and ``__shard__``, the shard's index.
         """
         path = self.paths[seg.shard]
         promised = self.counts[seg.shard]
@@ -255,6 +353,7 @@ class ShardStream(IterableDataset):
                     surplus += 1  # not yielded: read on only to count them
                     continue
                 sample["__ext__"] = next((e for e in READ_IMAGE_EXTENSIONS if e in sample), None)
+                sample["__shard__"] = seg.shard
                 got += 1
                 if to_end and got == planned:
                     last = sample
@@ -320,45 +419,60 @@ class ShardStream(IterableDataset):
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self):
+        # num_workers == 0 runs this in the main process; ShardLoader keeps its torch ops on one thread
         if get_worker_info() is not None:  # workers run single-threaded already (worker_init)
             try:
                 yield from self._iter()
             except GpufeedError as exc:  # hand the main process the sentence, not a worker traceback
                 yield _WorkerFailure(str(exc))
             return
-        # num_workers == 0: the per-sample torch ops must not fan out to the caller's intra-op threads
-        # (tiny ops on an OpenMP pool burn ~10x the CPU); restore the caller's setting around each yield.
-        prev = torch.get_num_threads()
-        it = self._iter()
-        while True:
-            torch.set_num_threads(1)
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            finally:
-                torch.set_num_threads(prev)
-            yield item
+        yield from self._iter()
+
+    def resume_slot(self, start_batch: int, worker: int, num_workers: int) -> tuple[int, int]:
+        """``(slot, skip)``: the part of the epoch DataLoader worker ``worker`` reads when the iteration starts
+        at batch ``start_batch``, and how many samples of that part the first ``start_batch`` batches hold.
+
+        A slot is a worker's share of the epoch (its plan, its shuffle); without a resume, worker ``w`` reads
+        slot ``w``. The DataLoader asks worker 0 first on every iteration, so a resume rotates the roles:
+        worker 0 takes the slot whose item comes next in the uninterrupted order, worker 1 the one after,
+        and the passes over the workers then follow that order exactly (:func:`items_taken`).
+        """
+        B = self.cfg.batch_size
+        nbw = worker_batches(batches_per_rank(sum(self.counts), self.world.world_size, B), num_workers)
+        if self.per_sample:  # one item per sample; the main process makes batches of B consecutive items
+            counts, per_item, taken = [n * B for n in nbw], 1, items_taken([n * B for n in nbw], start_batch * B)
+        else:
+            counts, per_item, taken = nbw, B, items_taken(nbw, start_batch)
+        open_slots = [s for s, n in enumerate(counts) if taken[s] < n]
+        first = 0
+        if open_slots:  # the next item is the first open slot of the lowest pass still open
+            low = min(taken[s] for s in open_slots)
+            first = next(s for s in open_slots if taken[s] == low)
+        slot = (first + worker) % len(counts)
+        return slot, taken[slot] * per_item
+
+    def _crop_fn(self, sample: dict, epoch: int):
+        if self.train:
+            rng = crop_rng(self.cfg.seed, epoch, sample["__shard__"], sample.get("__key__"))
+            return partial(dec.train_crop, rng=rng)
+        return partial(dec.eval_crop, size=self.cfg.image_size, crop_ratio=getattr(self.cfg, "crop_ratio", 0.875))
 
     def _iter(self):
         info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        num_workers = info.num_workers if info is not None else 1
+        slot, skip = self.resume_slot(int(self.start_value.value), info.id if info is not None else 0, num_workers)
         epoch = int(self.epoch_value.value)
         cfg = self.cfg
-        plan = plan_slot(self.counts, rank=self.world.rank, world_size=self.world.world_size, worker=worker,
+        plan = plan_slot(self.counts, rank=self.world.rank, world_size=self.world.world_size, worker=slot,
                          num_workers=num_workers, batch_size=cfg.batch_size, seed=cfg.seed, epoch=epoch,
                          shuffle=self.train)
         quota = plan.num_batches * cfg.batch_size
-        if quota == 0:
+        if quota == 0 or skip >= quota:
             return
-        rng = random.Random(f"gpufeed-samples-{cfg.seed}-{epoch}-{self.world.rank}-{worker}")
+        rng = random.Random(f"gpufeed-samples-{cfg.seed}-{epoch}-{self.world.rank}-{slot}")  # the shuffle
         S, B = cfg.image_size, cfg.batch_size
         shared = info is not None
         gpu = cfg.decode == "gpu"
-        if self.train:
-            crop_fn = partial(dec.train_crop, rng=rng)
-        else:
-            crop_fn = partial(dec.eval_crop, size=S, crop_ratio=getattr(cfg, "crop_ratio", 0.875))
         tally = _Tally()
         lost_reported = repeated = repeated_reported = 0
         batch = None
@@ -381,22 +495,26 @@ class ShardStream(IterableDataset):
                     if ext is None:
                         raise ValueError("no image data")
                     data = sample[ext]
-                    if gpu and self._gpu_prepare(data, ext, crop_fn, enc, row):
+                    if done < skip:  # before the resume point: the checks that need no decode, no pixels
+                        dec.check_header(data, cfg.max_pixels)
+                    elif gpu and self._gpu_prepare(data, ext, self._crop_fn(sample, epoch), enc, row):
                         pass
                     else:
-                        dec.decode_into(data, ext, cfg.decode, crop_fn, S, images[row],
+                        dec.decode_into(data, ext, cfg.decode, self._crop_fn(sample, epoch), S, images[row],
                                         resize=getattr(cfg, "resize", "torch"), max_pixels=cfg.max_pixels)
                 except Exception as exc:  # noqa: BLE001 - the policy decides
                     member = f"{sample.get('__key__')}.{ext}" if ext else sample.get("__key__")
                     self._refuse(f"corrupt sample {str(member)!r} in shard {_text(sample.get('__url__'))}: "
                                  f"{_reason(exc)}", 1, tally)
                     continue
-                labels[row] = label
                 good_this_pass += 1
                 done += 1
-                filled += 1
                 if passes > 0:
                     repeated += 1  # every good sample of the range was used once on the first pass
+                if done <= skip:  # skip is a whole number of this worker's items: no batch is half-filled
+                    continue
+                labels[row] = label
+                filled += 1
                 if self.per_sample or filled == B:
                     lost = tally.lost if passes == 0 else first_pass_lost
                     yield self._emit(batch, lost - lost_reported, repeated - repeated_reported)
@@ -407,7 +525,7 @@ class ShardStream(IterableDataset):
             passes += 1
             if done < quota and good_this_pass == 0:
                 raise DataError(
-                    f"rank {self.world.rank} worker {worker}: no readable sample in its "
+                    f"rank {self.world.rank} worker {slot}: no readable sample in its "
                     f"{plan.num_samples} planned samples (shards {sorted({s.shard for s in plan.segments})})"
                 )
 
@@ -469,6 +587,12 @@ class ShardLoader:
 
     A data error (``on_error = "raise"``) is raised as a one-sentence :class:`DataError` naming the shard
     and member, also when it happens in a DataLoader worker.
+
+    Resume: :attr:`position` says how far the current iteration got; ``resume(position)`` (or
+    ``set_epoch(epoch, start_batch)``) makes the next iteration start there without decoding what it passes
+    over (see the module docstring). Under ``num_workers = 0`` the per-sample torch ops run on one intra-op
+    thread while a batch is made (tiny ops on an OpenMP pool burn ~10x the CPU); the caller's setting is
+    restored before each batch is handed out.
     """
 
     def __init__(self, shards: str | Path, cfg: LoaderConfig, world: World, *, train: bool = True, epoch: int = 0,
@@ -498,7 +622,10 @@ class ShardLoader:
         self.num_skipped = 0
         self.num_repeated = 0
         self._epoch = multiprocessing.get_context().Value("q", epoch, lock=False)
-        self._dataset = ShardStream(self.paths, counts, self.manifest.classes, cfg, world, train, self._epoch)
+        self._start = multiprocessing.get_context().Value("q", 0, lock=False)
+        self._consumed = 0
+        self._dataset = ShardStream(self.paths, counts, self.manifest.classes, cfg, world, train, self._epoch,
+                                    self._start)
         nw = cfg.num_workers
         self._pin = bool(cfg.pin_memory and world.is_cuda and torch.cuda.is_available())
         self._loader = DataLoader(
@@ -515,25 +642,75 @@ class ShardLoader:
     def __len__(self) -> int:
         return self.num_batches
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (shard order, shuffle and crops derive from seed and epoch); persistent workers see it."""
-        self._epoch.value = int(epoch)
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Select the epoch (shard order, shuffle and crops derive from seed and epoch); persistent workers see it.
+
+        ``start_batch``: the next iteration yields only batches ``start_batch..len(self)-1`` of the epoch,
+        the batches an uninterrupted iteration yields from there (same samples, crops and order), passing
+        over the first ones without decoding them. It applies to that one iteration; later ones start at 0.
+        """
+        epoch, start_batch = int(epoch), int(start_batch)
+        if epoch < 0 or not 0 <= start_batch <= self.num_batches:
+            raise GpufeedError(f"set_epoch({epoch}, start_batch={start_batch}): the epoch must be >= 0 and "
+                               f"start_batch in 0..{self.num_batches}")
+        self._epoch.value = epoch
+        self._start.value = start_batch
+        self._consumed = start_batch
+
+    @property
+    def position(self) -> LoaderPosition:
+        """The epoch and the batches of it handed out so far (counting a resume's ``start_batch``)."""
+        return LoaderPosition(self.epoch, self._consumed)
+
+    def resume(self, position: LoaderPosition) -> None:
+        """Continue after ``position``: its epoch from the next batch, or the next epoch when it was complete.
+
+        A position beyond this loader's epoch (another shard set or batch size) raises :class:`GpufeedError`.
+        """
+        if position.batches_consumed == self.num_batches:
+            self.set_epoch(position.epoch + 1)
+        else:
+            self.set_epoch(position.epoch, position.batches_consumed)
 
     def __iter__(self):
+        start = int(self._start.value)
+        self._consumed = start
+        batches = self._loader_batches()
         produced = 0
+        try:
+            while True:
+                with self._one_thread():
+                    batch = next(batches, None)
+                if batch is None:
+                    break
+                produced += 1
+                self._consumed += 1
+                yield batch
+        finally:
+            # every worker has read the start by now, unless the caller left early (then that iteration is dropped)
+            self._start.value = 0
+        if produced != self.num_batches - start:  # a rank that stops early would hang DDP: fail loudly instead
+            raise DataError(f"rank {self.world.rank} yielded {produced} batches, expected {self.num_batches - start}")
+
+    @contextmanager
+    def _one_thread(self):
+        """With ``num_workers = 0``: torch on one intra-op thread while a batch is made, then the caller's setting."""
+        prev = torch.get_num_threads()
+        if self.cfg.num_workers > 0 or prev == 1:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(prev)
+
+    def _loader_batches(self):
         if self.cfg.worker_batching:
             for item in self._loader:
-                images, labels = self._count(item)
-                produced += 1
-                yield images, labels
+                yield self._count(item)
         else:
-            yield_count = 0
-            for batch in self._batch_in_main():
-                yield_count += 1
-                yield batch
-            produced = yield_count
-        if produced != self.num_batches:  # a rank that stops early would hang DDP: fail loudly instead
-            raise DataError(f"rank {self.world.rank} yielded {produced} batches, expected {self.num_batches}")
+            yield from self._batch_in_main()
 
     def _count(self, item) -> tuple[Any, torch.Tensor]:
         """Add a worker item's counters; raise a worker's data error here, as the sentence it sent."""

@@ -1,4 +1,4 @@
-"""Loader benchmark (issue 3 "Proof"): gpufeed's tuned loader against what users would otherwise run.
+"""Loader benchmark (the loader issue's proof): gpufeed's tuned loader against what users would otherwise run.
 
 Side by side in one run, same JPEG bytes, same output (uint8 [B, 3, S, S], RandomResizedCrop(S) + flip):
 

@@ -1,4 +1,4 @@
-"""Benchmark ``gpufeed shard`` against what users do today, side by side in one run (issue 2, "Proof").
+"""Benchmark ``gpufeed shard`` against what users do today, side by side in one run (the shard issue's proof).
 
     flock /tmp/gpufeed-bench.lock .venv/bin/python benchmarks/bench_shard.py \\
         --data-dir bench-data/synth-3000 --repeats 3

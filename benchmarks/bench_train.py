@@ -1,4 +1,4 @@
-"""Train benchmark (issue 4 "Proof"): is a 2-process DDP ResNet run fed, with num_workers 0 vs a tuned loader?
+"""Train benchmark (the train issue's proof): is a 2-process DDP ResNet run fed, with num_workers 0 vs a tuned loader?
 
 For each variant, ``gpufeed train --measure`` (2 gloo processes through torchrun) measures, in order:
 the GPU ceiling (here: the CPU compute ceiling, a synthetic batch), the loader ceiling (the loader alone)

@@ -4,7 +4,7 @@ Steps, each timed and recorded even if a later one fails:
   1. environment (torch, CUDA, GPU, usable CPUs);
   2. `gpufeed synth` an ImageNet-like folder and `gpufeed shard` it into /dev/shm (RAM disk), plus a
      stored-size-reduced copy (`--max-size 320`);
-  3. loader ceilings at 224 px, batch 256 (DESIGN §3: batches to the GPU and dropped) for CPU decode
+  3. loader ceilings at 224 px, batch 256 (docs/design.md §4: batches to the GPU and dropped) for CPU decode
      (PIL draft, simplejpeg) and GPU decode (nvjpeg via torchvision.io.decode_jpeg), median of repeats;
   4. `gpufeed.train.measure`: resnet50, AMP bf16, channels_last, batch 256: synthetic (GPU ceiling),
      loader-only and real end-to-end, stall %, GPU telemetry, verdict, once per decode path.

@@ -1,4 +1,4 @@
-"""The loader shared by ``tune`` and ``train`` (DESIGN §2): shard set -> uint8 batches.
+"""The loader shared by ``tune`` and ``train`` (docs/design.md §3): shard set -> uint8 batches.
 
 How an epoch is split. The manifest's shards are put in epoch order (a seeded permutation for
 training, identical on every rank) and read as one sequence of ``num_samples`` samples. Rank ``r`` of

@@ -1,4 +1,4 @@
-"""The shard-set contract shared by every job (DESIGN §1).
+"""The shard-set contract shared by every job (docs/design.md §2).
 
 A shard set is a folder holding ``PREFIX-NNNNNN.tar`` shards, ``index.parquet`` (one row per sample)
 and ``manifest.json``, written last and atomically: its presence means the set is complete.

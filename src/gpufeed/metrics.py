@@ -1,4 +1,4 @@
-"""Measurement vocabulary shared by tune, train and reports (DESIGN §3): repeated measurements
+"""Measurement vocabulary shared by tune, train and reports (docs/design.md §4): repeated measurements
 summarised as median and spread, never a single run."""
 
 from __future__ import annotations

@@ -175,6 +175,36 @@ def test_resume_refuses_a_checkpoint_that_pickles_code(tmp_path):
         assert not marker.exists(), container
 
 
+def test_resume_refuses_a_compressed_checkpoint_before_inflating_it(tmp_path):
+    """A 64 MiB record stored DEFLATE-compressed fits in ~70 KB; torch.load would inflate it in memory."""
+    import zipfile
+
+    import torch
+
+    from gpufeed.errors import DataError
+    from gpufeed.train import read_checkpoint
+
+    plain, bomb = tmp_path / "plain.pt", tmp_path / "last.pt"
+    torch.save({"format": "gpufeed-train-checkpoint", "junk": torch.zeros(64 << 20, dtype=torch.uint8)}, plain)
+    with zipfile.ZipFile(plain) as zi, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as zo:
+        for info in zi.infolist():
+            zo.writestr(info.filename, zi.read(info.filename))
+    assert bomb.stat().st_size < 1 << 20
+    with pytest.raises(DataError, match=r"last.pt is not a gpufeed checkpoint: record .* is compressed"):
+        read_checkpoint(bomb)
+
+
+def test_values_from_a_checkpoint_are_shown_bounded():
+    """A checkpoint can hold a list nested 100,000 deep; naming it in a message must not recurse."""
+    from gpufeed.train import _short
+
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert _short(deep) == "[[[[...]]]]"
+    assert len(_short("x" * 10_000)) <= 60
+
+
 def test_a_checkpoint_holds_only_tensors_and_plain_values_and_resumes(tmp_path):
     """What gpufeed writes loads under weights_only=True, and --resume continues from it."""
     import torch

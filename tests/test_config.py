@@ -160,6 +160,19 @@ def test_non_utf8_file_is_one_sentence(tmp_path: Path) -> None:
     assert str(exc.value) == f"config file {p} is not UTF-8 text (byte 21 is 0xe9); TOML files must be UTF-8"
 
 
+def test_an_integer_too_long_to_convert_is_one_sentence(tmp_path: Path) -> None:
+    """tomllib raises a plain ValueError (not TOMLDecodeError) past Python's int digit limit."""
+    p = tmp_path / "big.toml"
+    p.write_text("[train]\nlr = " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    assert str(exc.value).startswith(f"config file {p} holds a value that cannot be read (")
+    from tests.conftest import invoke
+
+    res = invoke(["tune", tmp_path, "--config", p], expect=2)
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
 def test_bad_size_names_file_section_and_key(tmp_path: Path) -> None:
     p = tmp_path / "c.toml"
     p.write_text("[shard]\nshard_bytes = '1 potato'\n")

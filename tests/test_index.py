@@ -210,16 +210,43 @@ def test_index_counts_and_lists_dropped_images_duplicates_and_ungrouped_keys(tmp
 
 
 def test_index_checks_labels_with_the_loaders_rule(tmp_path):
-    d = tmp_path / "mixed"
+    d = tmp_path / "mapped"
     d.mkdir()
     png = _png()
-    # "5" is a class index for every reader, but the set has 2 classes ("5" and "cat"): the loader rejects it
+    (d / "classes.txt").write_text("cat\ndog\n")
+    # "5" is a class index for every reader, but classes.txt names 2 classes: the loader rejects it
     _tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"5"), ("b.png", png), ("b.cls", b"cat"),
-                              ("c.png", png), ("c.cls", b"\xff")])
+                              ("c.png", png), ("c.cls", b"\xff"), ("d.png", png), ("d.cls", b"1")])
     res = invoke_json(["index", d], expect=1)
     assert res["num_bad_labels"] == 2 and res["num_classes"] == 2
     assert res["bad_labels"] == ["data-000.tar: a.cls (label 5 is outside 0..1)",
                                  "data-000.tar: c.cls (.cls member is not UTF-8 text)"]
+
+
+def test_index_refuses_labels_that_mix_indices_and_names(tmp_path):
+    """Labels 1, cat, dog: class "1" would be listed at index 0 while every reader reads "1" as index 1 (cat)."""
+    d = tmp_path / "mixed"
+    d.mkdir()
+    png = _png()
+    _tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"1"), ("b.png", png), ("b.cls", b"cat"),
+                              ("c.png", png), ("c.cls", b"dog"), ("e.png", png), ("e.cls", b"1")])
+    res = invoke(["index", d], expect=2)
+    assert "mix class indices ('1') and class names ('cat')" in res.stderr
+    assert not (d / "manifest.json").exists()
+    (d / "classes.txt").write_text("1\ncat\ndog\n")  # the name "1" at index 0: ambiguous with the index 1
+    res = invoke(["index", d], expect=2)
+    assert "names class '1' at index 0, but a .cls label '1' reads as class index 1" in res.stderr
+
+
+def test_index_refuses_a_huge_class_index_before_listing_classes(tmp_path):
+    """A label of 20 digits used to make index list 10**20 class names (memory until the OOM killer)."""
+    d = tmp_path / "huge"
+    d.mkdir()
+    _tar(d / "data-000.tar", [("a.png", _png()), ("a.cls", b"99999999999999999999"),
+                              ("b.png", _png()), ("b.cls", b"0")])
+    res = invoke(["index", d], expect=2)
+    assert "is '99999999999999999999': class indices must be below 10,000,000" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_index_refuses_a_set_without_labels(tmp_path):

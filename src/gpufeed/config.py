@@ -450,6 +450,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ConfigError(f"config file {p} holds a value that cannot be read ({str(exc)[:120]})") from None
     except RecursionError:
         raise ConfigError(f"config file {p} nests arrays or tables too deeply") from None
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufeed.errors import DataError
-from gpufeed.manifest import (LABEL_EXTENSION, MANIFEST_NAME, MAX_LABEL_BYTES, READ_IMAGE_EXTENSIONS,
+from gpufeed.manifest import (LABEL_EXTENSION, MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, READ_IMAGE_EXTENSIONS,
                               SHARD_SUFFIXES, LabelError, Manifest, ShardInfo, manifest_path, parse_label,
                               shard_name_problem, write_manifest)
 
@@ -248,12 +248,26 @@ def _classes(folder: Path, labels: set[str]) -> tuple[list[str], str]:
         if len(set(names)) != len(names):
             dup = next(c for i, c in enumerate(names) if c in names[:i])
             raise DataError(f"{class_map} lists class {dup[:80]!r} twice")
+        position = {c: i for i, c in enumerate(names)}
+        for x in sorted(labels):  # parse_label reads digits as an index: a class named "7" must be class 7
+            if x.isascii() and x.isdigit() and x in position and position[x] != int(x):
+                raise DataError(f"{class_map} names class {x!r} at index {position[x]}, but a .cls label {x!r} "
+                                f"reads as class index {int(x)}; the label is ambiguous")
         return names, CLASS_MAP_NAME
     if not labels:
         raise DataError(f"no sample in {folder} has a .cls label, so there are no classes to train on; add "
                         f".cls members or a {CLASS_MAP_NAME} next to the shards")
-    if all(x.isascii() and x.isdigit() for x in labels):
-        return [str(i) for i in range(max(int(x) for x in labels) + 1)], "integer .cls"
+    numbers = {x for x in labels if x.isascii() and x.isdigit()}
+    if numbers and len(numbers) < len(labels):
+        name = next(iter(sorted(labels - numbers)))
+        raise DataError(f"the .cls labels in {folder} mix class indices ({min(numbers, key=len)!r}) and class names "
+                        f"({name[:80]!r}), so an index cannot be told from a name; write the class names in order "
+                        f"to {CLASS_MAP_NAME} next to the shards")
+    if numbers:
+        top = max(numbers, key=lambda x: (len(x.lstrip("0")), x.lstrip("0")))
+        if len(top.lstrip("0")) > len(str(MAX_CLASSES)) or int(top) >= MAX_CLASSES:
+            raise DataError(f"a .cls label in {folder} is {top[:40]!r}: class indices must be below {MAX_CLASSES:,}")
+        return [str(i) for i in range(int(top) + 1)], "integer .cls"
     return sorted(labels), "text .cls"
 
 

@@ -398,6 +398,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; the legacy raw-pickle format is refused
         raise DataError(f"{path} is not a gpufeed checkpoint: not a torch zip archive (truncated, junk or "
                         f"an old torch format)")
+    _check_archive(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the refusal below says it all
@@ -416,9 +417,44 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+MAX_CHECKPOINT_ENTRIES = 100_000
+"""Records in a checkpoint archive (resnet101 with momentum buffers has ~1,000)."""
+
+
+def _check_archive(path: Path) -> None:
+    """Refuse a checkpoint archive that would expand beyond its size before ``torch.load`` reads it.
+
+    ``torch.save`` stores every record uncompressed; a compressed record (a few KB inflating to gigabytes) or
+    declared sizes larger than the file are not ours, so memory stays bounded by the file's own size."""
+    import zipfile
+
+    size = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise DataError(f"{path} cannot be read: not a readable zip archive ({one_line(exc)[:120]})") from None
+    if len(infos) > MAX_CHECKPOINT_ENTRIES:
+        raise DataError(f"{path} holds {len(infos)} records; a gpufeed checkpoint has at most {MAX_CHECKPOINT_ENTRIES:,}")
+    packed = [i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED]
+    if packed:
+        raise DataError(f"{path} is not a gpufeed checkpoint: record {packed[0][:80]!r} is compressed "
+                        f"(torch.save stores records uncompressed)")
+    declared = sum(i.file_size for i in infos)
+    if declared > size:
+        raise DataError(f"{path} declares {declared} bytes of records in a {size}-byte file")
+
+
 def _short(value: Any) -> str:
-    """An untrusted value for a message: its repr, at most 60 characters."""
-    text = repr(value)
+    """An untrusted value for a message: a bounded repr (depth and length), at most 60 characters."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother = 3, 40, 40
+    try:
+        text = r.repr(value)
+    except (RecursionError, ValueError):  # a nested structure deeper than the interpreter recurses
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 

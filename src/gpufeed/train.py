@@ -198,7 +198,8 @@ def resolve_amp(amp: str, device: torch.device) -> tuple[str, str | None]:
     """``amp`` with ``auto`` resolved for ``device`` -> (bf16 | fp16 | off, a note saying what auto chose).
 
     auto: bf16 on CUDA devices with native bf16 (compute capability 8.0+), fp16 (with a GradScaler) on older
-    CUDA devices, off on the CPU, where bf16 is emulated and many times slower than float32."""
+    CUDA devices, off on the CPU, where bf16 autocast is emulated, and many times slower than float32, unless the
+    CPU has native bf16 instructions (AVX512-BF16, AMX): an explicit ``bf16`` is kept as asked."""
     if amp != "auto":
         return amp, None
     if device.type != "cuda":

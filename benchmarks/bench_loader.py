@@ -133,7 +133,7 @@ def sweep(label: str, fn: Callable[..., TrialRecord], source: Path, configs: lis
     for i, c in enumerate(configs):
         r = dataclasses.replace(fn(source, c, world, **kw), trial=i, phase=label)
         recs.append(r)
-        log(f"{label} {i + 1}/{len(configs)} {describe(r):45s} "
+        log(f"{label} {i + 1}/{len(configs)} {describe(r, world.is_cuda):45s} "
             + (f"{r.samples_per_s:7.1f} samples/s" if r.ok else f"ERROR {r.error}"))
     return recs, time.monotonic() - t0
 
@@ -238,7 +238,7 @@ def main() -> None:
             r = dataclasses.replace(fn(src, c, world, window_s=args.window, repeats=args.repeats, warmup_batches=2),
                                     trial=rnd, phase=name)
             runs[name].append(r)
-            log(f"round {rnd + 1}/{args.rounds} {name:20s} {describe(r):40s} "
+            log(f"round {rnd + 1}/{args.rounds} {name:20s} {describe(r, world.is_cuda):40s} "
                 + (f"{r.samples_per_s:7.1f} samples/s" if r.ok else f"ERROR {r.error}"))
 
     rows = []
@@ -247,7 +247,7 @@ def main() -> None:
         st = Stat.of(rates) if rates else None
         ok = [r for r in runs[name] if r.ok]
         rows.append({
-            "variant": name, "config": describe(c), "source": str(src), "samples_per_s": st,
+            "variant": name, "config": describe(c, world.is_cuda), "source": str(src), "samples_per_s": st,
             "tree_cores_used": _med([r.tree_cores_used for r in ok]),
             "samples_per_core_s": _med([r.samples_per_core_s for r in ok]),
             "startup_s": _med([r.startup_s for r in ok]),
@@ -264,7 +264,7 @@ def main() -> None:
         t_rate = by.get("gpufeed-tuned")
         e_rate = by.get("gpufeed-exhaustive", t_rate)
         score = {
-            "tuner_config": describe(tuned_full.best), "exhaustive_config": describe(exh_best),
+            "tuner_config": describe(tuned_full.best, world.is_cuda), "exhaustive_config": describe(exh_best, world.is_cuda),
             "same_config": _knobs(exh_best.loader_config(base)) == _knobs(tuned_full.best),
             "tuner_rate_interleaved": t_rate, "exhaustive_best_rate_interleaved": e_rate,
             "tuner_vs_exhaustive": (t_rate / e_rate) if t_rate and e_rate else None,

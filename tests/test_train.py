@@ -269,13 +269,15 @@ def test_timing_window_drains_the_worker_backlog() -> None:
 def test_meter_leaves_paused_time_out_of_the_rate() -> None:
     import time
 
+    from gpufeed.timing import HostClock, StepMarks
     from gpufeed.train import _Meter
     from gpufeed.world import World
 
-    m = _Meter(0, 10, World.single())
+    clock = HostClock(now=iter([0.0, 0.05]).__next__)
+    m = _Meter(0, 10, World.single(), clock)
     m.before_step()
     time.sleep(0.05)
-    m.add(0.05, 0.0, 0.0, 0.05, 10)
+    m.add(StepMarks(clock).begin().finish(10))
     m.pause()
     time.sleep(0.3)  # e.g. validation
     m.resume()
@@ -521,3 +523,64 @@ def test_ddp_rank_failure_ends_in_one_sentence_naming_the_shard(truncated, tmp_p
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr and len(lines) <= 4, proc.stderr
     assert lines[-1].startswith("error: rank ") and "train-000001.tar" in lines[-1], proc.stderr
+
+
+# --------------------------------------------------------------------------- amp auto, the chart
+
+
+def test_amp_auto_resolves_per_device(monkeypatch) -> None:
+    from gpufeed.train import resolve_amp
+
+    assert TrainConfig().amp == "auto"
+    assert resolve_amp("auto", torch.device("cpu")) == ("off", "amp auto -> off (CPU)")
+    assert resolve_amp("bf16", torch.device("cpu")) == ("bf16", None)  # what the user asked for stands
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    assert resolve_amp("auto", torch.device("cuda:0")) == (
+        "fp16", "amp auto -> fp16 with a GradScaler (compute capability 7.0 has no native bf16)")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_amp("auto", torch.device("cuda:0")) == ("bf16", "amp auto -> bf16 (compute capability 9.0)")
+
+
+def test_amp_auto_on_cpu_trains_in_float32_and_says_so(tmp_path: Path) -> None:
+    from gpufeed.train import render
+
+    cfg = tiny(mode="synthetic", steps=1, timing_warmup_steps=0, amp="auto", num_classes=4, batch_size=2,
+               image_size=16)
+    rec = train(cfg, LOADER, World.single(), run_dir=tmp_path)
+    assert rec.amp == "off" and "amp auto -> off (CPU)" in rec.notes
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["amp"] == "off"
+    text = render(s)
+    assert ", amp off," in text and "note: amp auto -> off (CPU)" in text
+    assert "ceilings: compute ceiling (CPU) " in text and "GPU" not in text
+
+
+def _summary(device: str, rates: dict[str, float], stalls: list[float], verdict: dict | None = None) -> dict:
+    modes = {k: {"samples_per_s": v, "per_rank": [{"rank": i, "stall_pct": p} for i, p in enumerate(stalls)]}
+             for k, v in rates.items()}
+    return {"device": device, "modes": modes, "verdict": verdict}
+
+
+def test_chart_data_puts_the_rates_side_by_side_and_the_stall_per_rank() -> None:
+    from gpufeed.train import chart_data
+
+    s = _summary("cpu", {"synthetic": 3.0, "loader-only": 1500.0, "real": 2.9}, [1.0, 7.5])
+    d = chart_data(s)
+    assert d["rates"] == [("synthetic", "compute ceiling (CPU)", 3.0), ("loader-only", "loader ceiling", 1500.0),
+                          ("real", "end to end", 2.9)]
+    assert d["log_scale"] is True  # 1500 / 2.9 > 20: on a linear axis the compute rates would vanish
+    assert d["stall_mode"] == "real" and d["stalls"] == [(0, 1.0), (1, 7.5)]
+    d = chart_data(_summary("cuda:0", {"synthetic": 3000.0, "loader-only": 4000.0, "real": 2900.0}, [2.0]))
+    assert d["rates"][0] == ("synthetic", "GPU ceiling", 3000.0) and d["log_scale"] is False
+    d = chart_data(_summary("cpu", {"loader-only": 100.0}, [0.0]))
+    assert d["stall_mode"] is None and d["stalls"] == []  # the loader alone has no stall
+
+
+def test_plot_summary_writes_the_png(tmp_path: Path) -> None:
+    from gpufeed.train import plot_summary
+
+    s = _summary("cpu", {"synthetic": 3.0, "loader-only": 1500.0, "real": 2.9}, [1.0, 7.5],
+                 {"status": "starved", "bound": "rank imbalance"})
+    assert plot_summary(tmp_path, s) == "throughput.png"
+    assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_summary(tmp_path / "none", _summary("cpu", {}, [])) is None

@@ -410,3 +410,18 @@ def test_render_shows_trial_errors_and_sample_counters_in_one_line_each(tmp_path
     row = [line for line in text.splitlines() if line.endswith("DataError: shard a.tar: truncated")]
     assert len(row) == 1 and "Traceback" not in text
     assert "skipped samples: #0 3" in text.splitlines() and "repeated samples: #0 2" in text.splitlines()
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_rows_show_pinning_only_where_it_applies(tmp_path: Path) -> None:
+    """pin_memory only matters for host-to-GPU copies: without CUDA the rows and the conclusion omit it."""
+    from gpufeed.tune import render
+
+    report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil", pin_memory=True), measure=ToyPipeline(),
+                  world=World.single())
+    assert report.device == "cpu" and all(t.pin_memory for t in report.trials)
+    rows = [line for line in render(report).splitlines() if "w=" in line]
+    assert len(rows) == report.num_trials + 1  # + the conclusion
+    assert not any(" pin" in r for r in rows)
+    on_gpu = render(dataclasses.replace(report, device="cuda:0")).splitlines()
+    assert sum(" pin " in line for line in on_gpu if "w=" in line) == report.num_trials

@@ -4,10 +4,26 @@ from gpufeed.verdict import Verdict, VerdictInputs, classify
 
 
 def test_fed_when_stall_low_and_near_the_lower_ceiling() -> None:
-    v = classify(VerdictInputs(stall_pct=2.0, end_to_end_rate=2900, gpu_ceiling=3000, loader_ceiling=5000))
+    v = classify(VerdictInputs(stall_pct=2.0, end_to_end_rate=2900, gpu_ceiling=3000, loader_ceiling=5000,
+                               is_cuda=True))
     assert v.status == "fed" and v.ok and v.bound is None
-    assert "GPU is the bound" in v.reason
+    assert v.reason == ("data stall 2.0% < 5% and 2900.0 samples/s = 97% of the GPU ceiling (3000.0); "
+                        "the GPU is the bound, as it should be")
     assert abs(v.numbers["fraction_of_ceiling"] - 2900 / 3000) < 1e-9
+
+
+def test_on_the_cpu_the_synthetic_rate_is_the_cpus_compute_ceiling_not_a_gpus() -> None:
+    v = classify(VerdictInputs(stall_pct=2.0, end_to_end_rate=2.9, gpu_ceiling=3.0, loader_ceiling=1500.0))
+    assert v.reason == ("data stall 2.0% < 5% and 2.9 samples/s = 97% of the compute ceiling (CPU) (3.0); "
+                        "the CPU's compute is the bound, as it should be")
+    slow = classify(VerdictInputs(stall_pct=30.0, end_to_end_rate=1.0, gpu_ceiling=3.0, loader_ceiling=1500.0))
+    assert slow.reason.startswith("data stall 30.0% (>= 5%) at 1.0 samples/s, 33% of the compute ceiling (CPU) (3.0)")
+    unverified = classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=3.0))
+    assert "whether this is the CPU's own compute speed is unknown" in unverified.reason
+    assert "GPU" not in v.reason + slow.reason + unverified.reason
+    gpu = classify(VerdictInputs(stall_pct=30.0, end_to_end_rate=1.0, gpu_ceiling=3.0, loader_ceiling=1500.0,
+                                 is_cuda=True))
+    assert gpu.reason.startswith("data stall 30.0% (>= 5%) at 1.0 samples/s, 33% of the GPU ceiling (3.0)")
 
 
 def test_low_stall_without_ceilings_is_unverified_not_fed() -> None:

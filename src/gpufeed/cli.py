@@ -286,7 +286,9 @@ def synth(dest: str, images: int | None, classes: int | None, seed: int | None, 
 @click.option("--batch-size", type=int, help="Samples per micro-batch per GPU/rank  [default: the [loader] batch_size].")
 @click.option("--accum-steps", type=int, help="Micro-batches per optimizer step  [default: 1].")
 @click.option("--image-size", type=int, help="Image side in pixels  [default: the [loader] image_size].")
-@click.option("--amp", type=click.Choice(["bf16", "fp16", "off"]), help="Autocast dtype; fp16 uses a GradScaler  [default: bf16].")
+@click.option("--amp", type=click.Choice(["auto", "bf16", "fp16", "off"]),
+              help="Autocast dtype; fp16 uses a GradScaler. auto: bf16 on GPUs that have it, fp16 on older GPUs, "
+                   "off on the CPU; the summary says which  [default: auto].")
 @click.option("--channels-last/--no-channels-last", default=None, help="channels_last memory format.")
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the model.")
 @click.option("--lr", type=float, help="Peak SGD learning rate after warm-up, then cosine  [default: 0.1].")
@@ -299,7 +301,7 @@ def synth(dest: str, images: int | None, classes: int | None, seed: int | None, 
 @click.option("--resume/--no-resume", default=None, help="Continue from CHECKPOINT_DIR/last.pt.")
 @click.option("--seed", type=int, help="Seed for model init and data order  [default: 0].")
 @click.option("--synthetic", "mode", flag_value="synthetic", default=None,
-              help="Fixed batch already on the device: the GPU ceiling.")
+              help="Fixed batch already on the device: the compute ceiling (of the GPU, or of the CPU without one).")
 @click.option("--loader-only", "mode", flag_value="loader-only", help="Loader alone, batches moved to the device and dropped.")
 @click.option("--measure", "mode", flag_value="measure",
               help="Run synthetic, loader-only and real briefly, in that order, then the verdict.")
@@ -327,7 +329,7 @@ def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int 
     """AMP + DDP ResNet training that measures data stall and ends with a fed/starved verdict (exit 1 if starved).
 
     \b
-    gpufeed train --shards DEST --measure                 GPU ceiling, loader ceiling, real run, verdict
+    gpufeed train --shards DEST --measure                 compute ceiling, loader ceiling, real run, verdict
     gpufeed train --shards DEST --config tuned.toml --epochs 90 --nproc-per-node 8
     """
     from gpufeed.config import load_config

@@ -312,8 +312,10 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step (DDP syncs gradients on the last one only)."""
     image_size: int | None = bounded(None, 1, MAX_IMAGE_SIZE)
     """Training image side in pixels; None = the [loader] image_size."""
-    amp: Literal["bf16", "fp16", "off"] = "bf16"
-    """Autocast dtype (fp16 uses a GradScaler)."""
+    amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
+    """Autocast dtype (fp16 uses a GradScaler); auto = bf16 on CUDA devices with native bf16 (compute capability
+    8.0+), fp16 on older ones, off on the CPU (bf16 autocast is emulated, and many times slower than float32, on
+    CPUs without native bf16 instructions; ask for bf16 explicitly on one that has them)."""
     channels_last: bool = False
     """Use the channels_last memory format (faster convolutions on tensor-core GPUs)."""
     compile: bool = False

@@ -5,15 +5,18 @@ One code path for every device: NCCL on CUDA, gloo on CPU. Multi-process runs go
 
 Modes
 - ``real``: train on the shards (epochs/steps, validation, checkpoints, resume);
-- ``synthetic``: a fixed uint8 batch already on the device, same step: the GPU ceiling;
+- ``synthetic``: a fixed uint8 batch already on the device, same step: the compute ceiling (the GPU ceiling,
+  or the "compute ceiling (CPU)" when training on the CPU);
 - ``loader-only``: the loader alone, batches moved to the device and dropped: the loader ceiling;
 - ``measure``: synthetic, loader-only and real, briefly, in that order, then the verdict.
 
-Per step and rank we time: the wait in ``next(loader)``, the host-to-device copy that is not overlapped
-with compute (CUDA events around ``loader.to_device`` on the compute stream: the step cannot start before
-it ends), and compute (CUDA events around normalise + forward + backward + optimizer; perf_counter on
-CPU, where the work is synchronous). On CUDA each step ends by waiting for its own last event, so time
-spent in ``next(loader)`` is time the GPU sits idle. Data stall % = Σ data wait / Σ step time.
+Per step and rank we time, on the device's own timeline (:mod:`gpufeed.timing`: CUDA events on the
+compute stream; perf_counter on CPU, where the work is synchronous): the time the device sits idle while
+the host waits in ``next(loader)`` (not the host's whole wait: while compute is still queued the device is
+busy), the host-to-device copy that is not overlapped with compute (``loader.to_device`` on the compute
+stream: the step cannot start before it ends), compute (normalise + forward + backward + optimizer) and
+the step. Nothing waits for the device per step: the marks are read in bulk at log steps and at the ends
+of the timed window. Data stall % = Σ (data wait + copy) / Σ step time.
 At the end of each mode the per-rank numbers are all-gathered and rank 0 writes the records.
 
 Checkpoints (``last.pt``) hold tensors and plain values only: ``--resume`` reads them with
@@ -50,7 +53,8 @@ from gpufeed.errors import ConfigError, DataError, GpufeedError, RunError, one_l
 from gpufeed.metrics import Stat
 from gpufeed.records import append_jsonl, make_run_dir, to_jsonable, utc_now, write_json
 from gpufeed.telemetry import Telemetry
-from gpufeed.verdict import Verdict, VerdictInputs, classify
+from gpufeed.timing import Clock, CudaClock, HostClock, StepMarks, StepTimes, resolve
+from gpufeed.verdict import STALL_FED_PCT, Verdict, VerdictInputs, classify, compute_ceiling_name
 from gpufeed.world import World
 
 CHECKPOINT_NAME = "last.pt"
@@ -79,7 +83,7 @@ class RankTiming:
     data_wait_s: float
     """Σ (next_wait_s + h2d_s)."""
     next_wait_s: float
-    """Σ time blocked in next(loader)."""
+    """Σ time the device sat idle while the host waited in next(loader)."""
     h2d_s: float
     """Σ host-to-device copy not overlapped with compute (loader.to_device)."""
     compute_s: float
@@ -190,6 +194,22 @@ def default_warmup(total: int) -> int:
     return min(2000, total // 20)
 
 
+def resolve_amp(amp: str, device: torch.device) -> tuple[str, str | None]:
+    """``amp`` with ``auto`` resolved for ``device`` -> (bf16 | fp16 | off, a note saying what auto chose).
+
+    auto: bf16 on CUDA devices with native bf16 (compute capability 8.0+), fp16 (with a GradScaler) on older
+    CUDA devices, off on the CPU, where bf16 autocast is emulated, and many times slower than float32, unless the
+    CPU has native bf16 instructions (AVX512-BF16, AMX): an explicit ``bf16`` is kept as asked."""
+    if amp != "auto":
+        return amp, None
+    if device.type != "cuda":
+        return "off", "amp auto -> off (CPU)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return "bf16", f"amp auto -> bf16 (compute capability {major}.{minor})"
+    return "fp16", f"amp auto -> fp16 with a GradScaler (compute capability {major}.{minor} has no native bf16)"
+
+
 def _normalize(images: torch.Tensor, *, dtype: torch.dtype = torch.float32, channels_last: bool = False) -> torch.Tensor:
     from gpufeed.loader import normalize
 
@@ -197,12 +217,19 @@ def _normalize(images: torch.Tensor, *, dtype: torch.dtype = torch.float32, chan
 
 
 class _Meter:
-    """Accumulates one rank's step timings after the warm-up; runs telemetry over the timed window."""
+    """Accumulates one rank's step timings after the warm-up; runs telemetry over the timed window.
 
-    def __init__(self, warmup: int, log_every: int, world: World) -> None:
+    Steps arrive as :class:`StepMarks` (:meth:`add`) and are read after the clock syncs (:meth:`settle`, at
+    log steps; :meth:`finish`). The wall-clock window starts and ends with a sync, so that it holds the
+    device work of exactly the timed steps, and pauses leave out what runs between steps (validation,
+    checkpoints)."""
+
+    def __init__(self, warmup: int, log_every: int, world: World, clock: Clock) -> None:
         self.warmup, self.log_every, self.world = warmup, log_every, world
+        self.clock = clock
         self.index = 0
-        self.steps: list[tuple[float, float, float, float, int]] = []  # step, next, h2d, compute, samples
+        self.steps: list[StepTimes] = []
+        self.pending: list[StepMarks] = []
         self.t0: float | None = None
         self.t1: float | None = None
         self.paused_s = 0.0
@@ -212,18 +239,26 @@ class _Meter:
     def before_step(self) -> None:
         if self.index == self.warmup and self.t0 is None:
             gpu = (torch.device(self.world.device).index or 0) if self.world.is_cuda else None
+            self.clock.sync()  # the warm-up's queued work stays out of the window
             self.tel = Telemetry(interval_s=0.5, gpu_index=gpu)
             self.tel.start()
             self.t0 = time.perf_counter()
 
-    def add(self, step_s: float, next_s: float, h2d_s: float, compute_s: float, samples: int) -> None:
+    def add(self, marks: StepMarks) -> None:
         if self.t0 is not None:
-            self.steps.append((step_s, next_s, h2d_s, compute_s, samples))
+            self.pending.append(marks)
         self.index += 1
+
+    def settle(self) -> None:
+        """Read the timed steps so far (one sync), keeping their seconds only."""
+        if self.pending:
+            self.steps += resolve(self.clock, self.pending)
+            self.pending = []
 
     def pause(self) -> None:
         """Leave what follows (validation, checkpoints) out of the timed window."""
         if self.t0 is not None and self.t1 is None and self._pause0 is None:
+            self.clock.sync()
             self._pause0 = time.perf_counter()
 
     def resume(self) -> None:
@@ -232,15 +267,17 @@ class _Meter:
             self._pause0 = None
 
     def stop(self) -> None:
-        """End the timed window right after the last step (before logging and worker shutdown)."""
+        """End the timed window right after the last step's device work (before logging and worker shutdown)."""
         if self.t1 is None:
             self.resume()
+            self.clock.sync()
             self.t1 = time.perf_counter()
             if self.tel is not None:
                 self.tel.stop()
 
     def finish(self) -> RankTiming:
         self.stop()
+        self.settle()
         tel = self.tel.summary() if self.tel is not None else None
         wall = (self.t1 - self.t0 - self.paused_s) if self.t0 is not None else 0.0
         cols = list(zip(*self.steps)) if self.steps else [(), (), (), (), ()]
@@ -571,6 +608,8 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else None
         self.device = torch.device(world.device)
         self.cuda = world.is_cuda
+        self.clock: Clock = CudaClock(self.device) if self.cuda else HostClock()
+        """Marks on the device timeline (see :mod:`gpufeed.timing`); read at log steps only."""
         self.notes: list[str] = []
         self.loader_cfg = run_loader_config(cfg, loader_cfg)
         self.batch_size = self.loader_cfg.batch_size
@@ -636,11 +675,14 @@ class Trainer:
             lr=cfg.lr, momentum=cfg.momentum)
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         dev_type = "cuda" if self.cuda else "cpu"
-        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[cfg.amp]
+        self.amp, note = resolve_amp(cfg.amp, self.device)
+        if note:
+            self.notes.append(note)
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[self.amp]
         self.autocast: Callable[[], Any] = (
             (lambda: torch.autocast(device_type=dev_type, dtype=self.amp_dtype)) if self.amp_dtype is not None
             else contextlib.nullcontext)
-        self.scaler = torch.amp.GradScaler(dev_type, enabled=cfg.amp == "fp16")
+        self.scaler = torch.amp.GradScaler(dev_type, enabled=self.amp == "fp16")
 
         # schedule: total steps known once the loader length is
         if self.loader is not None:
@@ -666,19 +708,6 @@ class Trainer:
         self._progress = None
 
     # ---- batches
-    def _fetch(self, it: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float, Any]:
-        t0 = time.perf_counter()
-        batch = next(it)
-        t1 = time.perf_counter()
-        if self.cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            x, y = self.loader.to_device(batch, self.device, non_blocking=True)
-            e1.record()
-            return x, y, t1 - t0, (e0, e1)
-        x, y = self.loader.to_device(batch, self.device, non_blocking=True)
-        return x, y, t1 - t0, time.perf_counter() - t1
-
     def synthetic_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._synthetic is None:
             g = torch.Generator().manual_seed(self.cfg.seed + 1)
@@ -697,19 +726,6 @@ class Trainer:
             epoch += 1
 
     # ---- compute
-    def _timer(self) -> Any:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    @staticmethod
-    def _elapsed(a: Any, b: Any) -> float:
-        if isinstance(a, float):
-            return b - a
-        return a.elapsed_time(b) / 1000.0
-
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, last: bool) -> torch.Tensor:
         """One micro-batch: normalise on the device, forward under autocast, scaled backward.
 
@@ -732,47 +748,43 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.scheduler.step()
 
-    def train_step(self, source: str, it: Iterator[Any] | None) -> tuple[float, float, float, float, int]:
-        """One optimizer step over accum_steps micro-batches -> (step_s, next_s, h2d_s, compute_s, samples)."""
-        t_start = time.perf_counter()
+    def _to_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loader.to_device(batch, self.device, non_blocking=True)
+
+    def train_step(self, source: str, it: Iterator[Any] | None) -> StepMarks:
+        """One optimizer step over accum_steps micro-batches, marked for :func:`gpufeed.timing.resolve`.
+
+        Nothing here waits for the device: the marks are read in bulk at log steps."""
+        marks = StepMarks(self.clock).begin()
         self.optimizer.zero_grad(set_to_none=True)
-        next_s = 0.0
-        h2d: list[Any] = []
-        comp: list[tuple[Any, Any]] = []
         loss_sum = None
         for i in range(self.accum):
             if source == "synthetic":
                 x, y = self.synthetic_batch()
             else:
-                x, y, ns, hd = self._fetch(it)
-                next_s += ns
-                h2d.append(hd)
-            c0 = self._timer()
-            loss = self.forward_backward(x, y, last=i == self.accum - 1)
-            if i == self.accum - 1:
-                self.optimizer_step()
-            c1 = self._timer()
-            comp.append((c0, c1))
-            loss_sum = loss if loss_sum is None else loss_sum + loss
-        if self.cuda:
-            comp[-1][1].synchronize()
-        h2d_s = sum(h if isinstance(h, float) else self._elapsed(*h) for h in h2d)
-        compute_s = sum(self._elapsed(a, b) for a, b in comp)
-        self.last_loss = loss_sum
-        return time.perf_counter() - t_start, next_s, h2d_s, compute_s, self.batch_size * self.accum
+                x, y = marks.fetch(it, self._to_device)
+            last = i == self.accum - 1
 
-    def loader_step(self, it: Iterator[Any]) -> tuple[float, float, float, float, int]:
-        """Loader ceiling: fetch accum_steps batches, move them to the device, drop them."""
-        t_start = time.perf_counter()
-        next_s, h2d = 0.0, []
+            def work() -> torch.Tensor:
+                loss = self.forward_backward(x, y, last=last)
+                if last:
+                    self.optimizer_step()
+                return loss
+
+            loss = marks.compute(work)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+        self.last_loss = loss_sum
+        return marks.finish(self.batch_size * self.accum)
+
+    def loader_step(self, it: Iterator[Any]) -> StepMarks:
+        """Loader ceiling: fetch accum_steps batches, move them to the device, drop them.
+
+        The copies are not waited for: the caching allocators keep the pinned host and the device buffers
+        until the stream has used them."""
+        marks = StepMarks(self.clock).begin()
         for _ in range(self.accum):
-            _x, _y, ns, hd = self._fetch(it)
-            next_s += ns
-            h2d.append(hd)
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-        h2d_s = sum(h if isinstance(h, float) else self._elapsed(*h) for h in h2d)
-        return time.perf_counter() - t_start, next_s, h2d_s, 0.0, self.batch_size * self.accum
+            marks.fetch(it, self._to_device)
+        return marks.finish(self.batch_size * self.accum)
 
     # ---- collectives
     def gather(self, obj: Any) -> list[Any]:
@@ -933,9 +945,12 @@ class Trainer:
             _check_like(v, {"momentum_buffer": params[k].detach()}, f"optimizer state[{k}]")
 
     # ---- logging
-    def log(self, mode: str, window: list[tuple[float, float, float, float, int]]) -> None:
-        if not window:
+    def log(self, mode: str, marks: list[StepMarks], meter: _Meter) -> None:
+        """The only place steps are read during a run: one sync, then the window's record (log.jsonl)."""
+        if not marks:
             return
+        window = resolve(self.clock, marks)
+        meter.settle()
         step_s = sum(w[0] for w in window)
         wait = sum(w[1] + w[2] for w in window)
         samples = sum(w[4] for w in window)
@@ -960,12 +975,12 @@ class Trainer:
     def run_mode(self, mode: str, num_steps: int) -> ModeRecord | None:
         """synthetic / loader-only / real (measure) for num_steps timed steps after the warm-up."""
         warm, num_steps = self.timing_window(mode, num_steps)
-        meter = _Meter(warm, self.cfg.log_every, self.world)
+        meter = _Meter(warm, self.cfg.log_every, self.world, self.clock)
         n = warm + num_steps
         it = None if mode == "synthetic" else self._cycle()
         self.started = True
         self.module.train()
-        window: list[Any] = []
+        window: list[StepMarks] = []
         progress = self._bar(n, 0, mode)
         try:
             for _ in range(n):
@@ -975,15 +990,15 @@ class Trainer:
                 else:
                     t = self.train_step("synthetic" if mode == "synthetic" else "loader", it)
                     self.step += 1
-                meter.add(*t)
+                meter.add(t)
                 window.append(t)
                 if progress is not None:
                     progress.update(1)
                 if len(window) >= self.cfg.log_every:
-                    self.log(mode, window)
+                    self.log(mode, window, meter)
                     window = []
             meter.stop()
-            self.log(mode, window)
+            self.log(mode, window, meter)
         finally:
             if progress is not None:
                 progress.close()
@@ -1026,9 +1041,9 @@ class Trainer:
         self.started = True
         # time at least one step, however short the run
         warm = min(self.timing_window("real", 0)[0], max(0, self.total_steps - self.step - 1))
-        meter = _Meter(warm, cfg.log_every, self.world)
+        meter = _Meter(warm, cfg.log_every, self.world, self.clock)
         vals: list[ValRecord] = []
-        window: list[Any] = []
+        window: list[StepMarks] = []
         progress = self._bar(self.total_steps, self.step, "train")
         self.module.train()
         try:
@@ -1045,12 +1060,12 @@ class Trainer:
                     t = self.train_step("loader", it)
                     self.step += 1
                     self.step_in_epoch += 1
-                    meter.add(*t)
+                    meter.add(t)
                     window.append(t)
                     if progress is not None:
                         progress.update(1)
                     if len(window) >= cfg.log_every:
-                        self.log("real", window)
+                        self.log("real", window, meter)
                         window = []
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         meter.pause()
@@ -1069,7 +1084,7 @@ class Trainer:
                         self.save_checkpoint()
                     meter.resume()
             meter.stop()
-            self.log("real", window)
+            self.log("real", window, meter)
             if self.val_loader is not None and (not vals or vals[-1].step != self.step) and self.step_in_epoch:
                 vals.append(self.validate())
             if cfg.checkpoint_dir and self.step_in_epoch and not (
@@ -1161,7 +1176,7 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
         lr = trainer.step_lr
         record = TrainRecord(
             mode=cfg.mode, arch=cfg.arch, device=world.device, backend=world.backend, world_size=world.world_size,
-            num_nodes=trainer.num_nodes, amp=cfg.amp, batch_size=trainer.batch_size, accum_steps=trainer.accum,
+            num_nodes=trainer.num_nodes, amp=trainer.amp, batch_size=trainer.batch_size, accum_steps=trainer.accum,
             global_batch=trainer.batch_size * trainer.accum * world.world_size, image_size=trainer.image_size,
             num_classes=trainer.num_classes, start_step=trainer.start_step, step=trainer.step,
             total_steps=trainer.total_steps, epoch=trainer.epoch,
@@ -1175,8 +1190,9 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
         )
         if run_dir is not None:
             write_json(Path(run_dir) / SUMMARY_NAME, record)
-            plot = plot_log(Path(run_dir))
-            (Path(run_dir) / "report.md").write_text(render_markdown(to_jsonable(record), plot), encoding="utf-8")
+            summary = to_jsonable(record)
+            plot = plot_summary(Path(run_dir), summary)
+            (Path(run_dir) / "report.md").write_text(render_markdown(summary, plot), encoding="utf-8")
         return record
     except GpufeedError as exc:
         if trainer is not None and trainer.started and not isinstance(exc, RunError):
@@ -1191,15 +1207,11 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
 
 def measure(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World | None = None, steps_per_mode: int = 20,
             *, run_dir: str | Path | None = None) -> TrainRecord | None:
-    """GPU ceiling, loader ceiling and real run in this process (scripts, benchmarks): the TrainRecord with
+    """Compute ceiling, loader ceiling and real run in this process (scripts, benchmarks): the TrainRecord with
     ``modes`` {synthetic, loader-only, real} and the verdict. Rank 0 gets the record, other ranks None."""
     world = world or World.from_env(cfg.device)
     cfg = dataclasses.replace(cfg, mode="measure", measure_steps=steps_per_mode)
     return train(cfg, loader_cfg, world, run_dir=run_dir)
-
-
-MeasureRecord = TrainRecord
-"""What :func:`measure` returns: ``modes`` holds the three ModeRecords, ``verdict`` the classification."""
 
 
 def needs_torchrun(cfg: TrainConfig) -> bool:
@@ -1416,6 +1428,10 @@ def render(s: dict[str, Any]) -> str:
             lines.append(f"  GPU utilisation %: " + ", ".join(f"{u:.0f}" for u in util))
         if len(m["per_rank"]) > 1 and name != "loader-only":
             lines.append("  per rank stall %: " + ", ".join(f"r{r['rank']} {r['stall_pct']:.1f}" for r in m["per_rank"]))
+    ceilings = [f"{mode_role(k, _is_cuda(s))} {m['samples_per_s']:.1f} samples/s ({k})"
+                for k, m in s["modes"].items() if k in ("synthetic", "loader-only")]
+    if ceilings:
+        lines.append("ceilings: " + ", ".join(ceilings))
     for v in s.get("val", []):
         lines.append(f"val epoch {v['epoch']} step {v['step']}: top-1 {v['top1_pct']:.2f}%  top-5 {v['top5_pct']:.2f}%  "
                      f"loss {v['loss']:.4f} ({v['num_samples']} samples)")
@@ -1438,34 +1454,85 @@ def render(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_log(run_dir: Path) -> str | None:
-    """samples/s and data stall % per log record (log.jsonl) -> throughput.png; None when nothing to plot."""
-    import json
+def _is_cuda(s: dict[str, Any]) -> bool:
+    return str(s.get("device", "")).split(":")[0] == "cuda"
 
-    log = run_dir / LOG_NAME
-    if not log.exists():
+
+MODE_ROLES = {"loader-only": "loader ceiling", "real": "end to end"}
+"""What each mode's rate is (the synthetic mode's name depends on the device: :func:`compute_ceiling_name`)."""
+
+
+def mode_role(mode: str, cuda: bool) -> str:
+    return compute_ceiling_name(cuda) if mode == "synthetic" else MODE_ROLES.get(mode, mode)
+
+
+LOG_SCALE_RATIO = 20.0
+"""The chart's rate axis turns logarithmic when the largest rate exceeds the smallest by more than this."""
+
+
+def chart_data(s: dict[str, Any]) -> dict[str, Any]:
+    """What the training chart shows, from a summary.json dict: samples/s (all ranks) per mode with its role,
+    whether the rate axis is logarithmic, and the data stall % per rank of the run that trained (``real``,
+    else the one timed mode that computed)."""
+    cuda = _is_cuda(s)
+    modes = s.get("modes", {})
+    rates = [(mode, mode_role(mode, cuda), float(m["samples_per_s"])) for mode, m in modes.items()]
+    positive = [r for _, _, r in rates if r > 0]
+    log = len(positive) >= 2 and max(positive) > LOG_SCALE_RATIO * min(positive)
+    stall_mode = "real" if "real" in modes else next((k for k in modes if k != "loader-only"), None)
+    stalls = [(int(r["rank"]), float(r["stall_pct"])) for r in modes[stall_mode]["per_rank"]] if stall_mode else []
+    return {"rates": rates, "log_scale": log, "stall_mode": stall_mode, "stalls": stalls}
+
+
+def plot_summary(run_dir: Path, s: dict[str, Any]) -> str | None:
+    """throughput.png in ``run_dir``: samples/s per mode side by side (each value printed on its bar) and the
+    data stall % per rank against the 5 % fed line; None when there is nothing to plot or it fails."""
+    data = chart_data(s)
+    if not data["rates"]:
         return None
     try:
-        rows = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if not rows:
-            return None
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-        x = list(range(len(rows)))
-        for k, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
-            xs = [i for i in x if rows[i]["mode"] == mode]
-            ax1.plot(xs, [rows[i]["samples_per_s_all_ranks_est"] for i in xs], marker=".", label=mode, color=f"C{k}")
-            if mode != "loader-only":
-                ax2.plot(xs, [rows[i]["stall_pct"] for i in xs], marker=".", label=mode, color=f"C{k}")
-        ax1.set_ylabel("samples/s (all ranks, est.)")
-        ax1.legend()
-        ax2.axhline(5.0, color="grey", linestyle="--", linewidth=1)
-        ax2.set_ylabel("data stall % (rank 0)")
-        ax2.set_xlabel(f"log record (every {rows[0]['num_steps']} steps)")
+        panels = 2 if data["stalls"] else 1
+        fig, axes = plt.subplots(1, panels, figsize=(5 * panels + 1, 4), squeeze=False)
+        ax1 = axes[0][0]
+        labels = [f"{mode}\n({role})" for mode, role, _ in data["rates"]]
+        values = [r for _, _, r in data["rates"]]
+        bars = ax1.bar(range(len(values)), values, color=[f"C{k}" for k in range(len(values))])
+        ax1.set_xticks(range(len(values)), labels, fontsize=8)
+        for bar, v in zip(bars, values):
+            ax1.annotate(f"{v:,.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                         va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+        if data["log_scale"]:
+            ax1.set_yscale("log")
+            ax1.set_ylabel("samples/s, all ranks (log scale)")
+        else:
+            ax1.set_ylabel("samples/s, all ranks")
+        ax1.margins(y=0.15)
+        ax1.set_title("rate per mode")
+        if data["stalls"]:
+            ax2 = axes[0][1]
+            ranks = [r for r, _ in data["stalls"]]
+            pct = [p for _, p in data["stalls"]]
+            colors = ["tab:green" if p < STALL_FED_PCT else "tab:red" for p in pct]
+            bars = ax2.bar(range(len(pct)), pct, color=colors)
+            for bar, p in zip(bars, pct):
+                ax2.annotate(f"{p:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                             va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+            ax2.axhline(STALL_FED_PCT, color="grey", linestyle="--", linewidth=1,
+                        label=f"fed below {STALL_FED_PCT:g} %")
+            ax2.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks], fontsize=8)
+            ax2.set_ylim(0, max(100.0 if max(pct) > 50 else 2 * STALL_FED_PCT, max(pct) * 1.15))
+            ax2.set_ylabel(f"data stall % ({data['stall_mode']})")
+            ax2.set_title("data stall per rank")
+            ax2.legend(fontsize=8)
+        v = s.get("verdict")
+        if v:
+            fig.suptitle(f"verdict: {v['status']}" + (f" ({v['bound']}-bound)" if v.get("bound") else ""),
+                         fontsize=10)
         fig.tight_layout()
         fig.savefig(run_dir / "throughput.png", dpi=100)
         plt.close(fig)
@@ -1484,7 +1551,7 @@ def render_markdown(s: dict[str, Any], plot: str | None = None) -> str:
         st = m.get("samples_per_s_stat")
         med = f"{st['median']:.1f} ({st['min']:.1f}–{st['max']:.1f})" if st else "-"
         cores = f"{m['loader_cores_used']:.1f}" if m.get("loader_cores_used") is not None else "-"
-        out.append(f"| {name} | {m['num_steps']} | {m['samples_per_s']:.1f} | {med} | {m['stall_pct']:.1f} | "
+        out.append(f"| {name} ({mode_role(name, _is_cuda(s))}) | {m['num_steps']} | {m['samples_per_s']:.1f} | {med} | {m['stall_pct']:.1f} | "
                    f"{m['copy_wait_pct']:.1f} | {m['next_wait_s']:.2f} | {m['h2d_s']:.2f} | {m['compute_s']:.2f} | {cores} |")
     for name, m in s["modes"].items():
         if len(m["per_rank"]) > 1:
@@ -1502,7 +1569,7 @@ def render_markdown(s: dict[str, Any], plot: str | None = None) -> str:
                 f": {v['reason']}"]
         out += [f"- {f}" for f in v.get("fixes", [])]
     if plot:
-        out += ["", f"![samples/s and data stall per log record]({plot})"]
+        out += ["", f"![samples/s per mode and data stall per rank]({plot})"]
     return "\n".join(out) + "\n"
 
 

@@ -564,7 +564,7 @@ class _Search:
         self.trials.append(rec)
         self.cache[key] = rec
         result = f"{rec.samples_per_s:8.1f} samples/s" if rec.ok else f"ERROR {one_line(rec.error or 'no rate')}"
-        self.progress(f"trial {rec.trial:2d} {phase:16s} {describe(rec):60s} {result}")
+        self.progress(f"trial {rec.trial:2d} {phase:16s} {describe(rec, self.world.is_cuda):60s} {result}")
         return rec
 
     def target_reached(self) -> bool:
@@ -809,7 +809,7 @@ def _finish(cfg: TuneConfig, s: _Search, base: LoaderConfig, cur: LoaderConfig |
         conclusion = ("no loader configuration could be measured: " + ("; ".join(errors[:3]) if errors
                                                                            else s.stop_reason))
     else:
-        conclusion = (f"best: {describe(best)} -> {best.samples_per_s:.0f} samples/s "
+        conclusion = (f"best: {describe(best, s.world.is_cuda)} -> {best.samples_per_s:.0f} samples/s "
                       f"({best_stat.fmt() if best_stat else ''})"
                       + (f", {ratio:.2f}x ImageFolder ({baseline.samples_per_s:.0f} samples/s)" if ratio else "")
                       + f"; {bound}" + (f"; target {cfg.target_rate:g} {'met' if target_met else 'NOT met'}"
@@ -852,14 +852,15 @@ def classify_bound(t: TrialRecord, usable_cpus: int, storage_bytes_per_s: float 
 # --------------------------------------------------------------------------- outputs
 
 
-def describe(t: TrialRecord | LoaderConfig) -> str:
-    """``w=2 simplejpeg wb pf=2`` (+ pin/persist flags)."""
+def describe(t: TrialRecord | LoaderConfig, cuda: bool) -> str:
+    """``w=2 simplejpeg wb pf=2`` (+ persist flag, + pin on CUDA): the knobs that apply. Worker knobs need
+    workers; pinning only matters for host-to-GPU copies, so it is not shown without CUDA."""
     parts = [f"w={t.num_workers}", t.decode]
     if t.num_workers:
         parts += ["wb" if t.worker_batching else "nowb", f"pf={t.prefetch_factor}"]
         if t.persistent_workers:
             parts.append("persist")
-    if t.pin_memory:
+    if t.pin_memory and cuda:
         parts.append("pin")
     if isinstance(t, TrialRecord) and t.pipeline != "gpufeed":
         parts.insert(0, t.pipeline)
@@ -869,6 +870,7 @@ def describe(t: TrialRecord | LoaderConfig) -> str:
 def render(report: TuneReport) -> str:
     """Ranked table + the one-line conclusion (what the CLI prints)."""
     rows = sorted(report.trials, key=lambda t: (not t.ok, -(t.samples_per_s or 0.0)))
+    cuda = _is_cuda(report.device)
     head = (f"{'rank':>4} {'#':>3} {'phase':15} {'config':42} {'samples/s (min-max)':>24} {'start s':>7} "
             f"{'cores':>5} {'RSS MB':>7} {'read MB/s':>9}")
     lines = [head, "-" * len(head)]
@@ -879,7 +881,7 @@ def render(report: TuneReport) -> str:
             rate = "error"
         mark = "*" if t.trial == report.best_trial else " "
         lines.append(
-            f"{rank:>4}{mark}{t.trial:>3} {t.phase:15} {describe(t)[:42]:42} {rate:>24} "
+            f"{rank:>4}{mark}{t.trial:>3} {t.phase:15} {describe(t, cuda)[:42]:42} {rate:>24} "
             f"{_f(t.startup_s, 2):>7} {_f(t.tree_cores_used, 2):>5} "
             f"{_f(None if t.rss_max_bytes is None else t.rss_max_bytes / 1e6, 0):>7} "
             f"{_f(None if t.read_bytes_per_s is None else t.read_bytes_per_s / 1e6, 1):>9}"
@@ -899,6 +901,10 @@ def render(report: TuneReport) -> str:
         lines.append(f"run folder: {report.run_dir}" + (f"; config: {report.out}" if report.out else ""))
     lines.append(report.conclusion)
     return "\n".join(lines)
+
+
+def _is_cuda(device: str) -> bool:
+    return device.split(":")[0] == "cuda"
 
 
 def _f(v: float | None, digits: int) -> str:
@@ -969,7 +975,7 @@ def plot_trials(report: TuneReport, path: str | Path) -> Path:
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     ranked = sorted(ok, key=lambda t: t.samples_per_s)
-    labels = [f"#{t.trial} {t.phase}: {describe(t)}" for t in ranked]
+    labels = [f"#{t.trial} {t.phase}: {describe(t, _is_cuda(report.device))}" for t in ranked]
     vals = [t.samples_per_s for t in ranked]
     lo = [v - t.samples_per_s_min for v, t in zip(vals, ranked)]
     hi = [t.samples_per_s_max - v for v, t in zip(vals, ranked)]

@@ -1,6 +1,7 @@
 """The fed/starved verdict (DESIGN §3) as a pure function of measured numbers.
 
-*fed*: data stall < 5 % and end-to-end samples/s >= 0.9 x min(GPU ceiling, loader ceiling).
+*fed*: data stall < 5 % and end-to-end samples/s >= 0.9 x min(compute ceiling, loader ceiling). The compute
+ceiling is the GPU ceiling on CUDA and is named "compute ceiling (CPU)" when the model runs on the CPU.
 Otherwise *starved*, naming the bound and the fix in numbers:
 
 - **rank imbalance**: some ranks wait for data while others do not (in DDP the fed ranks then wait
@@ -39,7 +40,8 @@ class VerdictInputs:
     end_to_end_rate: float
     """Samples/s of the real run (all ranks)."""
     gpu_ceiling: float | None = None
-    """Samples/s with a synthetic batch already on the device (all ranks)."""
+    """Samples/s with a synthetic batch already on the device (all ranks): the compute ceiling, of the GPUs
+    with ``is_cuda``, else of the CPUs."""
     loader_ceiling: float | None = None
     """Samples/s of the loader alone, batches moved to the device and dropped (all ranks)."""
     per_rank_stall_pct: tuple[float, ...] = ()
@@ -63,6 +65,7 @@ class VerdictInputs:
     decode: str | None = None
     """The loader's decode path (pil, pil-draft, simplejpeg, gpu)."""
     is_cuda: bool = False
+    """The model ran on CUDA devices; else on the CPU, and the texts name the CPU's compute, not a GPU."""
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,15 @@ def _known(x: float | None) -> bool:
     return x is not None and math.isfinite(x) and x > 0
 
 
+def compute_ceiling_name(is_cuda: bool) -> str:
+    """What the synthetic mode measures: "GPU ceiling", or "compute ceiling (CPU)" when the model runs on the CPU."""
+    return "GPU ceiling" if is_cuda else "compute ceiling (CPU)"
+
+
 def classify(v: VerdictInputs) -> Verdict:
     """Classify one measured run. Pure: same inputs, same verdict."""
-    ceilings = {k: c for k, c in (("GPU", v.gpu_ceiling), ("loader", v.loader_ceiling)) if _known(c)}
+    compute = compute_ceiling_name(v.is_cuda)
+    ceilings = {k: c for k, c in ((compute, v.gpu_ceiling), ("loader ceiling", v.loader_ceiling)) if _known(c)}
     lower_name, lower = (min(ceilings.items(), key=lambda kv: kv[1]) if ceilings else (None, None))
     nums: dict[str, Any] = {"stall_pct": v.stall_pct, "end_to_end_rate": v.end_to_end_rate,
                             "gpu_ceiling": v.gpu_ceiling, "loader_ceiling": v.loader_ceiling}
@@ -108,27 +117,29 @@ def classify(v: VerdictInputs) -> Verdict:
     if stall_ok and rate_ok:
         if lower is None:
             reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% at {v.end_to_end_rate:.1f} samples/s, "
-                      "but no ceiling was measured, so whether this is the GPU's own speed is unknown: "
+                      f"but no ceiling was measured, so whether this is the {'GPU' if v.is_cuda else 'CPU'}'s own compute "
+                      "speed is unknown: "
                       "run with --measure to compare")
             return Verdict("unverified", None, reason, [], nums)
         else:
             reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% and {v.end_to_end_rate:.1f} samples/s "
-                      f"= {100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ceiling ({lower:.1f})")
-            if lower_name == "GPU":
-                reason += "; the GPU is the bound, as it should be"
+                      f"= {100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ({lower:.1f})")
+            if lower_name == compute:
+                reason += ("; the GPU is the bound, as it should be" if v.is_cuda
+                           else "; the CPU's compute is the bound, as it should be")
         return Verdict("fed", None, reason, [], nums)
 
-    # ---- starved: what the GPU could take, and how far we are from it
+    # ---- starved: what the model could take (the compute ceiling), and how far we are from it
     target = v.gpu_ceiling if _known(v.gpu_ceiling) else (
         v.end_to_end_rate / max(1e-9, 1 - v.stall_pct / 100) if v.stall_pct < 100 else None)
     nums["target_rate"] = target
     if stall_ok:
         why = (f"data stall only {v.stall_pct:.1f}%, but {v.end_to_end_rate:.1f} samples/s is "
-               f"{100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ceiling ({lower:.1f})")
+               f"{100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ({lower:.1f})")
     else:
         why = f"data stall {v.stall_pct:.1f}% (>= {STALL_FED_PCT:.0f}%) at {v.end_to_end_rate:.1f} samples/s"
         if lower is not None:
-            why += f", {100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ceiling ({lower:.1f})"
+            why += f", {100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ({lower:.1f})"
 
     # 1. rank imbalance: some ranks fed, some not
     ranks = [s for s in v.per_rank_stall_pct if s is not None and math.isfinite(s)]
@@ -180,7 +191,8 @@ def classify(v: VerdictInputs) -> Verdict:
         if per_node_target and _known(v.mean_sample_bytes):
             need = per_node_target * v.mean_sample_bytes
             nums["needed_bytes_per_s"] = need
-            fixes.append(f"the GPUs need ~{need / 1e6:.0f} MB/s per node at {per_node_target:.0f} samples/s "
+            who = "the GPUs need" if v.is_cuda else "the CPU compute needs"
+            fixes.append(f"{who} ~{need / 1e6:.0f} MB/s per node at {per_node_target:.0f} samples/s "
                          f"x {v.mean_sample_bytes / 1e3:.0f} KB/sample")
         if _known(v.mean_sample_bytes) and v.mean_sample_bytes > LARGE_SAMPLE_BYTES:
             fixes.append(f"store images at <= 512 px (gpufeed shard --max-size 512): now "

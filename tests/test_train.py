@@ -126,7 +126,8 @@ class Killed(Exception):
     pass
 
 
-def test_resume_after_a_killed_run_continues_at_the_same_step_lr_and_state(shards, tmp_path: Path) -> None:
+def test_resume_after_a_killed_run_continues_at_the_same_step_lr_and_state(shards, tmp_path: Path,
+                                                                          monkeypatch) -> None:
     cfg = tiny(shards=str(shards["train"]), steps=6, warmup_steps=2)  # 16 batches/epoch: one epoch
     ref = tmp_path / "ref"
     ref.mkdir()
@@ -154,8 +155,15 @@ def test_resume_after_a_killed_run_continues_at_the_same_step_lr_and_state(shard
 
     run = tmp_path / "resumed"
     run.mkdir()
+    import gpufeed.decode as dec
+
+    decoded = []
+    real_decode = dec.decode_into
+    monkeypatch.setattr(dec, "decode_into", lambda *a, **k: (decoded.append(1), real_decode(*a, **k))[1])
     rec = train(dataclasses.replace(cfg, checkpoint_dir=str(ck), resume=True), LOADER, World.single(), run_dir=run)
     assert rec.start_step == 2 and rec.step == 6
+    # the 2 batches trained on before the checkpoint are passed over, not decoded again (no replay)
+    assert len(decoded) == (6 - 2) * LOADER.batch_size
     log = read_log(run)
     assert [r["step"] for r in log] == [3, 4, 5, 6]
     for r in log:

@@ -852,7 +852,7 @@ class Trainer:
                 "scaler": self.scaler.state_dict(),
                 "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "loader_position": {"epoch": self.epoch, "batches_consumed": self.step_in_epoch * self.accum,
-                                    "method": "replay"},
+                                    "method": "skip"},
                 "rng": rngs, "world_size": self.world.world_size,
                 "config": to_jsonable(self.cfg), "loader_config": to_jsonable(self.loader_cfg),
                 "total_steps": self.total_steps,
@@ -905,6 +905,12 @@ class Trainer:
         if state.get("total_steps") != self.total_steps:
             self.notes.append(f"resume: the checkpoint planned {_short(state.get('total_steps'))} steps, this "
                               f"run {self.total_steps}; the LR schedule follows this run")
+        saved = state.get("loader_config") if isinstance(state.get("loader_config"), dict) else {}
+        order = ("seed", "batch_size", "num_workers", "shuffle_buffer", "worker_batching", "image_size")
+        changed = [k for k in order if k in saved and saved[k] != getattr(self.loader_cfg, k)]
+        if changed:
+            self.notes.append(f"resume: [loader] {', '.join(changed)} changed since the checkpoint: the rest of the "
+                              f"epoch reads another sample order than an uninterrupted run")
         self.scheduler = self._schedule(step)
         self.step = self.start_step = step
         self.epoch = epoch
@@ -1048,10 +1054,10 @@ class Trainer:
         self.module.train()
         try:
             while self.step < self.total_steps:
-                self.loader.set_epoch(self.epoch)
+                # after --resume the first epoch starts at the checkpoint's batch: the loader passes over the
+                # batches already trained on without decoding them (LoaderPosition), no replay
+                self.loader.set_epoch(self.epoch, start_batch=self.step_in_epoch * self.accum)
                 it = iter(self.loader)
-                for _ in range(self.step_in_epoch * self.accum):  # replay to the checkpoint's position
-                    next(it)
                 if self.resume_rng is not None:
                     self.resume_rng.apply()
                     self.resume_rng = None

@@ -222,7 +222,7 @@ def scan_shard(path: Path, hash: bool = True) -> ShardScan:
     except TruncatedMember as exc:
         raise DataError(f"shard {path} is truncated ({exc}); index refuses to count part of a shard") from None
     except TarFormatError as exc:
-        raise DataError(f"shard {path}: {exc}; the loader refuses it, so index does too") from None
+        raise DataError(f"shard {path} is not a readable tar file: {exc}; the loader refuses it, so index does too") from None
     except Exception as exc:  # tarfile.ReadError, EOFError, gzip and zlib errors...
         last = f" after member {tar.last}" if tar is not None and tar.last else ""
         raise DataError(f"shard {path} is not a readable tar file{last} ({type(exc).__name__}: {exc})") from None

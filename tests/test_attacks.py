@@ -8,6 +8,7 @@ that used to work; each test fails without its fix.
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -232,6 +233,123 @@ def test_a_checkpoint_holds_only_tensors_and_plain_values_and_resumes(tmp_path):
 
 
 # --------------------------------------------------------------------------- 3. a tar header hangs the reader
+def _agree_member(name: str, data: bytes, typ: bytes = b"0", magic: bytes = b"ustar\x0000", prefix: bytes = b"",
+                  signed: bool = False) -> bytes:
+    h = bytearray(512)
+    n = name.encode("utf-8", "surrogateescape")
+    h[0:len(n)] = n
+    h[100:108] = b"0000644\0"
+    h[124:136] = b"%011o\0" % len(data)
+    h[136:148] = b"00000000000\0"
+    h[156:157] = typ
+    h[257:265] = magic
+    h[345:345 + len(prefix)] = prefix
+    h[148:156] = b" " * 8
+    chk = sum(x - 256 if signed and x > 127 else x for x in h)
+    h[148:156] = b"%06o\0 " % chk
+    return bytes(h) + data + bytes(-len(data) % 512)
+
+
+def _agree_pax(key: str, value: str, typ: bytes = b"x") -> bytes:
+    body = f" {key}={value}\n"
+    n = len(body) + len(str(len(body) + 2))
+    return _agree_member("././@PaxHeader", f"{n}{body}".encode(), typ)
+
+
+def _agree_shard(tmp_path, middle: bytes):
+    """Samples s0 and s1, then ``middle``, then sample s3, in a folder of its own (no manifest)."""
+    from tests.test_loader import encode, smooth_image
+
+    jpg = encode(smooth_image(16, 12, 0))
+    blob = b"".join(_agree_member(f"s{i}.{e}", d) for i in (0, 1) for e, d in (("jpg", jpg), ("cls", b"1")))
+    blob += middle + _agree_member("s3.jpg", jpg) + _agree_member("s3.cls", b"0") + bytes(1024)
+    folder = tmp_path / "set"
+    folder.mkdir()
+    (folder / "p-000000.tar").write_bytes(blob)
+    return folder, jpg
+
+
+def _agree_three(folder, reason: str | None, num_samples: int = 4):
+    """index, verify and the loader on ``folder``: all refuse with ``reason`` (a regex), or (None) all read
+    ``num_samples`` samples."""
+    import shutil
+
+    from gpufeed.errors import DataError
+    from gpufeed.loader import build_loader
+    from gpufeed.manifest import Manifest, ShardInfo, write_manifest
+    from gpufeed.world import World
+    from tests.conftest import invoke
+    from tests.test_loader import cfg
+
+    shard = folder / "p-000000.tar"
+    r = invoke(["index", str(folder)], expect=None)
+    if reason is None:
+        assert r.exit_code == 0, r.output
+        assert f"{num_samples} samples" in r.output
+    else:
+        assert r.exit_code == 2 and re.search(reason, r.output), r.output
+        # a manifest that promises the samples (as an older index wrote): verify and the loader refuse too
+        man = Manifest(prefix="p", classes=["0", "1"], shards=[ShardInfo("p-000000.tar", 4, shard.stat().st_size, None)],
+                       num_samples=4, total_bytes=shard.stat().st_size, mean_sample_bytes=1.0, url_pattern="",
+                       created_by="gpufeed index", gpufeed_version="0")
+        write_manifest(folder, man)
+    r = invoke(["verify", str(folder)], expect=None)
+    if reason is None:
+        assert r.exit_code == 0, r.output
+    else:
+        assert r.exit_code == 1 and re.search(reason, r.output), r.output
+    loader = build_loader(folder, cfg(batch_size=1), World.single(), train=False)
+    if reason is None:
+        assert sum(len(y) for _, y in loader) == num_samples
+    else:
+        with pytest.raises(DataError, match=r"p-000000\.tar.*" + reason):
+            list(loader)
+    shutil.rmtree(folder)
+
+
+_DISAGREE = {
+    # tarfile (index/verify) took the first path, the loader the second: a sample renamed, lost or added
+    "two pax headers": (_agree_pax("path", "s2.jpg") + _agree_pax("path", "s1.png"), "second extended header"),
+    "long name then pax": (_agree_member("././@LongLink", b"s2.jpg\0", b"L") + _agree_pax("path", "s1.png"),
+                           "second extended header"),
+    "global pax path": (_agree_pax("path", "s2.jpg", b"g"), "global pax header sets 'path'"),
+    "sparse member": (b"", "GNU sparse member"),
+    "symlink with data": (b"", "with 512 bytes of data"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("attack", sorted(_DISAGREE))
+def test_tar_readers_refuse_what_they_would_read_differently(tmp_path, attack):
+    from tests.test_loader import encode, smooth_image
+
+    jpg = encode(smooth_image(16, 12, 0))
+    middle, reason = _DISAGREE[attack]
+    if attack == "sparse member":
+        middle = _agree_member("s2.jpg", jpg, b"S")
+    elif attack == "symlink with data":  # tarfile reads the "data" as the next header, the loader skips it
+        middle = _agree_member("s2.lnk", _agree_member("s2.jpg", b""), b"2")
+    elif attack != "global pax path":
+        middle += _agree_member("zz", jpg)
+    middle += _agree_member("s2.cls", b"0")
+    folder, _ = _agree_shard(tmp_path, middle)
+    _agree_three(folder, reason)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("magic", [b"ustar\x0000", b"ustar  \0", bytes(8)])
+def test_tar_readers_agree_on_the_prefix_field_and_signed_checksum(tmp_path, magic):
+    # the prefix joins the name whatever the magic (as tarfile does); a signed checksum is valid
+    from tests.test_loader import encode, smooth_image
+
+    jpg = encode(smooth_image(16, 12, 0))
+    middle = (_agree_member("s2.jpg", jpg, magic=magic, prefix=b"sub")
+              + _agree_member("s2.cls", b"0", magic=magic, prefix=b"sub")
+              + _agree_member("k\udce9.jpg", jpg, signed=True) + _agree_member("k\udce9.cls", b"1", signed=True))
+    folder, _ = _agree_shard(tmp_path, middle)
+    _agree_three(folder, None, num_samples=5)
+
+
 def _loader_tar_header(name: str, size: bytes | int, typ: bytes = b"0") -> bytes:
     """One ustar header block; ``size`` as an int (octal) or the raw 12-byte field."""
     field = size if isinstance(size, bytes) else b"%011o\0" % size

@@ -326,3 +326,22 @@ def test_index_and_verify_import_no_torch(sample_set):
             "try: cli(['verify', sys.argv[1], '--workers', '1'])\nexcept SystemExit as e: assert e.code == 0, e\n"
             "assert 'torch' not in sys.modules and 'webdataset' not in sys.modules, 'imported'\n")
     subprocess.run([sys.executable, "-c", code, str(sample_set)], check=True, capture_output=True)
+
+
+def test_shard_that_is_a_fifo_or_folder_is_named_not_skipped(tmp_path):
+    import os
+
+    from gpufeed.errors import DataError
+    from gpufeed.index import resolve_shards
+    from gpufeed.tarread import file_problem
+
+    (tmp_path / "a-0.tar").write_bytes(b"")
+    os.mkfifo(tmp_path / "b-1.tar")
+    with pytest.raises(DataError, match=r"b-1\.tar'.*is a FIFO, not a regular file"):
+        resolve_shards(tmp_path)
+    os.remove(tmp_path / "b-1.tar")
+    (tmp_path / "c-2.tar").mkdir()
+    with pytest.raises(DataError, match=r"c-2\.tar'.*is a directory, not a regular file"):
+        resolve_shards(tmp_path)
+    os.symlink("/dev/zero", tmp_path / "z.tar")
+    assert file_problem(tmp_path / "z.tar") == "is a symbolic link to a character device (/dev/zero), not a regular file"

@@ -37,6 +37,7 @@ from gpufeed.errors import DataError
 from gpufeed.manifest import (LABEL_EXTENSION, MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, READ_IMAGE_EXTENSIONS,
                               SHARD_SUFFIXES, LabelError, Manifest, ShardInfo, manifest_path, parse_label,
                               shard_name_problem, write_manifest)
+from gpufeed.tarread import file_problem
 
 CLASS_MAP_NAME = "classes.txt"
 MAX_CLASS_MAP_BYTES = 256 << 20
@@ -104,32 +105,38 @@ def _check_name(path: Path) -> None:
 def resolve_shards(spec: str | Path) -> list[Path]:
     """A folder, a glob, a brace pattern or a file -> sorted shard paths (all in one folder).
 
-    Every shard's file name must be a plain local file name (no URL or shell syntax): DataError otherwise.
+    Every shard's file name must be a plain local file name (no URL or shell syntax) and every shard-like name
+    (``*.tar``, ...) a regular file (a symbolic link to one is fine), not a FIFO, device or folder: DataError
+    otherwise.
     """
     text = str(spec)
     p = Path(text)
     if p.is_dir():
-        paths = sorted(q for q in p.iterdir() if q.is_file() and q.name.endswith(SHARD_SUFFIXES)
-                       and not q.name.startswith("."))
+        paths = sorted(q for q in p.iterdir() if q.name.endswith(SHARD_SUFFIXES) and not q.name.startswith("."))
         if not paths:
             raise DataError(f"{p} holds no shards ({', '.join('*' + s for s in SHARD_SUFFIXES)})")
     elif "{" in text and "}" in text:
         import braceexpand
 
         paths = [Path(x) for x in braceexpand.braceexpand(text)]
-        missing = [x for x in paths if not x.is_file()]
+        missing = [x for x in paths if file_problem(x) == "is missing"]
         if missing:
             raise DataError(f"{len(missing)} shard(s) of {text} do not exist, e.g. {missing[0]}")
     elif any(c in text for c in "*?["):
-        paths = sorted(Path(x) for x in glob.glob(text) if Path(x).is_file())
+        paths = sorted(Path(x) for x in glob.glob(text) if Path(x).name.endswith(SHARD_SUFFIXES) or Path(x).is_file())
         if not paths:
             raise DataError(f"no file matches {text}")
-    elif p.is_file():
+    elif p.is_file() or (p.exists() and p.name.endswith(SHARD_SUFFIXES)):
         paths = [p]
     else:
         raise DataError(f"{text} is neither a folder, a shard file, a glob nor a brace pattern")
     for q in paths:
         _check_name(q)
+    odd = [(q, why) for q in paths if (why := file_problem(q))]
+    if odd:
+        more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
+        raise DataError(f"refusing shard file {str(odd[0][0])!r}: it {odd[0][1]}{more}; a shard must be a regular "
+                        f"file - replace it or move it out of the folder")
     folders = {q.resolve().parent for q in paths}
     if len(folders) > 1:
         raise DataError(f"the shards of {text} are spread over {len(folders)} folders; index one folder at a time")
@@ -166,6 +173,7 @@ class ShardScan:
 def scan_shard(path: Path, hash: bool = True) -> ShardScan:
     """Read one shard file (opened here, never through a URL opener) in one pass: samples, labels, problems
     and sha256. A shard that does not read to its end-of-archive blocks raises DataError."""
+    from gpufeed.tarread import TarFormatError
     from gpufeed.verify import SampleGrouper, TarPass, TruncatedMember, dotted_image, split_name
 
     scan = ShardScan()
@@ -213,6 +221,8 @@ def scan_shard(path: Path, hash: bool = True) -> ShardScan:
             end = tar.end_problem()
     except TruncatedMember as exc:
         raise DataError(f"shard {path} is truncated ({exc}); index refuses to count part of a shard") from None
+    except TarFormatError as exc:
+        raise DataError(f"shard {path} is not a readable tar file: {exc}; the loader refuses it, so index does too") from None
     except Exception as exc:  # tarfile.ReadError, EOFError, gzip and zlib errors...
         last = f" after member {tar.last}" if tar is not None and tar.last else ""
         raise DataError(f"shard {path} is not a readable tar file{last} ({type(exc).__name__}: {exc})") from None

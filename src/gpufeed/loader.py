@@ -607,9 +607,12 @@ class ShardLoader:
         self.root = root
         # absolute local paths: a name like "pipe:cmd" or "-" must stay a file name wherever it is used
         self.paths = [str(p.absolute()) for p in self.manifest.shard_paths(root)]
-        missing = [p for p in self.paths if not Path(p).is_file()]
-        if missing:
-            raise DataError(f"{len(missing)} shard(s) of the manifest are missing, e.g. {missing[0]}")
+        from gpufeed.tarread import file_problem
+
+        unreadable = [(p, why) for p in self.paths if (why := file_problem(p))]
+        if unreadable:
+            raise DataError(f"{len(unreadable)} shard(s) of the manifest cannot be read, e.g. {unreadable[0][0]} "
+                            f"{unreadable[0][1]}")
         counts = [s.num_samples for s in self.manifest.shards]
         self.num_batches = batches_per_rank(sum(counts), world.world_size, cfg.batch_size)
         if self.num_batches == 0:

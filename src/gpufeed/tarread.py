@@ -7,7 +7,10 @@ including whole samples before a segment's start. Samples are grouped exactly as
 them (key = path up to the first dot of the file name, consecutive members), so counts agree with
 ``gpufeed index`` and with the webdataset tar iterator the loader uses for gzip-compressed shards.
 
-Handles POSIX ustar (with prefix), GNU long names (``L``) and pax headers (``x`` path/size, ``g`` ignored).
+Handles POSIX ustar (with prefix), GNU long names (``L``) and pax headers (``x`` path/size; ``g`` only when it
+sets neither path, linkpath nor size). :func:`parse_header` and :class:`HeaderChain` read headers exactly as
+``tarfile`` does, and refuse what tar readers disagree on; ``verify.TarPass`` (``gpufeed index``/``verify``)
+runs the same two on every header, so both read a shard alike or both refuse it.
 
 Shards are untrusted: every size read from a header (octal, GNU base-256, pax ``size``) must be a
 non-negative integer whose data lies inside the file, pax records must be well formed, long names and pax
@@ -31,6 +34,15 @@ MAX_LONG_NAME_BYTES = 64 * 1024
 """Largest GNU long-name (``L``) member accepted: a path, even a very long one, is far shorter."""
 MAX_PAX_BYTES = 64 * 1024
 """Largest pax extended header (``x``/``g``) accepted: gpufeed reads only ``path`` and ``size`` from it."""
+EXTENDED_TYPES = (b"L", b"K", b"x", b"X")
+"""Headers whose data describes the next member: GNU long name/link name, pax (``X``: Solaris, read as pax by
+tarfile). At most one may precede a member."""
+REGULAR_TYPES = (b"0", b"\0", b"7")
+"""Regular file members (``7``: contiguous file)."""
+_NO_DATA_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")
+"""Hard/symbolic links, devices, directories, FIFOs: tarfile reads no data after their header."""
+_NUMERIC_FIELDS = ((100, 108), (108, 116), (116, 124), (136, 148), (329, 337), (337, 345))
+"""mode, uid, gid, mtime, devmajor, devminor: tarfile refuses a header whose field is not a number."""
 MAX_PAX_LENGTH_DIGITS = 20
 """Most digits in a pax record's length field (a record is at most MAX_PAX_BYTES long anyway)."""
 
@@ -60,8 +72,8 @@ def _octal(field: bytes) -> int:
     return int(text, 8)
 
 
-def _pax(data: bytes) -> dict[str, str]:
-    """Parse pax records ``"%d %s=%s\\n"``; raises TarFormatError on a malformed record."""
+def _pax(data: bytes, where: str) -> dict[str, str]:
+    """Parse pax records ``"%d %s=%s\\n"``; raises TarFormatError (naming ``where``) on a malformed record."""
     out: dict[str, str] = {}
     pos = 0
     while pos < len(data):
@@ -69,15 +81,15 @@ def _pax(data: bytes) -> dict[str, str]:
             break
         sp = data.find(b" ", pos, pos + MAX_PAX_LENGTH_DIGITS + 1)
         if sp < 0 or not data[pos:sp].isdigit():
-            raise TarFormatError(f"malformed pax record at byte {pos}")
+            raise TarFormatError(f"{where}: malformed pax record at byte {pos}")
         length = int(data[pos:sp])
         end = pos + length
         if length <= sp - pos + 1 or end > len(data) or data[end - 1:end] != b"\n":
-            raise TarFormatError(f"pax record at byte {pos} has a bad length {length}")
-        kv = data[sp + 1: end - 1].decode("utf-8", "replace")
+            raise TarFormatError(f"{where}: pax record at byte {pos} has a bad length {length}")
+        kv = data[sp + 1: end - 1].decode("utf-8", "surrogateescape")
         k, eq, v = kv.partition("=")
         if not eq:
-            raise TarFormatError(f"pax record at byte {pos} has no '='")
+            raise TarFormatError(f"{where}: pax record at byte {pos} has no '='")
         out[k] = v
         pos = end  # length > 0: always moves forward
     return out
@@ -87,15 +99,104 @@ def _padded(size: int) -> int:
     return (size + _BLOCK - 1) // _BLOCK * _BLOCK
 
 
+def parse_header(hdr: bytes, pos: int) -> tuple[str, int, bytes]:
+    """One 512-byte (non-zero) header block read as ``tarfile.TarInfo.frombuf`` reads it: ``(name, size, type)``.
+
+    The checksum may be the unsigned or the signed byte sum (tarfile accepts both); every numeric field must be
+    octal or base-256 (stricter than tarfile, so anything accepted here reads alike in both); the ustar prefix
+    is joined to the name whatever the magic, except for GNU ``L``/``K``/``S`` headers, as tarfile does; a
+    ``\\0``-type member whose name ends with ``/`` is a directory (type ``5``). Raises TarFormatError.
+    """
+    raw_name = hdr[0:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+    where = f"member {_show(raw_name)} (header at offset {pos})"
+    try:
+        chk = _octal(hdr[148:156])
+        size = _octal(hdr[124:136])
+        for a, b in _NUMERIC_FIELDS:
+            _octal(hdr[a:b])
+    except ValueError as exc:
+        raise TarFormatError(f"{where}: bad numeric field ({exc})") from None
+    unsigned = sum(hdr[:148]) + 256 + sum(hdr[156:])
+    signed = unsigned - 256 * (sum(1 for x in hdr[:148] if x > 127) + sum(1 for x in hdr[156:] if x > 127))
+    if chk != unsigned and chk != signed:
+        raise TarFormatError(f"{where}: bad header checksum")
+    typ = hdr[156:157]
+    if typ == b"\0" and raw_name.endswith("/"):
+        typ = b"5"  # tarfile: an old-style directory
+    name = raw_name
+    prefix = hdr[345:500].split(b"\0", 1)[0]
+    if prefix and typ not in (b"L", b"K", b"S"):
+        name = prefix.decode("utf-8", "surrogateescape") + "/" + name
+    return name, size, typ
+
+
+class HeaderChain:
+    """The extended headers before one member, applied as ``tarfile`` applies them. Where tar readers differ
+    (tarfile vs. this reader, or tar implementations among themselves) it raises TarFormatError: a second
+    extended header (``L``, ``K``, ``x``, ``X``) before one member, a global ``g`` header that sets ``path``,
+    ``linkpath`` or ``size``, GNU sparse data (an ``S`` member or ``GNU.sparse.*`` pax records), and a link,
+    device, FIFO or directory member with data (tarfile reads its data as the next header, others skip it).
+    Both the loader (:func:`iter_members`) and ``gpufeed index``/``verify`` (``verify.TarPass``) use it."""
+
+    def __init__(self) -> None:
+        self.long_name: str | None = None
+        self.pax: dict[str, str] | None = None
+        self.extended_at: int | None = None
+
+    def extended(self, typ: bytes, data: bytes, where: str, pos: int) -> None:
+        """An extended header (``typ`` in :data:`EXTENDED_TYPES` or ``g``) and its data."""
+        if typ == b"g":
+            pax = _pax(data, where)
+            bad = sorted(k for k in pax if k in ("path", "linkpath", "size") or k.startswith("GNU.sparse."))
+            if bad:
+                raise TarFormatError(f"{where}: global pax header sets {bad[0]!r} for every later member (tar "
+                                     f"readers disagree on it)")
+            return
+        if self.extended_at is not None:
+            raise TarFormatError(f"{where}: a second extended header before one member (the first at offset "
+                                 f"{self.extended_at}; tar readers disagree on which applies)")
+        self.extended_at = pos
+        if typ == b"L":
+            self.long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        elif typ in (b"x", b"X"):
+            self.pax = _pax(data, where)
+            sparse = [k for k in self.pax if k.startswith("GNU.sparse.")]
+            if sparse:
+                raise TarFormatError(f"{where}: pax header holds {sparse[0]!r} (GNU sparse file; not supported)")
+
+    def member(self, name: str, size: int, typ: bytes, pos: int) -> tuple[str, int, bool]:
+        """The member header that ends the chain -> ``(name, size, regular)``; resets the chain."""
+        pax = self.pax or {}
+        if self.long_name is not None:
+            name = self.long_name
+        elif "path" in pax:
+            name = pax["path"].rstrip("/")  # as tarfile's _apply_pax_info
+        self.long_name = self.pax = self.extended_at = None
+        where = f"member {_show(name)} (header at offset {pos})"
+        if "size" in pax:
+            if not _DECIMAL.fullmatch(pax["size"]):
+                raise TarFormatError(f"{where}: pax size {pax['size'][:20]!r} is not a non-negative decimal")
+            size = int(pax["size"])
+        if size < 0:
+            raise TarFormatError(f"{where}: negative size {size}")
+        if typ == b"S":
+            raise TarFormatError(f"{where}: GNU sparse member (tar readers disagree on its data; not supported)")
+        if typ in _NO_DATA_TYPES and size:
+            raise TarFormatError(f"{where}: a type-{typ.decode('latin-1')!r} member (link, device, FIFO or "
+                                 f"directory) with {size} bytes of data (tar readers disagree on where the next "
+                                 f"header is)")
+        return name, size, typ in REGULAR_TYPES
+
+
 def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
     """Regular members as ``(name, data)``; ``data`` is None (not read) unless ``want(name)``.
 
-    ``f`` must be a seekable file; its size bounds every member. Raises TarFormatError on a malformed header.
+    ``f`` must be a seekable file; its size bounds every member. Raises TarFormatError on a malformed header
+    or one that :class:`HeaderChain` refuses.
     """
     file_size = os.fstat(f.fileno()).st_size
     pos = f.tell()
-    long_name: str | None = None
-    pax: dict[str, str] = {}
+    chain = HeaderChain()
     while True:
         hdr = f.read(_BLOCK)
         if len(hdr) < _BLOCK:
@@ -104,61 +205,27 @@ def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
             raise TarFormatError(f"truncated header at offset {pos}")
         if hdr.count(0) == _BLOCK:
             return  # end of archive
-        raw_name = hdr[0:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        where = f"member {_show(raw_name)} (header at offset {pos})"
-        try:
-            chk = _octal(hdr[148:156])
-            size = _octal(hdr[124:136])
-        except ValueError as exc:
-            raise TarFormatError(f"{where}: bad numeric field ({exc})") from None
-        if chk != sum(hdr[:148]) + 256 + sum(hdr[156:]):
-            raise TarFormatError(f"{where}: bad header checksum")
+        name, size, typ = parse_header(hdr, pos)
+        where = f"member {_show(name)} (header at offset {pos})"
         data_start = pos + _BLOCK
-        typ = hdr[156:157]
-        if typ in (b"L", b"x", b"g"):
-            bound = MAX_LONG_NAME_BYTES if typ == b"L" else MAX_PAX_BYTES
-            if not 0 <= size <= bound:
-                raise TarFormatError(f"{where}: {'long-name' if typ == b'L' else 'pax'} header size {size} "
-                                     f"is outside 0..{bound}")
+        if typ in EXTENDED_TYPES or typ == b"g":
+            check_extended_size(typ, size, where)
             if data_start + size > file_size:
                 raise TarFormatError(f"{where}: truncated member (size {size} runs past the end of the file)")
             padded = _padded(size)
             data = f.read(padded)
             if len(data) < size:
                 raise TarFormatError(f"{where}: truncated member")
-            data = data[:size]
+            chain.extended(typ, data[:size], where, pos)
             pos = data_start + padded
-            if typ == b"L":
-                long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
-            elif typ == b"x":
-                try:
-                    pax = _pax(data)
-                except TarFormatError as exc:
-                    raise TarFormatError(f"{where}: {exc}") from None
             continue
-        name = raw_name
-        if hdr[257:263] == b"ustar\0":
-            prefix = hdr[345:500].split(b"\0", 1)[0]
-            if prefix:
-                name = prefix.decode("utf-8", "surrogateescape") + "/" + name
-        if long_name is not None:
-            name, long_name = long_name, None
-        if pax:
-            name = pax.get("path", name)
-            if "size" in pax:
-                if not _DECIMAL.fullmatch(pax["size"]):
-                    raise TarFormatError(f"member {_show(name)} (header at offset {pos}): pax size "
-                                         f"{pax['size'][:20]!r} is not a non-negative decimal")
-                size = int(pax["size"])
-            pax = {}
+        name, size, regular = chain.member(name, size, typ, pos)
         where = f"member {_show(name)} (header at offset {pos})"
-        if size < 0:
-            raise TarFormatError(f"{where}: negative size {size}")
         if data_start + size > file_size:
             raise TarFormatError(f"{where}: truncated member (size {size} runs past the end of the file)")
         padded = _padded(size)
         pos = data_start + padded  # > the header's offset: every header moves forward
-        if typ not in (b"0", b"\0", b"7"):  # not a regular file: skip its data (usually none)
+        if not regular:  # not a regular file: skip its data (none for links, devices, FIFOs, directories)
             f.seek(pos)
             continue
         if want(name):
@@ -169,6 +236,15 @@ def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
         else:
             f.seek(pos)
             yield name, None
+
+
+def check_extended_size(typ: bytes, size: int, where: str) -> None:
+    """An extended header's data size must be within its bound (:data:`MAX_LONG_NAME_BYTES`,
+    :data:`MAX_PAX_BYTES`)."""
+    bound = MAX_LONG_NAME_BYTES if typ in (b"L", b"K") else MAX_PAX_BYTES
+    if not 0 <= size <= bound:
+        raise TarFormatError(f"{where}: {'long-name' if typ in (b'L', b'K') else 'pax'} header size {size} "
+                             f"is outside 0..{bound}")
 
 
 def split_name(name: str) -> tuple[str | None, str]:
@@ -236,3 +312,23 @@ def _wanted(name: str, extensions: frozenset[str]) -> bool:
     base = name[name.rfind("/") + 1:]
     dot = base.find(".")
     return dot > 0 and base[dot + 1:].lower() in extensions
+
+
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be read as a shard file (``"is missing"``, ``"is a FIFO, not a regular file"``, ...),
+    or None for a regular file (a symbolic link to one included). Never opens the path (a FIFO would block)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "is a broken symbolic link" if os.path.islink(path) else "is missing"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    link = f"a symbolic link to {kind} ({os.path.realpath(path)})" if os.path.islink(path) else kind
+    return f"is {link}, not a regular file"

@@ -21,6 +21,7 @@ manifest does not list are a warning (the loader never reads them), not a failur
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import gzip as gzip_module
 import hashlib
@@ -38,6 +39,8 @@ from typing import Any, Callable, Iterator
 from gpufeed.config import LoaderConfig
 from gpufeed.manifest import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SHARD_SUFFIXES, LabelError,
                               parse_label, read_manifest)
+from gpufeed.tarread import (EXTENDED_TYPES, HeaderChain, TarFormatError, check_extended_size, file_problem,
+                             parse_header)
 
 _KNOWN = set(READ_IMAGE_EXTENSIONS) | {LABEL_EXTENSION, META_EXTENSION, "txt", "cls2", "pth", "npy", "id"}
 
@@ -100,6 +103,76 @@ class _TailReader:
         return b
 
 
+def _blocks(size: int) -> int:
+    """``size`` rounded up to whole 512-byte tar blocks."""
+    return -(-size // 512) * 512
+
+
+class _HeaderCheck:
+    """Reads through to the (decompressed) tar stream and parses each header as it passes, with the loader's
+    :func:`gpufeed.tarread.parse_header` and :class:`gpufeed.tarread.HeaderChain`: a header they refuse raises
+    :class:`gpufeed.tarread.TarFormatError` before tarfile sees it, and ``regular`` queues each regular member's
+    (name, size) as the loader reads it, for :meth:`TarPass.members` to compare with tarfile's. Holds at most
+    one header block and one extended header's data (bounded); stops at the first zero block, as both readers do.
+    """
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.pos = 0  # offset of the block being assembled
+        self.need = 512  # bytes the next piece (header block or extended data) needs
+        self.buf = bytearray()
+        self.skip = 0  # data bytes (member data, padding) to pass over
+        self.ext: tuple[bytes, str, int, int] | None = None  # (type, where, header offset, size) of extended data
+        self.chain = HeaderChain()
+        self.done = False
+        self.regular: collections.deque[tuple[str, int]] = collections.deque()
+
+    def read(self, size: int = -1) -> bytes:
+        b = self.f.read(size)
+        i, n = 0, len(b)
+        while i < n and not self.done:
+            if self.skip:
+                k = min(self.skip, n - i)
+                self.skip -= k
+                i += k
+                continue
+            k = min(self.need - len(self.buf), n - i)
+            self.buf += b[i:i + k]
+            i += k
+            if len(self.buf) == self.need:
+                piece = bytes(self.buf)
+                self.buf.clear()
+                self._piece(piece)
+        return b
+
+    def _piece(self, piece: bytes) -> None:
+        if self.ext is not None:  # an extended header's data
+            typ, where, at, size = self.ext
+            self.ext, self.need = None, 512
+            self.skip = _blocks(size) - size
+            self.chain.extended(typ, piece, where, at)
+            return
+        if piece.count(0) == 512:
+            self.done = True  # end of archive: what follows is end_problem's business
+            return
+        at = self.pos
+        name, size, typ = parse_header(piece, at)
+        where = f"member {name[:200]!r} (header at offset {at})"
+        if typ in EXTENDED_TYPES or typ == b"g":
+            check_extended_size(typ, size, where)
+            self.pos = at + 512 + _blocks(size)
+            if size:
+                self.ext, self.need = (typ, where, at, size), size
+            else:
+                self.chain.extended(typ, b"", where, at)
+            return
+        name, size, regular = self.chain.member(name, size, typ, at)
+        self.pos = at + 512 + _blocks(size)
+        self.skip = _blocks(size)
+        if regular:
+            self.regular.append((name, size))
+
+
 class TruncatedMember(ValueError):
     """A member's data ends before its header's size."""
 
@@ -111,23 +184,32 @@ class TarPass:
     member reads as a shorter, clean-looking shard to every tar reader, so only this check catches it).
 
     Call :meth:`members` to the end, then :meth:`end_problem`. Unreadable data raises ``tarfile.TarError``,
-    ``EOFError``, ``OSError`` (gzip), ``zlib.error`` or :class:`TruncatedMember`.
+    ``EOFError``, ``OSError`` (gzip), ``zlib.error`` or :class:`TruncatedMember`; a header the loader's reader
+    (:mod:`gpufeed.tarread`) refuses or reads differently raises :class:`gpufeed.tarread.TarFormatError`.
     """
 
     def __init__(self, f: Any, gzip: bool, hash: bool = True) -> None:
         self.raw = _HashingReader(f, hash)
         self.stream = _TailReader(gzip_module.GzipFile(fileobj=self.raw, mode="rb") if gzip else self.raw)
+        self.check = _HeaderCheck(self.stream)
         self.offset = 0
         self.last: str | None = None
         """Name of the last member read (for messages)."""
 
     def members(self, want: Callable[[str, int], bool]) -> Iterator[tuple[str, int, bytes | None]]:
-        """Regular members as ``(name, size, data)``; data is read only when ``want(name, size)``."""
-        with tarfile.open(fileobj=self.stream, mode="r|") as tar:
+        """Regular members as ``(name, size, data)``; data is read only when ``want(name, size)``. Every header
+        passes the loader's checks first (:class:`_HeaderCheck`), and each member must be the one the loader reads
+        there (same name and size), else :class:`gpufeed.tarread.TarFormatError`."""
+        with tarfile.open(fileobj=self.check, mode="r|") as tar:
             for m in tar:
                 self.last = m.name
                 if not m.isreg():
                     continue
+                theirs = self.check.regular.popleft() if self.check.regular else None
+                if theirs != (m.name, m.size):
+                    raise TarFormatError(f"member {m.name[:200]!r} (header at offset {m.offset}): tar readers "
+                                         f"disagree (tarfile reads {m.size} bytes named {m.name[:200]!r}, the loader "
+                                         f"{theirs!r})")
                 data = None
                 if want(m.name, m.size):
                     fobj = tar.extractfile(m)
@@ -299,8 +381,9 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
         if len(problems) < MAX_SHARD_PROBLEMS:
             problems.append((member, reason))
 
-    if not os.path.isfile(path):
-        return {"name": name, "problems": [(None, "shard file is missing")], "num_problems": 1, "keys": [],
+    why = file_problem(path)
+    if why:
+        return {"name": name, "problems": [(None, f"shard file {why}")], "num_problems": 1, "keys": [],
                 "found": 0, "decoded": 0}
     size = os.path.getsize(path)
     if expected.get("bytes") and size != expected["bytes"]:
@@ -381,6 +464,8 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
                 bad(tar.last, end)
     except TruncatedMember as exc:
         bad(tar.last if tar else None, f"{exc}; the tar does not read to the end")
+    except TarFormatError as exc:
+        bad(None, f"{exc}; the loader refuses this shard")
     except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error) as exc:
         last = tar.last if tar else None
         where = f"after member {last}" if last else "at the start"

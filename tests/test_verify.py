@@ -212,13 +212,23 @@ def test_verify_accepts_text_labels_like_index_and_the_loader(tmp_path: Path) ->
     root = tmp_path / "text"
     root.mkdir()
     with tarfile.open(root / "data-000.tar", "w") as tar:
-        for key, label in (("a", b"dog"), ("b", b"cat\n"), ("c", b"1")):
+        for key, label in (("a", b"dog"), ("b", b"cat\n"), ("c", b"cat")):
             add(tar, f"{key}.jpg", j)
             add(tar, f"{key}.cls", label)
     invoke(["index", root])
     rep = verify_shards(root, workers=1)
     assert rep.ok, rep.problems
     assert rep.num_samples == 3
+    # with a classes.txt, indices and names may mix: "1" is class 1 (dog) for index, verify and the loader
+    (root / "manifest.json").unlink()
+    (root / "classes.txt").write_text("cat\ndog\n")
+    with tarfile.open(root / "data-000.tar", "a") as tar:
+        add(tar, "d.jpg", j)
+        add(tar, "d.cls", b"1")
+    invoke(["index", root])
+    rep = verify_shards(root, workers=1)
+    assert rep.ok, rep.problems
+    assert rep.num_samples == 4
 
 
 def test_verify_names_a_key_that_comes_back_as_not_grouped(tmp_path: Path) -> None:

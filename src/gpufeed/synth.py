@@ -114,18 +114,10 @@ def synthesize(cfg: SynthConfig) -> SynthReport:
         for job in jobs:
             stats.extend(_render_range(job))
     else:
-        import multiprocessing as mp
+        from gpufeed.system import process_pool
 
-        import threading
-
-        # fork is fast and safe while this process has one thread; otherwise start clean interpreters.
-        methods = mp.get_all_start_methods()
-        if threading.active_count() == 1 and "fork" in methods:
-            ctx = mp.get_context("fork")
-        else:
-            ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
-        with ctx.Pool(workers, initializer=_load_sources) as pool:
-            for part in pool.imap_unordered(_render_range, jobs):
+        with process_pool(workers, initializer=_load_sources) as pool:
+            for part in pool.map(_render_range, jobs):
                 stats.extend(part)
     elapsed = time.perf_counter() - t0
 

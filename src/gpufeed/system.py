@@ -133,3 +133,27 @@ def die_with_parent(parent_pid: int | None = None, close_fds: tuple[int, ...] = 
             pass
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)  # the parent is already gone (we were re-parented): do not start work for nobody
+
+
+def _pool_init(parent_pid: int, close_fds: tuple[int, ...], initializer: Any, initargs: tuple) -> None:
+    die_with_parent(parent_pid, close_fds)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def process_pool(workers: int, *, initializer: Any = None, initargs: tuple = (),
+                 close_fds: tuple[int, ...] = ()) -> "concurrent.futures.ProcessPoolExecutor":
+    """The one process-pool policy of every job (shard, verify, synth).
+
+    - Start method: ``fork`` while this process runs a single thread (workers start in milliseconds and
+      inherit what was imported), else ``spawn`` (forking a threaded process can deadlock in the child).
+    - Every worker dies with this process (:func:`die_with_parent`) and closes ``close_fds`` first.
+    - ``initializer(*initargs)`` runs after that in each worker.
+    """
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import threading
+
+    method = "fork" if sys.platform.startswith("linux") and threading.active_count() == 1 else "spawn"
+    return cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method), initializer=_pool_init,
+                                  initargs=(os.getpid(), tuple(close_fds), initializer, tuple(initargs)))

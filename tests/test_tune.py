@@ -314,6 +314,70 @@ def test_written_config_loads_back_into_the_same_loader_config(tmp_path: Path) -
     load_config(run / "config.toml")  # the resolved config is itself a valid config file
 
 
+@pytest.mark.usefixtures("four_cpus")
+def test_trials_take_batch_and_image_size_from_the_loader_section_unless_tune_sets_them(tmp_path: Path) -> None:
+    """As in train: [tune] batch_size/image_size default to the [loader] values, they do not override them."""
+    path = tmp_path / "cfg.toml"
+    path.write_text("[loader]\nbatch_size = 16\nimage_size = 40\n")
+    cfg = load_config(path)
+    assert cfg.tune.batch_size is None and cfg.tune.image_size is None
+    toy = ToyPipeline()
+    report = tune(toy_cfg(tmp_path, batch_size=None), cfg.loader, measure=toy, **FAKE)
+    assert {(c.batch_size, c.image_size) for c in toy.calls} == {(16, 40)}
+    assert (report.best.batch_size, report.best.image_size) == (16, 40)
+    assert load_config(report.out).loader.batch_size == 16
+    given = load_config(path, {"tune.batch_size": 8, "tune.image_size": 32})
+    toy = ToyPipeline()
+    tune(toy_cfg(tmp_path, batch_size=given.tune.batch_size, image_size=given.tune.image_size), given.loader,
+         measure=toy, **FAKE)
+    assert {(c.batch_size, c.image_size) for c in toy.calls} == {(8, 32)}
+
+
+def test_a_fake_measure_does_not_switch_off_the_shard_set_check(tmp_path: Path) -> None:
+    """The check before the first trial is its own parameter, not a test seam on the measure function."""
+    from gpufeed.errors import GpufeedError
+
+    toy = ToyPipeline()
+    with pytest.raises(GpufeedError) as info:
+        tune(toy_cfg(tmp_path), LoaderConfig(decode="pil"), measure=toy, world=World.single())
+    assert info.value.exit_code == 2 and not toy.calls
+    seen: list[tuple[str, int]] = []
+    tune(toy_cfg(tmp_path, max_workers=1), LoaderConfig(decode="pil", batch_size=4), measure=toy,
+         world=World.single(), check_shards=lambda shards, base: seen.append((shards, base.batch_size)) or 100)
+    assert seen == [(str(tmp_path / "no-shards-needed"), 32)]
+
+
+def test_every_reason_code_has_its_sentence() -> None:
+    from typing import get_args
+
+    from gpufeed.tune import _SENTENCES, Reason
+
+    assert set(_SENTENCES) == set(get_args(Reason))
+    d = Decision("decode", "no-gain", chosen="pil", candidates=(3, 4),
+                 detail={"candidate": "pil-draft", "metric": "samples/s", "value": 990.4, "needed": 1050.0})
+    assert d.sentence == "decode: keep 'pil' ('pil-draft' gave samples/s 990, needs > 1050)"
+    assert Decision("search", "chart-failed", detail={"error": "no display"}).sentence == "chart not written: no display"
+
+
+def test_bound_line_uses_the_verdict_vocabulary_and_thresholds() -> None:
+    from gpufeed.tune import classify_bound
+
+    cfg = LoaderConfig(num_workers=4, decode="pil")
+    rec = trial_record(cfg, [800.0], tree_cores_used=3.0, cpu_percent_mean=60.0)  # 3 of 4 cores: saturated
+    bound, why = classify_bound(rec, 8)
+    assert bound == "decode/CPU" and "267 samples/s per core x 3.00 cores = 800" in why
+    idle = trial_record(cfg, [800.0], tree_cores_used=1.9, cpu_percent_mean=30.0, read_bytes_per_s=50e6)
+    assert classify_bound(idle, 8) == ("storage", "CPU mostly idle (1.90 of 4 cores, machine 30%) while reading "
+                                                  "50.0 MB/s from storage: waiting on reads")
+    middle = dataclasses.replace(idle, tree_cores_used=2.5)  # 0.5 <= 2.5/4 < 0.75: neither
+    assert classify_bound(middle, 8)[0] == "unclear"
+    assert classify_bound(idle, 8, storage_bytes_per_s=60e6)[0] == "storage"  # 50 >= 0.8 x 60 MB/s
+    copy = trial_record(cfg, [800.0], tree_cores_used=3.0, measure_s=2.0, data_wait_s=0.9, copy_s=1.0)
+    assert classify_bound(copy, 8)[0] == "copy"  # 1.0 >= 0.5 x (0.9 + 1.0)
+    assert classify_bound(dataclasses.replace(copy, decode="gpu"), 8)[0] == "GPU decode"
+    assert classify_bound(dataclasses.replace(copy, copy_s=0.8), 8)[0] == "decode/CPU"  # 0.8 < 0.5 x 1.7
+
+
 def test_shipped_configs_tune_sections_are_valid() -> None:
     root = Path(__file__).resolve().parents[1] / "configs"
     for path in sorted(root.glob("*.toml")):
@@ -366,11 +430,16 @@ def test_real_tune_end_to_end_on_tiny_shards(tiny_shards: Path, tmp_path: Path, 
 
 
 def test_cli_tune_json_prints_one_object(tiny_shards: Path, tmp_path: Path) -> None:
+    """Batch and image size come from the config's [loader] section when the command line does not give them."""
     out = tmp_path / "t.toml"
-    obj = invoke_json(["tune", tiny_shards, "--budget", "6", "--batch-size", "8", "--image-size", "32",
+    config = tmp_path / "cfg.toml"
+    config.write_text("[loader]\nbatch_size = 8\nimage_size = 32\n")
+    obj = invoke_json(["tune", tiny_shards, "--budget", "6", "--config", config,
                        "--max-workers", "1", "--repeats", "1", "--window", "0.2", "--run-dir", tmp_path / "run",
                        "--out", out])
-    assert obj["ok"] is True and obj["best"]["batch_size"] == 8
+    assert obj["ok"] is True and obj["best"]["batch_size"] == 8 and obj["best"]["image_size"] == 32
+    assert {(t["batch_size"], t["image_size"]) for t in obj["trials"]} == {(8, 32)}
+    assert obj["decisions"][0]["reason"] == "setup" and obj["decisions"][-1]["sentence"]
     assert load_config(out).loader.num_workers == obj["best"]["num_workers"]
 
 

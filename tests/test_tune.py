@@ -356,7 +356,8 @@ def test_every_reason_code_has_its_sentence() -> None:
     d = Decision("decode", "no-gain", chosen="pil", candidates=(3, 4),
                  detail={"candidate": "pil-draft", "metric": "samples/s", "value": 990.4, "needed": 1050.0})
     assert d.sentence == "decode: keep 'pil' ('pil-draft' gave samples/s 990, needs > 1050)"
-    assert Decision("search", "chart-failed", detail={"error": "no display"}).sentence == "chart not written: no display"
+    note = Decision("search", "chart-failed", detail={"error": "no display"})
+    assert note.sentence == "chart not written: no display"
 
 
 def test_bound_line_uses_the_verdict_vocabulary_and_thresholds() -> None:

@@ -25,7 +25,7 @@ UNCLEAR: TrialBound = "unclear"
 COPY_SHARE = 0.5
 """Copy-bound when the host-to-device copy is at least this share of the data wait (wait + copy) ..."""
 MIN_COPY_PCT = 1.0
-"""... and at least this % of the time it is a share of (less is noise)."""
+"""... and at least this % of the measured time (less is noise)."""
 STORAGE_FRACTION = 0.8
 """Storage-bound when the loader reads at least this fraction of what the storage delivers."""
 IDLE_FRACTION = 0.5

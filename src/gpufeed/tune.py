@@ -953,8 +953,8 @@ def _finish(s: Search, chosen: LoaderConfig | None, best: TrialRecord | None,
         conclusion = (f"best: {describe(best, s.world.is_cuda)} -> {best.samples_per_s:.0f} samples/s "
                       f"({best_stat.fmt() if best_stat else ''})"
                       + (f", {ratio:.2f}x ImageFolder ({baseline.samples_per_s:.0f} samples/s)" if ratio else "")
-                      + f"; {bounds.label(bound)}" + (f"; target {cfg.target_rate:g} {'met' if target_met else 'NOT met'}"
-                                                      if cfg.target_rate else ""))
+                      + f"; {bounds.label(bound)}"
+                      + (f"; target {cfg.target_rate:g} {'met' if target_met else 'NOT met'}" if cfg.target_rate else ""))
     return TuneReport(
         ok=best is not None and target_met is not False, shards=s.shards, run_dir=None, out=None, best=chosen,
         best_trial=None if best is None else best.trial, best_samples_per_s=best_stat, baseline=baseline,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from gpufeed.config import LoaderConfig, TuneConfig, load_config
-from gpufeed.tune import TrialRecord, TuneReport, trial_record, tune
+from gpufeed.tune import Decision, TrialRecord, TuneReport, trial_record, tune
 from gpufeed.world import World
 from tests.conftest import invoke_json
 
@@ -121,6 +121,14 @@ def four_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpufeed.system, "usable_cpus", lambda: ToyPipeline.cores)
 
 
+FAKE: dict[str, Any] = {"world": World.single(), "check_shards": None}
+"""tune() arguments for a fake ``measure``: CPU device, and no shard set to check before the first trial."""
+
+
+def decisions(report: TuneReport, reason: str) -> list[Decision]:
+    return [d for d in report.decisions if d.reason == reason]
+
+
 def toy_cfg(tmp_path: Path, **kw: Any) -> TuneConfig:
     base = dict(shards=str(tmp_path / "no-shards-needed"), budget_s=30.0, batch_size=32, max_workers=8,
                 run_dir=str(tmp_path / "run"), out=str(tmp_path / "tuned.toml"), window_s=0.1, repeats=3)
@@ -132,7 +140,7 @@ def toy_cfg(tmp_path: Path, **kw: Any) -> TuneConfig:
 def test_tuner_picks_the_right_winner_on_a_controlled_pipeline(tmp_path: Path) -> None:
     toy = ToyPipeline()
     report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil", worker_batching=False), measure=toy,
-                  world=World.single())
+                  **FAKE)
     assert report.ok
     best = report.best
     # 4 cores: 4 workers, the cheapest CPU decode that exists here, batching in workers, prefetch gain < 5% ignored
@@ -147,17 +155,27 @@ def test_tuner_picks_the_right_winner_on_a_controlled_pipeline(tmp_path: Path) -
     assert len(toy.calls) <= 10
     # the climb stopped once the workers kept every core busy
     assert max(c.num_workers for c in toy.calls) == 4
-    assert any("CPU budget saturated at 4 workers" in d for d in report.decisions)
+    [stop] = decisions(report, "cpu-saturated")
+    assert stop.knob == "num_workers" and stop.detail["workers"] == 4 and stop.detail["cores_used"] == 4.0
+    assert stop.sentence == "num_workers: CPU budget saturated at 4 workers (tree used 4.00 of 4.00 cores)"
+    [chosen] = decisions(report, "workers-chosen")
+    assert chosen.chosen == 4 and [report.trials[i].num_workers for i in chosen.candidates] == [0, 1, 2, 3, 4]
+    assert [(d.knob, d.chosen) for d in decisions(report, "adopted")] == [("decode", best.decode),
+                                                                            ("worker_batching", True)]
+    [prefetch] = [d for d in report.decisions if d.knob == "prefetch_factor"]
+    assert prefetch.reason == "no-gain" and prefetch.chosen == 2 and prefetch.detail["candidate"] == 4
     assert "pin_memory" in report.skipped and "shuffle_buffer" in report.skipped
-    assert report.bound == "CPU-bound"
+    assert report.bound == "decode/CPU"
 
 
 @pytest.mark.usefixtures("four_cpus")
 def test_worker_climb_stops_when_the_gain_flattens(tmp_path: Path) -> None:
     toy = ToyPipeline(cores_used=1.0)  # telemetry that never shows saturation: only the rates stop the climb
-    report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil"), measure=toy, world=World.single())
+    report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil"), measure=toy, **FAKE)
     assert max(c.num_workers for c in toy.calls) == 6  # 6 workers gave less than 4: flattened
-    assert any("gain flattened at 6 workers" in d for d in report.decisions)
+    [flat] = decisions(report, "gain-flattened")
+    assert flat.detail["workers"] == 6 and flat.detail["best_workers"] == 4
+    assert [report.trials[i].num_workers for i in flat.candidates] == [4, 6]
     assert report.best.num_workers == 4
 
 
@@ -176,11 +194,15 @@ def test_refinement_is_judged_per_cpu_second_when_cpu_bound(tmp_path: Path, monk
             return trial_record(cfg, [r, r, r], tree_cores_used=cores, cpu_percent_mean=100.0)
         return rec
 
-    report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=measure, world=World.single())
+    report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=measure, **FAKE)
     assert report.best.decode == "pil-draft"
-    assert any("samples per CPU-s" in d and "'pil' -> 'pil-draft'" in d for d in report.decisions)
+    [won] = decisions(report, "adopted")
+    assert (won.knob, won.detail["previous"], won.chosen) == ("decode", "pil", "pil-draft")
+    assert won.detail["metric"] == "samples per CPU-s" and won.detail["value"] == pytest.approx(2 * won.detail["ref"])
     assert [t.contended for t in report.trials if t.phase == "decode"] == [True]
-    assert any(d.startswith("warning: ") and "lower bounds" in d for d in report.decisions)
+    [warning] = decisions(report, "contended-warning")
+    assert won.candidates[1] in warning.candidates and warning.sentence.startswith("warning: ")
+    assert warning.candidates == tuple(t.trial for t in report.trials if t.contended)
 
 
 @pytest.mark.usefixtures("four_cpus")
@@ -193,9 +215,10 @@ def test_zero_workers_only_when_clearly_faster(tmp_path: Path) -> None:
         return dataclasses.replace(rec, samples_per_s=r, samples_per_s_runs=[r], samples_per_s_min=r,
                                    samples_per_s_max=r, samples_per_core_s=None)
 
-    report = tune(toy_cfg(tmp_path, max_workers=2), LoaderConfig(decode="pil"), measure=measure, world=World.single())
+    report = tune(toy_cfg(tmp_path, max_workers=2), LoaderConfig(decode="pil"), measure=measure, **FAKE)
     assert report.best.num_workers >= 1
-    assert any("workers kept" in d for d in report.decisions)
+    [kept] = decisions(report, "zero-workers-within-gain")
+    assert kept.chosen == report.best.num_workers and report.trials[kept.candidates[1]].num_workers == 0
 
 
 @pytest.mark.usefixtures("four_cpus")
@@ -211,17 +234,18 @@ def test_contended_worker_trial_is_measured_again(tmp_path: Path) -> None:
             return trial_record(cfg, [r], tree_cores_used=0.5, cpu_percent_mean=100.0)
         return rec
 
-    report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=measure, world=World.single())
+    report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=measure, **FAKE)
     assert [t.phase for t in report.trials if t.num_workers == 2][:2] == ["workers", "workers-retry"]
     assert report.best.num_workers == 4  # the climb went on past the contended reading
-    assert any("contended" in d for d in report.decisions)
+    [again] = decisions(report, "contended-remeasured")
+    assert again.detail["workers"] == 2 and again.detail["again"] == 4 * again.detail["first"]
 
 
 @pytest.mark.usefixtures("four_cpus")
 def test_tuner_stops_at_target_rate(tmp_path: Path) -> None:
     toy = ToyPipeline()
     target = toy.rate(LoaderConfig(num_workers=2, decode="pil")) / 1.2 - 1  # 2 workers x margin 1.2 is enough
-    report = tune(toy_cfg(tmp_path, target_rate=target), LoaderConfig(decode="pil"), measure=toy, world=World.single())
+    report = tune(toy_cfg(tmp_path, target_rate=target), LoaderConfig(decode="pil"), measure=toy, **FAKE)
     assert report.target_met and report.ok
     assert report.stop_reason.startswith("target reached")
     assert max(c.num_workers for c in toy.calls) == 2
@@ -232,7 +256,7 @@ def test_tuner_respects_its_budget(tmp_path: Path) -> None:
     toy = ToyPipeline(trial_s=0.4)
     t0 = time.monotonic()
     report = tune(toy_cfg(tmp_path, budget_s=2.0, window_s=0.1, repeats=1), LoaderConfig(decode="pil"),
-                  measure=toy, world=World.single())
+                  measure=toy, **FAKE)
     elapsed = time.monotonic() - t0
     assert report.elapsed_s <= 2.0 + 0.2
     assert elapsed < 2.0 + 3.0  # outputs (chart, parquet) are written after the sweep
@@ -245,7 +269,7 @@ def test_tuner_respects_its_budget(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("four_cpus")
 def test_failing_trial_is_an_error_record_and_the_sweep_goes_on(tmp_path: Path) -> None:
     toy = ToyPipeline(fail={1})
-    report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=toy, world=World.single())
+    report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=toy, **FAKE)
     errors = [t for t in report.trials if t.error]
     assert len(errors) == 1 and "worker 1 crashed" in errors[0].error and errors[0].samples_per_s is None
     assert report.ok and report.best.num_workers == 4
@@ -260,18 +284,21 @@ def test_ram_budget_error_stops_the_climb(tmp_path: Path) -> None:
     def measure(shards: Any, cfg: LoaderConfig, world: World, **kw: Any) -> TrialRecord:
         if cfg.num_workers >= 2:
             toy.calls.append(cfg)
-            return trial_record(cfg, error="RAM budget exceeded: loader processes use 9 GB > budget 1 GB")
+            return trial_record(cfg, error="RAM budget exceeded: loader processes use 9 GB > budget 1 GB",
+                                over_ram_budget=True)
         return toy(shards, cfg, world, **kw)
 
-    report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil"), measure=measure, world=World.single())
+    report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil"), measure=measure, **FAKE)
     assert max(c.num_workers for c in toy.calls) == 2
     assert report.best.num_workers == 1
+    [stop] = decisions(report, "stopped-ram-budget")
+    assert stop.detail["workers"] == 2 and stop.candidates == (2,)
 
 
 @pytest.mark.usefixtures("four_cpus")
 def test_written_config_loads_back_into_the_same_loader_config(tmp_path: Path) -> None:
     report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil", seed=7, on_error="skip"), measure=ToyPipeline(),
-                  world=World.single())
+                  **FAKE)
     loaded = load_config(report.out).loader
     assert loaded == report.best
     assert loaded.seed == 7 and loaded.on_error == "skip" and loaded.batch_size == 32
@@ -285,6 +312,71 @@ def test_written_config_loads_back_into_the_same_loader_config(tmp_path: Path) -
 
     assert pq.read_table(run / "trials.parquet").num_rows == report.num_trials
     load_config(run / "config.toml")  # the resolved config is itself a valid config file
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_trials_take_batch_and_image_size_from_the_loader_section_unless_tune_sets_them(tmp_path: Path) -> None:
+    """As in train: [tune] batch_size/image_size default to the [loader] values, they do not override them."""
+    path = tmp_path / "cfg.toml"
+    path.write_text("[loader]\nbatch_size = 16\nimage_size = 40\n")
+    cfg = load_config(path)
+    assert cfg.tune.batch_size is None and cfg.tune.image_size is None
+    toy = ToyPipeline()
+    report = tune(toy_cfg(tmp_path, batch_size=None), cfg.loader, measure=toy, **FAKE)
+    assert {(c.batch_size, c.image_size) for c in toy.calls} == {(16, 40)}
+    assert (report.best.batch_size, report.best.image_size) == (16, 40)
+    assert load_config(report.out).loader.batch_size == 16
+    given = load_config(path, {"tune.batch_size": 8, "tune.image_size": 32})
+    toy = ToyPipeline()
+    tune(toy_cfg(tmp_path, batch_size=given.tune.batch_size, image_size=given.tune.image_size), given.loader,
+         measure=toy, **FAKE)
+    assert {(c.batch_size, c.image_size) for c in toy.calls} == {(8, 32)}
+
+
+def test_a_fake_measure_does_not_switch_off_the_shard_set_check(tmp_path: Path) -> None:
+    """The check before the first trial is its own parameter, not a test seam on the measure function."""
+    from gpufeed.errors import GpufeedError
+
+    toy = ToyPipeline()
+    with pytest.raises(GpufeedError) as info:
+        tune(toy_cfg(tmp_path), LoaderConfig(decode="pil"), measure=toy, world=World.single())
+    assert info.value.exit_code == 2 and not toy.calls
+    seen: list[tuple[str, int]] = []
+    tune(toy_cfg(tmp_path, max_workers=1), LoaderConfig(decode="pil", batch_size=4), measure=toy,
+         world=World.single(), check_shards=lambda shards, base: seen.append((shards, base.batch_size)) or 100)
+    assert seen == [(str(tmp_path / "no-shards-needed"), 32)]
+
+
+def test_every_reason_code_has_its_sentence() -> None:
+    from typing import get_args
+
+    from gpufeed.tune import _SENTENCES, Reason
+
+    assert set(_SENTENCES) == set(get_args(Reason))
+    d = Decision("decode", "no-gain", chosen="pil", candidates=(3, 4),
+                 detail={"candidate": "pil-draft", "metric": "samples/s", "value": 990.4, "needed": 1050.0})
+    assert d.sentence == "decode: keep 'pil' ('pil-draft' gave samples/s 990, needs > 1050)"
+    note = Decision("search", "chart-failed", detail={"error": "no display"})
+    assert note.sentence == "chart not written: no display"
+
+
+def test_bound_line_uses_the_verdict_vocabulary_and_thresholds() -> None:
+    from gpufeed.tune import classify_bound
+
+    cfg = LoaderConfig(num_workers=4, decode="pil")
+    rec = trial_record(cfg, [800.0], tree_cores_used=3.0, cpu_percent_mean=60.0)  # 3 of 4 cores: saturated
+    bound, why = classify_bound(rec, 8)
+    assert bound == "decode/CPU" and "267 samples/s per core x 3.00 cores = 800" in why
+    idle = trial_record(cfg, [800.0], tree_cores_used=1.9, cpu_percent_mean=30.0, read_bytes_per_s=50e6)
+    assert classify_bound(idle, 8) == ("storage", "CPU mostly idle (1.90 of 4 cores, machine 30%) while reading "
+                                                  "50.0 MB/s from storage: waiting on reads")
+    middle = dataclasses.replace(idle, tree_cores_used=2.5)  # 0.5 <= 2.5/4 < 0.75: neither
+    assert classify_bound(middle, 8)[0] == "unclear"
+    assert classify_bound(idle, 8, storage_bytes_per_s=60e6)[0] == "storage"  # 50 >= 0.8 x 60 MB/s
+    copy = trial_record(cfg, [800.0], tree_cores_used=3.0, measure_s=2.0, data_wait_s=0.9, copy_s=1.0)
+    assert classify_bound(copy, 8)[0] == "copy"  # 1.0 >= 0.5 x (0.9 + 1.0)
+    assert classify_bound(dataclasses.replace(copy, decode="gpu"), 8)[0] == "GPU decode"
+    assert classify_bound(dataclasses.replace(copy, copy_s=0.8), 8)[0] == "decode/CPU"  # 0.8 < 0.5 x 1.7
 
 
 def test_shipped_configs_tune_sections_are_valid() -> None:
@@ -314,7 +406,7 @@ def test_measure_loader_ram_budget_is_an_error_record(tiny_shards: Path) -> None
 
     cfg = LoaderConfig(batch_size=8, num_workers=0, image_size=32, shuffle_buffer=16, decode="pil")
     rec = measure_loader(tiny_shards, cfg, World.single(), window_s=0.1, repeats=1, ram_budget_bytes=1_000_000)
-    assert rec.error and "RAM budget" in rec.error
+    assert rec.error and "RAM budget" in rec.error and rec.over_ram_budget
 
 
 def test_real_tune_end_to_end_on_tiny_shards(tiny_shards: Path, tmp_path: Path, image_folder: Any) -> None:
@@ -329,7 +421,7 @@ def test_real_tune_end_to_end_on_tiny_shards(tiny_shards: Path, tmp_path: Path, 
     assert report.ok, report.conclusion
     assert report.best_samples_per_s.median > 0
     assert load_config(report.out).loader == report.best
-    assert report.bound in ("CPU-bound", "I/O-bound", "copy-bound", "unclear")
+    assert report.bound in ("decode/CPU", "storage", "copy", "unclear")
     if report.baseline is not None:
         assert report.ratio_vs_baseline > 0
     assert (Path(report.run_dir) / "tune.png").stat().st_size > 0
@@ -339,11 +431,16 @@ def test_real_tune_end_to_end_on_tiny_shards(tiny_shards: Path, tmp_path: Path, 
 
 
 def test_cli_tune_json_prints_one_object(tiny_shards: Path, tmp_path: Path) -> None:
+    """Batch and image size come from the config's [loader] section when the command line does not give them."""
     out = tmp_path / "t.toml"
-    obj = invoke_json(["tune", tiny_shards, "--budget", "6", "--batch-size", "8", "--image-size", "32",
+    config = tmp_path / "cfg.toml"
+    config.write_text("[loader]\nbatch_size = 8\nimage_size = 32\n")
+    obj = invoke_json(["tune", tiny_shards, "--budget", "6", "--config", config,
                        "--max-workers", "1", "--repeats", "1", "--window", "0.2", "--run-dir", tmp_path / "run",
                        "--out", out])
-    assert obj["ok"] is True and obj["best"]["batch_size"] == 8
+    assert obj["ok"] is True and obj["best"]["batch_size"] == 8 and obj["best"]["image_size"] == 32
+    assert {(t["batch_size"], t["image_size"]) for t in obj["trials"]} == {(8, 32)}
+    assert obj["decisions"][0]["reason"] == "setup" and obj["decisions"][-1]["sentence"]
     assert load_config(out).loader.num_workers == obj["best"]["num_workers"]
 
 
@@ -418,7 +515,7 @@ def test_rows_show_pinning_only_where_it_applies(tmp_path: Path) -> None:
     from gpufeed.tune import render
 
     report = tune(toy_cfg(tmp_path), LoaderConfig(decode="pil", pin_memory=True), measure=ToyPipeline(),
-                  world=World.single())
+                  **FAKE)
     assert report.device == "cpu" and all(t.pin_memory for t in report.trials)
     rows = [line for line in render(report).splitlines() if "w=" in line]
     assert len(rows) == report.num_trials + 1  # + the conclusion

@@ -128,3 +128,33 @@ def test_gpu_decode_time_is_not_blamed_on_the_copy() -> None:
     v = classify(VerdictInputs(stall_pct=20.0, end_to_end_rate=2000, gpu_ceiling=3000, loader_ceiling=2500,
                                copy_wait_pct=18.0, decode="simplejpeg"))
     assert v.bound == "copy"
+
+
+# --------------------------------------------------------------------------- gpufeed.bounds (shared with tune)
+
+
+def test_bounds_predicates_at_their_thresholds() -> None:
+    from gpufeed import bounds
+
+    assert bounds.copy_limited(5.0, 10.0) and not bounds.copy_limited(4.9, 10.0)  # half of the stall
+    assert not bounds.copy_limited(0.9, 1.0) and not bounds.copy_limited(None, 10.0)  # under 1 %: noise
+    assert bounds.storage_limited(80e6, 100e6) and not bounds.storage_limited(79e6, 100e6)
+    assert not bounds.storage_limited(80e6, None) and not bounds.storage_limited(None, 100e6)
+    assert bounds.idle_while_reading(1.9, 4, 1e6) and not bounds.idle_while_reading(2.0, 4, 1e6)
+    assert not bounds.idle_while_reading(1.0, 4, 0.0)  # not reading: not waiting on storage
+    assert bounds.cpu_saturated(3.0, 4) and not bounds.cpu_saturated(2.9, 4)
+    assert bounds.cpu_saturated(0.5, 4, machine_busy_pct=90.0) and not bounds.cpu_saturated(0.5, 4, 89.9)
+    assert bounds.per_core_rate(400.0, 4.0) == 100.0 and bounds.per_core_rate(400.0, 0.0) is None
+    assert bounds.cores_needed(2000.0, 100.0) == 20.0
+    assert bounds.label("decode/CPU") == "decode/CPU-bound" and bounds.label("unclear") == "bound unclear"
+
+
+def test_verdict_uses_the_shared_storage_and_idle_thresholds() -> None:
+    common = dict(stall_pct=40.0, end_to_end_rate=600, gpu_ceiling=1000, loader_ceiling=600, usable_cores=32,
+                  num_workers=8)
+    at = classify(VerdictInputs(**common, loader_cores_used=10, read_bytes_per_s=80e6, storage_bytes_per_s=100e6))
+    below = classify(VerdictInputs(**common, loader_cores_used=10, read_bytes_per_s=79e6, storage_bytes_per_s=100e6))
+    assert (at.bound, below.bound) == ("storage", "decode/CPU")
+    idle = classify(VerdictInputs(**common, loader_cores_used=3.9, read_bytes_per_s=1e6))  # < 0.5 x 8 slots
+    busy = classify(VerdictInputs(**common, loader_cores_used=4.0, read_bytes_per_s=1e6))
+    assert (idle.bound, busy.bound) == ("storage", "decode/CPU")

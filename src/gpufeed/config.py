@@ -255,8 +255,8 @@ class TuneConfig:
     """The shard set to read."""
     budget_s: float = bounded(300.0, 0.0, MAX_DURATION_S, min_open=True)
     """Wall-clock budget of the whole sweep in seconds."""
-    batch_size: int = bounded(256, 1, MAX_BATCH_SIZE)
-    """Batch size used in every trial."""
+    batch_size: int | None = bounded(None, 1, MAX_BATCH_SIZE)
+    """Batch size used in every trial; None = the [loader] batch_size."""
     max_workers: int | None = bounded(None, 0, MAX_WORKERS)
     """Largest num_workers tried; None = the usable CPUs."""
     cpu_budget: float = bounded(1.0, 0.0, 1.0, min_open=True)
@@ -269,8 +269,8 @@ class TuneConfig:
     """An ImageFolder of the same images: measure torchvision ImageFolder + DataLoader as baseline."""
     out: str | None = None
     """Where to write the winning [loader] section (TOML)."""
-    image_size: int = bounded(224, 1, MAX_IMAGE_SIZE)
-    """Output side in pixels, as in training."""
+    image_size: int | None = bounded(None, 1, MAX_IMAGE_SIZE)
+    """Output side in pixels, as in training; None = the [loader] image_size."""
     run_dir: str | None = None
     """Run folder for trials, chart and summary; None = runs/tune-<UTC timestamp>/."""
     repeats: int = bounded(3, 1, MAX_REPEATS)

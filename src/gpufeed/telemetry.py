@@ -1,4 +1,4 @@
-"""Background telemetry for tune and train trials (DESIGN §3).
+"""Background telemetry for tune and train trials (docs/design.md §4).
 
 A daemon thread samples, every ``interval_s``:
 - CPU % per core of the machine and CPU seconds of a process tree (this process and all of its

@@ -1,21 +1,25 @@
-"""``gpufeed tune SHARDS``: a measured, budget-aware sweep of LoaderConfig knobs (issue 3, DESIGN §3).
+"""``gpufeed tune SHARDS``: a measured, budget-aware sweep of LoaderConfig knobs (docs/design.md §4).
 
 Two layers, kept apart so tests and other jobs can reuse them:
 
-- **Measurement.** :func:`measure_loader` is the *loader ceiling* of DESIGN §3: batches of the real
+- **Measurement.** :func:`measure_loader` is the *loader ceiling* of docs/design.md §4: batches of the real
   loader moved to the device and dropped, worker start-up timed separately (``startup_s``), the
   prefetched backlog drained as warm-up, then steady-state samples/s over fixed windows, repeated
   (median, min, max), with process-tree telemetry (CPU per core, cores used, RSS, read bytes/s).
   :func:`measure_imagefolder` measures torchvision ``ImageFolder`` + ``DataLoader`` the same way, and
   :func:`measure_stream` is the shared core for any batch iterable (the benchmark's recipes use it).
   A trial that raises or exceeds its RAM budget comes back as a :class:`TrialRecord` with ``error`` set.
-- **Search.** :func:`tune` climbs ``num_workers`` until the gain flattens or the CPU/RAM budget is
-  hit, then refines decode path, in-worker batching, prefetch depth and pinning at that point, one
-  knob at a time (a change is kept only when it wins by ``min_gain``; on a CPU-bound loader the win is
-  judged on samples per CPU-second, which a noisy shared machine moves far less than samples/s). Knobs that cannot matter on
-  this machine are skipped with the reason in the report. The whole sweep, worker start-up included,
-  stays inside ``budget_s``; ``target_rate`` ends the search early once the loader beats it with margin.
-  ``measure`` is injectable, so a test can drive the search with a pipeline whose speed it controls.
+- **Search.** :func:`tune` runs phase functions over one explicit :class:`Search` state, each returning
+  :class:`Decision` records (knob, chosen value, trials compared, a :data:`Reason` code and the sentence
+  rendered from them). :func:`climb_workers` climbs ``num_workers`` until the gain flattens or the CPU/RAM
+  budget is hit; :func:`refine_decode`, :func:`refine_batching`, :func:`refine_prefetch` and
+  :func:`refine_pinning` then try one knob at a time at that point (a change is kept only when it wins by
+  ``min_gain``; on a CPU-bound loader the win is judged on samples per CPU-second, which a noisy shared
+  machine moves far less than samples/s). Knobs that cannot matter on this machine are skipped with the
+  reason in the report. The whole sweep, worker start-up included, stays inside ``budget_s``;
+  ``target_rate`` ends the search early once the loader beats it with margin. ``measure`` is a parameter,
+  so a test can drive the search with a pipeline whose speed it controls. What limits the best trial is
+  named by :func:`classify_bound` in the vocabulary of :mod:`gpufeed.bounds`, shared with the verdict.
 
 Outputs (in the run folder): trials.jsonl, trials.parquet, summary.json, config.toml, environment.json,
 tune.png, report.md, and the winning ``[loader]`` section at ``out``. Only ``cli.py`` prints.
@@ -28,8 +32,10 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Literal
 
+from gpufeed import bounds
+from gpufeed.bounds import TrialBound
 from gpufeed.config import LoaderConfig, TuneConfig, to_toml
 from gpufeed.errors import ConfigError, GpufeedError, one_line
 from gpufeed.metrics import Stat
@@ -98,6 +104,8 @@ class TrialRecord:
     truncated: bool = False
     """The budget deadline cut the trial short (fewer repeats or a shorter window)."""
     over_cpu_budget: bool = False
+    over_ram_budget: bool = False
+    """The loader processes exceeded the RAM budget (``error`` says by how much)."""
     contended: bool = False
     """The machine was >= 90% busy while the loader got < 75% of the cores it could use: other processes
     took CPU, so samples/s is a lower bound (samples_per_core_s still holds)."""
@@ -150,14 +158,15 @@ class TuneReport:
     """Best ImageFolder trial (None without --baseline-imagefolder)."""
     baseline_samples_per_s: Stat | None
     ratio_vs_baseline: float | None
-    bound: str | None
-    """CPU-bound | I/O-bound | copy-bound | unclear."""
+    bound: TrialBound | None
+    """What limits the best trial, in :mod:`gpufeed.bounds`' words: decode/CPU | storage | copy | GPU decode |
+    unclear."""
     bound_evidence: str
     stop_reason: str
     skipped: dict[str, str]
     """Knob -> why it was not measured."""
-    decisions: list[str]
-    """The search path, one line per step."""
+    decisions: list[Decision]
+    """The search path, one record per step (its ``sentence`` is the step in English)."""
     conclusion: str
     budget_s: float
     elapsed_s: float
@@ -341,7 +350,7 @@ class _LoaderFailed(_TrialError):
 def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = None, *, warmup_batches: int = 2,
                    window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
                    deadline: float | None = None, ram_budget_bytes: int | None = None) -> TrialRecord:
-    """The loader ceiling (DESIGN §3) of ``build_loader(shards, cfg, world)``: never raises for a bad trial.
+    """The loader ceiling (docs/design.md §4) of ``build_loader(shards, cfg, world)``: never raises for a bad trial.
 
     Batches go to ``world.device`` (synchronised on CUDA; on CPU they are touched) and are dropped.
     Returns a TrialRecord with median/min/max samples/s over ``repeats`` windows of ``window_s``
@@ -440,6 +449,8 @@ def _run_measurement(fn: Callable[[], dict[str, Any]], cfg: LoaderConfig, pipeli
         fields_ = fn()
     except _TrialError as exc:
         fields_, error = dict(exc.partial), one_line(exc)
+        if isinstance(exc, _OverRam):
+            fields_["over_ram_budget"] = True
     except Exception as exc:  # a failed trial is a record; the sweep goes on
         fields_, error = {}, error_sentence(exc)
     finally:
@@ -495,27 +506,115 @@ def _mb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e6:.0f} MB"
 
 
+# --------------------------------------------------------------------------- decisions
+
+
+Reason = Literal[
+    "setup",                     # the budgets the search runs under
+    "contended-remeasured",      # a worker count measured again: other processes held the CPU the first time
+    "stopped-budget",            # the climb stopped: no time left for the next worker count
+    "stopped-ram-budget",        # the climb stopped: a trial exceeded the RAM budget
+    "gain-flattened",            # the climb stopped: more workers gained less than min_gain
+    "cpu-saturated",             # the climb stopped: the loader used (nearly) all of its CPU budget
+    "zero-workers-within-gain",  # 0 workers was faster, but by less than min_gain: workers kept
+    "workers-chosen",            # the worker count the refinements start from
+    "adopted",                   # a candidate won by min_gain: the knob moved
+    "no-gain",                   # a candidate did not win by min_gain: the knob stayed
+    "candidate-failed",          # the candidate's trial failed: the knob stayed
+    "contended-warning",         # some trials ran while other processes held the CPU
+    "chart-failed",              # tune.png could not be written (the records stand)
+]
+"""Why the search took a step: the code tests and tools read; :attr:`Decision.sentence` is its English."""
+
+_SENTENCES: dict[str, str] = {
+    "setup": "{usable} usable CPUs, cpu_budget {cpu_budget:g} -> up to {ceiling} workers; RAM budget {ram_budget}; "
+             "{repeats} windows of {window_s:.2f} s per trial",
+    "contended-remeasured": "{workers} workers measured while the CPU was contended ({first:.0f} samples/s), "
+                            "again: {again:.0f}",
+    "stopped-budget": "stopped before {workers} workers (budget)",
+    "stopped-ram-budget": "stopped at {workers} workers: {error}",
+    "gain-flattened": "gain flattened at {workers} workers ({rate:.0f} vs {best_rate:.0f} samples/s at "
+                      "{best_workers}, < {min_gain:.0%})",
+    "cpu-saturated": "CPU budget saturated at {workers} workers (tree used {cores_used:.2f} of {cores_budget:.2f} "
+                     "cores)",
+    "zero-workers-within-gain": "0 workers measured {zero_rate:.0f} samples/s, within {min_gain:.0%} of {chosen} "
+                                "workers: workers kept (they overlap loading with training)",
+    "workers-chosen": "keep {chosen} ({rate:.0f} samples/s)",
+    "adopted": "{previous!r} -> {chosen!r} ({metric} {ref:.0f} -> {value:.0f}; samples/s {ref_rate:.0f} -> "
+               "{rate:.0f})",
+    "no-gain": "keep {chosen!r} ({candidate!r} gave {metric} {value:.0f}, needs > {needed:.0f})",
+    "candidate-failed": "keep {chosen!r} ({candidate!r} failed: {error})",
+    "contended-warning": "warning: {count} of {total} trials ({trials}) ran while other processes held the CPU "
+                         "(machine >= {busy_pct:.0f}% busy, loader < {saturated:.0%} of its cores): their samples/s "
+                         "are lower bounds; rerun on a quiet machine to trust the worker count",
+    "chart-failed": "chart not written: {error}",
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One step of the search path (summary.json ``decisions``; report.md's "Search path" lists the sentences)."""
+
+    knob: str
+    """The LoaderConfig field this step decided (num_workers, decode, ...), or "search" / "outputs" for a note
+    on the run as a whole."""
+    reason: Reason
+    chosen: Any = None
+    """The knob's value after this step; None for a step that settles no value (the climb's stop, a note)."""
+    candidates: tuple[int, ...] = ()
+    """Numbers of the trials this step compared (the reference first)."""
+    detail: dict[str, Any] = field(default_factory=dict)
+    """The numbers the sentence names."""
+    sentence: str = field(init=False)
+    """The step in English, rendered from the fields above."""
+
+    def __post_init__(self) -> None:
+        text = _SENTENCES[self.reason].format(chosen=self.chosen, **self.detail)
+        object.__setattr__(self, "sentence", text if self.knob == "search" else f"{self.knob}: {text}")
+
+
 # --------------------------------------------------------------------------- search
 
 
 MeasureFn = Callable[..., TrialRecord]
+CheckFn = Callable[[str, LoaderConfig], int]
+
+BUDGET_SATURATED = 0.9
+"""The worker climb stops once the loader processes use this fraction of the CPU budget's cores."""
 
 
-class _Search:
-    """State of one tune run: the trial log, the deadline, the budget checks."""
+def check_shard_set(shards: str, base: LoaderConfig) -> int:
+    """The checks ``gpufeed train`` makes before it starts, with the same exit code 2 (manifest, shard files present
+    and readable, one batch); returns the samples per epoch."""
+    from gpufeed.train import open_shards
 
-    def __init__(self, cfg: TuneConfig, shards: str, world: World, measure: MeasureFn, window_s: float,
-                 ram_budget: int, cpu_cores_budget: float, progress: Callable[[str], None] | None) -> None:
-        self.cfg, self.shards, self.world, self.measure = cfg, shards, world, measure
+    return int(open_shards(shards, base, World.single()).manifest.num_samples)
+
+
+class Search:
+    """The state of one tune run: the trial log, the budgets and deadlines, the current point of the search
+    (``point`` and the trial that measured it, ``point_rec``), the knobs left unmeasured (``skipped``) and the
+    decisions taken. Phase functions read and move it; :func:`tune` runs them in order."""
+
+    def __init__(self, cfg: TuneConfig, shards: str, base: LoaderConfig, world: World, measure: MeasureFn, *,
+                 window_s: float, ram_budget: int, usable: int, ceiling: int,
+                 progress: Callable[[str], None] | None) -> None:
+        self.cfg, self.shards, self.base, self.world, self.measure = cfg, shards, base, world, measure
         self.window_s = window_s
         self.ram_budget = ram_budget
-        self.cpu_cores_budget = cpu_cores_budget
-        self.usable = max(1, int(round(cpu_cores_budget / max(cfg.cpu_budget, 1e-9))))
+        self.usable = usable
+        self.cores_budget = cfg.cpu_budget * usable
+        self.ceiling = ceiling
         self.progress = progress or (lambda s: None)
         self.t0 = time.monotonic()
         self.deadline = self.t0 + cfg.budget_s
+        self.search_deadline = self.t0 + cfg.budget_s * (0.75 if cfg.baseline_imagefolder else 1.0)
+        """The gpufeed search leaves a quarter of the budget to the ImageFolder baseline when there is one."""
+        self.point: LoaderConfig = base
+        self.point_rec: TrialRecord | None = None
         self.trials: list[TrialRecord] = []
-        self.decisions: list[str] = []
+        self.decisions: list[Decision] = []
+        self.skipped: dict[str, str] = {}
         self.cache: dict[tuple[Any, ...], TrialRecord] = {}
         self.stop_reason = ""
 
@@ -532,7 +631,7 @@ class _Search:
         return overhead + self.cfg.repeats * self.window_s
 
     def run(self, lc: LoaderConfig, phase: str, *, measure: MeasureFn | None = None, source: str | None = None,
-            deadline: float | None = None, note: str = "", fresh: bool = False) -> TrialRecord | None:
+            deadline: float | None = None, fresh: bool = False) -> TrialRecord | None:
         """Measure ``lc`` unless it was measured already (``fresh`` measures again) or would not fit in the
         budget (-> None)."""
         key = (source or self.shards, *(getattr(lc, f) for f in (*KNOBS, "batch_size", "image_size")))
@@ -555,12 +654,11 @@ class _Search:
         if not rec.wall_s:
             rec = dataclasses.replace(rec, wall_s=time.perf_counter() - t_start)
         over = bool(rec.ok and rec.tree_cores_used is not None and self.cfg.cpu_budget < 1
-                    and rec.tree_cores_used > self.cpu_cores_budget * 1.1)
+                    and rec.tree_cores_used > self.cores_budget * 1.1)
         contended = bool(rec.ok and rec.cpu_percent_mean is not None and rec.tree_cores_used is not None
-                         and rec.cpu_percent_mean >= 90
-                         and rec.tree_cores_used < 0.75 * min(self.usable, max(1, rec.num_workers)))
-        rec = dataclasses.replace(rec, trial=len(self.trials), phase=phase, over_cpu_budget=over,
-                                  contended=contended, note=rec.note or note)
+                         and rec.cpu_percent_mean >= bounds.MACHINE_BUSY_PCT
+                         and not bounds.cpu_saturated(rec.tree_cores_used, min(self.usable, max(1, rec.num_workers))))
+        rec = dataclasses.replace(rec, trial=len(self.trials), phase=phase, over_cpu_budget=over, contended=contended)
         self.trials.append(rec)
         self.cache[key] = rec
         result = f"{rec.samples_per_s:8.1f} samples/s" if rec.ok else f"ERROR {one_line(rec.error or 'no rate')}"
@@ -580,15 +678,21 @@ class _Search:
 
 
 def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureFn = measure_loader,
-         measure_baseline: MeasureFn = measure_imagefolder, world: World | None = None,
-         progress: Callable[[str], None] | None = None, write: bool = True) -> TuneReport:
+         measure_baseline: MeasureFn = measure_imagefolder, check_shards: CheckFn | None = check_shard_set,
+         world: World | None = None, progress: Callable[[str], None] | None = None, write: bool = True) -> TuneReport:
     """Search the fastest LoaderConfig for ``cfg.shards`` on this machine within ``cfg.budget_s``.
 
-    ``base`` supplies the knobs the tuner does not move (seed, on_error, ...) and the starting point
-    (decode path, prefetch, batching); batch_size and image_size come from ``cfg``. ``measure`` has
-    :func:`measure_loader`'s signature. With ``write`` the run folder and ``cfg.out`` are written.
-    With the real loader, a shard set that cannot be read (manifest, a missing or unreadable shard, fewer
-    samples than one batch) is a DataError (exit 2) before the first trial, as in ``gpufeed train``.
+    ``base`` (the [loader] section) supplies the knobs the tuner does not move (seed, on_error, ...), the
+    starting point (decode path, prefetch, batching), and batch_size and image_size unless ``cfg`` sets them.
+    ``measure`` has :func:`measure_loader`'s signature; a test passes a fake. ``check_shards`` runs before the
+    first trial (default :func:`check_shard_set`: a shard set that cannot be read is a DataError, exit 2, as in
+    ``gpufeed train``) and returns the samples per epoch; None skips it (a fake ``measure`` reads no shards).
+    With ``write`` the run folder and ``cfg.out`` are written.
+
+    The phases, each a function of the :class:`Search` state returning its :class:`Decision` records:
+    :func:`climb_workers`, then at that point :func:`refine_decode`, :func:`refine_batching`,
+    :func:`refine_prefetch` and :func:`refine_pinning`; :func:`settle_unmeasured` fixes the knobs not worth a
+    trial, and :func:`measure_baseline_imagefolder` the ImageFolder baseline.
     """
     from gpufeed.system import total_ram_bytes, usable_cpus
 
@@ -599,20 +703,15 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
         raise ConfigError(f"--baseline-imagefolder {cfg.baseline_imagefolder} is not a folder")
     if world is None:
         world = World.from_env(cfg.device) if cfg.device != "cpu" else World.single()
-    base = dataclasses.replace(base or LoaderConfig(), batch_size=cfg.batch_size, image_size=cfg.image_size)
+    base = base or LoaderConfig()
+    base = dataclasses.replace(base, batch_size=base.batch_size if cfg.batch_size is None else cfg.batch_size,
+                               image_size=base.image_size if cfg.image_size is None else cfg.image_size)
     if (base.decode == "gpu" and not world.is_cuda) or (base.decode == "simplejpeg" and not _has_module("simplejpeg")):
         base = dataclasses.replace(base, decode="pil-draft")
-    manifest = None
-    if measure is measure_loader:
-        from gpufeed.train import open_shards
-
-        # the checks gpufeed train makes before it starts, with the same exit code 2: manifest, shard files
-        # present and readable, one batch
-        manifest = open_shards(shards, base, World.single()).manifest
+    epoch_samples = check_shards(shards, base) if check_shards is not None else None
 
     usable = usable_cpus()
-    cores_budget = cfg.cpu_budget * usable
-    cap = max(1, math.floor(cores_budget + 1e-9))
+    cap = max(1, math.floor(cfg.cpu_budget * usable + 1e-9))
     ceiling = cap if cfg.max_workers is None else (cfg.max_workers if cfg.cpu_budget >= 1 else
                                                    min(cfg.max_workers, cap))
     ram_budget = cfg.ram_budget if cfg.ram_budget is not None else total_ram_bytes() // 2
@@ -622,163 +721,203 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     n_expected = len(ladder) + 3 + (2 if cfg.baseline_imagefolder else 0)
     window_s = cfg.window_s or min(10.0, max(0.3, cfg.budget_s / (n_expected * (cfg.repeats + 1.5))))
 
-    s = _Search(cfg, shards, world, measure, window_s, ram_budget, cores_budget, progress)
-    skipped: dict[str, str] = {}
-    search_deadline = s.t0 + cfg.budget_s * (0.75 if cfg.baseline_imagefolder else 1.0)
-    s.decisions.append(f"{usable} usable CPUs, cpu_budget {cfg.cpu_budget:g} -> up to {ceiling} workers; "
-                       f"RAM budget {_mb(ram_budget)}; {cfg.repeats} windows of {window_s:.2f} s per trial")
+    s = Search(cfg, shards, base, world, measure, window_s=window_s, ram_budget=ram_budget, usable=usable,
+               ceiling=ceiling, progress=progress)
+    s.decisions.append(Decision("search", "setup", detail={
+        "usable": usable, "cpu_budget": cfg.cpu_budget, "ceiling": ceiling, "ram_budget": _mb(ram_budget),
+        "repeats": cfg.repeats, "window_s": window_s}))
+    s.decisions += climb_workers(s, ladder)
+    if s.point_rec is not None and not s.target_reached():
+        for phase in (refine_decode, refine_batching, refine_prefetch, refine_pinning):
+            s.decisions += phase(s)
+    best = s.point_rec  # the search path's point: a knob moved only when it won by min_gain
+    chosen = settle_unmeasured(s, best, epoch_samples) if best is not None else None
+    busy = [t.trial for t in s.trials if t.contended]
+    if busy:
+        s.decisions.append(Decision("search", "contended-warning", candidates=tuple(busy), detail={
+            "count": len(busy), "total": len(s.trials), "trials": "#" + ", #".join(map(str, busy)),
+            "busy_pct": bounds.MACHINE_BUSY_PCT, "saturated": bounds.SATURATED_FRACTION}))
+    if s.target_reached():
+        s.stop_reason = f"target reached: best >= {cfg.target_rate:g} x {cfg.target_margin:g} samples/s"
+    elif not s.stop_reason:
+        s.stop_reason = "search complete"
+    baseline = measure_baseline_imagefolder(s, measure_baseline) if cfg.baseline_imagefolder else None
 
-    # 1. climb num_workers from the base until the gain flattens or a budget is hit
-    cur = base
+    report = _finish(s, chosen, best, baseline)
+    if write:
+        report = write_outputs(report, cfg, base)
+    return report
+
+
+def climb_workers(s: Search, ladder: list[int]) -> list[Decision]:
+    """Phase 1: num_workers up ``ladder`` from the base until the gain flattens or a budget is hit. The fastest
+    worker count measured becomes the search point; 0 workers (loading in the training process, never overlapped
+    with the step) only when it beats every worker count >= 1 by min_gain."""
+    cfg, base = s.cfg, s.base
+    out: list[Decision] = []
     climb_best: TrialRecord | None = None
     for w in ladder:
         if s.target_reached():
             break
-        lc = dataclasses.replace(cur, num_workers=w, persistent_workers=w > 0 and base.persistent_workers)
-        rec = s.run(lc, "workers", deadline=search_deadline)
+        lc = dataclasses.replace(base, num_workers=w, persistent_workers=w > 0 and base.persistent_workers)
+        rec = s.run(lc, "workers", deadline=s.search_deadline)
         if rec is None:
-            s.decisions.append(f"workers: stopped before {w} workers (budget)")
+            out.append(Decision("num_workers", "stopped-budget", detail={"workers": w}))
             break
         if rec.ok and rec.contended and w >= 1:
             # other processes only ever take cores away: measure once more and keep the faster reading
-            again = s.run(lc, "workers-retry", deadline=search_deadline, fresh=True)
+            again = s.run(lc, "workers-retry", deadline=s.search_deadline, fresh=True)
             if again is not None and again.ok:
-                s.decisions.append(f"workers: {w} workers measured while the CPU was contended "
-                                   f"({rec.samples_per_s:.0f} samples/s), again: {again.samples_per_s:.0f}")
+                out.append(Decision("num_workers", "contended-remeasured", candidates=(rec.trial, again.trial),
+                                    detail={"workers": w, "first": rec.samples_per_s, "again": again.samples_per_s}))
                 if again.samples_per_s > rec.samples_per_s:
                     rec = again
         if not rec.ok:
-            if rec.error and "RAM budget" in rec.error:
-                s.decisions.append(f"workers: stopped at {w} workers: {rec.error}")
+            if rec.over_ram_budget:
+                out.append(Decision("num_workers", "stopped-ram-budget", candidates=(rec.trial,),
+                                    detail={"workers": w, "error": rec.error}))
                 break
             continue
-        if w >= 2 and climb_best is not None and climb_best.num_workers >= 1 and \
-                rec.samples_per_s < climb_best.samples_per_s * (1 + cfg.min_gain):
-            s.decisions.append(f"workers: gain flattened at {w} workers ({rec.samples_per_s:.0f} vs "
-                               f"{climb_best.samples_per_s:.0f} samples/s at {climb_best.num_workers}, < {cfg.min_gain:.0%})")
+        if w >= 2 and climb_best is not None and rec.samples_per_s < climb_best.samples_per_s * (1 + cfg.min_gain):
+            out.append(Decision("num_workers", "gain-flattened", candidates=(climb_best.trial, rec.trial), detail={
+                "workers": w, "rate": rec.samples_per_s, "best_rate": climb_best.samples_per_s,
+                "best_workers": climb_best.num_workers, "min_gain": cfg.min_gain}))
             break
         if w >= 1 and (climb_best is None or rec.samples_per_s > climb_best.samples_per_s):
             climb_best = rec  # 0 workers is only a reference: 1 worker may lose to it and 2 still win
-        if rec.tree_cores_used is not None and rec.tree_cores_used >= 0.9 * cores_budget and w < ceiling:
-            s.decisions.append(f"workers: CPU budget saturated at {w} workers (tree used "
-                               f"{rec.tree_cores_used:.2f} of {cores_budget:.2f} cores)")
+        if rec.tree_cores_used is not None and rec.tree_cores_used >= BUDGET_SATURATED * s.cores_budget \
+                and w < s.ceiling:
+            out.append(Decision("num_workers", "cpu-saturated", candidates=(rec.trial,), detail={
+                "workers": w, "cores_used": rec.tree_cores_used, "cores_budget": s.cores_budget}))
             break
-    # the fastest worker count measured; 0 workers (loading in the training process, never overlapped with
-    # the step) only when it beats every worker count >= 1 by min_gain
-    cur_rec = s.best(lambda t: t.num_workers >= 1)
+    chosen = s.best(lambda t: t.num_workers >= 1)
     zero = s.best(lambda t: t.num_workers == 0)
-    if zero is not None and (cur_rec is None or zero.samples_per_s > cur_rec.samples_per_s * (1 + cfg.min_gain)):
-        cur_rec = zero
-    elif zero is not None and cur_rec is not None and zero.samples_per_s > cur_rec.samples_per_s:
-        s.decisions.append(f"workers: 0 workers measured {zero.samples_per_s:.0f} samples/s, within {cfg.min_gain:.0%} "
-                           f"of {cur_rec.num_workers} workers: workers kept (they overlap loading with training)")
-    if cur_rec is not None:
-        cur = cur_rec.loader_config(base)
-        s.decisions.append(f"workers: keep {cur.num_workers} ({cur_rec.samples_per_s:.0f} samples/s)")
+    if zero is not None and (chosen is None or zero.samples_per_s > chosen.samples_per_s * (1 + cfg.min_gain)):
+        chosen = zero
+    elif zero is not None and chosen is not None and zero.samples_per_s > chosen.samples_per_s:
+        out.append(Decision("num_workers", "zero-workers-within-gain", chosen=chosen.num_workers,
+                            candidates=(chosen.trial, zero.trial),
+                            detail={"zero_rate": zero.samples_per_s, "min_gain": cfg.min_gain}))
+    if chosen is not None:
+        s.point, s.point_rec = chosen.loader_config(base), chosen
+        climb = tuple(t.trial for t in s.trials if t.phase in ("workers", "workers-retry"))
+        out.append(Decision("num_workers", "workers-chosen", chosen=chosen.num_workers, candidates=climb,
+                            detail={"rate": chosen.samples_per_s}))
+    return out
 
-    # 2. refine the other knobs at that point, one at a time
-    def refine(knob: str, values: list[Any]) -> None:
-        nonlocal cur, cur_rec
-        for v in values:
-            if s.target_reached():
-                return
-            ref = cur_rec
-            if ref is None:
-                return
-            cand = dataclasses.replace(cur, **{knob: v})
-            rec = s.run(cand, knob, deadline=search_deadline)
-            if rec is None:
-                skipped.setdefault(knob, "budget: no time left for this trial")
-                return
-            metric, a, b = _compare_on(ref, rec, usable, knob)
-            if rec.ok and b > a * (1 + cfg.min_gain):
-                s.decisions.append(f"{knob}: {getattr(cur, knob)!r} -> {v!r} ({metric} {a:.0f} -> {b:.0f}; "
-                                   f"samples/s {ref.samples_per_s:.0f} -> {rec.samples_per_s:.0f})")
-                cur, cur_rec = cand, rec
-            else:
-                got = "failed" if not rec.ok else f"{b:.0f}"
-                s.decisions.append(f"{knob}: keep {getattr(cur, knob)!r} ({v!r} gave {metric} {got}, needs "
-                                   f"> {a * (1 + cfg.min_gain):.0f})")
 
-    if cur_rec is not None and not s.target_reached():
-        decodes = []
-        for d in ("simplejpeg", "pil-draft", "gpu"):
-            if d == cur.decode:
-                continue
-            if d == "simplejpeg" and not _has_module("simplejpeg"):
-                skipped["decode=simplejpeg"] = "simplejpeg is not installed (pip install simplejpeg)"
-            elif d == "gpu" and not world.is_cuda:
-                skipped["decode=gpu"] = "no CUDA device"
-            else:
-                decodes.append(d)
-        if cur.decode != "pil":
-            skipped["decode=pil"] = ("not measured: same libjpeg decoder as pil-draft, which only adds reduced-size "
-                                     "DCT scaling when the crop allows it, so full decode cannot be faster")
-        refine("decode", decodes)
-        if cur.num_workers > 0:
-            refine("worker_batching", [not cur.worker_batching])
-            refine("prefetch_factor", [4 if cur.prefetch_factor <= 2 else 2])
+def refine(s: Search, knob: str, values: list[Any]) -> list[Decision]:
+    """Try each of ``values`` for ``knob`` at the search point; move the point when a candidate wins by min_gain
+    (on the quantity :func:`_compare_on` names). A candidate the budget has no room for is noted in ``skipped``."""
+    out: list[Decision] = []
+    for v in values:
+        ref = s.point_rec
+        if ref is None or s.target_reached():
+            break
+        cand = dataclasses.replace(s.point, **{knob: v})
+        rec = s.run(cand, knob, deadline=s.search_deadline)
+        if rec is None:
+            s.skipped.setdefault(knob, "budget: no time left for this trial")
+            break
+        previous = getattr(s.point, knob)
+        pair = (ref.trial, rec.trial)
+        metric, a, b = _compare_on(ref, rec, s.usable, knob)
+        if not rec.ok:
+            out.append(Decision(knob, "candidate-failed", chosen=previous, candidates=pair,
+                                detail={"candidate": v, "error": one_line(rec.error or "no rate")}))
+        elif b > a * (1 + s.cfg.min_gain):
+            out.append(Decision(knob, "adopted", chosen=v, candidates=pair, detail={
+                "previous": previous, "metric": metric, "ref": a, "value": b, "ref_rate": ref.samples_per_s,
+                "rate": rec.samples_per_s}))
+            s.point, s.point_rec = cand, rec
         else:
-            skipped["worker_batching"] = "best has 0 workers: batches are made in the main process either way"
-            skipped["prefetch_factor"] = "best has 0 workers: prefetch_factor is ignored"
-        if world.is_cuda:
-            refine("pin_memory", [not cur.pin_memory])
+            out.append(Decision(knob, "no-gain", chosen=previous, candidates=pair, detail={
+                "candidate": v, "metric": metric, "value": b, "needed": a * (1 + s.cfg.min_gain)}))
+    return out
+
+
+def refine_decode(s: Search) -> list[Decision]:
+    """Phase 2: the other decode paths that exist here (simplejpeg installed, gpu on CUDA)."""
+    decodes = []
+    for d in ("simplejpeg", "pil-draft", "gpu"):
+        if d == s.point.decode:
+            continue
+        if d == "simplejpeg" and not _has_module("simplejpeg"):
+            s.skipped["decode=simplejpeg"] = "simplejpeg is not installed (pip install simplejpeg)"
+        elif d == "gpu" and not s.world.is_cuda:
+            s.skipped["decode=gpu"] = "no CUDA device"
         else:
-            skipped["pin_memory"] = "no CUDA device: pinning only matters for host-to-GPU copies"
+            decodes.append(d)
+    if s.point.decode != "pil":
+        s.skipped["decode=pil"] = ("not measured: same libjpeg decoder as pil-draft, which only adds reduced-size "
+                                   "DCT scaling when the crop allows it, so full decode cannot be faster")
+    return refine(s, "decode", decodes)
 
-    best = cur_rec  # the search path's point: a knob moved only when it won by min_gain
-    if best is not None:
-        cur = best.loader_config(base)
-        if cur.num_workers > 0:
-            epoch_s = (manifest.num_samples / best.samples_per_s) if manifest and best.samples_per_s else None
-            cost = best.startup_s or 0.0
-            share = f", {100 * cost / epoch_s:.1f}% of a {epoch_s:.0f}-s epoch" if epoch_s else ""
-            skipped["persistent_workers"] = (
-                f"not measured: it only changes epoch boundaries, where it saves the worker start-up "
-                f"({cost:.2f} s per epoch{share}); set true, its RAM is already inside the measured RSS")
-            cur = dataclasses.replace(cur, persistent_workers=True)
-        else:
-            skipped["persistent_workers"] = "best has 0 workers: nothing to keep alive"
-        if hasattr(cur, "resize"):
-            skipped["resize"] = (f"not measured: kept at {cur.resize!r}; 'torch' is the loader's SIMD uint8 kernel, "
-                                 f"'pil' its reference path (same filter, slower)")
-        skipped["shuffle_buffer"] = (
-            f"not measured: a randomness knob, not a speed knob (a smaller buffer would 'win' by hurting "
-            f"training); kept at {cur.shuffle_buffer}; its RAM is inside the measured RSS "
-            f"({_mb(best.rss_max_bytes)} of {_mb(ram_budget)} budget)")
-    busy = [t.trial for t in s.trials if t.contended]
-    if busy:
-        s.decisions.append(f"warning: {len(busy)} of {len(s.trials)} trials (#{', #'.join(map(str, busy))}) ran while "
-                           f"other processes held the CPU (machine >= 90% busy, loader < 75% of its cores): their "
-                           f"samples/s are lower bounds; rerun on a quiet machine to trust the worker count")
-    if not s.stop_reason:
-        s.stop_reason = ("target reached" if s.target_reached() else "search complete")
-    if s.target_reached():
-        s.stop_reason = f"target reached: best >= {cfg.target_rate:g} x {cfg.target_margin:g} samples/s"
 
-    # 3. baseline: torchvision ImageFolder + DataLoader with its own small sweep
-    baseline = None
-    if cfg.baseline_imagefolder:
-        bw = ceiling if ceiling > 0 else 1
-        cands = [(bw, 2), (bw, 4)] + ([(max(1, bw // 2), 2)] if bw >= 4 else [])
-        for w, pf in cands:
-            lc = dataclasses.replace(LoaderConfig(), batch_size=cfg.batch_size, image_size=cfg.image_size,
-                                     num_workers=w, prefetch_factor=pf, persistent_workers=True,
-                                     pin_memory=world.is_cuda, decode="pil", worker_batching=False,
-                                     shuffle_buffer=0, seed=base.seed)
-            rec = s.run(lc, "baseline", measure=measure_baseline, source=str(cfg.baseline_imagefolder))
-            if rec is None:
-                skipped[f"baseline workers={w} prefetch={pf}"] = "budget: no time left for this trial"
-                break
-            rec = dataclasses.replace(rec, pipeline="imagefolder")
-            s.trials[rec.trial] = rec
-        ok = [t for t in s.trials if t.phase == "baseline" and t.ok]
-        baseline = max(ok, key=lambda t: t.samples_per_s) if ok else None
+def refine_batching(s: Search) -> list[Decision]:
+    """Phase 3: collate in the workers or in the main process (workers only)."""
+    if s.point.num_workers == 0:
+        s.skipped["worker_batching"] = "best has 0 workers: batches are made in the main process either way"
+        return []
+    return refine(s, "worker_batching", [not s.point.worker_batching])
 
-    report = _finish(cfg, s, base, cur if best is not None else None, best, baseline, skipped, usable)
-    if write:
-        report = write_outputs(report, cfg, base)
-    return report
+
+def refine_prefetch(s: Search) -> list[Decision]:
+    """Phase 4: prefetch depth 2 <-> 4 (workers only)."""
+    if s.point.num_workers == 0:
+        s.skipped["prefetch_factor"] = "best has 0 workers: prefetch_factor is ignored"
+        return []
+    return refine(s, "prefetch_factor", [4 if s.point.prefetch_factor <= 2 else 2])
+
+
+def refine_pinning(s: Search) -> list[Decision]:
+    """Phase 5: pinned host memory (CUDA only)."""
+    if not s.world.is_cuda:
+        s.skipped["pin_memory"] = "no CUDA device: pinning only matters for host-to-GPU copies"
+        return []
+    return refine(s, "pin_memory", [not s.point.pin_memory])
+
+
+def settle_unmeasured(s: Search, best: TrialRecord, epoch_samples: int | None) -> LoaderConfig:
+    """The chosen LoaderConfig: ``best`` (the search point's trial) with the knobs not worth a trial set, each with
+    its reason in ``skipped`` (persistent_workers on when there are workers; resize and shuffle_buffer as in the
+    base)."""
+    chosen = best.loader_config(s.base)
+    if chosen.num_workers > 0:
+        epoch_s = (epoch_samples / best.samples_per_s) if epoch_samples and best.samples_per_s else None
+        cost = best.startup_s or 0.0
+        share = f", {100 * cost / epoch_s:.1f}% of a {epoch_s:.0f}-s epoch" if epoch_s else ""
+        s.skipped["persistent_workers"] = (
+            f"not measured: it only changes epoch boundaries, where it saves the worker start-up "
+            f"({cost:.2f} s per epoch{share}); set true, its RAM is already inside the measured RSS")
+        chosen = dataclasses.replace(chosen, persistent_workers=True)
+    else:
+        s.skipped["persistent_workers"] = "best has 0 workers: nothing to keep alive"
+    s.skipped["resize"] = (f"not measured: kept at {chosen.resize!r}; 'torch' is the loader's SIMD uint8 kernel, "
+                           f"'pil' its reference path (same filter, slower)")
+    s.skipped["shuffle_buffer"] = (
+        f"not measured: a randomness knob, not a speed knob (a smaller buffer would 'win' by hurting "
+        f"training); kept at {chosen.shuffle_buffer}; its RAM is inside the measured RSS "
+        f"({_mb(best.rss_max_bytes)} of {_mb(s.ram_budget)} budget)")
+    return chosen
+
+
+def measure_baseline_imagefolder(s: Search, measure: MeasureFn) -> TrialRecord | None:
+    """torchvision ImageFolder + DataLoader at the same batch and image size, with its own small sweep (all the
+    workers the budget allows, and half of them, prefetch 2 and 4); returns its fastest trial."""
+    bw = s.ceiling if s.ceiling > 0 else 1
+    for w, pf in [(bw, 2), (bw, 4)] + ([(max(1, bw // 2), 2)] if bw >= 4 else []):
+        lc = dataclasses.replace(LoaderConfig(), batch_size=s.base.batch_size, image_size=s.base.image_size,
+                                 num_workers=w, prefetch_factor=pf, persistent_workers=True,
+                                 pin_memory=s.world.is_cuda, decode="pil", worker_batching=False,
+                                 shuffle_buffer=0, seed=s.base.seed)
+        rec = s.run(lc, "baseline", measure=measure, source=str(s.cfg.baseline_imagefolder))
+        if rec is None:
+            s.skipped[f"baseline workers={w} prefetch={pf}"] = "budget: no time left for this trial"
+            break
+        s.trials[rec.trial] = dataclasses.replace(rec, pipeline="imagefolder")
+    ok = [t for t in s.trials if t.phase == "baseline" and t.ok]
+    return max(ok, key=lambda t: t.samples_per_s) if ok else None
 
 
 def _compare_on(ref: TrialRecord, rec: TrialRecord, usable: int, knob: str = "") -> tuple[str, float, float]:
@@ -788,21 +927,23 @@ def _compare_on(ref: TrialRecord, rec: TrialRecord, usable: int, knob: str = "")
     rate through their CPU cost, so those candidates are compared on samples per CPU-second of the
     loader processes, which other tenants of a shared machine barely move (they take cores away, and
     samples/s drifts 10-50% with them). Prefetch depth and pinning do not change the CPU work per
-    sample (they hide latency), and I/O-bound, GPU-decode or unmeasured trials have no CPU story:
+    sample (they hide latency), and storage-bound, GPU-decode or unmeasured trials have no CPU story:
     those are compared on samples/s.
     """
-    if (knob not in ("prefetch_factor", "pin_memory") and rec.ok and ref.samples_per_core_s and rec.samples_per_core_s and "gpu" not in (ref.decode, rec.decode)
-            and ref.num_workers == rec.num_workers and classify_bound(ref, usable)[0] == "CPU-bound"):
+    if (knob not in ("prefetch_factor", "pin_memory") and rec.ok and ref.samples_per_core_s and rec.samples_per_core_s
+            and "gpu" not in (ref.decode, rec.decode) and ref.num_workers == rec.num_workers
+            and classify_bound(ref, usable)[0] == bounds.DECODE_CPU):
         return "samples per CPU-s", ref.samples_per_core_s, rec.samples_per_core_s
     return "samples/s", ref.samples_per_s or 0.0, rec.samples_per_s or 0.0
 
 
-def _finish(cfg: TuneConfig, s: _Search, base: LoaderConfig, cur: LoaderConfig | None, best: TrialRecord | None,
-            baseline: TrialRecord | None, skipped: dict[str, str], usable: int) -> TuneReport:
+def _finish(s: Search, chosen: LoaderConfig | None, best: TrialRecord | None,
+            baseline: TrialRecord | None) -> TuneReport:
+    cfg = s.cfg
     best_stat = Stat.of(best.samples_per_s_runs) if best is not None and best.samples_per_s_runs else None
     base_stat = Stat.of(baseline.samples_per_s_runs) if baseline is not None and baseline.samples_per_s_runs else None
     ratio = best.samples_per_s / baseline.samples_per_s if best and baseline and baseline.samples_per_s else None
-    bound, evidence = classify_bound(best, usable) if best else (None, "no successful trial")
+    bound, evidence = classify_bound(best, s.usable) if best else (None, "no successful trial")
     target_met = None if cfg.target_rate is None else bool(best and best.samples_per_s >= cfg.target_rate)
     if best is None:
         errors = sorted({t.error for t in s.trials if t.error})
@@ -812,41 +953,53 @@ def _finish(cfg: TuneConfig, s: _Search, base: LoaderConfig, cur: LoaderConfig |
         conclusion = (f"best: {describe(best, s.world.is_cuda)} -> {best.samples_per_s:.0f} samples/s "
                       f"({best_stat.fmt() if best_stat else ''})"
                       + (f", {ratio:.2f}x ImageFolder ({baseline.samples_per_s:.0f} samples/s)" if ratio else "")
-                      + f"; {bound}" + (f"; target {cfg.target_rate:g} {'met' if target_met else 'NOT met'}"
-                                        if cfg.target_rate else ""))
+                      + f"; {bounds.label(bound)}"
+                      + (f"; target {cfg.target_rate:g} {'met' if target_met else 'NOT met'}" if cfg.target_rate else ""))
     return TuneReport(
-        ok=best is not None and target_met is not False, shards=s.shards, run_dir=None, out=None, best=cur,
+        ok=best is not None and target_met is not False, shards=s.shards, run_dir=None, out=None, best=chosen,
         best_trial=None if best is None else best.trial, best_samples_per_s=best_stat, baseline=baseline,
         baseline_samples_per_s=base_stat, ratio_vs_baseline=ratio, bound=bound, bound_evidence=evidence,
-        stop_reason=s.stop_reason, skipped=skipped, decisions=s.decisions, conclusion=conclusion,
+        stop_reason=s.stop_reason, skipped=s.skipped, decisions=s.decisions, conclusion=conclusion,
         budget_s=cfg.budget_s, elapsed_s=s.elapsed(), target_rate=cfg.target_rate, target_met=target_met,
-        usable_cpus=usable, device=s.world.device, num_trials=len(s.trials), trials=s.trials,
+        usable_cpus=s.usable, device=s.world.device, num_trials=len(s.trials), trials=s.trials,
     )
 
 
-def classify_bound(t: TrialRecord, usable_cpus: int, storage_bytes_per_s: float | None = None) -> tuple[str, str]:
-    """Name what limits a trial, with the numbers that say so (DESIGN §3 verdict vocabulary)."""
+def classify_bound(t: TrialRecord, usable_cpus: int,
+                   storage_bytes_per_s: float | None = None) -> tuple[TrialBound, str]:
+    """Name what limits a loader-only trial, with the numbers that say so, in the vocabulary and with the
+    thresholds of :mod:`gpufeed.bounds` (docs/design.md §4), which ``verdict.classify`` uses too. In a trial the
+    whole window is data wait: the copy is judged on its share of wait + copy, as the verdict judges it on its
+    share of the data stall."""
     rate = t.samples_per_s or 0.0
     cores = t.tree_cores_used or 0.0
     possible = min(usable_cpus, max(1, t.num_workers))
     machine = t.cpu_percent_mean or 0.0
-    if t.measure_s and t.copy_s > 0.5 * t.measure_s:
-        return "copy-bound", (f"host-to-device copies took {t.copy_s:.2f} of {t.measure_s:.2f} s in the windows "
-                              f"({100 * t.copy_s / t.measure_s:.0f}%)")
     read = t.read_bytes_per_s or 0.0
-    if storage_bytes_per_s and read >= 0.8 * storage_bytes_per_s:
-        return "I/O-bound", f"reads {read / 1e6:.0f} MB/s of a {storage_bytes_per_s / 1e6:.0f} MB/s storage rate"
-    per_core = rate / cores if cores else 0.0
-    if cores >= 0.75 * possible or machine >= 90:
-        return "CPU-bound", (f"loader processes kept {cores:.2f} cores busy with {t.num_workers} workers on "
-                             f"{usable_cpus} usable CPUs (machine {machine:.0f}% busy); {per_core:.0f} samples/s per "
-                             f"core x {cores:.2f} cores = {per_core * cores:.0f} ~ measured {rate:.0f}; more cores "
-                             f"or cheaper decode (smaller stored images, GPU decode) would help")
+    if t.measure_s and bounds.copy_limited(100 * t.copy_s / t.measure_s,
+                                           100 * (t.data_wait_s + t.copy_s) / t.measure_s):
+        share = (f"took {t.copy_s:.2f} of {t.measure_s:.2f} s in the windows "
+                 f"({100 * t.copy_s / t.measure_s:.0f}%; waiting for batches {t.data_wait_s:.2f} s)")
+        if t.decode == "gpu":
+            return bounds.GPU_DECODE, f"moving encoded batches and decoding them on the GPU {share}"
+        return bounds.COPY, f"host-to-device copies {share}"
+    if bounds.storage_limited(read, storage_bytes_per_s):
+        return bounds.STORAGE, f"reads {read / 1e6:.0f} MB/s of a {storage_bytes_per_s / 1e6:.0f} MB/s storage rate"
+    if bounds.cpu_saturated(cores, possible, machine):
+        per_core = bounds.per_core_rate(rate, cores) or 0.0
+        return bounds.DECODE_CPU, (
+            f"loader processes kept {cores:.2f} cores busy with {t.num_workers} workers on {usable_cpus} usable "
+            f"CPUs (machine {machine:.0f}% busy); {per_core:.0f} samples/s per core x {cores:.2f} cores = "
+            f"{per_core * cores:.0f} ~ measured {rate:.0f}; more cores or cheaper decode (smaller stored images, "
+            f"GPU decode) would help")
+    if bounds.idle_while_reading(cores, possible, read):
+        return bounds.STORAGE, (f"CPU mostly idle ({cores:.2f} of {possible} cores, machine {machine:.0f}%) while "
+                                f"reading {read / 1e6:.1f} MB/s from storage: waiting on reads")
     if read > 0:
-        return "I/O-bound", (f"CPU mostly idle ({cores:.2f} of {possible} cores, machine {machine:.0f}%) while "
-                             f"reading {read / 1e6:.1f} MB/s from storage: waiting on reads")
-    return "unclear", (f"CPU not saturated ({cores:.2f} of {possible} cores, machine {machine:.0f}%) and no storage "
-                       f"reads (page cache): likely inter-process transfer or the main process")
+        return bounds.UNCLEAR, (f"CPU neither saturated nor idle ({cores:.2f} of {possible} cores, machine "
+                                f"{machine:.0f}%) while reading {read / 1e6:.1f} MB/s from storage")
+    return bounds.UNCLEAR, (f"CPU not saturated ({cores:.2f} of {possible} cores, machine {machine:.0f}%) and no "
+                            f"storage reads (page cache): likely inter-process transfer or the main process")
 
 
 # --------------------------------------------------------------------------- outputs
@@ -938,13 +1091,14 @@ def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> Tu
     try:
         plot_trials(report, run / "tune.png")
     except Exception as exc:  # a chart failure is noted, the records stand
-        report = dataclasses.replace(report, decisions=[*report.decisions, f"chart not written: {exc}"])
+        report = dataclasses.replace(report, decisions=[*report.decisions, Decision(
+            "outputs", "chart-failed", detail={"error": one_line(exc)})])
     summary = dataclasses.replace(report, trials=[])
     write_json(run / "summary.json", summary)
     text = render(report)
     (run / "report.md").write_text(
         f"# gpufeed tune\n\n{report.conclusion}\n\n![samples/s](tune.png)\n\n```\n{text}\n```\n\n"
-        "## Search path\n\n" + "".join(f"- {d}\n" for d in report.decisions), encoding="utf-8")
+        "## Search path\n\n" + "".join(f"- {d.sentence}\n" for d in report.decisions), encoding="utf-8")
     return report
 
 

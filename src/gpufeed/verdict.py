@@ -1,4 +1,4 @@
-"""The fed/starved verdict (DESIGN §3) as a pure function of measured numbers.
+"""The fed/starved verdict (docs/design.md §4) as a pure function of measured numbers.
 
 *fed*: data stall < 5 % and end-to-end samples/s >= 0.9 x min(compute ceiling, loader ceiling). The compute
 ceiling is the GPU ceiling on CUDA and is named "compute ceiling (CPU)" when the model runs on the CPU.
@@ -12,6 +12,8 @@ Otherwise *starved*, naming the bound and the fix in numbers:
   or it steals CPU from the training processes. The fix is more cores (at the measured samples/s per
   core), GPU decode, or smaller stored images.
 
+The bound names and the copy/storage/idle thresholds are :mod:`gpufeed.bounds`, shared with ``gpufeed tune``.
+
 No torch here: ``classify`` takes plain numbers, so every branch is unit-tested.
 """
 
@@ -21,6 +23,9 @@ import math
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Literal
+
+from gpufeed import bounds
+from gpufeed.bounds import Bound
 
 STALL_FED_PCT = 5.0
 """A run is fed only below this data stall %."""
@@ -71,9 +76,11 @@ class VerdictInputs:
 @dataclass(frozen=True)
 class Verdict:
     status: Literal["fed", "starved", "unverified"]
-    """'unverified': stall is low but no ceiling was measured, so DESIGN's second condition cannot be checked."""
-    bound: str | None
-    """None unless starved; then 'decode/CPU', 'storage', 'copy', 'GPU decode' or 'rank imbalance'."""
+    """'unverified': stall is low but no ceiling was measured, so the second condition of docs/design.md §4
+    cannot be checked."""
+    bound: Bound | None
+    """None unless starved; then one of :data:`gpufeed.bounds.Bound`: 'rank imbalance', 'copy', 'GPU decode',
+    'storage' or 'decode/CPU'."""
     reason: str
     """One sentence with the numbers that decided it."""
     fixes: list[str] = field(default_factory=list)
@@ -87,7 +94,7 @@ class Verdict:
         return self.status != "starved"
 
     def render(self) -> str:
-        head = f"verdict: {self.status.upper()}" + (f" ({self.bound}-bound)" if self.bound else "")
+        head = f"verdict: {self.status.upper()}" + (f" ({bounds.label(self.bound)})" if self.bound else "")
         lines = [f"{head}: {self.reason}"]
         lines += [f"  fix: {f}" for f in self.fixes]
         return "\n".join(lines)
@@ -149,7 +156,7 @@ def classify(v: VerdictInputs) -> Verdict:
         if hi >= STALL_FED_PCT and lo < STALL_FED_PCT and hi - lo >= max(STALL_FED_PCT, 0.5 * hi):
             worst = ranks.index(hi)
             return Verdict(
-                "starved", "rank imbalance",
+                "starved", bounds.RANK_IMBALANCE,
                 f"{why}; rank {worst} stalls {hi:.1f}% while rank {ranks.index(lo)} stalls {lo:.1f}% "
                 "(the fed ranks wait for it in the all-reduce)",
                 [f"give every rank the same data and CPUs: shard count a multiple of ranks x workers "
@@ -158,22 +165,22 @@ def classify(v: VerdictInputs) -> Verdict:
                 nums)
 
     # 2. copy-bound: most of the wait is host-to-device copy
-    if v.decode == "gpu" and v.copy_wait_pct is not None and v.copy_wait_pct >= 0.5 * max(v.stall_pct, 1e-9) \
-            and v.copy_wait_pct >= 1.0:
+    copy_bound = bounds.copy_limited(v.copy_wait_pct, v.stall_pct)
+    if copy_bound and v.decode == "gpu":
         # with GPU decode the timed "copy" also holds nvjpeg decode + crop/resize on the device
         nums["copy_wait_pct"] = v.copy_wait_pct
         return Verdict(
-            "starved", "GPU decode",
+            "starved", bounds.GPU_DECODE,
             f"{why}; {v.copy_wait_pct:.1f}% of step time is spent moving encoded batches and decoding them on the GPU, "
             "not overlapped with compute",
             ["decode on the CPU workers instead (decode = 'simplejpeg') if they have cores to spare: compare "
              "`gpufeed tune` loader ceilings for both decode paths",
              "store images at <= 512 px (gpufeed shard --max-size 512): less to decode per sample"],
             nums)
-    if v.copy_wait_pct is not None and v.copy_wait_pct >= 0.5 * max(v.stall_pct, 1e-9) and v.copy_wait_pct >= 1.0:
+    if copy_bound:
         nums["copy_wait_pct"] = v.copy_wait_pct
         return Verdict(
-            "starved", "copy",
+            "starved", bounds.COPY,
             f"{why}; {v.copy_wait_pct:.1f}% of step time is host-to-device copy not overlapped with compute",
             ["pin_memory = true with non_blocking copies (pinned uint8 batches copy asynchronously)",
              "keep batches uint8 on the host and normalise on the device (4x fewer bytes than float32)",
@@ -183,7 +190,7 @@ def classify(v: VerdictInputs) -> Verdict:
     per_node_target = target / v.num_nodes if target else None
     fixes: list[str] = []
     # 3. storage-bound: reads at the storage's rate, or workers idle while reading
-    if _known(v.read_bytes_per_s) and _known(v.storage_bytes_per_s) and v.read_bytes_per_s >= 0.8 * v.storage_bytes_per_s:
+    if bounds.storage_limited(v.read_bytes_per_s, v.storage_bytes_per_s):
         nums.update(read_bytes_per_s=v.read_bytes_per_s, storage_bytes_per_s=v.storage_bytes_per_s)
         fixes.append(f"stage shards on a RAM disk or local NVMe: the loader read {v.read_bytes_per_s / 1e6:.0f} MB/s, "
                      f"{100 * v.read_bytes_per_s / v.storage_bytes_per_s:.0f}% of what the storage delivers "
@@ -197,27 +204,27 @@ def classify(v: VerdictInputs) -> Verdict:
         if _known(v.mean_sample_bytes) and v.mean_sample_bytes > LARGE_SAMPLE_BYTES:
             fixes.append(f"store images at <= 512 px (gpufeed shard --max-size 512): now "
                          f"{v.mean_sample_bytes / 1e3:.0f} KB per sample")
-        return Verdict("starved", "storage", f"{why}; the loader reads at the storage's limit", fixes, nums)
+        return Verdict("starved", bounds.STORAGE, f"{why}; the loader reads at the storage's limit", fixes, nums)
 
     busy_slots = None
     if v.num_workers is not None:
         busy_slots = v.ranks_per_node * v.num_nodes * max(1, v.num_workers)
-    if (_known(v.loader_cores_used) and busy_slots and v.num_workers and _known(v.read_bytes_per_s)
-            and v.loader_cores_used < 0.5 * min(busy_slots, (v.usable_cores or busy_slots) * v.num_nodes)):
+    if busy_slots and v.num_workers and bounds.idle_while_reading(
+            v.loader_cores_used, min(busy_slots, (v.usable_cores or busy_slots) * v.num_nodes), v.read_bytes_per_s):
         nums.update(loader_cores_used=v.loader_cores_used, read_bytes_per_s=v.read_bytes_per_s)
         fixes.append(f"stage shards on a RAM disk or local NVMe: {busy_slots} loader processes kept only "
                      f"{v.loader_cores_used:.1f} cores busy while reading {v.read_bytes_per_s / 1e6:.0f} MB/s "
                      "(they wait on I/O, not on the CPU)")
-        return Verdict("starved", "storage", f"{why}; loader workers idle while reading", fixes, nums)
+        return Verdict("starved", bounds.STORAGE, f"{why}; loader workers idle while reading", fixes, nums)
 
     # 4. decode/CPU-bound
     reason = why
-    if _known(v.loader_ceiling) and _known(v.loader_cores_used):
-        per_core = v.loader_ceiling / v.loader_cores_used
+    per_core = bounds.per_core_rate(v.loader_ceiling, v.loader_cores_used)
+    if per_core is not None:
         nums["per_core_rate"] = per_core
         nums["loader_cores_used"] = v.loader_cores_used
         if target:
-            need_total = target / per_core
+            need_total = bounds.cores_needed(target, per_core)
             need_node = need_total / v.num_nodes
             used_node = v.loader_cores_used / v.num_nodes
             more = max(0.0, need_node - used_node)
@@ -257,4 +264,4 @@ def classify(v: VerdictInputs) -> Verdict:
                      f"{v.mean_sample_bytes / 1e3:.0f} KB per sample")
     if not fixes:
         fixes.append("run gpufeed train --measure to get the ceilings and per-core rates behind a fix")
-    return Verdict("starved", "decode/CPU", reason, fixes, nums)
+    return Verdict("starved", bounds.DECODE_CPU, reason, fixes, nums)

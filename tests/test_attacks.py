@@ -183,7 +183,7 @@ def test_resume_refuses_a_compressed_checkpoint_before_inflating_it(tmp_path):
     import torch
 
     from gpufeed.errors import DataError
-    from gpufeed.train import read_checkpoint
+    from gpufeed.checkpoint import read_checkpoint
 
     plain, bomb = tmp_path / "plain.pt", tmp_path / "last.pt"
     torch.save({"format": "gpufeed-train-checkpoint", "junk": torch.zeros(64 << 20, dtype=torch.uint8)}, plain)
@@ -197,7 +197,7 @@ def test_resume_refuses_a_compressed_checkpoint_before_inflating_it(tmp_path):
 
 def test_values_from_a_checkpoint_are_shown_bounded():
     """A checkpoint can hold a list nested 100,000 deep; naming it in a message must not recurse."""
-    from gpufeed.train import _short
+    from gpufeed.checkpoint import _short
 
     deep: list = []
     for _ in range(100_000):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gpufeed.config import LoaderConfig, TrainConfig
-from gpufeed.timing import HostClock, StepMarks, resolve
-from gpufeed.train import Trainer, _Meter
+from gpufeed.timing import HostClock, Meter, StepMarks, resolve
+from gpufeed.train import Trainer
 from gpufeed.world import World
 
 
@@ -91,7 +91,7 @@ def test_trainer_steps_and_meter_count_only_device_idle_time(trainer: Trainer, m
     # per step: micro-batch 1 (3 s), micro-batch 2 (3 s + 1 s optimizer); the host waits in next() per fetch
     it = batches(dev, [0.0, 2.0,  # step 0: the 2 s wait falls while micro-batch 1 (3 s) runs: no idle
                        5.0, 1.0])  # step 1: step 0's 7 s queue keeps the device busy through both waits
-    meter = _Meter(0, 10, World.single(), dev)
+    meter = Meter(0, 10, World.single(), dev)
     meter.before_step()
     marks = []
     for _ in range(2):

@@ -9,7 +9,8 @@ import torch
 
 from gpufeed.config import LoaderConfig, TrainConfig
 from gpufeed.errors import ConfigError
-from gpufeed.train import Trainer, launch, lr_at, torchrun_command, train
+from gpufeed.launch import launch, torchrun_command
+from gpufeed.train import Trainer, lr_at, train
 from gpufeed.world import World
 from tests.conftest import invoke
 from tests.train_shards import write_tiny_shards
@@ -59,6 +60,30 @@ def test_torchrun_command_rendezvous_options(tmp_path: Path) -> None:
     assert "--master-addr" in cmd and cmd[cmd.index("--node-rank") + 1] == "1" and "29500" in cmd
     with pytest.raises(ConfigError, match="rdzv-endpoint"):
         torchrun_command(tiny(nnodes="2"), "c")
+
+
+CADENCE = [  # (checkpoint_every, step, epoch end, run end) -> save?
+    (0, 3, False, False, False),  # no count: only epoch and run ends
+    (0, 3, True, False, True),
+    (0, 3, False, True, True),
+    (2, 4, False, False, True),  # on the count
+    (2, 5, False, False, False),
+    (2, 5, True, False, True),  # an epoch end off the count
+    (2, 5, False, True, True),  # the run's end off the count
+    (2, 6, True, True, True),  # all three at once: still one save
+]
+
+
+def test_checkpoint_cadence_is_one_rule(tmp_path: Path) -> None:
+    for every in (0, 2):
+        with_dir = Trainer(tiny(mode="synthetic", steps=1, num_classes=4, checkpoint_dir=str(tmp_path),
+                                checkpoint_every=every), LOADER, World.single()).checkpointer
+        without = Trainer(tiny(mode="synthetic", steps=1, num_classes=4, checkpoint_every=every), LOADER,
+                          World.single()).checkpointer
+        for e, step, epoch_end, run_end, save in CADENCE:
+            if e == every:
+                assert with_dir.should_save(step, epoch_end=epoch_end, run_end=run_end) is save, (e, step)
+                assert without.should_save(step, epoch_end=epoch_end, run_end=run_end) is False  # no folder
 
 
 def test_config_checks() -> None:
@@ -278,11 +303,11 @@ def test_meter_leaves_paused_time_out_of_the_rate() -> None:
     import time
 
     from gpufeed.timing import HostClock, StepMarks
-    from gpufeed.train import _Meter
+    from gpufeed.timing import Meter
     from gpufeed.world import World
 
     clock = HostClock(now=iter([0.0, 0.05]).__next__)
-    m = _Meter(0, 10, World.single(), clock)
+    m = Meter(0, 10, World.single(), clock)
     m.before_step()
     time.sleep(0.05)
     m.add(StepMarks(clock).begin().finish(10))
@@ -458,7 +483,7 @@ def test_a_missing_shard_is_exit_2_before_any_rank_starts(shards, tmp_path: Path
 
 def test_rank_failure_reports_the_first_cause_with_its_exit_code(tmp_path: Path) -> None:
     from gpufeed.errors import GpufeedError, RunError
-    from gpufeed.train import rank_failure
+    from gpufeed.launch import rank_failure
 
     def report(rank: int, message: str, code: int, cause: bool, t: float) -> None:
         (tmp_path / f"rank-{rank}.error").write_text(json.dumps(
@@ -481,7 +506,7 @@ def test_rank_failure_reports_the_first_cause_with_its_exit_code(tmp_path: Path)
 def test_rank_entry_point_prints_one_sentence_and_writes_its_cause(shards, tmp_path: Path, capsys) -> None:
     """What each rank does under torchrun, in this process: a refused checkpoint (before the first step) -> 2."""
     from gpufeed.config import to_toml
-    from gpufeed.train import main
+    from gpufeed.launch import main
 
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -498,20 +523,20 @@ def test_rank_entry_point_prints_one_sentence_and_writes_its_cause(shards, tmp_p
 
 
 def test_rank_entry_point_shows_a_traceback_only_when_verbose(tmp_path: Path, capsys, monkeypatch) -> None:
-    import gpufeed.train as train_module
+    import gpufeed.launch as launch_module
     from gpufeed.config import to_toml
 
     def crash(*args, **kwargs):
         raise RuntimeError("Connection closed by peer\nmore detail")
 
-    monkeypatch.setattr(train_module, "train", crash)
+    monkeypatch.setattr(launch_module, "train", crash)
     (tmp_path / "config.toml").write_text(to_toml("train", tiny(mode="synthetic", steps=1)))
     monkeypatch.delenv("GPUFEED_VERBOSE", raising=False)
-    assert train_module.main([str(tmp_path / "config.toml")]) == 1
+    assert launch_module.main([str(tmp_path / "config.toml")]) == 1
     assert capsys.readouterr().err == "rank 0: unexpected RuntimeError: Connection closed by peer\n"
     assert json.loads((tmp_path / "rank-0.error").read_text())["cause"] is False
     monkeypatch.setenv("GPUFEED_VERBOSE", "1")
-    assert train_module.main([str(tmp_path / "config.toml")]) == 1
+    assert launch_module.main([str(tmp_path / "config.toml")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.endswith("rank 0: unexpected RuntimeError: Connection closed by peer\n")
 
@@ -550,7 +575,7 @@ def test_amp_auto_resolves_per_device(monkeypatch) -> None:
 
 
 def test_amp_auto_on_cpu_trains_in_float32_and_says_so(tmp_path: Path) -> None:
-    from gpufeed.train import render
+    from gpufeed.train_report import render
 
     cfg = tiny(mode="synthetic", steps=1, timing_warmup_steps=0, amp="auto", num_classes=4, batch_size=2,
                image_size=16)
@@ -570,7 +595,7 @@ def _summary(device: str, rates: dict[str, float], stalls: list[float], verdict:
 
 
 def test_chart_data_puts_the_rates_side_by_side_and_the_stall_per_rank() -> None:
-    from gpufeed.train import chart_data
+    from gpufeed.train_report import chart_data
 
     s = _summary("cpu", {"synthetic": 3.0, "loader-only": 1500.0, "real": 2.9}, [1.0, 7.5])
     d = chart_data(s)
@@ -585,7 +610,7 @@ def test_chart_data_puts_the_rates_side_by_side_and_the_stall_per_rank() -> None
 
 
 def test_plot_summary_writes_the_png(tmp_path: Path) -> None:
-    from gpufeed.train import plot_summary
+    from gpufeed.train_report import plot_summary
 
     s = _summary("cpu", {"synthetic": 3.0, "loader-only": 1500.0, "real": 2.9}, [1.0, 7.5],
                  {"status": "starved", "bound": "rank imbalance"})

@@ -346,11 +346,11 @@ def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int 
         fail(one_line(exc), exc.exit_code)
 
     def job() -> Any:
-        from gpufeed.train import launch
+        from gpufeed.launch import launch
 
         return launch(conf.train, conf.loader)
 
-    from gpufeed.train import render
+    from gpufeed.train_report import render
 
     run_job(job, render, as_json)
 

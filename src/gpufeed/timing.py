@@ -14,13 +14,22 @@ A :class:`Clock` makes *marks* on the device timeline and reads the time between
 The trainer builds one :class:`StepMarks` per optimizer step (:meth:`StepMarks.fetch` around each
 ``next(loader)`` + copy, :meth:`StepMarks.compute` around each micro-batch's compute) and resolves it
 after a sync into the step's seconds: (step, next wait, copy, compute, samples).
+
+A :class:`Meter` holds one rank's timed window of one mode: the steps after the timing warm-up, the
+wall-clock window (without the pauses for validation and checkpoints) and the telemetry over it, summed into
+a :class:`~gpufeed.train_records.RankTiming` (docs/design.md §4).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
+
+from gpufeed.telemetry import Telemetry
+from gpufeed.train_records import RankTiming
+from gpufeed.world import World
 
 
 class Clock(Protocol):
@@ -133,3 +142,101 @@ def resolve(clock: Clock, steps: list[StepMarks]) -> list[StepTimes]:
     """One sync, then every step's seconds."""
     clock.sync()
     return [s.times() for s in steps]
+
+
+class Meter:
+    """Accumulates one rank's step timings after the warm-up; runs telemetry over the timed window.
+
+    Steps arrive as :class:`StepMarks` (:meth:`add`) and are read after the clock syncs (:meth:`settle`, at
+    log steps; :meth:`finish`). The wall-clock window starts and ends with a sync, so that it holds the
+    device work of exactly the timed steps, and pauses leave out what runs between steps (validation,
+    checkpoints)."""
+
+    def __init__(self, warmup: int, log_every: int, world: World, clock: Clock) -> None:
+        self.warmup, self.log_every, self.world = warmup, log_every, world
+        self.clock = clock
+        self.index = 0
+        self.steps: list[StepTimes] = []
+        self.pending: list[StepMarks] = []
+        self.t0: float | None = None
+        self.t1: float | None = None
+        self.paused_s = 0.0
+        self._pause0: float | None = None
+        self.tel: Telemetry | None = None
+
+    def before_step(self) -> None:
+        if self.index == self.warmup and self.t0 is None:
+            import torch
+
+            gpu = (torch.device(self.world.device).index or 0) if self.world.is_cuda else None
+            self.clock.sync()  # the warm-up's queued work stays out of the window
+            self.tel = Telemetry(interval_s=0.5, gpu_index=gpu)
+            self.tel.start()
+            self.t0 = time.perf_counter()
+
+    def add(self, marks: StepMarks) -> None:
+        if self.t0 is not None:
+            self.pending.append(marks)
+        self.index += 1
+
+    def settle(self) -> None:
+        """Read the timed steps so far (one sync), keeping their seconds only."""
+        if self.pending:
+            self.steps += resolve(self.clock, self.pending)
+            self.pending = []
+
+    def pause(self) -> None:
+        """Leave what follows (validation, checkpoints) out of the timed window."""
+        if self.t0 is not None and self.t1 is None and self._pause0 is None:
+            self.clock.sync()
+            self._pause0 = time.perf_counter()
+
+    def resume(self) -> None:
+        if self._pause0 is not None:
+            self.paused_s += time.perf_counter() - self._pause0
+            self._pause0 = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """:meth:`pause` ... :meth:`resume` around the ``with`` body."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+    def stop(self) -> None:
+        """End the timed window right after the last step's device work (before logging and worker shutdown)."""
+        if self.t1 is None:
+            self.resume()
+            self.clock.sync()
+            self.t1 = time.perf_counter()
+            if self.tel is not None:
+                self.tel.stop()
+
+    def finish(self) -> RankTiming:
+        self.stop()
+        self.settle()
+        tel = self.tel.summary() if self.tel is not None else None
+        wall = (self.t1 - self.t0 - self.paused_s) if self.t0 is not None else 0.0
+        cols = list(zip(*self.steps)) if self.steps else [(), (), (), (), ()]
+        step_s, next_s, h2d_s, comp_s = (float(sum(c)) for c in cols[:4])
+        samples = int(sum(cols[4]))
+        windows = []
+        for i in range(0, len(self.steps), self.log_every):
+            chunk = self.steps[i:i + self.log_every]
+            if len(chunk) == self.log_every or not windows:
+                t = sum(s[0] for s in chunk)
+                if t > 0:
+                    windows.append(sum(s[4] for s in chunk) / t)
+        return RankTiming(
+            rank=self.world.rank, num_steps=len(self.steps), num_samples=samples, wall_s=wall,
+            step_s=step_s, data_wait_s=next_s + h2d_s, next_wait_s=next_s, h2d_s=h2d_s, compute_s=comp_s,
+            samples_per_s=samples / wall if wall > 0 else 0.0,
+            stall_pct=100.0 * (next_s + h2d_s) / step_s if step_s > 0 else 0.0,
+            window_rates=windows,
+            cores_used=tel.tree_cores_used if tel else None,
+            read_bytes=tel.tree_read_bytes if tel else 0,
+            rss_max_bytes=tel.rss_max_bytes if tel else 0,
+            gpu=dict(tel.gpu) if tel else {},
+        )

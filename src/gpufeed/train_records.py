@@ -1,0 +1,150 @@
+"""The records of a ``gpufeed train`` run (what ``summary.json`` and ``log.jsonl`` hold; docs/design.md §4, §5)
+and :func:`aggregate`, which turns the ranks' timings of one mode into its record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufeed.metrics import Stat
+from gpufeed.verdict import Verdict
+
+LOG_NAME = "log.jsonl"
+SUMMARY_NAME = "summary.json"
+CONFIG_NAME = "config.toml"
+"""The run folder's files (docs/design.md §5)."""
+
+@dataclass(frozen=True)
+class RankTiming:
+    """One rank's timed window of one mode (steps after the timing warm-up)."""
+
+    rank: int
+    num_steps: int
+    num_samples: int
+    wall_s: float
+    step_s: float
+    """Σ step time."""
+    data_wait_s: float
+    """Σ (next_wait_s + h2d_s)."""
+    next_wait_s: float
+    """Σ time the device sat idle while the host waited in next(loader)."""
+    h2d_s: float
+    """Σ host-to-device copy not overlapped with compute (loader.to_device)."""
+    compute_s: float
+    samples_per_s: float
+    stall_pct: float
+    window_rates: list[float]
+    """samples/s of consecutive windows of log_every steps."""
+    cores_used: float | None = None
+    """CPU cores this rank's process tree (incl. loader workers) kept busy."""
+    read_bytes: int = 0
+    rss_max_bytes: int = 0
+    gpu: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModeRecord:
+    """One mode, aggregated over ranks."""
+
+    mode: str
+    num_ranks: int
+    num_steps: int
+    """Timed steps per rank."""
+    num_samples: int
+    """Timed samples, all ranks."""
+    wall_s: float
+    """Longest timed window of any rank."""
+    samples_per_s: float
+    """All ranks: num_samples / wall_s."""
+    samples_per_s_stat: Stat | None
+    """Median and spread over windows of log_every steps (all ranks summed per window)."""
+    stall_pct: float
+    copy_wait_pct: float
+    data_wait_s: float
+    next_wait_s: float
+    h2d_s: float
+    compute_s: float
+    step_s: float
+    loader_cores_used: float | None
+    """Σ cores busy over ranks (rank processes + their loader workers)."""
+    read_bytes_per_s: float
+    per_rank: list[RankTiming]
+    final_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class ValRecord:
+    epoch: int
+    step: int
+    num_samples: int
+    loss: float
+    top1_pct: float
+    top5_pct: float
+
+
+@dataclass(frozen=True)
+class TrainRecord:
+    mode: str
+    arch: str
+    device: str
+    backend: str
+    world_size: int
+    num_nodes: int
+    amp: str
+    batch_size: int
+    """Per rank, per micro-batch."""
+    accum_steps: int
+    global_batch: int
+    image_size: int
+    num_classes: int
+    start_step: int
+    """First step of this run (> 0 after --resume)."""
+    step: int
+    """Optimizer steps done at the end."""
+    total_steps: int
+    epoch: int
+    final_loss: float | None
+    final_lr: float
+    """The LR of the last optimizer step."""
+    modes: dict[str, ModeRecord]
+    val: list[ValRecord]
+    verdict: Verdict | None
+    ok: bool
+    num_skipped: int = 0
+    """Corrupt samples skipped (``on_error = "skip"``), rank 0's loader."""
+    num_repeated: int = 0
+    """Samples read a second time to keep the ranks' batch counts equal, rank 0's loader."""
+    checkpoint: str | None = None
+    run_dir: str | None = None
+    wall_s: float = 0.0
+    started: str = ""
+    notes: list[str] = field(default_factory=list)
+    rank_param_checksums: list[float] = field(default_factory=list)
+    """Σ of the parameters per rank at the end (DDP keeps them equal)."""
+
+
+
+def aggregate(mode: str, ranks: list[RankTiming], num_nodes: int = 1, final_loss: float | None = None) -> ModeRecord:
+    """Per-rank timings -> one ModeRecord (sums over ranks; rate over the longest window)."""
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    wall = max((r.wall_s for r in ranks), default=0.0)
+    samples = sum(r.num_samples for r in ranks)
+    step_s = sum(r.step_s for r in ranks)
+    wait = sum(r.data_wait_s for r in ranks)
+    h2d = sum(r.h2d_s for r in ranks)
+    n_win = min((len(r.window_rates) for r in ranks), default=0)
+    windows = [sum(r.window_rates[i] for r in ranks) for i in range(n_win)]
+    cores = [r.cores_used for r in ranks if r.cores_used is not None]
+    return ModeRecord(
+        mode=mode, num_ranks=len(ranks), num_steps=max((r.num_steps for r in ranks), default=0),
+        num_samples=samples, wall_s=wall, samples_per_s=samples / wall if wall > 0 else 0.0,
+        samples_per_s_stat=Stat.of(windows) if windows else None,
+        stall_pct=100.0 * wait / step_s if step_s > 0 else 0.0,
+        copy_wait_pct=100.0 * h2d / step_s if step_s > 0 else 0.0,
+        data_wait_s=wait, next_wait_s=sum(r.next_wait_s for r in ranks), h2d_s=h2d,
+        compute_s=sum(r.compute_s for r in ranks), step_s=step_s,
+        loader_cores_used=sum(cores) if cores else None,
+        read_bytes_per_s=sum(r.read_bytes for r in ranks) / wall / max(1, num_nodes) if wall > 0 else 0.0,
+        per_rank=ranks, final_loss=final_loss,
+    )
+

@@ -1,0 +1,202 @@
+"""The human side of a ``gpufeed train`` summary: :func:`render` (terminal text, the verdict last),
+:func:`render_markdown` (report.md), :func:`chart_data` and :func:`plot_summary` (throughput.png), and
+:func:`write_report`, which writes summary.json, the chart and report.md into the run folder (docs/design.md §5).
+
+Everything here reads plain summary dicts (``to_jsonable(TrainRecord)``) and never imports torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpufeed.records import to_jsonable, write_json
+from gpufeed.train_records import SUMMARY_NAME, TrainRecord
+from gpufeed.verdict import STALL_FED_PCT, compute_ceiling_name
+
+REPORT_NAME = "report.md"
+
+
+def write_report(run_dir: Path, record: TrainRecord) -> None:
+    """summary.json, throughput.png (when there is something to plot) and report.md in ``run_dir``."""
+    write_json(run_dir / SUMMARY_NAME, record)
+    summary = to_jsonable(record)
+    plot = plot_summary(run_dir, summary)
+    (run_dir / REPORT_NAME).write_text(render_markdown(summary, plot), encoding="utf-8")
+
+
+def _fmt_rate(m: dict[str, Any]) -> str:
+    st = m.get("samples_per_s_stat")
+    if st:
+        return f"{m['samples_per_s']:.1f} (windows {st['min']:.1f}–{st['max']:.1f}, n={st['n']})"
+    return f"{m['samples_per_s']:.1f}"
+
+
+def render(s: dict[str, Any]) -> str:
+    """Human summary of a summary.json dict; the verdict comes last."""
+    if "mode" not in s:
+        return "\n".join(s.get("notes", []))
+    lines = [
+        f"gpufeed train: {s['arch']} on {s['world_size']} x {s['device'].split(':')[0]} ({s['backend']}), "
+        f"amp {s['amp']}, batch {s['batch_size']} x accum {s['accum_steps']} x {s['world_size']} ranks = "
+        f"{s['global_batch']}, {s['image_size']} px, mode {s['mode']}",
+    ]
+    if s["mode"] == "real":
+        lines.append(f"steps {s['start_step']}→{s['step']} of {s['total_steps']}, epoch {s['epoch']}, "
+                     f"loss {s['final_loss'] if s['final_loss'] is None else round(s['final_loss'], 4)}, "
+                     f"lr {s['final_lr']:.4g}")
+    lines.append(f"{'mode':<12} {'steps':>5} {'samples/s':>34} {'stall %':>8} {'next s':>8} {'h2d s':>8} "
+                 f"{'compute s':>9} {'cores':>6}")
+    for name, m in s["modes"].items():
+        cores = f"{m['loader_cores_used']:.1f}" if m.get("loader_cores_used") is not None else "-"
+        stall = f"{m['stall_pct']:.1f}" if name != "loader-only" else "-"
+        lines.append(f"{name:<12} {m['num_steps']:>5} {_fmt_rate(m):>34} {stall:>8} {m['next_wait_s']:>8.2f} "
+                     f"{m['h2d_s']:>8.2f} {m['compute_s']:>9.2f} {cores:>6}")
+        util = [r["gpu"].get("util_mean_pct") for r in m["per_rank"] if r.get("gpu")]
+        util = [u for u in util if u is not None]
+        if util:
+            lines.append(f"  GPU utilisation %: " + ", ".join(f"{u:.0f}" for u in util))
+        if len(m["per_rank"]) > 1 and name != "loader-only":
+            lines.append("  per rank stall %: " + ", ".join(f"r{r['rank']} {r['stall_pct']:.1f}" for r in m["per_rank"]))
+    ceilings = [f"{mode_role(k, _is_cuda(s))} {m['samples_per_s']:.1f} samples/s ({k})"
+                for k, m in s["modes"].items() if k in ("synthetic", "loader-only")]
+    if ceilings:
+        lines.append("ceilings: " + ", ".join(ceilings))
+    for v in s.get("val", []):
+        lines.append(f"val epoch {v['epoch']} step {v['step']}: top-1 {v['top1_pct']:.2f}%  top-5 {v['top5_pct']:.2f}%  "
+                     f"loss {v['loss']:.4f} ({v['num_samples']} samples)")
+    if s.get("num_skipped"):
+        lines.append(f"skipped samples: {s['num_skipped']} (corrupt, rank 0)")
+    if s.get("num_repeated"):
+        lines.append(f"repeated samples: {s['num_repeated']} (read twice to keep the ranks' batch counts equal, "
+                     f"rank 0)")
+    for n in s.get("notes", []):
+        lines.append(f"note: {n}")
+    if s.get("checkpoint"):
+        lines.append(f"checkpoint: {s['checkpoint']}")
+    if s.get("run_dir"):
+        lines.append(f"run folder: {s['run_dir']}")
+    v = s.get("verdict")
+    if v:
+        head = f"verdict: {v['status'].upper()}" + (f" ({v['bound']}-bound)" if v.get("bound") else "")
+        lines.append(f"{head}: {v['reason']}")
+        lines += [f"  fix: {f}" for f in v.get("fixes", [])]
+    return "\n".join(lines)
+
+
+def _is_cuda(s: dict[str, Any]) -> bool:
+    return str(s.get("device", "")).split(":")[0] == "cuda"
+
+
+MODE_ROLES = {"loader-only": "loader ceiling", "real": "end to end"}
+"""What each mode's rate is (the synthetic mode's name depends on the device: :func:`compute_ceiling_name`)."""
+
+
+def mode_role(mode: str, cuda: bool) -> str:
+    return compute_ceiling_name(cuda) if mode == "synthetic" else MODE_ROLES.get(mode, mode)
+
+
+LOG_SCALE_RATIO = 20.0
+"""The chart's rate axis turns logarithmic when the largest rate exceeds the smallest by more than this."""
+
+
+def chart_data(s: dict[str, Any]) -> dict[str, Any]:
+    """What the training chart shows, from a summary.json dict: samples/s (all ranks) per mode with its role,
+    whether the rate axis is logarithmic, and the data stall % per rank of the run that trained (``real``,
+    else the one timed mode that computed)."""
+    cuda = _is_cuda(s)
+    modes = s.get("modes", {})
+    rates = [(mode, mode_role(mode, cuda), float(m["samples_per_s"])) for mode, m in modes.items()]
+    positive = [r for _, _, r in rates if r > 0]
+    log = len(positive) >= 2 and max(positive) > LOG_SCALE_RATIO * min(positive)
+    stall_mode = "real" if "real" in modes else next((k for k in modes if k != "loader-only"), None)
+    stalls = [(int(r["rank"]), float(r["stall_pct"])) for r in modes[stall_mode]["per_rank"]] if stall_mode else []
+    return {"rates": rates, "log_scale": log, "stall_mode": stall_mode, "stalls": stalls}
+
+
+def plot_summary(run_dir: Path, s: dict[str, Any]) -> str | None:
+    """throughput.png in ``run_dir``: samples/s per mode side by side (each value printed on its bar) and the
+    data stall % per rank against the 5 % fed line; None when there is nothing to plot or it fails."""
+    data = chart_data(s)
+    if not data["rates"]:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        panels = 2 if data["stalls"] else 1
+        fig, axes = plt.subplots(1, panels, figsize=(5 * panels + 1, 4), squeeze=False)
+        ax1 = axes[0][0]
+        labels = [f"{mode}\n({role})" for mode, role, _ in data["rates"]]
+        values = [r for _, _, r in data["rates"]]
+        bars = ax1.bar(range(len(values)), values, color=[f"C{k}" for k in range(len(values))])
+        ax1.set_xticks(range(len(values)), labels, fontsize=8)
+        for bar, v in zip(bars, values):
+            ax1.annotate(f"{v:,.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                         va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+        if data["log_scale"]:
+            ax1.set_yscale("log")
+            ax1.set_ylabel("samples/s, all ranks (log scale)")
+        else:
+            ax1.set_ylabel("samples/s, all ranks")
+        ax1.margins(y=0.15)
+        ax1.set_title("rate per mode")
+        if data["stalls"]:
+            ax2 = axes[0][1]
+            ranks = [r for r, _ in data["stalls"]]
+            pct = [p for _, p in data["stalls"]]
+            colors = ["tab:green" if p < STALL_FED_PCT else "tab:red" for p in pct]
+            bars = ax2.bar(range(len(pct)), pct, color=colors)
+            for bar, p in zip(bars, pct):
+                ax2.annotate(f"{p:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                             va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+            ax2.axhline(STALL_FED_PCT, color="grey", linestyle="--", linewidth=1,
+                        label=f"fed below {STALL_FED_PCT:g} %")
+            ax2.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks], fontsize=8)
+            ax2.set_ylim(0, max(100.0 if max(pct) > 50 else 2 * STALL_FED_PCT, max(pct) * 1.15))
+            ax2.set_ylabel(f"data stall % ({data['stall_mode']})")
+            ax2.set_title("data stall per rank")
+            ax2.legend(fontsize=8)
+        v = s.get("verdict")
+        if v:
+            fig.suptitle(f"verdict: {v['status']}" + (f" ({v['bound']}-bound)" if v.get("bound") else ""),
+                         fontsize=10)
+        fig.tight_layout()
+        fig.savefig(run_dir / "throughput.png", dpi=100)
+        plt.close(fig)
+        return "throughput.png"
+    except Exception:  # a report without a chart beats a failed run
+        return None
+
+
+def render_markdown(s: dict[str, Any], plot: str | None = None) -> str:
+    out = [f"# gpufeed train — {s['arch']}, {s['world_size']} x {s['device'].split(':')[0]}, mode {s['mode']}", "",
+           f"Started {s['started']}, {s['wall_s']:.1f} s. amp {s['amp']}, batch {s['batch_size']} per rank x accum "
+           f"{s['accum_steps']} (global {s['global_batch']}), {s['image_size']} px.", "",
+           "| mode | steps | samples/s | median (min–max) | stall % | copy % | next s | h2d s | compute s | cores |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for name, m in s["modes"].items():
+        st = m.get("samples_per_s_stat")
+        med = f"{st['median']:.1f} ({st['min']:.1f}–{st['max']:.1f})" if st else "-"
+        cores = f"{m['loader_cores_used']:.1f}" if m.get("loader_cores_used") is not None else "-"
+        out.append(f"| {name} ({mode_role(name, _is_cuda(s))}) | {m['num_steps']} | {m['samples_per_s']:.1f} | {med} | {m['stall_pct']:.1f} | "
+                   f"{m['copy_wait_pct']:.1f} | {m['next_wait_s']:.2f} | {m['h2d_s']:.2f} | {m['compute_s']:.2f} | {cores} |")
+    for name, m in s["modes"].items():
+        if len(m["per_rank"]) > 1:
+            out += ["", f"Per rank ({name}):", "", "| rank | samples/s | stall % | cores |", "|---:|---:|---:|---:|"]
+            for r in m["per_rank"]:
+                c = f"{r['cores_used']:.1f}" if r.get("cores_used") is not None else "-"
+                out.append(f"| {r['rank']} | {r['samples_per_s']:.1f} | {r['stall_pct']:.1f} | {c} |")
+    if s.get("val"):
+        out += ["", "| epoch | step | top-1 % | top-5 % | loss |", "|---:|---:|---:|---:|---:|"]
+        out += [f"| {v['epoch']} | {v['step']} | {v['top1_pct']:.2f} | {v['top5_pct']:.2f} | {v['loss']:.4f} |"
+                for v in s["val"]]
+    v = s.get("verdict")
+    if v:
+        out += ["", f"**Verdict: {v['status']}**" + (f" ({v['bound']}-bound)" if v.get("bound") else "") +
+                f": {v['reason']}"]
+        out += [f"- {f}" for f in v.get("fixes", [])]
+    if plot:
+        out += ["", f"![samples/s per mode and data stall per rank]({plot})"]
+    return "\n".join(out) + "\n"

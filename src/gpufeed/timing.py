@@ -152,7 +152,10 @@ class Meter:
     device work of exactly the timed steps, and pauses leave out what runs between steps (validation,
     checkpoints)."""
 
-    def __init__(self, warmup: int, log_every: int, world: World, clock: Clock) -> None:
+    def __init__(self, warmup: int, log_every: int, world: World, clock: Clock,
+                 wall: Callable[[], float] = time.perf_counter) -> None:
+        self.wall = wall
+        """The wall clock of the window (injectable for tests)."""
         self.warmup, self.log_every, self.world = warmup, log_every, world
         self.clock = clock
         self.index = 0
@@ -172,7 +175,7 @@ class Meter:
             self.clock.sync()  # the warm-up's queued work stays out of the window
             self.tel = Telemetry(interval_s=0.5, gpu_index=gpu)
             self.tel.start()
-            self.t0 = time.perf_counter()
+            self.t0 = self.wall()
 
     def add(self, marks: StepMarks) -> None:
         if self.t0 is not None:
@@ -189,11 +192,11 @@ class Meter:
         """Leave what follows (validation, checkpoints) out of the timed window."""
         if self.t0 is not None and self.t1 is None and self._pause0 is None:
             self.clock.sync()
-            self._pause0 = time.perf_counter()
+            self._pause0 = self.wall()
 
     def resume(self) -> None:
         if self._pause0 is not None:
-            self.paused_s += time.perf_counter() - self._pause0
+            self.paused_s += self.wall() - self._pause0
             self._pause0 = None
 
     @contextlib.contextmanager
@@ -210,7 +213,7 @@ class Meter:
         if self.t1 is None:
             self.resume()
             self.clock.sync()
-            self.t1 = time.perf_counter()
+            self.t1 = self.wall()
             if self.tel is not None:
                 self.tel.stop()
 

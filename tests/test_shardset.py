@@ -55,13 +55,8 @@ def test_grouper_and_lean_reader_group_alike(tmp_path: Path):
             tf.addfile(ti, io.BytesIO(data))
     problems: list[tuple[str, str]] = []
     grouper = SampleGrouper(lambda member, reason, kind: problems.append((member, kind)))
-    groups = []
     with tarfile.open(path) as tf:
-        for m in tf:
-            done = grouper.add(m.name, tf.extractfile(m).read())
-            if done:
-                groups.append(done)
-    groups.append(grouper.close())
+        groups = list(grouper.samples((m.name, tf.extractfile(m).read()) for m in tf))
     images = ("jpg", "jpeg", "png", "webp")
     ours = [(k, sorted(p)) for k, p in groups if any(e in p for e in images)]
     assert ours == [("a", ["cls", "jpg", "seg.png"]), ("d/b", ["cls", "png"]), ("e", ["cls", "jpeg"]),

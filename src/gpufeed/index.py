@@ -209,13 +209,8 @@ def scan_shard(path: Path, hash: bool = True) -> ShardScan:
     try:
         with open(path, "rb") as f:
             tar = TarPass(f, gzip=name.endswith((".tgz", ".tar.gz")), hash=hash)
-            for member, _, data in tar.members(want):
-                done = grouper.add(member, data)
-                if done:
-                    finish(*done)
-            done = grouper.close()
-            if done:
-                finish(*done)
+            for key, parts in grouper.samples((member, data) for member, _, data in tar.members(want)):
+                finish(key, parts)
             end = tar.end_problem()
     except TruncatedMember as exc:
         raise DataError(f"shard {path} is truncated ({exc}); index refuses to count part of a shard") from None

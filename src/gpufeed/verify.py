@@ -33,7 +33,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from gpufeed.config import LoaderConfig
 from gpufeed.manifest import SHARD_SUFFIXES, LabelError, parse_label, read_manifest
@@ -195,24 +195,23 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
             return False
         return True
 
+    def dotted_keys(members: Iterator[tuple[str, int, bytes | None]]) -> Iterator[tuple[str, bytes | None]]:
+        for member, _, data in members:
+            split = split_member(member)
+            # Foreign sets: webdataset (and so the loader and `gpufeed index`) keys a member by its name up to
+            # the first dot, so `x.seg.png` is member "seg.png" of sample "x", not a bad key.
+            if ours and split and "." in split[1] and split[1] not in _KNOWN:
+                bad(member, f"key holds a dot: readers take {split[0]!r} as the key and {split[1]!r} as the "
+                            f"extension")
+            yield member, data
+
     tar = None
     grouper = SampleGrouper(bad)
     try:
         with open(path, "rb") as f:
             tar = TarPass(f, gzip, hash=bool(expected.get("sha256")))
-            for member, _, data in tar.members(want):
-                split = split_member(member)
-                # Foreign sets: webdataset (and so the loader and `gpufeed index`) keys a member by its name
-                # up to the first dot, so `x.seg.png` is member "seg.png" of sample "x", not a bad key.
-                if ours and split and "." in split[1] and split[1] not in _KNOWN:
-                    bad(member, f"key holds a dot: readers take {split[0]!r} as the key and {split[1]!r} as the "
-                                f"extension")
-                done = grouper.add(member, data)
-                if done:
-                    finish(*done)
-            done = grouper.close()
-            if done:
-                finish(*done)
+            for key, parts in grouper.samples(dotted_keys(tar.members(want))):
+                finish(key, parts)
             end = tar.end_problem()
             if end:
                 bad(tar.last, end)

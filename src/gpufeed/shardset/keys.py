@@ -11,7 +11,7 @@ Every reader applies the rule through :func:`split_member`, :func:`wanted`, :fun
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 READ_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 """Member extensions readers accept as images (gpufeed writes jpg, png and webp; other tools also .jpeg)."""
@@ -101,6 +101,16 @@ class SampleGrouper:
         else:
             self.parts[ext] = data
         return done
+
+    def samples(self, members: Iterable[tuple[str, bytes | None]]) -> Iterator[tuple[str, dict[str, bytes | None]]]:
+        """Every sample of ``members`` (``(name, data)`` in tar order) as (key, {ext: data}), the last included."""
+        for name, data in members:
+            done = self.add(name, data)
+            if done:
+                yield done
+        done = self.close()
+        if done:
+            yield done
 
     def close(self) -> tuple[str, dict[str, bytes | None]] | None:
         """The last sample (call once the members are exhausted)."""

@@ -333,7 +333,7 @@ def test_shard_that_is_a_fifo_or_folder_is_named_not_skipped(tmp_path):
 
     from gpufeed.errors import DataError
     from gpufeed.index import resolve_shards
-    from gpufeed.tarread import file_problem
+    from gpufeed.shardset.tar import file_problem
 
     (tmp_path / "a-0.tar").write_bytes(b"")
     os.mkfifo(tmp_path / "b-1.tar")

@@ -404,12 +404,12 @@ def test_missing_manifest_and_too_small_set(tmp_path, shard_set):
 
 
 def test_fast_tar_reader_matches_webdataset(tmp_path):
-    """gpufeed.tarread groups and counts exactly as webdataset (ustar, GNU and pax long names, dirs)."""
+    """gpufeed.shardset.tar groups and counts exactly as webdataset (ustar, GNU and pax long names, dirs)."""
     import webdataset as wds
 
     from gpufeed.loader import _READ_EXTENSIONS, _select
-    from gpufeed.manifest import READ_IMAGE_EXTENSIONS
-    from gpufeed.tarread import iter_samples
+    from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS
+    from gpufeed.shardset.tar import iter_samples
 
     long_dir = "d" * 120
     members = [("a.jpg", b"1"), ("a.cls", b"0"), ("a.json", b"{}"), ("dir/b.png", b"22"), ("dir/b.cls", b"1"),

@@ -9,10 +9,11 @@ image members and ``.cls`` labels) and writes a :class:`gpufeed.manifest.Manifes
   (``data-{000..009}.tar``) or one file. All shards must sit in one folder.
 - Shard file names are plain local file names (:func:`gpufeed.manifest.shard_name_problem`): a shard-looking
   file whose name holds URL or shell syntax (``pipe:...``) is refused with a sentence asking to rename it.
-- Each shard is read once (sha256 included) with :class:`gpufeed.verify.TarPass` and grouped with
-  :class:`gpufeed.verify.SampleGrouper`, so index and verify read a shard alike: a tar without its
-  end-of-archive blocks (cut short) or with a bad header after a member is refused, not indexed in part.
-- A sample is a key with an image member (``manifest.READ_IMAGE_EXTENSIONS``); keys without one are
+- Each shard is read once (sha256 included) with :class:`gpufeed.shardset.tar.TarPass` and grouped with
+  :class:`gpufeed.shardset.keys.SampleGrouper`, as verify reads it, so index and verify read a shard alike: a
+  tar without its end-of-archive blocks (cut short) or with a bad header after a member is refused, not
+  indexed in part.
+- A sample is a key with an image member (``shardset.keys.READ_IMAGE_EXTENSIONS``); keys without one are
   not counted (the loader ignores them too). Counted and listed (and the exit status is 1, as verify would
   fail them): samples without ``.cls`` or with a label :func:`gpufeed.manifest.parse_label` refuses, images
   no reader sees (behind a dot in the key, or a second image in a sample), members a sample holds twice
@@ -34,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufeed.errors import DataError
-from gpufeed.manifest import (LABEL_EXTENSION, MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, READ_IMAGE_EXTENSIONS,
-                              SHARD_SUFFIXES, LabelError, Manifest, ShardInfo, manifest_path, parse_label,
-                              shard_name_problem, write_manifest)
-from gpufeed.tarread import file_problem
+from gpufeed.manifest import (MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, SHARD_SUFFIXES, LabelError, Manifest,
+                              ShardInfo, manifest_path, parse_label, shard_name_problem, write_manifest)
+from gpufeed.shardset.keys import LABEL_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image, split_member
+from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
 
 CLASS_MAP_NAME = "classes.txt"
 MAX_CLASS_MAP_BYTES = 256 << 20
@@ -173,9 +174,6 @@ class ShardScan:
 def scan_shard(path: Path, hash: bool = True) -> ShardScan:
     """Read one shard file (opened here, never through a URL opener) in one pass: samples, labels, problems
     and sha256. A shard that does not read to its end-of-archive blocks raises DataError."""
-    from gpufeed.tarread import TarFormatError
-    from gpufeed.verify import SampleGrouper, TarPass, TruncatedMember, dotted_image, split_name
-
     scan = ShardScan()
     name = path.name
     kinds = {"duplicate": scan.duplicates, "ungrouped": scan.ungrouped}
@@ -185,7 +183,7 @@ def scan_shard(path: Path, hash: bool = True) -> ShardScan:
             kinds[kind].add(f"{name}: {member}")
 
     def want(member: str, size: int) -> bool:  # only labels are read; images are counted, not decoded
-        split = split_name(member)
+        split = split_member(member)
         return split is not None and split[1] == LABEL_EXTENSION and size <= MAX_LABEL_BYTES
 
     def finish(key: str, parts: dict) -> None:
@@ -211,13 +209,8 @@ def scan_shard(path: Path, hash: bool = True) -> ShardScan:
     try:
         with open(path, "rb") as f:
             tar = TarPass(f, gzip=name.endswith((".tgz", ".tar.gz")), hash=hash)
-            for member, _, data in tar.members(want):
-                done = grouper.add(member, data)
-                if done:
-                    finish(*done)
-            done = grouper.close()
-            if done:
-                finish(*done)
+            for key, parts in grouper.samples((member, data) for member, _, data in tar.members(want)):
+                finish(key, parts)
             end = tar.end_problem()
     except TruncatedMember as exc:
         raise DataError(f"shard {path} is truncated ({exc}); index refuses to count part of a shard") from None

@@ -47,9 +47,9 @@ the workers directly into a shared-memory ``[B, S, S, 3]`` uint8 tensor and hand
 
 Security: shards are local files, opened by the loader itself by path; no shard name ever reaches a URL
 opener (webdataset's ``gopen`` runs ``pipe:`` names as shell commands). Plain ``.tar`` shards are read by
-:mod:`gpufeed.tarread` (every header size and offset validated); gzip-compressed shards by webdataset's
+:mod:`gpufeed.shardset.tar` (every header size and offset validated); gzip-compressed shards by webdataset's
 tar iterator (``tar_file_expander`` + ``group_by_keys``) over the stream the loader opened, without its
-decoders. Only image members (``manifest.READ_IMAGE_EXTENSIONS``) and ``.cls`` labels are read at all,
+decoders. Only image members (``shardset.keys.READ_IMAGE_EXTENSIONS``) and ``.cls`` labels are read at all,
 labels follow :func:`gpufeed.manifest.parse_label`, and nothing is unpickled.
 """
 
@@ -72,11 +72,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gpufeed import decode as dec
-from gpufeed import tarread
 from gpufeed.config import LoaderConfig
 from gpufeed.errors import DataError, GpufeedError
-from gpufeed.manifest import (LABEL_EXTENSION, READ_IMAGE_EXTENSIONS, Manifest, manifest_path, parse_label,
-                              read_manifest)
+from gpufeed.manifest import Manifest, manifest_path, parse_label, read_manifest
+from gpufeed.shardset.tar import file_problem, iter_samples
+from gpufeed.shardset.keys import LABEL_EXTENSION, READ_IMAGE_EXTENSIONS, wanted
 from gpufeed.world import World
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -238,7 +238,7 @@ def _reason(exc: BaseException) -> str:
 
 
 _READ_ERRORS = (OSError, EOFError, ValueError, tarfile.TarError, zlib.error)
-"""What reading a malformed shard raises: tarread.TarFormatError (a ValueError), tarfile and gzip errors."""
+"""What reading a malformed shard raises: shardset.tar.TarFormatError (a ValueError), tarfile and gzip errors."""
 
 
 class _Tally:
@@ -296,9 +296,8 @@ class LoaderPosition:
         return cls(**vals)
 
 
-def _select(fname: str) -> bool:
-    base = fname.rsplit("/", 1)[-1]
-    return "." in base and base.split(".", 1)[1].lower() in _READ_EXTENSIONS
+_select = partial(wanted, extensions=_READ_EXTENSIONS)
+"""webdataset's ``select_files`` for the gzip path: the members the lean reader reads too."""
 
 
 class ShardStream(IterableDataset):
@@ -318,7 +317,7 @@ class ShardStream(IterableDataset):
         """Batches of the epoch the next iteration passes over without decoding (see ShardLoader.set_epoch)."""
         self.per_sample = not cfg.worker_batching
         self.fast_tar = True
-        """Read local plain .tar shards with :mod:`gpufeed.tarread`; False = webdataset for every shard."""
+        """Read local plain .tar shards with :mod:`gpufeed.shardset.tar`; False = webdataset for every shard."""
 
     # ------------------------------------------------------------------ reading
 
@@ -378,7 +377,7 @@ class ShardStream(IterableDataset):
         The file is opened here, by path: webdataset only ever sees the open stream, never the name.
         """
         if self.fast_tar and path.endswith(".tar"):
-            yield from tarread.iter_samples(path, _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS, start, stop, total)
+            yield from iter_samples(path, _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS, start, stop, total)
             return
         from webdataset.handlers import reraise_exception
         from webdataset.tariterators import group_by_keys, tar_file_expander
@@ -607,8 +606,6 @@ class ShardLoader:
         self.root = root
         # absolute local paths: a name like "pipe:cmd" or "-" must stay a file name wherever it is used
         self.paths = [str(p.absolute()) for p in self.manifest.shard_paths(root)]
-        from gpufeed.tarread import file_problem
-
         unreadable = [(p, why) for p in self.paths if (why := file_problem(p))]
         if unreadable:
             raise DataError(f"{len(unreadable)} shard(s) of the manifest cannot be read, e.g. {unreadable[0][0]} "

@@ -1,10 +1,11 @@
-"""The shard-set contract shared by every job (docs/design.md §2).
+"""The shard-set schema: manifest, index table, labels and shard names (docs/design.md §2).
 
 A shard set is a folder holding ``PREFIX-NNNNNN.tar`` shards, ``index.parquet`` (one row per sample)
 and ``manifest.json``, written last and atomically: its presence means the set is complete.
 
 ``gpufeed shard`` writes all three; ``gpufeed index`` writes a manifest for shards made by other tools.
-Readers (loader, tune, train, verify) only need :func:`read_manifest`.
+Readers (loader, tune, train, verify) only need :func:`read_manifest`. The members inside the shards (key
+rule, extensions, grouping) and the tar layer are :mod:`gpufeed.shardset`.
 """
 
 from __future__ import annotations
@@ -24,16 +25,24 @@ MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.parquet"
 TIMM_INFO_NAME = "_info.json"
 
-IMAGE_EXTENSIONS = ("jpg", "png", "webp")
-"""Member extensions gpufeed writes for images; the extension names the real encoded format."""
-READ_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-"""Member extensions readers accept as images (other tools also write .jpeg)."""
-LABEL_EXTENSION = "cls"
-META_EXTENSION = "json"
+INDEX_TYPES = {"key": "string", "shard": "string", "class": "string", "label": "int64", "source": "string",
+               "bytes": "int64", "width": "int32", "height": "int32"}
+"""index.parquet columns and their pyarrow types: key, shard (file name), class, label, source (path relative to
+SRC), bytes (encoded image bytes as stored), width, height (stored image)."""
+INDEX_COLUMNS = tuple(INDEX_TYPES)
 
-INDEX_COLUMNS = ("key", "shard", "class", "label", "source", "bytes", "width", "height")
-"""index.parquet columns: key (str), shard (str, file name), class (str), label (int64), source
-(str, path relative to SRC), bytes (int64, encoded image bytes as stored), width, height (int32, stored image)."""
+
+def index_table(columns: dict[str, list[Any]]) -> Any:
+    """The ``index.parquet`` table (a ``pyarrow.Table`` with :data:`INDEX_TYPES`) from one list per column.
+    Raises ValueError when the columns are not exactly :data:`INDEX_COLUMNS` or differ in length."""
+    import pyarrow as pa
+
+    if tuple(columns) != INDEX_COLUMNS:
+        raise ValueError(f"index columns are {tuple(columns)}, expected {INDEX_COLUMNS}")
+    if len({len(v) for v in columns.values()}) > 1:
+        raise ValueError("index columns differ in length")
+    schema = pa.schema([(c, getattr(pa, t)()) for c, t in INDEX_TYPES.items()])
+    return pa.table({c: pa.array(columns[c], schema.field(c).type) for c in INDEX_COLUMNS}, schema=schema)
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,13 @@ samples. The shards are looked up in the manifest's ``root`` when it has one. Ev
 shard, member and reason; ``ok`` is True when there is none. Shard-like files in the set's folder that the
 manifest does not list are a warning (the loader never reads them), not a failure.
 
-:class:`TarPass` and :class:`SampleGrouper` are shared with ``gpufeed index``, so both read a shard alike.
+Shards are read with :class:`gpufeed.shardset.tar.TarPass` and grouped with
+:class:`gpufeed.shardset.keys.SampleGrouper`, as ``gpufeed index`` reads them.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
-import gzip as gzip_module
 import hashlib
 import io
 import json
@@ -37,10 +36,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from gpufeed.config import LoaderConfig
-from gpufeed.manifest import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SHARD_SUFFIXES, LabelError,
-                              parse_label, read_manifest)
-from gpufeed.tarread import (EXTENDED_TYPES, HeaderChain, TarFormatError, check_extended_size, file_problem,
-                             parse_header)
+from gpufeed.manifest import SHARD_SUFFIXES, LabelError, parse_label, read_manifest
+from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image,
+                                   split_member)
+from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
 
 _KNOWN = set(READ_IMAGE_EXTENSIONS) | {LABEL_EXTENSION, META_EXTENSION, "txt", "cls2", "pth", "npy", "id"}
 
@@ -55,251 +54,6 @@ MAX_REPORTED_PROBLEMS = 10_000
 """Problems listed in a verify record (the JSON stays bounded); ``num_problems`` counts them all."""
 MAX_LISTED = 5
 """Examples listed per grouped problem line, extra-file warning or index problem kind."""
-_TAIL_KEEP = 1 << 16
-"""Decompressed bytes :class:`TarPass` keeps to check what follows the last member (tarfile reads 10 KiB ahead)."""
-_META = re.compile(r"__[^/]*__($|/)")
-"""Member names webdataset (and so the loader) skips as metadata."""
-
-ProblemSink = Callable[[str, str, str], None]
-"""``bad(member, reason, kind)``: how :class:`SampleGrouper` reports a problem; kind is ``"name"``,
-``"duplicate"`` or ``"ungrouped"``."""
-
-
-class _HashingReader:
-    def __init__(self, f: Any, hash: bool = True) -> None:
-        self.f = f
-        self.h = hashlib.sha256() if hash else None
-        self.n = 0
-
-    def read(self, size: int = -1) -> bytes:
-        b = self.f.read(size)
-        if self.h is not None:
-            self.h.update(b)
-        self.n += len(b)
-        return b
-
-    def drain(self) -> None:
-        while self.read(1 << 20):
-            pass
-
-
-class _TailReader:
-    """Counts the bytes read from a (decompressed) stream and keeps the last ones."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.n = 0
-        self.tail = bytearray()
-
-    def read(self, size: int = -1) -> bytes:
-        b = self.f.read(size)
-        self.n += len(b)
-        if len(b) >= _TAIL_KEEP:
-            self.tail = bytearray(b[-_TAIL_KEEP:])
-        else:
-            self.tail += b
-            if len(self.tail) > 2 * _TAIL_KEEP:
-                del self.tail[:-_TAIL_KEEP]
-        return b
-
-
-def _blocks(size: int) -> int:
-    """``size`` rounded up to whole 512-byte tar blocks."""
-    return -(-size // 512) * 512
-
-
-class _HeaderCheck:
-    """Reads through to the (decompressed) tar stream and parses each header as it passes, with the loader's
-    :func:`gpufeed.tarread.parse_header` and :class:`gpufeed.tarread.HeaderChain`: a header they refuse raises
-    :class:`gpufeed.tarread.TarFormatError` before tarfile sees it, and ``regular`` queues each regular member's
-    (name, size) as the loader reads it, for :meth:`TarPass.members` to compare with tarfile's. Holds at most
-    one header block and one extended header's data (bounded); stops at the first zero block, as both readers do.
-    """
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.pos = 0  # offset of the block being assembled
-        self.need = 512  # bytes the next piece (header block or extended data) needs
-        self.buf = bytearray()
-        self.skip = 0  # data bytes (member data, padding) to pass over
-        self.ext: tuple[bytes, str, int, int] | None = None  # (type, where, header offset, size) of extended data
-        self.chain = HeaderChain()
-        self.done = False
-        self.regular: collections.deque[tuple[str, int]] = collections.deque()
-
-    def read(self, size: int = -1) -> bytes:
-        b = self.f.read(size)
-        i, n = 0, len(b)
-        while i < n and not self.done:
-            if self.skip:
-                k = min(self.skip, n - i)
-                self.skip -= k
-                i += k
-                continue
-            k = min(self.need - len(self.buf), n - i)
-            self.buf += b[i:i + k]
-            i += k
-            if len(self.buf) == self.need:
-                piece = bytes(self.buf)
-                self.buf.clear()
-                self._piece(piece)
-        return b
-
-    def _piece(self, piece: bytes) -> None:
-        if self.ext is not None:  # an extended header's data
-            typ, where, at, size = self.ext
-            self.ext, self.need = None, 512
-            self.skip = _blocks(size) - size
-            self.chain.extended(typ, piece, where, at)
-            return
-        if piece.count(0) == 512:
-            self.done = True  # end of archive: what follows is end_problem's business
-            return
-        at = self.pos
-        name, size, typ = parse_header(piece, at)
-        where = f"member {name[:200]!r} (header at offset {at})"
-        if typ in EXTENDED_TYPES or typ == b"g":
-            check_extended_size(typ, size, where)
-            self.pos = at + 512 + _blocks(size)
-            if size:
-                self.ext, self.need = (typ, where, at, size), size
-            else:
-                self.chain.extended(typ, b"", where, at)
-            return
-        name, size, regular = self.chain.member(name, size, typ, at)
-        self.pos = at + 512 + _blocks(size)
-        self.skip = _blocks(size)
-        if regular:
-            self.regular.append((name, size))
-
-
-class TruncatedMember(ValueError):
-    """A member's data ends before its header's size."""
-
-
-class TarPass:
-    """One streaming pass over an open shard file: the file's sha256 and size, its regular members, and the
-    end-of-archive check (the tar, decompressed for gzip shards, must end with two zero blocks after the last
-    member and hold nothing but zeros after them; a tar cut at a member boundary or a bad header after a
-    member reads as a shorter, clean-looking shard to every tar reader, so only this check catches it).
-
-    Call :meth:`members` to the end, then :meth:`end_problem`. Unreadable data raises ``tarfile.TarError``,
-    ``EOFError``, ``OSError`` (gzip), ``zlib.error`` or :class:`TruncatedMember`; a header the loader's reader
-    (:mod:`gpufeed.tarread`) refuses or reads differently raises :class:`gpufeed.tarread.TarFormatError`.
-    """
-
-    def __init__(self, f: Any, gzip: bool, hash: bool = True) -> None:
-        self.raw = _HashingReader(f, hash)
-        self.stream = _TailReader(gzip_module.GzipFile(fileobj=self.raw, mode="rb") if gzip else self.raw)
-        self.check = _HeaderCheck(self.stream)
-        self.offset = 0
-        self.last: str | None = None
-        """Name of the last member read (for messages)."""
-
-    def members(self, want: Callable[[str, int], bool]) -> Iterator[tuple[str, int, bytes | None]]:
-        """Regular members as ``(name, size, data)``; data is read only when ``want(name, size)``. Every header
-        passes the loader's checks first (:class:`_HeaderCheck`), and each member must be the one the loader reads
-        there (same name and size), else :class:`gpufeed.tarread.TarFormatError`."""
-        with tarfile.open(fileobj=self.check, mode="r|") as tar:
-            for m in tar:
-                self.last = m.name
-                if not m.isreg():
-                    continue
-                theirs = self.check.regular.popleft() if self.check.regular else None
-                if theirs != (m.name, m.size):
-                    raise TarFormatError(f"member {m.name[:200]!r} (header at offset {m.offset}): tar readers "
-                                         f"disagree (tarfile reads {m.size} bytes named {m.name[:200]!r}, the loader "
-                                         f"{theirs!r})")
-                data = None
-                if want(m.name, m.size):
-                    fobj = tar.extractfile(m)
-                    data = fobj.read() if fobj is not None else b""
-                    if len(data) != m.size:
-                        raise TruncatedMember(f"member {m.name} is truncated: {len(data)} of {m.size} bytes")
-                yield m.name, m.size, data
-            self.offset = tar.offset
-
-    def end_problem(self) -> str | None:
-        """After :meth:`members`: read the rest of the file; a sentence when the tar does not end cleanly."""
-        read = self.stream.n
-        ahead = read - self.offset  # bytes tarfile read past the last member, kept in the tail
-        garbage = ahead > 0 and bool(bytes(self.stream.tail[-ahead:]).strip(b"\0"))
-        while b := self.stream.read(1 << 20):
-            garbage = garbage or bool(b.strip(b"\0"))
-        self.raw.drain()
-        if self.stream.n - self.offset < 1024:
-            return ("tar is truncated after this member: it ends without its end-of-archive blocks (the tar does "
-                    "not read to the end; the shard was probably cut short)")
-        if garbage:
-            return (f"invalid tar header after this member (byte {self.offset} of the tar): readers stop here and "
-                    f"silently lose the rest of the shard")
-        return None
-
-    @property
-    def sha256(self) -> str | None:
-        return self.raw.h.hexdigest() if self.raw.h is not None else None
-
-
-def split_name(name: str) -> tuple[str, str] | None:
-    """webdataset's ``base_plus_ext``: KEY is the path up to the first dot of the base name (a non-empty stem);
-    the rest, lower-cased as readers do, is the extension. None for a name without one."""
-    d, _, base = name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    if not dot or not stem:
-        return None
-    return (f"{d}/{stem}" if d else stem), ext.lower()
-
-
-class SampleGrouper:
-    """Groups members into samples as the loader does: consecutive members with the same KEY form a sample;
-    webdataset's metadata members (``__...__``) are skipped. Reports (through ``bad``) names without an
-    extension, a member a sample already has (readers keep one of them) and a key that comes back after
-    other keys in the same shard (readers take it as another sample, so it is yielded again)."""
-
-    def __init__(self, bad: ProblemSink) -> None:
-        self.bad = bad
-        self.key: str | None = None
-        self.parts: dict[str, bytes | None] = {}
-        self.seen: set[str] = set()
-
-    def add(self, name: str, data: bytes | None) -> tuple[str, dict[str, bytes | None]] | None:
-        """Add one member; returns the sample it ends (key, {ext: data}), if any."""
-        base = name.rpartition("/")[2]
-        if _META.match(name) or (base == name and name.startswith("__") and name.endswith("__")):
-            return None
-        split = split_name(name)
-        if split is None:
-            self.bad(name, "member name has no extension (expected KEY.ext)", "name")
-            return None
-        key, ext = split
-        done = None
-        if key != self.key:
-            done = self.close()
-            if key in self.seen:
-                self.bad(name, f"key {key!r} appears again after other samples (not grouped): readers take "
-                               f"it as another sample", "ungrouped")
-            self.seen.add(key)
-            self.key, self.parts = key, {}
-        if ext in self.parts:
-            self.bad(name, "duplicate member in the sample: readers keep only one of them", "duplicate")
-        else:
-            self.parts[ext] = data
-        return done
-
-    def close(self) -> tuple[str, dict[str, bytes | None]] | None:
-        """The last sample (call once the members are exhausted)."""
-        done = (self.key, self.parts) if self.key is not None else None
-        self.key, self.parts = None, {}
-        return done
-
-
-def dotted_image(key: str, parts: dict[str, Any]) -> str | None:
-    """For a key without an image member: a member that is an image behind a dot in its key (``k.3.jpg`` is
-    key ``k``, extension ``3.jpg``), which no reader ever sees."""
-    for e in sorted(parts):
-        if "." in e and e.rsplit(".", 1)[1] in READ_IMAGE_EXTENSIONS:
-            return f"{key}.{e}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -441,24 +195,23 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
             return False
         return True
 
+    def dotted_keys(members: Iterator[tuple[str, int, bytes | None]]) -> Iterator[tuple[str, bytes | None]]:
+        for member, _, data in members:
+            split = split_member(member)
+            # Foreign sets: webdataset (and so the loader and `gpufeed index`) keys a member by its name up to
+            # the first dot, so `x.seg.png` is member "seg.png" of sample "x", not a bad key.
+            if ours and split and "." in split[1] and split[1] not in _KNOWN:
+                bad(member, f"key holds a dot: readers take {split[0]!r} as the key and {split[1]!r} as the "
+                            f"extension")
+            yield member, data
+
     tar = None
     grouper = SampleGrouper(bad)
     try:
         with open(path, "rb") as f:
             tar = TarPass(f, gzip, hash=bool(expected.get("sha256")))
-            for member, _, data in tar.members(want):
-                split = split_name(member)
-                # Foreign sets: webdataset (and so the loader and `gpufeed index`) keys a member by its name
-                # up to the first dot, so `x.seg.png` is member "seg.png" of sample "x", not a bad key.
-                if ours and split and "." in split[1] and split[1] not in _KNOWN:
-                    bad(member, f"key holds a dot: readers take {split[0]!r} as the key and {split[1]!r} as the "
-                                f"extension")
-                done = grouper.add(member, data)
-                if done:
-                    finish(*done)
-            done = grouper.close()
-            if done:
-                finish(*done)
+            for key, parts in grouper.samples(dotted_keys(tar.members(want))):
+                finish(key, parts)
             end = tar.end_problem()
             if end:
                 bad(tar.last, end)

@@ -1,16 +1,20 @@
-"""A lean reader for local, uncompressed tar shards (the loader's fast path).
+"""Tar shards: the header reader and writer, the lean sample reader and the checking pass (docs/design.md §2).
 
-Python's ``tarfile`` (which webdataset uses) parses every header field of every member; at ~100 KB per
-sample that costs about a quarter of the decode time. This reader parses only the name, size and type,
-checks the header checksum, reads only the members the loader wants, and seeks over everything else,
-including whole samples before a segment's start. Samples are grouped exactly as webdataset groups
-them (key = path up to the first dot of the file name, consecutive members), so counts agree with
-``gpufeed index`` and with the webdataset tar iterator the loader uses for gzip-compressed shards.
+- :func:`parse_header` and :class:`HeaderChain` read headers exactly as ``tarfile`` does and refuse what tar
+  readers disagree on. Every reader of gpufeed runs them on every header: :func:`iter_members` (the lean reader)
+  and :class:`TarPass` (``gpufeed index``/``verify``), so both read a shard alike or both refuse it.
+- :func:`iter_samples` is the loader's fast path for local, uncompressed shards. Python's ``tarfile`` (which
+  webdataset uses) parses every header field of every member; at ~100 KB per sample that costs about a quarter
+  of the decode time. This reader parses only the name, size and type, checks the header checksum, reads only
+  the members the loader wants, and seeks over everything else, including whole samples before a segment's
+  start. Samples are grouped by the key rule of :mod:`gpufeed.shardset.keys` (webdataset's), so counts agree
+  with ``gpufeed index`` and with the webdataset tar iterator the loader uses for gzip-compressed shards.
+- :class:`TarPass` streams a whole shard (plain or gzip) once through ``tarfile`` for index and verify: sha256,
+  members, and the end-of-archive check.
+- :func:`ustar_header` is the fixed-field header ``gpufeed shard`` writes.
 
 Handles POSIX ustar (with prefix), GNU long names (``L``) and pax headers (``x`` path/size; ``g`` only when it
-sets neither path, linkpath nor size). :func:`parse_header` and :class:`HeaderChain` read headers exactly as
-``tarfile`` does, and refuse what tar readers disagree on; ``verify.TarPass`` (``gpufeed index``/``verify``)
-runs the same two on every header, so both read a shard alike or both refuse it.
+sets neither path, linkpath nor size).
 
 Shards are untrusted: every size read from a header (octal, GNU base-256, pax ``size``) must be a
 non-negative integer whose data lies inside the file, pax records must be well formed, long names and pax
@@ -18,15 +22,19 @@ headers are bounded (:data:`MAX_LONG_NAME_BYTES`, :data:`MAX_PAX_BYTES`), and ev
 position forward by at least one block, so a malformed shard raises :class:`TarFormatError` (naming the
 member and its offset) instead of looping or allocating without bound.
 """
-
 from __future__ import annotations
 
+import collections
+import gzip as gzip_module
+import hashlib
 import os
 import re
-from typing import BinaryIO, Iterator
+import tarfile
+from typing import Any, BinaryIO, Callable, Iterator
+
+from gpufeed.shardset.keys import is_metadata, split_member, wanted
 
 _BLOCK = 512
-_META = re.compile(r"__[^/]*__($|/)")
 _OCTAL = re.compile(rb"[0-7]+")
 _DECIMAL = re.compile(r"[0-9]+")
 
@@ -136,7 +144,7 @@ class HeaderChain:
     extended header (``L``, ``K``, ``x``, ``X``) before one member, a global ``g`` header that sets ``path``,
     ``linkpath`` or ``size``, GNU sparse data (an ``S`` member or ``GNU.sparse.*`` pax records), and a link,
     device, FIFO or directory member with data (tarfile reads its data as the next header, others skip it).
-    Both the loader (:func:`iter_members`) and ``gpufeed index``/``verify`` (``verify.TarPass``) use it."""
+    Both the loader (:func:`iter_members`) and ``gpufeed index``/``verify`` (:class:`TarPass`) use it."""
 
     def __init__(self) -> None:
         self.long_name: str | None = None
@@ -186,6 +194,20 @@ class HeaderChain:
                                  f"directory) with {size} bytes of data (tar readers disagree on where the next "
                                  f"header is)")
         return name, size, typ in REGULAR_TYPES
+
+
+def ustar_header(name: str, size: int) -> bytes:
+    """The 512-byte USTAR header tarfile writes for a regular file with gpufeed's fixed metadata (mtime 0,
+    uid/gid 0, empty user/group names, mode 0644), built directly: tarfile's generic path costs more than the
+    I/O. Raises ValueError for a name over 100 UTF-8 bytes or a size of 8 GiB or more (no prefix, no pax)."""
+    nb = name.encode("utf-8")
+    if len(nb) > 100 or not 0 <= size < 8**11:
+        raise ValueError(f"{name!r} ({size} bytes) does not fit a plain USTAR header")
+    buf = b"".join([
+        nb.ljust(100, b"\0"), b"0000644\0", b"0000000\0", b"0000000\0", b"%011o\0" % size, b"00000000000\0",
+        b" " * 8, b"0", b"\0" * 100, b"ustar\x0000", b"\0" * 32, b"\0" * 32, b"\0" * 8, b"\0" * 8, b"\0" * 155,
+    ]).ljust(_BLOCK, b"\0")
+    return buf[:148] + b"%06o\0" % sum(buf) + buf[155:]
 
 
 def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
@@ -247,15 +269,6 @@ def check_extended_size(typ: bytes, size: int, where: str) -> None:
                              f"is outside 0..{bound}")
 
 
-def split_name(name: str) -> tuple[str | None, str]:
-    """webdataset's ``base_plus_ext``: ``dir/key.ext.more`` -> (``dir/key``, ``ext.more``)."""
-    slash = name.rfind("/")
-    dot = name.find(".", slash + 1)
-    if dot < 0 or dot == slash + 1:
-        return None, ""
-    return name[:dot], name[dot + 1:]
-
-
 def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[str, ...], start: int = 0,
                  stop: int | None = None, total: list[int] | None = None) -> Iterator[dict]:
     """Samples ``[start, stop)`` of a local tar shard, counting only keys with an image member.
@@ -272,21 +285,19 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
     reading = start == 0
 
     def want(name: str) -> bool:  # called before the loop below sees ``name``: work out its sample index
-        if not _wanted(name, extensions):
+        if not wanted(name, extensions):
             return False
-        prefix, _ = split_name(name)
+        prefix, _ = split_member(name)
         if prefix == key:
             return reading
         return index + (1 if key is not None and has_image else 0) >= start
 
     with open(path, "rb", buffering=1 << 20) as f:
         for name, data in iter_members(f, want):
-            if _META.match(name):
+            split = None if is_metadata(name) else split_member(name)
+            if split is None:
                 continue
-            prefix, ext = split_name(name)
-            if prefix is None:
-                continue
-            ext = ext.lower()
+            prefix, ext = split
             if prefix != key:
                 if key is not None and has_image:
                     if index >= start:
@@ -308,12 +319,6 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
             total[0] = index
 
 
-def _wanted(name: str, extensions: frozenset[str]) -> bool:
-    base = name[name.rfind("/") + 1:]
-    dot = base.find(".")
-    return dot > 0 and base[dot + 1:].lower() in extensions
-
-
 def file_problem(path: str | os.PathLike) -> str | None:
     """Why ``path`` cannot be read as a shard file (``"is missing"``, ``"is a FIFO, not a regular file"``, ...),
     or None for a regular file (a symbolic link to one included). Never opens the path (a FIFO would block)."""
@@ -332,3 +337,179 @@ def file_problem(path: str | os.PathLike) -> str | None:
             "a socket" if stat.S_ISSOCK(mode) else "not a file")
     link = f"a symbolic link to {kind} ({os.path.realpath(path)})" if os.path.islink(path) else kind
     return f"is {link}, not a regular file"
+
+
+# --------------------------------------------------------------------------- the checking pass (index, verify)
+
+_TAIL_KEEP = 1 << 16
+"""Decompressed bytes :class:`TarPass` keeps to check what follows the last member (tarfile reads 10 KiB ahead)."""
+
+
+class _HashingReader:
+    def __init__(self, f: Any, hash: bool = True) -> None:
+        self.f = f
+        self.h = hashlib.sha256() if hash else None
+        self.n = 0
+
+    def read(self, size: int = -1) -> bytes:
+        b = self.f.read(size)
+        if self.h is not None:
+            self.h.update(b)
+        self.n += len(b)
+        return b
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+class _TailReader:
+    """Counts the bytes read from a (decompressed) stream and keeps the last ones."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.n = 0
+        self.tail = bytearray()
+
+    def read(self, size: int = -1) -> bytes:
+        b = self.f.read(size)
+        self.n += len(b)
+        if len(b) >= _TAIL_KEEP:
+            self.tail = bytearray(b[-_TAIL_KEEP:])
+        else:
+            self.tail += b
+            if len(self.tail) > 2 * _TAIL_KEEP:
+                del self.tail[:-_TAIL_KEEP]
+        return b
+
+
+class _HeaderCheck:
+    """Reads through to the (decompressed) tar stream and parses each header as it passes, with the loader's
+    :func:`parse_header` and :class:`HeaderChain`: a header they refuse raises :class:`TarFormatError` before
+    tarfile sees it, and ``regular`` queues each regular member's (name, size) as the loader reads it, for
+    :meth:`TarPass.members` to compare with tarfile's. Holds at most one header block and one extended header's
+    data (bounded); stops at the first zero block, as both readers do.
+    """
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.pos = 0  # offset of the block being assembled
+        self.need = 512  # bytes the next piece (header block or extended data) needs
+        self.buf = bytearray()
+        self.skip = 0  # data bytes (member data, padding) to pass over
+        self.ext: tuple[bytes, str, int, int] | None = None  # (type, where, header offset, size) of extended data
+        self.chain = HeaderChain()
+        self.done = False
+        self.regular: collections.deque[tuple[str, int]] = collections.deque()
+
+    def read(self, size: int = -1) -> bytes:
+        b = self.f.read(size)
+        i, n = 0, len(b)
+        while i < n and not self.done:
+            if self.skip:
+                k = min(self.skip, n - i)
+                self.skip -= k
+                i += k
+                continue
+            k = min(self.need - len(self.buf), n - i)
+            self.buf += b[i:i + k]
+            i += k
+            if len(self.buf) == self.need:
+                piece = bytes(self.buf)
+                self.buf.clear()
+                self._piece(piece)
+        return b
+
+    def _piece(self, piece: bytes) -> None:
+        if self.ext is not None:  # an extended header's data
+            typ, where, at, size = self.ext
+            self.ext, self.need = None, 512
+            self.skip = _padded(size) - size
+            self.chain.extended(typ, piece, where, at)
+            return
+        if piece.count(0) == 512:
+            self.done = True  # end of archive: what follows is end_problem's business
+            return
+        at = self.pos
+        name, size, typ = parse_header(piece, at)
+        where = f"member {name[:200]!r} (header at offset {at})"
+        if typ in EXTENDED_TYPES or typ == b"g":
+            check_extended_size(typ, size, where)
+            self.pos = at + 512 + _padded(size)
+            if size:
+                self.ext, self.need = (typ, where, at, size), size
+            else:
+                self.chain.extended(typ, b"", where, at)
+            return
+        name, size, regular = self.chain.member(name, size, typ, at)
+        self.pos = at + 512 + _padded(size)
+        self.skip = _padded(size)
+        if regular:
+            self.regular.append((name, size))
+
+
+class TruncatedMember(ValueError):
+    """A member's data ends before its header's size."""
+
+
+class TarPass:
+    """One streaming pass over an open shard file: the file's sha256 and size, its regular members, and the
+    end-of-archive check (the tar, decompressed for gzip shards, must end with two zero blocks after the last
+    member and hold nothing but zeros after them; a tar cut at a member boundary or a bad header after a
+    member reads as a shorter, clean-looking shard to every tar reader, so only this check catches it).
+
+    Call :meth:`members` to the end, then :meth:`end_problem`. Unreadable data raises ``tarfile.TarError``,
+    ``EOFError``, ``OSError`` (gzip), ``zlib.error`` or :class:`TruncatedMember`; a header the loader's reader
+    (:func:`iter_members`) refuses or reads differently raises :class:`TarFormatError`.
+    """
+
+    def __init__(self, f: Any, gzip: bool, hash: bool = True) -> None:
+        self.raw = _HashingReader(f, hash)
+        self.stream = _TailReader(gzip_module.GzipFile(fileobj=self.raw, mode="rb") if gzip else self.raw)
+        self.check = _HeaderCheck(self.stream)
+        self.offset = 0
+        self.last: str | None = None
+        """Name of the last member read (for messages)."""
+
+    def members(self, want: Callable[[str, int], bool]) -> Iterator[tuple[str, int, bytes | None]]:
+        """Regular members as ``(name, size, data)``; data is read only when ``want(name, size)``. Every header
+        passes the loader's checks first (:class:`_HeaderCheck`), and each member must be the one the loader reads
+        there (same name and size), else :class:`TarFormatError`."""
+        with tarfile.open(fileobj=self.check, mode="r|") as tar:
+            for m in tar:
+                self.last = m.name
+                if not m.isreg():
+                    continue
+                theirs = self.check.regular.popleft() if self.check.regular else None
+                if theirs != (m.name, m.size):
+                    raise TarFormatError(f"member {m.name[:200]!r} (header at offset {m.offset}): tar readers "
+                                         f"disagree (tarfile reads {m.size} bytes named {m.name[:200]!r}, the loader "
+                                         f"{theirs!r})")
+                data = None
+                if want(m.name, m.size):
+                    fobj = tar.extractfile(m)
+                    data = fobj.read() if fobj is not None else b""
+                    if len(data) != m.size:
+                        raise TruncatedMember(f"member {m.name} is truncated: {len(data)} of {m.size} bytes")
+                yield m.name, m.size, data
+            self.offset = tar.offset
+
+    def end_problem(self) -> str | None:
+        """After :meth:`members`: read the rest of the file; a sentence when the tar does not end cleanly."""
+        read = self.stream.n
+        ahead = read - self.offset  # bytes tarfile read past the last member, kept in the tail
+        garbage = ahead > 0 and bool(bytes(self.stream.tail[-ahead:]).strip(b"\0"))
+        while b := self.stream.read(1 << 20):
+            garbage = garbage or bool(b.strip(b"\0"))
+        self.raw.drain()
+        if self.stream.n - self.offset < 1024:
+            return ("tar is truncated after this member: it ends without its end-of-archive blocks (the tar does "
+                    "not read to the end; the shard was probably cut short)")
+        if garbage:
+            return (f"invalid tar header after this member (byte {self.offset} of the tar): readers stop here and "
+                    f"silently lose the rest of the shard")
+        return None
+
+    @property
+    def sha256(self) -> str | None:
+        return self.raw.h.hexdigest() if self.raw.h is not None else None

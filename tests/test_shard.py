@@ -476,37 +476,34 @@ def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatc
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-def test_plan_without_source_identities_compares_sha256(tmp_path: Path, monkeypatch) -> None:
-    """Plans written before identities were recorded: the writer hashes the source again (same bytes out)."""
-    import gpufeed.shard as mod
-
+def test_plan_of_an_older_version_or_damaged_is_refused_then_replanned(tmp_path: Path) -> None:
+    """plan.json v2 (one dict per sample) or a plan.bin that does not match plan.json is never used: the run is
+    refused as for a different plan, and --overwrite replans to the same bytes."""
     src = tmp_path / "src"
-    for i in range(3):
+    for i in range(4):
         write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
-    ref = shard(src, tmp_path / "ref")
-    real = mod._make_plan
-
-    def no_ident(*a, **k):
-        plan = real(*a, **k)
-        for s in plan["samples"]:
-            s.pop("ident")
-        return plan
-
-    monkeypatch.setattr(mod, "_make_plan", no_ident)
-    shard(src, tmp_path / "old")
-    assert ref.num_samples == 3 and digests(tmp_path / "old") == digests(tmp_path / "ref")
-    victim = src / "a" / "1.jpg"
-
-    def no_ident_then_swap(*a, **k):
-        plan = no_ident(*a, **k)
-        st = victim.stat()
-        victim.write_bytes(b"\xff\xd8\xff" + b"\0" * (st.st_size - 3))
-        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with its mtime restored
-        return plan
-
-    monkeypatch.setattr(mod, "_make_plan", no_ident_then_swap)
-    with pytest.raises(DataError, match=r"a/1\.jpg changed while sharding"):
-        shard(src, tmp_path / "swapped")
+    dest = tmp_path / "out"
+    ref = shard(src, dest, shard_samples=2)
+    want = digests(dest)
+    state = dest / ".gpufeed"
+    meta = json.loads((state / "plan.json").read_text())
+    assert meta["plan_version"] == 3 and "samples" not in meta and meta["num_samples"] == 4
+    # 139 bytes a sample plus its path: numeric columns, the 32-byte digest, path offset; paths in one blob.
+    paths = sum(len(f"a/{i}.jpg") for i in range(4))
+    assert (state / "plan.bin").stat().st_size == 4 * 131 + 5 * 8 + paths
+    old = {"plan_version": 2, "fingerprint": meta["fingerprint"], "samples": [], "shards": []}
+    (state / "plan.json").write_text(json.dumps(old))
+    (dest / "train-000001.tar").unlink()
+    with pytest.raises(DataError, match="planned from different input files or options.*--overwrite"):
+        shard(src, dest, shard_samples=2)
+    (state / "plan.json").write_text(json.dumps(meta))
+    blob = bytearray((state / "plan.bin").read_bytes())
+    blob[-1] ^= 1  # a path byte
+    (state / "plan.bin").write_bytes(bytes(blob))
+    with pytest.raises(DataError, match="planned from different input files or options"):
+        shard(src, dest, shard_samples=2)
+    again = shard(src, dest, shard_samples=2, overwrite=True)
+    assert not again.resumed and again.num_samples == ref.num_samples and digests(dest) == want
 
 
 def test_resume_report_counts_only_what_this_run_wrote(image_folder, tmp_path: Path) -> None:

@@ -109,11 +109,12 @@ import re
 import shutil
 import sys
 import tarfile
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from gpufeed.config import ShardConfig
 from gpufeed.errors import DataError
@@ -122,11 +123,12 @@ CANDIDATE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif",
 """torchvision ImageFolder's IMG_EXTENSIONS: the files considered images (matched case-insensitively)."""
 STATE_DIR = ".gpufeed"
 PLAN_NAME = "plan.json"
-PLAN_VERSION = 2  # 2: validation and shards follow one seeded order; per-shard transcode caches
+PLAN_VERSION = 3  # 2: validation and shards follow one seeded order; per-shard transcode caches; 3: columnar
 LOCK_NAME = "lock"
 DEFAULT_REENCODE_QUALITY = 90
 CMYK_QUALITY = 95
 _SHARD_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.tar$")
+_CACHE_RE = re.compile(r"^enc-\d{6,}\.bin$")
 _CHUNK = 32  # files per validation task: amortises IPC, small enough for a smooth bar and balance
 _TAR_OVERHEAD_PER_SAMPLE = 3 * 1024 + 300  # 3 headers + padding + json member, roughly
 
@@ -200,11 +202,38 @@ class ShardReport:
 # --------------------------------------------------------------------------- scan
 
 
+class _Strings:
+    """A column of file names kept as one bytes blob plus offsets (``os.fsencode``d, so names that are not UTF-8
+    round-trip): ~N + 8 bytes a name instead of a Python ``str`` object each."""
+
+    def __init__(self, blob: bytes, offsets: Any) -> None:
+        self.blob = blob
+        self.offsets = offsets  # numpy int64, len(self) + 1, non-decreasing, from 0 to len(blob)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> str:
+        return os.fsdecode(self.blob[self.offsets[i]:self.offsets[i + 1]])
+
+    def take(self, idx: Any) -> _Strings:
+        import numpy as np
+
+        o = self.offsets
+        parts = [self.blob[o[i]:o[i + 1]] for i in idx]
+        lengths = np.fromiter((len(b) for b in parts), np.int64, len(parts))
+        return _Strings(b"".join(parts), np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
+
+
 @dataclass
 class _Scan:
     classes: list[str]
     """Class names as recorded (``_display``: non-UTF-8 bytes become U+FFFD), in label order."""
-    candidates: list[tuple[str, int, int, int]]  # (relpath, label, size, mtime_ns)
+    paths: _Strings
+    """Candidate files (relative to SRC, real names), sorted by (label, path); the arrays below follow them."""
+    labels: Any  # numpy int32
+    sizes: Any  # numpy int64
+    mtimes: Any  # numpy int64 (st_mtime_ns)
     ignored: list[FileIssue]
     rejected: list[FileIssue]
     class_counts: list[int]
@@ -212,6 +241,9 @@ class _Scan:
     """The class folders' real names (file system access), in label order."""
     duplicates: list[int] = field(default_factory=list)
     """Per class: files rejected because the same file (device, inode) is already stored under another path."""
+
+    def __len__(self) -> int:
+        return len(self.labels)
 
 
 def _rel(path: str, root: str) -> str:
@@ -224,7 +256,23 @@ def _display(rel: str) -> str:
     return rel.replace(os.sep, "/").encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
+class _Found(NamedTuple):
+    """A candidate file as the walk finds it."""
+
+    raw: str
+    """Path relative to SRC, real name."""
+    size: int
+    mtime_ns: int
+    dev: int
+    ino: int
+    via_link: bool
+    """Reached through a symlink (file or folder)."""
+
+
 def _scan(src: str) -> _Scan:
+    import numpy as np
+    from array import array
+
     classes: list[str] = []
     ignored: list[FileIssue] = []
     rejected: list[FileIssue] = []
@@ -239,48 +287,70 @@ def _scan(src: str) -> _Scan:
             ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
         else:
             ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
-    found: list[tuple[str, int, int, int, tuple[int, int], bool]] = []
+    # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here.
+    blob, ends = bytearray(), array("q")
+    labels, sizes, mtimes, devs, inos, via = array("i"), array("q"), array("q"), array("Q"), array("Q"), bytearray()
     for label, name in enumerate(classes):
-        _walk_class(src, os.path.join(src, name), label, found, ignored, rejected)
-    candidates, duplicates = _store_once(found, rejected, len(classes))
-    counts = [0] * len(classes)
-    for c in candidates:
-        counts[c[1]] += 1
+        found: list[_Found] = []
+        _walk_class(src, os.path.join(src, name), found, ignored, rejected)
+        found.sort(key=lambda f: f.raw)
+        for f in found:
+            blob += os.fsencode(f.raw)
+            ends.append(len(blob))
+            labels.append(label)
+            sizes.append(f.size)
+            mtimes.append(f.mtime_ns)
+            devs.append(f.dev)
+            inos.append(f.ino)
+            via.append(f.via_link)
+        del found
+    paths = _Strings(bytes(blob), np.concatenate(([0], np.frombuffer(ends, np.int64))).astype(np.int64))
+    del blob, ends
+    lab = np.frombuffer(labels, np.int32).copy()
+    keep, duplicates = _store_once(paths, lab, np.frombuffer(devs, np.uint64), np.frombuffer(inos, np.uint64),
+                                   np.frombuffer(via, np.uint8), rejected, len(classes))
+    siz, mt = np.frombuffer(sizes, np.int64).copy(), np.frombuffer(mtimes, np.int64).copy()
+    if keep is not None:
+        paths, lab, siz, mt = paths.take(keep), lab[keep], siz[keep], mt[keep]
+    counts = np.bincount(lab, minlength=len(classes)).tolist()
     ignored.sort(key=lambda i: i.path)
     shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them
     if len(set(shown)) != len(shown):
         dup = sorted({c for c in shown if shown.count(c) > 1})
         raise DataError(f"class folders whose names are not valid UTF-8 read the same once shown ({', '.join(dup)}); "
                         f"rename them")
-    return _Scan(shown, candidates, ignored, rejected, counts, dirs=classes, duplicates=duplicates)
+    return _Scan(shown, paths, lab, siz, mt, ignored, rejected, counts, dirs=classes, duplicates=duplicates)
 
 
-def _store_once(found: list[tuple], rejected: list[FileIssue], num_classes: int
-                ) -> tuple[list[tuple[str, int, int, int]], list[int]]:
+def _store_once(paths: _Strings, labels: Any, devs: Any, inos: Any, via: Any, rejected: list[FileIssue],
+                num_classes: int) -> tuple[Any, list[int]]:
     """Every file once: paths that reach the same file (device, inode) through symlinks or hard links, in one
     class or several, keep one path (one reached without a symlink first, then the lowest label, then the path);
-    the others are rejected naming it. -> (candidates sorted by (label, path), duplicates per class)."""
-    first: dict[tuple[int, int], tuple] = {}
-    for f in sorted(found, key=lambda f: (f[5], f[1], f[0])):
-        first.setdefault(f[4], f)
-    candidates = []
-    duplicates = [0] * num_classes
-    for raw, label, size, mtime, ident, _via_link in found:
-        kept = first[ident]
-        if kept[0] == raw and kept[1] == label:
-            candidates.append((raw, label, size, mtime))
-            continue
-        duplicates[label] += 1
-        where = "" if kept[1] == label else " in another class"
-        rejected.append(FileIssue(_display(raw), f"same file as {_display(kept[0])}{where} (symlink or hard link); "
-                                                 f"stored once"))
-    candidates.sort(key=lambda c: (c[1], c[0]))
-    return candidates, duplicates
+    the others are rejected naming it. The candidates are in (label, path) order, so the rule is the lowest
+    (via_link, position). -> (indices to keep, or None when all are kept; duplicates per class)."""
+    import numpy as np
+
+    n = len(labels)
+    pos = np.arange(n, dtype=np.int64)
+    order = np.lexsort((pos, via, inos, devs))  # by device, inode, then the keeping rule
+    first = np.ones(n, dtype=bool)
+    first[1:] = (devs[order][1:] != devs[order][:-1]) | (inos[order][1:] != inos[order][:-1])
+    kept = np.empty(n, dtype=np.int64)
+    kept[order] = order[first][np.cumsum(first) - 1]
+    dup = np.nonzero(kept != pos)[0]
+    duplicates = np.bincount(labels[dup], minlength=num_classes).tolist()
+    if not len(dup):
+        return None, duplicates
+    for i in dup.tolist():
+        k = int(kept[i])
+        where = "" if labels[k] == labels[i] else " in another class"
+        rejected.append(FileIssue(_display(paths[i]), f"same file as {_display(paths[k])}{where} (symlink or hard "
+                                                      f"link); stored once"))
+    return np.nonzero(kept == pos)[0], duplicates
 
 
-def _walk_class(src: str, top: str, label: int, out: list, ignored: list, rejected: list) -> None:
-    """Collect a class' candidate files into ``out`` as (relpath, label, size, mtime_ns, (device, inode),
-    reached_through_a_symlink). Sub-folders are followed through symlinks, each folder (device, inode) once, so
+def _walk_class(src: str, top: str, out: list[_Found], ignored: list, rejected: list) -> None:
+    """Collect a class' candidate files into ``out``. Sub-folders are followed through symlinks, each folder (device, inode) once, so
     loops end; folders reached without a symlink are walked first, so a folder also linked from elsewhere in the
     class is listed under its own path."""
     seen: set[tuple[int, int]] = set()
@@ -332,7 +402,7 @@ def _walk_class(src: str, top: str, label: int, out: list, ignored: list, reject
             if st.st_size == 0:
                 rejected.append(FileIssue(rel, "empty file (0 bytes)"))
                 continue
-            out.append((raw, label, st.st_size, st.st_mtime_ns, (st.st_dev, st.st_ino), via_link or e.is_symlink()))
+            out.append(_Found(raw, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, via_link or e.is_symlink()))
         stack.extend(sd for sd in reversed(subdirs) if not sd[1])
         linked.extend(sd for sd in reversed(subdirs) if sd[1])
 
@@ -424,8 +494,40 @@ def _encode(data: bytes, action: str, opts: dict[str, Any]) -> tuple[bytes, str,
     raise AssertionError(action)  # pragma: no cover
 
 
-def _inspect(path: str, opts: dict[str, Any]) -> tuple:
-    """Validate one file -> (ok, reason_or_action, fmt, width, height, orientation[, transcoded, sha256, ident]).
+class _Encoded(NamedTuple):
+    """A transcoded image: worker side, ``data`` holds its bytes; in a batch's result, ``data`` is its offset in
+    the batch's cache file."""
+
+    data: bytes | int
+    length: int
+    ext: str
+    width: int
+    height: int
+
+
+class _Checked(NamedTuple):
+    """One validated file."""
+
+    ok: bool
+    what: str
+    """The reason (rejected) or the storage action (accepted)."""
+    fmt: str | None
+    width: int
+    height: int
+    orientation: int
+    enc: _Encoded | None = None
+    sha256: bytes = b""
+    """Digest of the stored image bytes (accepted files)."""
+    ident: tuple[int, int, int, int] | None = None
+    """(size, mtime_ns, inode, device) of the opened source, for pass-through files."""
+
+
+def _reject(reason: str, fmt: str | None = None, w: int = 0, h: int = 0, orientation: int = 1) -> _Checked:
+    return _Checked(False, reason, fmt, w, h, orientation)
+
+
+def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
+    """Validate one file.
 
     ``ident`` is the opened file's identity (size, mtime_ns, inode, device) after reading it: the writer checks
     the source it copies against it instead of hashing the bytes a second time."""
@@ -436,40 +538,42 @@ def _inspect(path: str, opts: dict[str, Any]) -> tuple:
             data = f.read()
             st = os.fstat(f.fileno())
     except OSError as exc:
-        return (False, f"unreadable ({exc.strerror or exc})", None, 0, 0, 1)
+        return _reject(f"unreadable ({exc.strerror or exc})")
     if not data:
-        return (False, "empty file (0 bytes)", None, 0, 0, 1)
+        return _reject("empty file (0 bytes)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             im = Image.open(io.BytesIO(data))
         except Image.DecompressionBombError as exc:
-            return (False, f"decompression bomb ({exc})", None, 0, 0, 1)
+            return _reject(f"decompression bomb ({exc})")
         except UnidentifiedImageError:
-            return (False, "not an image (content not recognised)", None, 0, 0, 1)
+            return _reject("not an image (content not recognised)")
         except Exception as exc:  # noqa: BLE001 - any parser failure is a per-file reject
-            return (False, f"unreadable image header ({type(exc).__name__}: {exc})", None, 0, 0, 1)
+            return _reject(f"unreadable image header ({type(exc).__name__}: {exc})")
         fmt, mode, (w, h) = im.format or "", im.mode, im.size
         if fmt == "MPO":  # multi-picture camera JPEGs: the stream is a baseline JPEG (first picture) plus extras
             fmt = "JPEG"
         if w <= 0 or h <= 0:
-            return (False, f"image has no pixels ({w}x{h})", fmt, w, h, 1)
+            return _reject(f"image has no pixels ({w}x{h})", fmt, w, h)
         if w * h > opts["max_pixels"]:
-            return (False, f"decompression bomb: {w}x{h} = {w * h} pixels > max_pixels {opts['max_pixels']}",
-                    fmt, w, h, 1)
+            return _reject(f"decompression bomb: {w}x{h} = {w * h} pixels > max_pixels {opts['max_pixels']}",
+                           fmt, w, h)
         if fmt in ("JPEG", "PNG", "WEBP") and _detect(data) != fmt:
-            return (False, f"unsupported {fmt} variant", fmt, w, h, 1)
+            return _reject(f"unsupported {fmt} variant", fmt, w, h)
         try:
             orientation = int(im.getexif().get(0x0112, 1) or 1)
         except Exception:  # noqa: BLE001 - a broken EXIF block is not a broken image
+            orientation = 1
+        if not 0 <= orientation <= 0xFFFF:  # not an EXIF SHORT: a broken EXIF block too
             orientation = 1
         action = _action(fmt, mode, w, h, opts["max_size"], opts["quality"])
         try:
             if action != "copy":
                 # Transcoding decodes the whole image (the validation) and its output is kept for the writer.
                 out, ext, ow, oh = _encode(data, action, opts)
-                return (True, action, fmt, w, h, orientation, (out, ext, ow, oh), hashlib.sha256(out).hexdigest(),
-                        None)
+                return _Checked(True, action, fmt, w, h, orientation, _Encoded(out, len(out), ext, ow, oh),
+                                hashlib.sha256(out).digest())
             if opts["check"] == "full":
                 if fmt == "JPEG":
                     # Scaled IDCT: libjpeg still parses and entropy-decodes every coefficient of the whole
@@ -479,25 +583,22 @@ def _inspect(path: str, opts: dict[str, Any]) -> tuple:
                 if mode not in ("RGB", "L"):
                     im.convert("RGB")
         except Exception as exc:  # noqa: BLE001 - truncated / corrupt data is a per-file reject
-            return (False, f"decode failed ({type(exc).__name__}: {exc})", fmt, w, h, orientation)
+            return _reject(f"decode failed ({type(exc).__name__}: {exc})", fmt, w, h, orientation)
     ident = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-    return (True, action, fmt, w, h, orientation, None, hashlib.sha256(data).hexdigest(), ident)
+    return _Checked(True, action, fmt, w, h, orientation, None, hashlib.sha256(data).digest(), ident)
 
 
-def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = None) -> list[tuple]:
-    """Validate a batch of files. Transcoded outputs go to one cache file per batch: (offset, length, ext, w, h)."""
+def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = None) -> list[_Checked]:
+    """Validate a batch of files. Transcoded outputs go to one cache file per batch (``enc.data``: the offset)."""
     results = []
     blobs = []
     offset = 0
     for p in paths:
         r = _inspect(p, opts)
-        if r[0] and r[6] is not None:
-            out, ext, ow, oh = r[6]
-            blobs.append(out)
-            r = r[:6] + ((offset, len(out), ext, ow, oh),) + r[7:]
-            offset += len(out)
-        elif not r[0]:
-            r = r + (None, None, None)
+        if r.enc is not None:
+            blobs.append(r.enc.data)
+            r = r._replace(enc=r.enc._replace(data=offset))
+            offset += r.enc.length
         results.append(r)
     if blobs:
         assert cache is not None
@@ -549,24 +650,14 @@ def _changed(rel: str) -> DataError:
                      f"or device differ, or its bytes do); re-run (with --overwrite when asked)")
 
 
-def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: list[int] | None,
-                 digest: str) -> None:
+def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> None:
     """Copy a pass-through source into the shard at ``pos`` (``sendfile``: no user-space copy), after checking
-    that the opened file is the one validated (``os.fstat`` identity; plans without one: sha256 again)."""
+    that the opened file is the one validated (``os.fstat`` identity)."""
     sfd = os.open(path, os.O_RDONLY)
     try:
         st = os.fstat(sfd)
-        if st.st_size != nbytes:
+        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != ident or st.st_size != nbytes:
             raise _changed(rel)
-        if ident is not None:
-            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != tuple(ident):
-                raise _changed(rel)
-        else:  # a plan written before identities were recorded
-            data = os.pread(sfd, nbytes + 1, 0)
-            if len(data) != nbytes or hashlib.sha256(data).hexdigest() != digest:
-                raise _changed(rel)
-            _pwrite_all(fd, data, pos)
-            return
         done = 0
         try:
             os.lseek(fd, pos, os.SEEK_SET)
@@ -588,18 +679,35 @@ def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: lis
         os.close(sfd)
 
 
-def _write_range(tmp: str, items: list[tuple]) -> None:
+class _Item(NamedTuple):
+    """One sample of a write task: its offset in the shard, member names and small members, and where its image
+    bytes come from (``cache`` None: the source file ``path``, else ``cache`` at ``coff``)."""
+
+    offset: int
+    key: str
+    ext: str
+    img_len: int
+    cls_b: bytes
+    json_b: bytes
+    path: str
+    rel: str
+    ident: tuple[int, int, int, int] | None
+    cache: str | None
+    coff: int
+
+
+def _write_range(tmp: str, items: list[_Item]) -> None:
     """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
     the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
     write disjoint ranges of one shard; padding and the end-of-archive blocks are the file's zeros."""
     fd = os.open(tmp, os.O_WRONLY)
     try:
-        for offset, key, ext, img_len, cls_b, json_b, source in items:
-            pos = start = offset
+        for it in items:
+            pos = start = it.offset
             buf: list[bytes] = []
-            for name, payload in sorted([(ext, None), ("cls", cls_b), ("json", json_b)], key=lambda m: m[0]):
-                size = img_len if payload is None else len(payload)
-                buf.append(ustar_header(f"{key}.{name}", size))
+            for name, payload in sorted([(it.ext, None), ("cls", it.cls_b), ("json", it.json_b)], key=lambda m: m[0]):
+                size = it.img_len if payload is None else len(payload)
+                buf.append(ustar_header(f"{it.key}.{name}", size))
                 pos += 512
                 if payload is not None:
                     buf.append(payload)
@@ -607,16 +715,15 @@ def _write_range(tmp: str, items: list[tuple]) -> None:
                     pos += _padded(size)
                     continue
                 _pwrite_all(fd, b"".join(buf), start)
-                if source[0] == "file":
-                    _, path, rel, ident, digest = source
-                    _copy_source(fd, pos, path, rel, img_len, ident, digest)
+                if it.cache is None:
+                    assert it.ident is not None
+                    _copy_source(fd, pos, it.path, it.rel, it.img_len, it.ident)
                 else:  # transcoded during validation; read back from the batch cache
-                    _, cache, coff = source
-                    with open(cache, "rb") as f:
-                        f.seek(coff)
-                        data = f.read(img_len)
-                    if len(data) != img_len:
-                        raise DataError(f"the transcode cache {cache} is incomplete; re-run with --overwrite")
+                    with open(it.cache, "rb") as f:
+                        f.seek(it.coff)
+                        data = f.read(it.img_len)
+                    if len(data) != it.img_len:
+                        raise DataError(f"the transcode cache {it.cache} is incomplete; re-run with --overwrite")
                     _pwrite_all(fd, data, pos)
                 pos += _padded(size)
                 buf, start = [], pos
@@ -629,51 +736,70 @@ def _write_range(tmp: str, items: list[tuple]) -> None:
 # --------------------------------------------------------------------------- writing (main side)
 
 
+class _Sample(NamedTuple):
+    """One planned sample, as the writer needs it (built from the plan's columns one shard at a time)."""
+
+    key: str
+    path: str
+    """Absolute path of the source."""
+    label: int
+    cname: str
+    source: str
+    """Path relative to SRC as recorded."""
+    orientation: int
+    ext: str
+    width: int
+    """Stored width (after any re-encoding)."""
+    height: int
+    orig_width: int
+    orig_height: int
+    sha256: str
+    img_len: int
+    """Bytes of the stored image member."""
+    ident: tuple[int, int, int, int] | None
+    """Pass-through: the validated source's identity; transcoded: None."""
+    cache: str | None
+    """Transcoded: the cache file holding the bytes, at ``coff``."""
+    coff: int
+
+
 class _ShardJob:
     """One shard being written: its layout, temporary file, write ranges and in-order hashing."""
 
-    def __init__(self, dest: str, name: str, samples: list[tuple]) -> None:
+    def __init__(self, dest: str, name: str, samples: list[_Sample]) -> None:
         import queue
 
         self.name = name
+        self.num_samples = len(samples)
         self.final = os.path.join(dest, name)
         self.tmp = os.path.join(dest, f".{name}.tmp")
-        self.rows: list[tuple] = []
         items = []
         pos = 0
-        for key, path, label, cname, rel, action, orientation, ext, w, h, digest, nbytes, enc, ident in samples:
-            ow, oh = w, h
-            if enc is None:
-                img_len = nbytes
-                source: tuple = ("file", path, rel, ident, digest)
-            else:
-                cache, coff, img_len, ext, w, h = enc
-                source = ("cache", cache, coff)
-            meta: dict[str, Any] = {"source": rel, "class": cname, "label": label, "width": w, "height": h,
-                                    "format": ext, "sha256": digest}
-            if orientation != 1:
-                meta["exif_orientation"] = orientation
-            if (ow, oh) != (w, h):
-                meta["orig_width"], meta["orig_height"] = ow, oh
+        for s in samples:
+            meta: dict[str, Any] = {"source": s.source, "class": s.cname, "label": s.label, "width": s.width,
+                                    "height": s.height, "format": s.ext, "sha256": s.sha256}
+            if s.orientation != 1:
+                meta["exif_orientation"] = s.orientation
+            if (s.orig_width, s.orig_height) != (s.width, s.height):
+                meta["orig_width"], meta["orig_height"] = s.orig_width, s.orig_height
             json_b = json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
-            cls_b = str(label).encode("ascii")
-            items.append((pos, key, ext, img_len, cls_b, json_b, source))
-            pos += 3 * 512 + _padded(img_len) + _padded(len(cls_b)) + _padded(len(json_b))
-            self.rows.append((key, img_len, w, h))
+            cls_b = str(s.label).encode("ascii")
+            items.append(_Item(pos, s.key, s.ext, s.img_len, cls_b, json_b, s.path, s.source, s.ident, s.cache,
+                               s.coff))
+            pos += 3 * 512 + _padded(s.img_len) + _padded(len(cls_b)) + _padded(len(json_b))
         self.size = pos + 1024 + (-(pos + 1024) % tarfile.RECORDSIZE)  # end-of-archive, padded like tarfile
-        # Contiguous runs of samples, each one write task: [(items, end offset)].
-        self.ranges: list[tuple[list[tuple], int, int]] = []
+        # Contiguous runs of samples, each one write task: [(items, end offset, image bytes)].
+        self.ranges: list[tuple[list[_Item], int, int]] = []
         first = 0
         for i in range(1, len(items) + 1):
-            if i == len(items) or items[i][0] - items[first][0] >= _RANGE_BYTES or i - first >= _RANGE_SAMPLES:
-                end = self.size if i == len(items) else items[i][0]
-                self.ranges.append((items[first:i], end, sum(it[3] for it in items[first:i])))
+            if i == len(items) or items[i].offset - items[first].offset >= _RANGE_BYTES or i - first >= _RANGE_SAMPLES:
+                end = self.size if i == len(items) else items[i].offset
+                self.ranges.append((items[first:i], end, sum(it.img_len for it in items[first:i])))
                 first = i
         self.done = [False] * len(self.ranges)
         self.hashed_to = 0  # ranges [0, hashed_to) are queued for hashing
         self.submitted = 0
         self.blocks: Any = queue.SimpleQueue()
-        self.hash_future: Any = None
         fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             os.ftruncate(fd, self.size)  # holes read as zeros: the padding and the end-of-archive blocks
@@ -724,8 +850,7 @@ def _finish_shard(dest: str, job: _ShardJob, digest: str) -> dict[str, Any]:
     from gpufeed.records import atomic_write_bytes
 
     os.replace(job.tmp, job.final)
-    result = {"name": job.name, "num_samples": len(job.rows), "bytes": job.size, "sha256": digest,
-              "rows": job.rows}
+    result = {"name": job.name, "num_samples": job.num_samples, "bytes": job.size, "sha256": digest}
     # One C-encoder call: json.dump streams through the pure-Python encoder.
     atomic_write_bytes(os.path.join(dest, STATE_DIR, f"{job.name}.done.json"), json.dumps(result).encode("utf-8"))
     return result
@@ -768,8 +893,9 @@ def _fingerprint(scan: _Scan, options: dict[str, Any]) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"plan_version": PLAN_VERSION, "gpufeed": __version__, "options": options,
                          "classes": scan.classes}, sort_keys=True).encode())
-    for rel, label, size, mtime in scan.candidates:
-        h.update(f"{label}\0{rel}\0{size}\0{mtime}\n".encode("utf-8", "surrogateescape"))
+    for column in (scan.paths.offsets, scan.labels, scan.sizes, scan.mtimes):
+        h.update(column.tobytes())
+    h.update(scan.paths.blob)
     for issue in scan.rejected:
         h.update(f"r\0{issue.path}\n".encode("utf-8", "surrogateescape"))
     return h.hexdigest()
@@ -871,6 +997,8 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
          progress: bool, t0: float, lock_fd: int) -> ShardReport:
     state = os.path.join(dest, STATE_DIR)
     pool = _make_pool(workers, lock_fd) if workers > 1 else None
+    import numpy as np  # after the pool has forked its workers (numpy may start threads)
+
     _preload_finish_imports()
     bar = _Bar(progress)
     try:
@@ -886,11 +1014,11 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         resumed = plan is not None
         done: dict[str, dict[str, Any]] = {}
         if plan is not None:
-            for s in plan["shards"]:
+            for s in plan.shards:
                 info = _shard_complete(dest, s["name"])
                 if info is not None:
                     done[s["name"]] = info
-            lost = [c for s in plan["shards"] if s["name"] not in done for c in s["caches"]
+            lost = [c for s in plan.shards if s["name"] not in done for c in s["caches"]
                     if not os.path.exists(os.path.join(state, c))]
             if lost:  # transcoded bytes are gone (cleared after use): redo the deterministic validation
                 plan = None
@@ -900,10 +1028,12 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             # Before anything is written: the input size is the estimate (pass-through bytes are the output;
             # re-encodes to --max-size/--quality are rarely larger). The exact check follows validation.
             kept = sum(i["bytes"] for i in done.values())
-            est = sum(c[2] + _TAR_OVERHEAD_PER_SAMPLE for c in scan.candidates) - kept
+            est = int(scan.sizes.sum()) + _TAR_OVERHEAD_PER_SAMPLE * len(scan) - kept
             _check_free_space(dest, est, cfg)
-            order = list(range(len(scan.candidates)))
-            random.Random(cfg.seed).shuffle(order)
+            shuffled = list(range(len(scan)))
+            random.Random(cfg.seed).shuffle(shuffled)
+            order = np.array(shuffled, dtype=np.int64)
+            del shuffled
             try:
                 results = _validate(scan, src, state, opts, pool, bar, order)
             except OSError as exc:
@@ -911,27 +1041,26 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                 _clear_cache(state)  # useless without a plan: give the space back
                 raise _os_error(exc, cfg, est, cache_deleted=cached) from None
             plan = _make_plan(cfg, scan, results, fingerprint, options, order)
-            _check_empty(cfg, plan["classes"], plan["class_counts"], warn, after_validation=True)
-            from gpufeed.records import atomic_write_bytes
-
+            del results
+            _check_empty(cfg, plan.classes, plan.meta["class_counts"], warn, after_validation=True)
             try:
-                atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(plan).encode("utf-8"))
+                _save_plan(state, plan)
             except OSError as exc:
                 raise _os_error(exc, cfg, None, cache_kept=_cache_bytes(state)) from None
         else:
             bar.note("resume: the plan matches; validation skipped")
-            _check_empty(cfg, plan["classes"], plan["class_counts"], warn, after_validation=True)
+            _check_empty(cfg, plan.classes, plan.meta["class_counts"], warn, after_validation=True)
         validate_s = time.perf_counter() - t_val
 
         # ---- write
         t_w = time.perf_counter()
-        names = [s["name"] for s in plan["shards"]]
+        names = [s["name"] for s in plan.shards]
         if not resumed or not done:
             for name in names:
                 info = _shard_complete(dest, name)
                 if info is not None:
                     done[name] = info
-        todo = [s for s in plan["shards"] if s["name"] not in done]
+        todo = [s for s in plan.shards if s["name"] not in done]
         # Each transcode cache file is deleted once every shard that reads it is written, so DEST peaks near
         # the output size: the cache turns into shards as they are written.
         users: dict[str, int] = {}
@@ -948,15 +1077,8 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         for leftover in os.listdir(dest):
             if leftover.startswith(".") and leftover.endswith(".tar.tmp") or _atomic_leftover(leftover):
                 os.unlink(os.path.join(dest, leftover))
-        samples = plan["samples"]
-        tasks = []
-        for s in todo:
-            rows = [samples[i] for i in s["samples"]]
-            tasks.append((s["name"], [
-                (r["key"], os.path.join(src, r["path"]), r["label"], plan["classes"][r["label"]], r["source"],
-                 r["action"], r["orientation"], r["ext"], r["width"], r["height"], r["sha256"], r["bytes"],
-                 None if r["enc"] is None else (os.path.join(state, r["enc"][0]), *r["enc"][1:]), r.get("ident"))
-                for r in rows], sum(r["bytes"] for r in rows)))
+        tasks = [(s["name"], s["count"], (lambda s=s: [plan.sample(int(i), src, state) for i in plan.indices(s)]))
+                 for s in todo]
         caches_of = {s["name"]: s["caches"] for s in todo}
 
         def shard_done(name: str) -> None:
@@ -986,30 +1108,29 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     except OSError as exc:
         raise _os_error(exc, cfg, None, shards_done=len(infos)) from None
     _clear_cache(state)  # the transcode cache is only needed until every shard is complete
-    input_bytes = sum(r["bytes"] for r in plan["samples"])
+    input_bytes = int(plan.cols["bytes"].sum())
     elapsed = time.perf_counter() - t0
     # Rates count what this run wrote (a resume that keeps every shard converts nothing).
     n_written = sum(i["num_samples"] for i in written.values())
-    in_written = sum(plan["samples"][j]["bytes"] for s in todo if s["name"] in written for j in s["samples"])
-    transforms: dict[str, int] = {}
-    for r in plan["samples"]:
-        transforms[r["action"]] = transforms.get(r["action"], 0) + 1
-    rejected = [FileIssue(**i) for i in plan["rejected"]]
+    in_written = sum(int(plan.cols["bytes"][plan.indices(s)].sum()) for s in todo if s["name"] in written)
+    per_action = np.bincount(plan.cols["action"], minlength=len(_ACTIONS)).tolist()
+    transforms = {a: k for a, k in sorted(zip(_ACTIONS, per_action)) if k}
+    rejected = plan.rejected
     ignored = scan.ignored
     if rejected:
         warn.append(f"{len(rejected)} file(s) rejected")
     return ShardReport(
-        src=src, dest=dest, prefix=cfg.prefix, num_classes=len(plan["classes"]),
-        num_samples=len(plan["samples"]), num_rejected=len(rejected), num_ignored=len(ignored),
+        src=src, dest=dest, prefix=cfg.prefix, num_classes=len(plan.classes),
+        num_samples=len(plan), num_rejected=len(rejected), num_ignored=len(ignored),
         num_shards=len(names), num_shards_written=len(written), num_shards_skipped=len(names) - len(written),
         total_bytes=manifest.total_bytes, input_bytes=input_bytes,
         written_samples=n_written, written_bytes=sum(i["bytes"] for i in written.values()),
         written_input_bytes=in_written, elapsed_s=elapsed, validate_s=validate_s,
         write_s=write_s, samples_per_s=n_written / elapsed if elapsed > 0 else 0.0,
         mb_per_s=in_written / 1e6 / elapsed if elapsed > 0 else 0.0, workers=workers, strict=cfg.strict,
-        resumed=resumed, transforms=dict(sorted(transforms.items())),
-        num_exif_oriented=sum(1 for r in plan["samples"] if r["orientation"] != 1),
-        classes=list(plan["classes"]), empty_classes=list(plan["empty_classes"]), warnings=warn,
+        resumed=resumed, transforms=transforms,
+        num_exif_oriented=int((plan.cols["orientation"] != 1).sum()),
+        classes=list(plan.classes), empty_classes=list(plan.meta["empty_classes"]), warnings=warn,
         rejected=rejected, ignored=ignored, shards=names, url_pattern=manifest.url_pattern,
         manifest=os.path.join(dest, "manifest.json"),
     )
@@ -1130,7 +1251,7 @@ def _our_outputs(dest: str) -> list[str]:
     return out
 
 
-def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> dict[str, Any] | None:
+def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> _Plan | None:
     """The stored plan when it matches; refuse a different one unless overwrite (then clear our files)."""
     if not os.path.isdir(dest):
         return None
@@ -1142,11 +1263,8 @@ def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> dict[str, Any] 
             _remove(dest, name)
         return None
     if os.path.exists(plan_path):
-        try:
-            plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            plan = None
-        if plan is not None and plan.get("fingerprint") == fingerprint:
+        plan = _read_plan(os.path.join(dest, STATE_DIR))
+        if plan is not None and plan.meta["fingerprint"] == fingerprint:
             return plan
         why = "was planned from different input files or options"
     else:
@@ -1189,61 +1307,238 @@ def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig, cached: int =
         )
 
 
-def _make_plan(cfg: ShardConfig, scan: _Scan, results: list[tuple], fingerprint: str,
-               options: dict[str, Any], shuffled: list[int]) -> dict[str, Any]:
+_ACTIONS = ("copy", "reencode", "cmyk_to_rgb_jpeg", "16bit_to_png8", "to_png")
+_EXTS = ("", "jpg", "png", "webp")
+_COLUMNS = {  # per-sample columns of validation results and of the plan: numpy dtype, trailing shape
+    "action": ("u1", ()), "ext": ("u1", ()), "width": ("<i4", ()), "height": ("<i4", ()),
+    "orientation": ("<i4", ()), "sha256": ("u1", (32,)), "id_size": ("<i8", ()), "id_mtime": ("<i8", ()),
+    "id_ino": ("<u8", ()), "id_dev": ("<u8", ()), "enc_cache": ("<i8", ()), "enc_off": ("<i8", ()),
+    "enc_len": ("<i8", ()), "enc_ext": ("u1", ()), "enc_w": ("<i4", ()), "enc_h": ("<i4", ()),
+}
+"""``id_*``: the pass-through source's identity at validation; ``enc_*``: transcoded bytes in cache file
+``enc-{enc_cache:06d}.bin`` (-1: none) at ``enc_off``, with their ext code and stored size."""
+_PLAN_COLUMNS = {**_COLUMNS, "label": ("<i4", ()), "bytes": ("<i8", ()), "order": ("<i8", ()),
+                 "path_offsets": ("<i8", ()), "path_blob": ("u1", ())}
+PLAN_ARRAYS_NAME = "plan.bin"
+
+
+class _Results:
+    """Validation results in columns, indexed like the scan's candidates; reasons of the rejected by index."""
+
+    def __init__(self, n: int) -> None:
+        import numpy as np
+
+        self.ok = np.zeros(n, dtype=bool)
+        self.cols = {k: np.zeros((n, *shape), dtype=dt) for k, (dt, shape) in _COLUMNS.items()}
+        self.cols["enc_cache"][:] = -1
+        self.reasons: dict[int, str] = {}
+
+    def put(self, ks: list[int], results: list[_Checked], cache: int) -> None:
+        """Store a batch's results for candidates ``ks`` (``cache``: the batch's cache file number)."""
+        for k, r in zip(ks, results):
+            if not r.ok:
+                self.reasons[k] = r.what
+                continue
+            self.ok[k] = True
+            c = self.cols
+            c["action"][k] = _ACTIONS.index(r.what)
+            c["ext"][k] = _EXTS.index(_EXT.get(r.fmt or "", ""))
+            c["width"][k], c["height"][k], c["orientation"][k] = r.width, r.height, r.orientation
+            c["sha256"][k] = memoryview(r.sha256)
+            if r.ident is not None:
+                c["id_size"][k], c["id_mtime"][k], c["id_ino"][k], c["id_dev"][k] = r.ident
+            if r.enc is not None:
+                c["enc_cache"][k], c["enc_off"][k], c["enc_len"][k] = cache, r.enc.data, r.enc.length
+                c["enc_ext"][k], c["enc_w"][k], c["enc_h"][k] = _EXTS.index(r.enc.ext), r.enc.width, r.enc.height
+
+
+def _cache_name(j: int) -> str:
+    return f"enc-{j:06d}.bin"
+
+
+class _Plan:
+    """The plan, columnar: ``meta`` (JSON: fingerprint, options, classes, rejected files, shards as slices of
+    ``order``) and per-sample numpy columns (``_PLAN_COLUMNS``) for the accepted samples in key order, i.e.
+    sorted by (label, path); ``order`` is their seeded shard order. ~150 bytes a sample plus its path."""
+
+    def __init__(self, meta: dict[str, Any], cols: dict[str, Any], paths: _Strings) -> None:
+        import numpy as np
+
+        self.meta = meta
+        self.cols = cols
+        self.paths = paths
+        self.classes: list[str] = meta["classes"]
+        self.shards: list[dict[str, Any]] = meta["shards"]
+        self.rejected = [FileIssue(i["path"], i["reason"]) for i in meta["rejected"]]
+        counts = np.asarray(meta["class_counts"], dtype=np.int64)
+        self.class_start = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        encoded = cols["enc_cache"] >= 0
+        self.stored_len = np.where(encoded, cols["enc_len"], cols["bytes"])
+        self.stored_w = np.where(encoded, cols["enc_w"], cols["width"])
+        self.stored_h = np.where(encoded, cols["enc_h"], cols["height"])
+
+    def __len__(self) -> int:
+        return len(self.cols["label"])
+
+    def indices(self, shard: dict[str, Any]) -> Any:
+        return self.cols["order"][shard["start"]:shard["start"] + shard["count"]]
+
+    def key(self, i: int) -> str:
+        label = int(self.cols["label"][i])
+        return f"{label:05d}_{i - int(self.class_start[label]):07d}"
+
+    def sample(self, i: int, src: str, state: str) -> _Sample:
+        c = self.cols
+        raw = self.paths[i]
+        label = int(c["label"][i])
+        j = int(c["enc_cache"][i])
+        w, h = int(c["width"][i]), int(c["height"][i])
+        if j < 0:
+            ext, sw, sh, cache, coff = _EXTS[c["ext"][i]], w, h, None, 0
+            ident: tuple[int, int, int, int] | None = (int(c["id_size"][i]), int(c["id_mtime"][i]),
+                                                       int(c["id_ino"][i]), int(c["id_dev"][i]))
+        else:
+            ext, sw, sh = _EXTS[c["enc_ext"][i]], int(c["enc_w"][i]), int(c["enc_h"][i])
+            cache, coff, ident = os.path.join(state, _cache_name(j)), int(c["enc_off"][i]), None
+        return _Sample(self.key(i), os.path.join(src, raw), label, self.classes[label], _display(raw),
+                       int(c["orientation"][i]), ext, sw, sh, w, h, bytes(c["sha256"][i]).hex(),
+                       int(self.stored_len[i]), ident, cache, coff)
+
+
+def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: str,
+               options: dict[str, Any], shuffled: Any) -> _Plan:
     """The plan: accepted samples (keys in sorted order), split into shards following ``shuffled`` (the seeded
     permutation of the candidates; the accepted ones in that order are a seeded shuffle of the accepted list)."""
-    accepted = []
-    rejected = list(scan.rejected)
-    position: dict[int, int] = {}
-    for c, ((rel, label, size, _mtime), res) in enumerate(zip(scan.candidates, results)):
-        ok, what, fmt, w, h, orientation, enc, digest, ident = res
-        if not ok:
-            rejected.append(FileIssue(_display(rel), what))
-            continue
-        position[c] = len(accepted)
-        sample = {"source": _display(rel), "path": rel, "label": label, "bytes": size, "action": what,
-                  "ext": _EXT.get(fmt, ""),
-                  "width": w, "height": h, "orientation": orientation, "enc": None, "est_bytes": size,
-                  "sha256": digest, "ident": None if ident is None else list(ident)}
-        if enc is not None:
-            sample["enc"] = list(enc)  # [cache file, offset, length, ext, width, height]
-            sample["est_bytes"] = enc[2]
-        accepted.append(sample)
+    import numpy as np
+
+    ok = results.ok
+    acc = np.nonzero(ok)[0]
+    rejected = list(scan.rejected) + [FileIssue(_display(scan.paths[k]), r) for k, r in results.reasons.items()]
     rejected.sort(key=lambda i: i.path)
-    counts = [0] * len(scan.classes)
-    for a in accepted:  # already sorted by (label, source)
-        a["key"] = f"{a['label']:05d}_{counts[a['label']]:07d}"
-        counts[a["label"]] += 1
-    if not accepted:
+    if not len(acc):
         raise DataError(f"SRC {cfg.src} holds no valid image ({len(rejected)} rejected)")
-    order = [position[c] for c in shuffled if c in position]
-    est_total = sum(a["est_bytes"] + _TAR_OVERHEAD_PER_SAMPLE for a in accepted)
-    n_shards = plan_num_shards(len(accepted), est_total, cfg)
-    if n_shards > len(accepted):
+    cols = {k: v[acc] for k, v in results.cols.items()}
+    cols["label"], cols["bytes"] = scan.labels[acc], scan.sizes[acc]
+    paths = scan.paths if len(acc) == len(scan) else scan.paths.take(acc)
+    counts = np.bincount(cols["label"], minlength=len(scan.classes)).tolist()
+    rank = np.cumsum(ok) - 1  # candidate -> position among the accepted
+    shuffled = np.asarray(shuffled, dtype=np.int64)
+    order = rank[shuffled[ok[shuffled]]].astype(np.int64)
+    encoded = cols["enc_cache"] >= 0
+    est = np.where(encoded, cols["enc_len"], cols["bytes"]) + _TAR_OVERHEAD_PER_SAMPLE
+    n = len(acc)
+    n_shards = plan_num_shards(n, int(est.sum()), cfg)
+    if n_shards > n:
         raise DataError(
             f"{n_shards} shards (a multiple of --multiple-of {cfg.multiple_of}) need at least {n_shards} images, "
-            f"but only {len(accepted)} were accepted; lower --multiple-of"
+            f"but only {n} were accepted; lower --multiple-of"
         )
     shards = []
     pos = 0
-    for name, k in zip(_shard_names(cfg.prefix, n_shards), split_sizes(len(accepted), n_shards)):
+    for name, k in zip(_shard_names(cfg.prefix, n_shards), split_sizes(n, n_shards)):
         idx = order[pos:pos + k]
+        enc_idx = idx[encoded[idx]]
+        shards.append({"name": name, "start": pos, "count": k, "est_bytes": int(est[idx].sum()),
+                       "caches": [_cache_name(j) for j in np.unique(cols["enc_cache"][enc_idx]).tolist()],
+                       "cache_bytes": int(cols["enc_len"][enc_idx].sum())})
         pos += k
-        caches = sorted({accepted[i]["enc"][0] for i in idx if accepted[i]["enc"] is not None})
-        shards.append({"name": name, "samples": idx,
-                       "est_bytes": sum(accepted[i]["est_bytes"] + _TAR_OVERHEAD_PER_SAMPLE for i in idx),
-                       "caches": caches,
-                       "cache_bytes": sum(accepted[i]["enc"][2] for i in idx if accepted[i]["enc"] is not None)})
-    return {"plan_version": PLAN_VERSION, "fingerprint": fingerprint, "options": options,
+    cols["order"] = order
+    meta = {"plan_version": PLAN_VERSION, "fingerprint": fingerprint, "options": options,
             "classes": scan.classes, "class_counts": counts,
-            "empty_classes": [c for c, n in zip(scan.classes, counts) if n == 0],
-            "samples": accepted, "shards": shards, "rejected": [i.__dict__ for i in rejected],
-            "warnings": []}
+            "empty_classes": [c for c, m in zip(scan.classes, counts) if m == 0],
+            "num_samples": n, "shards": shards, "rejected": [i.__dict__ for i in rejected]}
+    return _Plan(meta, cols, paths)
 
 
-def _finish(dest: str, cfg: ShardConfig, plan: dict[str, Any], infos: list[dict[str, Any]],
+def _save_plan(state: str, plan: _Plan) -> None:
+    """``plan.bin`` (the columns, raw little-endian arrays one after the other) then, atomically and last,
+    ``plan.json`` (the metadata, each column's dtype, shape and offset, and plan.bin's sha256)."""
+    import numpy as np
+
+    from gpufeed.records import _umask, atomic_write_bytes, fsync_dir
+
+    arrays = {**plan.cols, "path_offsets": plan.paths.offsets,
+              "path_blob": np.frombuffer(plan.paths.blob, dtype=np.uint8)}
+    spec = []
+    h = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{PLAN_ARRAYS_NAME}.", suffix=".tmp", dir=state)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            offset = 0
+            for name in sorted(_PLAN_COLUMNS):
+                a = np.ascontiguousarray(arrays[name], dtype=_PLAN_COLUMNS[name][0])
+                spec.append([name, list(a.shape), offset])
+                f.write(memoryview(a).cast("B"))
+                h.update(memoryview(a).cast("B"))
+                offset += a.nbytes
+            f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(state, PLAN_ARRAYS_NAME))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(state)
+    meta = {**plan.meta, "arrays": {"sha256": h.hexdigest(), "bytes": offset, "columns": spec}}
+    atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(meta).encode("utf-8"))
+
+
+def _read_plan(state: str) -> _Plan | None:
+    """The stored plan, or None when it is missing, of another version, or inconsistent in any way (every size,
+    offset and index is checked before use: the state folder is data too)."""
+    import numpy as np
+
+    try:
+        meta = json.loads(Path(state, PLAN_NAME).read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or meta.get("plan_version") != PLAN_VERSION:
+            return None
+        spec = meta["arrays"]
+        with open(os.path.join(state, PLAN_ARRAYS_NAME), "rb") as f:
+            data = f.read(int(spec["bytes"]) + 1)
+        if len(data) != spec["bytes"] or hashlib.sha256(data).hexdigest() != spec["sha256"]:
+            return None
+        n = int(meta["num_samples"])
+        arrays: dict[str, Any] = {}
+        for name, shape, offset in spec["columns"]:
+            dt, tail = _PLAN_COLUMNS[name]
+            if tuple(shape[1:]) != tail or len(shape) != 1 + len(tail) or name in arrays:
+                return None
+            count = math.prod(shape)
+            if not 0 <= offset <= len(data) - count * np.dtype(dt).itemsize:
+                return None
+            arrays[name] = np.frombuffer(data, dtype=dt, count=count, offset=offset).reshape(shape)
+        if set(arrays) != set(_PLAN_COLUMNS):
+            return None
+        offsets, blob = arrays.pop("path_offsets"), arrays.pop("path_blob")
+        classes, shards = meta["classes"], meta["shards"]
+        if (any(len(a) != n for a in arrays.values()) or len(offsets) != n + 1 or offsets[0] != 0
+                or offsets[-1] != len(blob) or (n and np.diff(offsets).min() < 0)
+                or len(meta["class_counts"]) != len(classes) or sum(meta["class_counts"]) != n
+                or not n or not 0 <= arrays["label"].min() <= arrays["label"].max() < len(classes)
+                or np.bincount(arrays["label"], minlength=len(classes)).tolist() != meta["class_counts"]
+                or not 0 <= arrays["order"].min() <= arrays["order"].max() < n
+                or [s["start"] for s in shards] != [sum(s["count"] for s in shards[:i]) for i in range(len(shards))]
+                or sum(s["count"] for s in shards) != n
+                or not all(type(s["count"]) is int and s["count"] > 0 and _SHARD_RE.match(s["name"])
+                           and all(_CACHE_RE.match(c) for c in s["caches"]) for s in shards)
+                or arrays["ext"].max() >= len(_EXTS) or arrays["enc_ext"].max() >= len(_EXTS)
+                or arrays["action"].max() >= len(_ACTIONS)):
+            return None
+        return _Plan(meta, arrays, _Strings(blob.tobytes(), offsets))
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+_INDEX_BLOCK = 65536
+"""Rows of ``index.parquet`` whose key and source strings are built at a time (then kept as Arrow arrays)."""
+
+
+def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
             options: dict[str, Any]) -> Any:
+    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -1251,42 +1546,42 @@ def _finish(dest: str, cfg: ShardConfig, plan: dict[str, Any], infos: list[dict[
     from gpufeed.manifest import INDEX_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
     from gpufeed.records import atomic_write_bytes
 
-    by_key = {s["key"]: s for s in plan["samples"]}
-    cols: dict[str, list[Any]] = {c: [] for c in ("key", "shard", "class", "label", "source", "bytes",
-                                                    "width", "height")}
-    for info in infos:
-        for key, nbytes, w, h in info["rows"]:
-            s = by_key[key]
-            cols["key"].append(key)
-            cols["shard"].append(info["name"])
-            cols["class"].append(plan["classes"][s["label"]])
-            cols["label"].append(s["label"])
-            cols["source"].append(s["source"])
-            cols["bytes"].append(nbytes)
-            cols["width"].append(w)
-            cols["height"].append(h)
+    rows = np.concatenate([plan.indices(s) for s in plan.shards])  # plan order: shard by shard
+    shard_of = np.repeat(np.arange(len(plan.shards)), [s["count"] for s in plan.shards])
+    keys, sources = [], []
+    for b in range(0, len(rows), _INDEX_BLOCK):
+        block = rows[b:b + _INDEX_BLOCK].tolist()
+        keys.append(pa.array([plan.key(i) for i in block], pa.string()))
+        sources.append(pa.array([_display(plan.paths[i]) for i in block], pa.string()))
+    labels = plan.cols["label"][rows]
     table = pa.table({
-        "key": pa.array(cols["key"], pa.string()), "shard": pa.array(cols["shard"], pa.string()),
-        "class": pa.array(cols["class"], pa.string()), "label": pa.array(cols["label"], pa.int64()),
-        "source": pa.array(cols["source"], pa.string()), "bytes": pa.array(cols["bytes"], pa.int64()),
-        "width": pa.array(cols["width"], pa.int32()), "height": pa.array(cols["height"], pa.int32()),
+        "key": pa.concat_arrays(keys),
+        "shard": pa.array([s["name"] for s in plan.shards], pa.string()).take(pa.array(shard_of)),
+        "class": pa.array(plan.classes, pa.string()).take(pa.array(labels)),
+        "label": pa.array(labels.astype(np.int64), pa.int64()),
+        "source": pa.concat_arrays(sources),
+        "bytes": pa.array(plan.stored_len[rows].astype(np.int64), pa.int64()),
+        "width": pa.array(plan.stored_w[rows].astype(np.int32), pa.int32()),
+        "height": pa.array(plan.stored_h[rows].astype(np.int32), pa.int32()),
     })
+    del keys, sources
     buf = pa.BufferOutputStream()
     pq.write_table(table, buf)
-    atomic_write_bytes(os.path.join(dest, INDEX_NAME), buf.getvalue().to_pybytes())
+    del table
+    atomic_write_bytes(os.path.join(dest, INDEX_NAME), buf.getvalue())
 
     names = [i["name"] for i in infos]
     shard_infos = [ShardInfo(name=i["name"], num_samples=i["num_samples"], bytes=i["bytes"], sha256=i["sha256"])
                    for i in infos]
     total = sum(i["bytes"] for i in infos)
     n = sum(i["num_samples"] for i in infos)
-    timm = {"name": os.path.basename(dest.rstrip("/")) or "gpufeed", "num_classes": len(plan["classes"]),
+    timm = {"name": os.path.basename(dest.rstrip("/")) or "gpufeed", "num_classes": len(plan.classes),
             "splits": {cfg.prefix: {"name": cfg.prefix, "num_samples": n, "filenames": names,
                                     "shard_lengths": [i["num_samples"] for i in infos]}}}
     atomic_write_bytes(os.path.join(dest, TIMM_INFO_NAME), (json.dumps(timm, indent=2) + "\n").encode())
     manifest = Manifest(
-        prefix=cfg.prefix, classes=list(plan["classes"]), shards=shard_infos, num_samples=n,
-        num_rejected=len(plan["rejected"]), total_bytes=total, mean_sample_bytes=total / n if n else 0.0,
+        prefix=cfg.prefix, classes=list(plan.classes), shards=shard_infos, num_samples=n,
+        num_rejected=len(plan.rejected), total_bytes=total, mean_sample_bytes=total / n if n else 0.0,
         url_pattern=brace_pattern(names), options=options, created_by="gpufeed shard",
         gpufeed_version=__version__,
     )
@@ -1363,44 +1658,58 @@ def _noop() -> None:
     return None
 
 
+_VALIDATE_DEPTH = 64
+"""Validation batches in flight at once: enough to keep the workers busy, few enough that the batches' paths
+and results are never all held at once."""
+
+
 def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any, bar: _Bar,
-              order: list[int]) -> list[tuple]:
+              order: Any) -> _Results:
     """Validate the candidates in the seeded shard order (so each transcode cache file feeds one or a few
     consecutive shards and can be deleted once they are written); results in candidate order."""
-    paths = [os.path.join(src, scan.candidates[k][0]) for k in order]
-    sizes = [scan.candidates[k][2] for k in order]
-    bar.start("validate", len(paths))
-    chunks = [(i, paths[i:i + _CHUNK]) for i in range(0, len(paths), _CHUNK)]
-    results: list[Any] = [None] * len(chunks)
-    cache = [f"enc-{j:06d}.bin" for j in range(len(chunks))]
+    n = len(order)
+    results = _Results(n)
+    bar.start("validate", n)
+    starts = iter(enumerate(range(0, n, _CHUNK)))
+
+    def batch(i: int) -> tuple[list[int], list[str]]:
+        ks = order[i:i + _CHUNK].tolist()
+        return ks, [os.path.join(src, scan.paths[k]) for k in ks]
+
+    def stored(ks: list[int], j: int, res: list[_Checked]) -> None:
+        results.put(ks, res, j)
+        bar.update(len(ks), int(scan.sizes[ks].sum()))
+
     if pool is None:
-        for j, (i, chunk) in enumerate(chunks):
-            results[j] = _validate_chunk(chunk, opts, os.path.join(state, cache[j]))
-            bar.update(len(chunk), sum(sizes[i:i + len(chunk)]))
-    else:
-        ex = pool[0]
-        futs = {ex.submit(_validate_chunk, chunk, opts, os.path.join(state, cache[j])): (j, i, len(chunk))
-                for j, (i, chunk) in enumerate(chunks)}
-        for fut in cf.as_completed(futs):
-            j, i, k = futs[fut]
-            results[j] = fut.result()
-            bar.update(k, sum(sizes[i:i + k]))
-    out: list[Any] = [None] * len(order)
-    pos = 0
-    for j, chunk_results in enumerate(results):
-        for r in chunk_results:
-            out[order[pos]] = r if r[6] is None else r[:6] + ((cache[j], *r[6]),) + r[7:]
-            pos += 1
-    return out
+        for j, i in starts:
+            ks, paths = batch(i)
+            stored(ks, j, _validate_chunk(paths, opts, os.path.join(state, _cache_name(j))))
+        return results
+    ex = pool[0]
+    running: dict[Any, tuple[list[int], int]] = {}
+    while True:
+        for j, i in starts:
+            ks, paths = batch(i)
+            running[ex.submit(_validate_chunk, paths, opts, os.path.join(state, _cache_name(j)))] = (ks, j)
+            if len(running) >= _VALIDATE_DEPTH:
+                break
+        if not running:
+            return results
+        finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+        for fut in finished:
+            ks, j = running.pop(fut)
+            stored(ks, j, fut.result())
 
 
-def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, bar: _Bar,
-               on_done: Callable[[str], None] = lambda name: None, workers: int = 1) -> dict[str, Any]:
+def _write_all(dest: str, tasks: list[tuple[str, int, Callable[[], list[_Sample]]]], opts: dict[str, Any],
+               pool: Any, bar: _Bar, on_done: Callable[[str], None] = lambda name: None,
+               workers: int = 1) -> dict[str, Any]:
     """Write the shards: every shard is split into runs of consecutive samples written in parallel at their
     offsets (``_write_range``, in the worker processes, or one thread without a pool), while one thread per
     shard hashes it in order as its runs complete; a shard is renamed once written and hashed. Several shards
-    are in flight at once, so a one-shard plan uses every worker too."""
-    total = sum(len(t[1]) for t in tasks)
+    are in flight at once, so a one-shard plan uses every worker too. ``tasks``: (shard name, number of samples,
+    a function building its samples), so only the shards in flight are held as records."""
+    total = sum(t[1] for t in tasks)
     bar.start("write", total)
     out: dict[str, Any] = {}
     if not tasks:
@@ -1423,7 +1732,7 @@ def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, b
                     nxt = next(pending, None)
                     if nxt is None:
                         break
-                    current = _ShardJob(dest, nxt[0], nxt[1])
+                    current = _ShardJob(dest, nxt[0], nxt[2]())
                     jobs.append(current)
                     fut = hashers.submit(_hash_file_ranges, current.tmp, current.blocks)
                     hashing[fut] = current

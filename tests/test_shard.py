@@ -711,3 +711,45 @@ def test_output_bytes_match_the_pre_columnar_plan(tmp_path: Path, case: str) -> 
     got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(dest.iterdir()) if p.is_file()}
     assert got == MIXED_GOLDEN[case], json.dumps(got, indent=1)
     assert rep.num_rejected == 2 and rep.num_ignored == 1
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_plain_jpeg_fast_path_agrees_with_pillow_on_damaged_headers(tmp_path: Path, monkeypatch) -> None:
+    """--check header reads plain JPEG headers itself; for every truncation and many one-byte corruptions of the
+    header its verdict (accept with size, or let Pillow decide) equals Pillow's."""
+    import gpufeed.shard as mod
+
+    opts = {"check": "header", "max_pixels": 178_956_970, "max_size": None, "quality": None}
+    exif = Image.Exif()
+    exif[0x0112] = 3
+    sources = [
+        write_image(tmp_path / "rgb.jpg", size=(21, 13), quality=90),
+        write_image(tmp_path / "gray.jpg", size=(9, 17), mode="L"),
+        write_image(tmp_path / "prog.jpg", size=(30, 8), progressive=True, optimize=True),
+        write_image(tmp_path / "exif.jpg", size=(12, 12), exif=exif.tobytes()),
+        write_image(tmp_path / "cmyk.jpg", size=(8, 8), mode="CMYK"),
+    ]
+    real_fast = mod._plain_jpeg_size
+    assert [real_fast(p.read_bytes(), 10**9) for p in sources] == [(21, 13), (9, 17), (30, 8), None, None]
+    probe = tmp_path / "probe.jpg"
+    fast_hits = 0
+
+    def both(data: bytes) -> None:
+        nonlocal fast_hits
+        probe.write_bytes(data)
+        monkeypatch.setattr(mod, "_plain_jpeg_size", real_fast)
+        fast = mod._inspect(str(probe), opts)
+        monkeypatch.setattr(mod, "_plain_jpeg_size", lambda *a: None)
+        slow = mod._inspect(str(probe), opts)
+        assert fast == slow, (len(data), fast, slow)
+        fast_hits += real_fast(data, 10**9) is not None
+
+    for src in sources:
+        data = src.read_bytes()
+        sos = data.index(b"\xff\xda")
+        for cut in range(0, sos + 16):
+            both(data[:cut])
+        for i in range(2, sos + 14):
+            for v in (0x00, 0x03, 0xC0, 0xFF, data[i] ^ 0x80):
+                both(data[:i] + bytes([v]) + data[i + 1:])
+    assert fast_hits > 500  # the fast path did take part

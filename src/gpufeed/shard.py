@@ -66,7 +66,9 @@ names, mode 0644) and members are written in plan order, so the bytes do not dep
 Resume
 ------
 The plan (fingerprint of the scanned files' paths, sizes and mtimes and of every output-affecting option,
-plus the validated sample list) is kept in ``DEST/.gpufeed/plan.json``; each completed shard leaves
+plus the validated sample list) is kept in ``DEST/.gpufeed/plan.json`` (metadata) and ``plan.bin`` (the samples
+as columns: ~140 bytes a sample plus its path, in memory as on disk; plan.json records its sha256 and a plan that
+does not check out is treated as a different plan); each completed shard leaves
 ``DEST/.gpufeed/<shard>.done.json`` with its size and sha256. A re-run with the same fingerprint skips shards
 whose file matches its sidecar and writes the rest; a different fingerprint is refused unless ``overwrite``.
 A run holds ``fcntl.flock`` on ``DEST/.gpufeed/lock`` (which records its pid): a second run into the same DEST is
@@ -80,7 +82,7 @@ opened file's identity (size, mtime_ns, inode, device). When its shard is writte
 still have that identity, else the run is refused ("changed while sharding"): any rewrite in place moves mtime
 and a replacement by rename changes the inode. Not caught: a rewrite at the same size that keeps (or restores,
 ``touch -d``) the exact mtime_ns — re-hashing would catch it, at the cost of a third SHA-256 pass over the
-input. (Plans written before identities were recorded fall back to comparing the sha256.)
+input.
 
 Disk space
 ----------
@@ -494,6 +496,58 @@ def _encode(data: bytes, action: str, opts: dict[str, Any]) -> tuple[bytes, str,
     raise AssertionError(action)  # pragma: no cover
 
 
+_SKIPPED_SEGMENTS = frozenset((0xC4, 0xDD, 0xFE))  # DHT, DRI, COM: Pillow reads them whole, nothing more
+
+
+def _plain_jpeg_size(data: bytes, max_image_pixels: int) -> tuple[int, int] | None:
+    """(width, height) of a plain JFIF/baseline or progressive 8-bit, 1- or 3-component JPEG whose header Pillow
+    opens without a doubt, else None (then Pillow decides: its answer for every other file stays the rule).
+
+    ``--check header`` spends most of its per-file time in Pillow's Python JPEG marker parser; for the common
+    plain file this walks the same segments with the same checks Pillow makes (segment lengths within the data,
+    quantization tables whole, one SOF with 8-bit samples and whole component records, a complete SOS
+    segment), and gives up on anything else: other APPn segments (Exif, XMP and ICC profiles, MPF, Adobe),
+    other SOF types, padding or junk between segments, a second SOF, no pixels, more than Pillow's
+    ``MAX_IMAGE_PIXELS``. Such a file has no EXIF orientation (1), mode L or RGB, format JPEG."""
+    n = len(data)
+    if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        return None
+    pos = 2
+    size = None
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        end = pos + 2 + length
+        if length < 2 or end > n:
+            return None
+        if marker == 0xDA:  # start of scan: Pillow stops here
+            if size is None:
+                return None
+            w, h = size
+            return size if 0 < w * h <= max_image_pixels else None
+        seg = data[pos + 4:end]
+        if marker == 0xDB:  # DQT: whole tables only
+            k = 0
+            while k < len(seg):
+                qt = 1 + (64 if seg[k] < 16 else 128)
+                if len(seg) - k < qt:
+                    return None
+                k += qt
+        elif marker in (0xC0, 0xC1, 0xC2):  # SOF
+            if size is not None or len(seg) < 6 or seg[0] != 8 or seg[5] not in (1, 3) or (len(seg) - 6) % 3:
+                return None
+            size = ((seg[3] << 8) | seg[4], (seg[1] << 8) | seg[2])
+        elif marker == 0xE0:  # APP0: Pillow reads the JFIF version at bytes 5-6
+            if seg.startswith(b"JFIF") and len(seg) < 7:
+                return None
+        elif marker not in _SKIPPED_SEGMENTS:
+            return None
+        pos = end
+    return None
+
+
 class _Encoded(NamedTuple):
     """A transcoded image: worker side, ``data`` holds its bytes; in a batch's result, ``data`` is its offset in
     the batch's cache file."""
@@ -541,6 +595,11 @@ def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
         return _reject(f"unreadable ({exc.strerror or exc})")
     if not data:
         return _reject("empty file (0 bytes)")
+    ident = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+    if opts["check"] == "header" and opts["quality"] is None:
+        size = _plain_jpeg_size(data, min(opts["max_pixels"], Image.MAX_IMAGE_PIXELS or opts["max_pixels"]))
+        if size is not None and (opts["max_size"] is None or max(size) <= opts["max_size"]):
+            return _Checked(True, "copy", "JPEG", size[0], size[1], 1, None, hashlib.sha256(data).digest(), ident)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
@@ -584,7 +643,6 @@ def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
                     im.convert("RGB")
         except Exception as exc:  # noqa: BLE001 - truncated / corrupt data is a per-file reject
             return _reject(f"decode failed ({type(exc).__name__}: {exc})", fmt, w, h, orientation)
-    ident = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
     return _Checked(True, action, fmt, w, h, orientation, None, hashlib.sha256(data).digest(), ident)
 
 
@@ -616,17 +674,24 @@ shard in order trails the writers by little, large enough to amortise the per-ta
 _RANGE_SAMPLES = 256
 
 
+_USTAR_MODE_IDS = b"0000644\0" b"0000000\0" b"0000000\0"
+_USTAR_MTIME = b"00000000000\0"
+_USTAR_TAIL = (b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * 32 + b"\0" * 32 + b"\0" * 8 + b"\0" * 8
+               + b"\0" * 155).ljust(512 - 156, b"\0")
+_USTAR_FIXED_SUM = sum(_USTAR_MODE_IDS) + sum(_USTAR_MTIME) + 8 * ord(" ") + sum(_USTAR_TAIL)
+"""Checksum of the header's fixed fields (the checksum field counting as 8 spaces); name and size add theirs."""
+
+
 def ustar_header(name: str, size: int) -> bytes:
     """The 512-byte USTAR header tarfile writes for a regular file with our fixed metadata (mtime 0, uid/gid 0,
     empty user/group names, mode 0644), built directly: tarfile's generic path costs more than the I/O."""
     nb = name.encode("utf-8")
     if len(nb) > 100 or size >= 8**11:
         raise ValueError(f"{name!r} ({size} bytes) does not fit a plain USTAR header")
-    buf = b"".join([
-        nb.ljust(100, b"\0"), b"0000644\0", b"0000000\0", b"0000000\0", b"%011o\0" % size, b"00000000000\0",
-        b" " * 8, b"0", b"\0" * 100, b"ustar\x0000", b"\0" * 32, b"\0" * 32, b"\0" * 8, b"\0" * 8, b"\0" * 155,
-    ]).ljust(512, b"\0")
-    return buf[:148] + b"%06o\0" % sum(buf) + buf[155:]
+    size_field = b"%011o\0" % size
+    checksum = _USTAR_FIXED_SUM + sum(nb) + sum(size_field)
+    return b"".join([nb.ljust(100, b"\0"), _USTAR_MODE_IDS, size_field, _USTAR_MTIME, b"%06o\0 " % checksum,
+                     _USTAR_TAIL])
 
 
 def _member(name: str, data: bytes) -> bytes:

@@ -753,3 +753,20 @@ def test_plain_jpeg_fast_path_agrees_with_pillow_on_damaged_headers(tmp_path: Pa
             for v in (0x00, 0x03, 0xC0, 0xFF, data[i] ^ 0x80):
                 both(data[:i] + bytes([v]) + data[i + 1:])
     assert fast_hits > 500  # the fast path did take part
+
+
+def test_sample_json_is_exactly_json_dumps() -> None:
+    from gpufeed.shard import _Sample, _sample_json
+
+    for cname, source, orientation, size in [("cat", "cat/1.jpg", 1, (8, 8)),
+                                             ('q"\\\n\t\x01é\u2028', 'd/"x"\\é\x7f.jpg', 6, (30, 20)),
+                                             ("x", "x/\ufffd.png", 70000, (8, 9))]:
+        s = _Sample("00001_0000002", "/abs", 1, cname, source, orientation, "png", 8, 8, *size, "ab" * 32, 10,
+                    None, None, 0)
+        meta = {"source": source, "class": cname, "label": 1, "width": 8, "height": 8, "format": "png",
+                "sha256": "ab" * 32}
+        if orientation != 1:
+            meta["exif_orientation"] = orientation
+        if size != (8, 8):
+            meta["orig_width"], meta["orig_height"] = size
+        assert _sample_json(s) == json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")

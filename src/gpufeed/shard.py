@@ -132,6 +132,7 @@ CMYK_QUALITY = 95
 _SHARD_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.tar$")
 _CACHE_RE = re.compile(r"^enc-\d{6,}\.bin$")
 _CHUNK = 32  # files per validation task: amortises IPC, small enough for a smooth bar and balance
+_HEADER_CHUNK = 512  # the same for --check header without re-encoding options (no decode: ~20 us a file)
 _TAR_OVERHEAD_PER_SAMPLE = 3 * 1024 + 300  # 3 headers + padding + json member, roughly
 
 
@@ -646,8 +647,9 @@ def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
     return _Checked(True, action, fmt, w, h, orientation, None, hashlib.sha256(data).digest(), ident)
 
 
-def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = None) -> list[_Checked]:
-    """Validate a batch of files. Transcoded outputs go to one cache file per batch (``enc.data``: the offset)."""
+def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = None) -> dict[str, Any]:
+    """Validate a batch of files -> their results as columns (``_batch_columns``). Transcoded outputs go to one
+    cache file per batch."""
     results = []
     blobs = []
     offset = 0
@@ -663,7 +665,36 @@ def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = 
         from gpufeed.records import atomic_write_bytes
 
         atomic_write_bytes(cache, b"".join(blobs))
-    return results
+    return _batch_columns(results)
+
+
+def _batch_columns(results: list[_Checked]) -> dict[str, Any]:
+    """A batch's results as numpy columns of its accepted files (``_COLUMNS``; ``enc_cache`` 0 marks a transcoded
+    file, whose cache the main process numbers), ``ok`` per file and ``reasons`` {position: reason}: built in the
+    worker, so the main process only scatters a few arrays per batch."""
+    import numpy as np
+
+    acc = [r for r in results if r.ok]
+    none = _Encoded(0, 0, "", 0, 0)
+    encs = [r.enc or none for r in acc]
+    ids = [r.ident or (0, 0, 0, 0) for r in acc]
+    values = {
+        "action": [_ACTIONS.index(r.what) for r in acc],
+        "ext": [_EXTS.index(_EXT.get(r.fmt or "", "")) for r in acc],
+        "width": [r.width for r in acc], "height": [r.height for r in acc],
+        "orientation": [r.orientation for r in acc],
+        "sha256": np.frombuffer(b"".join(r.sha256 for r in acc), np.uint8).reshape(len(acc), 32),
+        "id_size": [i[0] for i in ids], "id_mtime": [i[1] for i in ids], "id_ino": [i[2] for i in ids],
+        "id_dev": [i[3] for i in ids], "enc_cache": [-1 if r.enc is None else 0 for r in acc],
+        "enc_off": [e.data for e in encs], "enc_len": [e.length for e in encs],
+        "enc_ext": [_EXTS.index(e.ext) for e in encs], "enc_w": [e.width for e in encs],
+        "enc_h": [e.height for e in encs],
+    }
+    out: dict[str, Any] = {k: np.asarray(values[k], dtype=dt).reshape(len(acc), *shape)
+                           for k, (dt, shape) in _COLUMNS.items()}
+    out["ok"] = np.array([r.ok for r in results], dtype=bool)
+    out["reasons"] = {i: r.what for i, r in enumerate(results) if not r.ok}
+    return out
 
 
 # --------------------------------------------------------------------------- writing (worker side)
@@ -828,6 +859,23 @@ class _Sample(NamedTuple):
     coff: int
 
 
+def _sample_json(s: _Sample) -> bytes:
+    """``KEY.json``: exactly ``json.dumps(meta, sort_keys=True, ensure_ascii=False)`` of the sample's metadata
+    (``source``, ``class``, ``label``, stored ``width``/``height``, ``format``, ``sha256``, ``exif_orientation``
+    when not 1, ``orig_width``/``orig_height`` when resized), written out directly: the generic encoder costs more
+    than the rest of the sample."""
+    from json.encoder import encode_basestring
+
+    parts = [f'{{"class": {encode_basestring(s.cname)}, ']
+    if s.orientation != 1:
+        parts.append(f'"exif_orientation": {s.orientation}, ')
+    parts.append(f'"format": {encode_basestring(s.ext)}, "height": {s.height}, "label": {s.label}, ')
+    if (s.orig_width, s.orig_height) != (s.width, s.height):
+        parts.append(f'"orig_height": {s.orig_height}, "orig_width": {s.orig_width}, ')
+    parts.append(f'"sha256": "{s.sha256}", "source": {encode_basestring(s.source)}, "width": {s.width}}}')
+    return "".join(parts).encode("utf-8")
+
+
 class _ShardJob:
     """One shard being written: its layout, temporary file, write ranges and in-order hashing."""
 
@@ -841,13 +889,7 @@ class _ShardJob:
         items = []
         pos = 0
         for s in samples:
-            meta: dict[str, Any] = {"source": s.source, "class": s.cname, "label": s.label, "width": s.width,
-                                    "height": s.height, "format": s.ext, "sha256": s.sha256}
-            if s.orientation != 1:
-                meta["exif_orientation"] = s.orientation
-            if (s.orig_width, s.orig_height) != (s.width, s.height):
-                meta["orig_width"], meta["orig_height"] = s.orig_width, s.orig_height
-            json_b = json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
+            json_b = _sample_json(s)
             cls_b = str(s.label).encode("ascii")
             items.append(_Item(pos, s.key, s.ext, s.img_len, cls_b, json_b, s.path, s.source, s.ident, s.cache,
                                s.coff))
@@ -1100,7 +1142,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             order = np.array(shuffled, dtype=np.int64)
             del shuffled
             try:
-                results = _validate(scan, src, state, opts, pool, bar, order)
+                results = _validate(scan, src, state, opts, pool, bar, order, workers)
             except OSError as exc:
                 cached = _cache_bytes(state)
                 _clear_cache(state)  # useless without a plan: give the space back
@@ -1142,7 +1184,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         for leftover in os.listdir(dest):
             if leftover.startswith(".") and leftover.endswith(".tar.tmp") or _atomic_leftover(leftover):
                 os.unlink(os.path.join(dest, leftover))
-        tasks = [(s["name"], s["count"], (lambda s=s: [plan.sample(int(i), src, state) for i in plan.indices(s)]))
+        tasks = [(s["name"], s["count"], (lambda s=s: plan.samples(plan.indices(s), src, state)))
                  for s in todo]
         caches_of = {s["name"]: s["caches"] for s in todo}
 
@@ -1398,23 +1440,19 @@ class _Results:
         self.cols["enc_cache"][:] = -1
         self.reasons: dict[int, str] = {}
 
-    def put(self, ks: list[int], results: list[_Checked], cache: int) -> None:
-        """Store a batch's results for candidates ``ks`` (``cache``: the batch's cache file number)."""
-        for k, r in zip(ks, results):
-            if not r.ok:
-                self.reasons[k] = r.what
-                continue
-            self.ok[k] = True
-            c = self.cols
-            c["action"][k] = _ACTIONS.index(r.what)
-            c["ext"][k] = _EXTS.index(_EXT.get(r.fmt or "", ""))
-            c["width"][k], c["height"][k], c["orientation"][k] = r.width, r.height, r.orientation
-            c["sha256"][k] = memoryview(r.sha256)
-            if r.ident is not None:
-                c["id_size"][k], c["id_mtime"][k], c["id_ino"][k], c["id_dev"][k] = r.ident
-            if r.enc is not None:
-                c["enc_cache"][k], c["enc_off"][k], c["enc_len"][k] = cache, r.enc.data, r.enc.length
-                c["enc_ext"][k], c["enc_w"][k], c["enc_h"][k] = _EXTS.index(r.enc.ext), r.enc.width, r.enc.height
+    def put(self, ks: Any, batch: dict[str, Any], cache: int) -> None:
+        """Store a batch's columns (``_batch_columns``) for candidates ``ks`` (``cache``: the batch's cache file
+        number)."""
+        ok = batch["ok"]
+        if len(ok) != len(ks):
+            raise AssertionError("a validation batch returned a result per file")  # pragma: no cover
+        self.ok[ks] = ok
+        sel = ks[ok]
+        for name in _COLUMNS:
+            self.cols[name][sel] = batch[name]
+        self.cols["enc_cache"][sel[batch["enc_cache"] >= 0]] = cache
+        for i, reason in batch["reasons"].items():
+            self.reasons[int(ks[i])] = reason
 
 
 def _cache_name(j: int) -> str:
@@ -1452,22 +1490,30 @@ class _Plan:
         label = int(self.cols["label"][i])
         return f"{label:05d}_{i - int(self.class_start[label]):07d}"
 
-    def sample(self, i: int, src: str, state: str) -> _Sample:
+    def samples(self, idx: Any, src: str, state: str) -> list[_Sample]:
+        """The samples at plan positions ``idx`` (one shard), built column by column."""
+        import numpy as np
+
         c = self.cols
-        raw = self.paths[i]
-        label = int(c["label"][i])
-        j = int(c["enc_cache"][i])
-        w, h = int(c["width"][i]), int(c["height"][i])
-        if j < 0:
-            ext, sw, sh, cache, coff = _EXTS[c["ext"][i]], w, h, None, 0
-            ident: tuple[int, int, int, int] | None = (int(c["id_size"][i]), int(c["id_mtime"][i]),
-                                                       int(c["id_ino"][i]), int(c["id_dev"][i]))
-        else:
-            ext, sw, sh = _EXTS[c["enc_ext"][i]], int(c["enc_w"][i]), int(c["enc_h"][i])
-            cache, coff, ident = os.path.join(state, _cache_name(j)), int(c["enc_off"][i]), None
-        return _Sample(self.key(i), os.path.join(src, raw), label, self.classes[label], _display(raw),
-                       int(c["orientation"][i]), ext, sw, sh, w, h, bytes(c["sha256"][i]).hex(),
-                       int(self.stored_len[i]), ident, cache, coff)
+        labels = c["label"][idx]
+        n = (idx - self.class_start[labels]).tolist()
+        caches = c["enc_cache"][idx]
+        encoded = (caches >= 0).tolist()
+        ext = np.where(caches >= 0, c["enc_ext"][idx], c["ext"][idx]).tolist()
+        ident = zip(c["id_size"][idx].tolist(), c["id_mtime"][idx].tolist(), c["id_ino"][idx].tolist(),
+                    c["id_dev"][idx].tolist())
+        digests = c["sha256"][idx].tobytes()
+        out = []
+        for k, (i, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
+                idx.tolist(), labels.tolist(), ext, self.stored_w[idx].tolist(), self.stored_h[idx].tolist(),
+                c["width"][idx].tolist(), c["height"][idx].tolist(), c["orientation"][idx].tolist(),
+                self.stored_len[idx].tolist(), caches.tolist(), c["enc_off"][idx].tolist(), ident)):
+            raw = self.paths[i]
+            out.append(_Sample(f"{label:05d}_{n[k]:07d}", os.path.join(src, raw), label, self.classes[label],
+                               _display(raw), orientation, _EXTS[e], w, h, ow, oh,
+                               digests[32 * k:32 * k + 32].hex(), length, None if encoded[k] else idt,
+                               os.path.join(state, _cache_name(j)) if encoded[k] else None, coff))
+        return out
 
 
 def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: str,
@@ -1723,25 +1769,28 @@ def _noop() -> None:
     return None
 
 
-_VALIDATE_DEPTH = 64
-"""Validation batches in flight at once: enough to keep the workers busy, few enough that the batches' paths
+_VALIDATE_DEPTH = 4
+"""Validation batches in flight per worker: enough to keep the workers busy, few enough that the batches' paths
 and results are never all held at once."""
 
 
 def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any, bar: _Bar,
-              order: Any) -> _Results:
+              order: Any, workers: int = 1) -> _Results:
     """Validate the candidates in the seeded shard order (so each transcode cache file feeds one or a few
     consecutive shards and can be deleted once they are written); results in candidate order."""
     n = len(order)
     results = _Results(n)
     bar.start("validate", n)
-    starts = iter(enumerate(range(0, n, _CHUNK)))
+    # Header checks of pass-through files take microseconds a file: bigger batches amortise the IPC.
+    cheap = opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None
+    chunk = _HEADER_CHUNK if cheap else _CHUNK
+    starts = iter(enumerate(range(0, n, chunk)))
 
-    def batch(i: int) -> tuple[list[int], list[str]]:
-        ks = order[i:i + _CHUNK].tolist()
-        return ks, [os.path.join(src, scan.paths[k]) for k in ks]
+    def batch(i: int) -> tuple[Any, list[str]]:
+        ks = order[i:i + chunk]
+        return ks, [os.path.join(src, scan.paths[k]) for k in ks.tolist()]
 
-    def stored(ks: list[int], j: int, res: list[_Checked]) -> None:
+    def stored(ks: Any, j: int, res: dict[str, Any]) -> None:
         results.put(ks, res, j)
         bar.update(len(ks), int(scan.sizes[ks].sum()))
 
@@ -1756,7 +1805,7 @@ def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any
         for j, i in starts:
             ks, paths = batch(i)
             running[ex.submit(_validate_chunk, paths, opts, os.path.join(state, _cache_name(j)))] = (ks, j)
-            if len(running) >= _VALIDATE_DEPTH:
+            if len(running) >= _VALIDATE_DEPTH * workers:
                 break
         if not running:
             return results

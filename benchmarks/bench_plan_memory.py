@@ -9,7 +9,8 @@ once (warm page cache), then runs, interleaved, ``tar cf`` of the folder and ``g
 --workers 2`` into a fresh DEST. For the shard run it polls the process tree (the main process and its workers)
 every 20 ms with psutil and records the peak of the summed RSS and of the main process' RSS, per sample. The
 workers are forked, so the summed RSS counts pages they share with the main process more than once: it is an
-upper bound. Saves JSON under benchmarks/results/. Never asserts.
+upper bound; the summed PSS (shared pages split between the processes, polled every 100 ms) is the tree's real
+footprint. Saves JSON under benchmarks/results/. Never asserts.
 """
 
 from __future__ import annotations
@@ -88,24 +89,30 @@ def run_shard(src: Path, out: Path, n: int) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     ps = psutil.Process(proc.pid)
-    peak_tree = peak_main = 0
+    peak_tree = peak_main = peak_pss = 0
+    tick = 0
     while proc.poll() is None:
         try:
+            procs = [ps, *ps.children(recursive=True)]
             main = ps.memory_info().rss
-            tree = main
-            for ch in ps.children(recursive=True):
+            tree = pss = 0
+            for p in procs:
                 try:
-                    tree += ch.memory_info().rss
+                    tree += p.memory_info().rss
+                    if tick % 5 == 0:  # PSS (pages shared with the forked workers counted once) every 100 ms
+                        pss += p.memory_full_info().pss
                 except psutil.Error:
                     pass
         except psutil.Error:
             break
-        peak_tree, peak_main = max(peak_tree, tree), max(peak_main, main)
+        peak_tree, peak_main, peak_pss = max(peak_tree, tree), max(peak_main, main), max(peak_pss, pss)
+        tick += 1
         time.sleep(0.02)
     stdout, stderr = proc.communicate()
     wall = time.perf_counter() - t0
     rec = {"variant": "shard_header_w2", "wall_s": wall, "rc": proc.returncode,
-           "peak_rss_tree_bytes": peak_tree, "peak_rss_main_bytes": peak_main,
+           "peak_rss_tree_bytes": peak_tree, "peak_rss_main_bytes": peak_main, "peak_pss_tree_bytes": peak_pss,
+           "peak_pss_tree_per_sample": peak_pss / n,
            "peak_rss_tree_per_sample": peak_tree / n, "peak_rss_main_per_sample": peak_main / n}
     if proc.returncode == 0:
         rep = json.loads(stdout.decode().strip().splitlines()[-1])
@@ -147,6 +154,7 @@ def main() -> None:
                        "ratio_shard_over_tar": statistics.median(x["wall_s"] for x in sh) / statistics.median(tar),
                        "peak_rss_tree_per_sample_max": max(x["peak_rss_tree_per_sample"] for x in sh),
                        "peak_rss_main_per_sample_max": max(x["peak_rss_main_per_sample"] for x in sh),
+                       "peak_pss_tree_per_sample_max": max(x["peak_pss_tree_per_sample"] for x in sh),
                        "runs": runs}
             results.append(summary)
         finally:
@@ -155,11 +163,12 @@ def main() -> None:
     out = ROOT / "benchmarks" / "results" / f"bench_plan_memory-{stamp}.json"
     out.write_text(json.dumps({"host": platform.node(), "cpus": os.cpu_count(), "work_dir": base,
                                "python": platform.python_version(), "results": results}, indent=2) + "\n")
-    print(f"{'N':>9} {'tar s':>7} {'shard s':>8} {'ratio':>6} {'tree RSS B/sample':>18} {'main RSS B/sample':>18}")
+    print(f"{'N':>9} {'tar s':>7} {'shard s':>8} {'ratio':>6} {'tree RSS B/sample':>18} {'tree PSS B/sample':>18} "
+          f"{'main RSS B/sample':>18}")
     for s in results:
         print(f"{s['n']:>9} {s['tar_wall_s_median']:>7.2f} {s['shard_wall_s_median']:>8.2f} "
               f"{s['ratio_shard_over_tar']:>6.1f} {s['peak_rss_tree_per_sample_max']:>18.0f} "
-              f"{s['peak_rss_main_per_sample_max']:>18.0f}")
+              f"{s['peak_pss_tree_per_sample_max']:>18.0f} {s['peak_rss_main_per_sample_max']:>18.0f}")
     print(f"saved {out}")
 
 

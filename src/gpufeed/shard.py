@@ -1208,6 +1208,11 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         if pool is not None:
             pool[0].shutdown(wait=True, cancel_futures=True)
 
+    per_action = np.bincount(plan.cols["action"], minlength=len(_ACTIONS)).tolist()
+    transforms = {a: k for a, k in sorted(zip(_ACTIONS, per_action)) if k}
+    num_exif_oriented = int((plan.cols["orientation"] != 1).sum())
+    plan.release_write_columns()
+
     # ---- index, timm info, manifest (last)
     infos = [done[n] for n in names]
     try:
@@ -1220,8 +1225,6 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     # Rates count what this run wrote (a resume that keeps every shard converts nothing).
     n_written = sum(i["num_samples"] for i in written.values())
     in_written = sum(int(plan.cols["bytes"][plan.indices(s)].sum()) for s in todo if s["name"] in written)
-    per_action = np.bincount(plan.cols["action"], minlength=len(_ACTIONS)).tolist()
-    transforms = {a: k for a, k in sorted(zip(_ACTIONS, per_action)) if k}
     rejected = plan.rejected
     ignored = scan.ignored
     if rejected:
@@ -1236,7 +1239,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         write_s=write_s, samples_per_s=n_written / elapsed if elapsed > 0 else 0.0,
         mb_per_s=in_written / 1e6 / elapsed if elapsed > 0 else 0.0, workers=workers, strict=cfg.strict,
         resumed=resumed, transforms=transforms,
-        num_exif_oriented=int((plan.cols["orientation"] != 1).sum()),
+        num_exif_oriented=num_exif_oriented,
         classes=list(plan.classes), empty_classes=list(plan.meta["empty_classes"]), warnings=warn,
         rejected=rejected, ignored=ignored, shards=names, url_pattern=manifest.url_pattern,
         manifest=os.path.join(dest, "manifest.json"),
@@ -1475,10 +1478,24 @@ class _Plan:
         self.rejected = [FileIssue(i["path"], i["reason"]) for i in meta["rejected"]]
         counts = np.asarray(meta["class_counts"], dtype=np.int64)
         self.class_start = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-        encoded = cols["enc_cache"] >= 0
-        self.stored_len = np.where(encoded, cols["enc_len"], cols["bytes"])
-        self.stored_w = np.where(encoded, cols["enc_w"], cols["width"])
-        self.stored_h = np.where(encoded, cols["enc_h"], cols["height"])
+
+    def stored(self, idx: Any) -> tuple[Any, Any, Any]:
+        """(bytes, width, height) of the stored image members of the samples at ``idx`` (after any transcoding)."""
+        import numpy as np
+
+        c = self.cols
+        encoded = c["enc_cache"][idx] >= 0
+        return (np.where(encoded, c["enc_len"][idx], c["bytes"][idx]),
+                np.where(encoded, c["enc_w"][idx], c["width"][idx]),
+                np.where(encoded, c["enc_h"][idx], c["height"][idx]))
+
+    def release_write_columns(self) -> None:
+        """Drop the columns only the writer needs (digests, source identities, cache offsets, ...) before the
+        index is built, so their memory is not held at the same time. A resumed plan's columns share one
+        buffer, which stays."""
+        for name in ("sha256", "id_size", "id_mtime", "id_ino", "id_dev", "enc_off", "enc_ext", "action", "ext",
+                     "orientation"):
+            self.cols.pop(name, None)
 
     def __len__(self) -> int:
         return len(self.cols["label"])
@@ -1504,10 +1521,11 @@ class _Plan:
                     c["id_dev"][idx].tolist())
         digests = c["sha256"][idx].tobytes()
         out = []
+        stored_len, stored_w, stored_h = self.stored(idx)
         for k, (i, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
-                idx.tolist(), labels.tolist(), ext, self.stored_w[idx].tolist(), self.stored_h[idx].tolist(),
+                idx.tolist(), labels.tolist(), ext, stored_w.tolist(), stored_h.tolist(),
                 c["width"][idx].tolist(), c["height"][idx].tolist(), c["orientation"][idx].tolist(),
-                self.stored_len[idx].tolist(), caches.tolist(), c["enc_off"][idx].tolist(), ident)):
+                stored_len.tolist(), caches.tolist(), c["enc_off"][idx].tolist(), ident)):
             raw = self.paths[i]
             out.append(_Sample(f"{label:05d}_{n[k]:07d}", os.path.join(src, raw), label, self.classes[label],
                                _display(raw), orientation, _EXTS[e], w, h, ow, oh,
@@ -1647,6 +1665,45 @@ _INDEX_BLOCK = 65536
 """Rows of ``index.parquet`` whose key and source strings are built at a time (then kept as Arrow arrays)."""
 
 
+def _index_keys(plan: _Plan, rows: Any, labels: Any) -> Any:
+    """The ``key`` column (``{label:05d}_{n:07d}``) as an Arrow string array, digits computed with numpy a block
+    at a time (wider numbers, which ``:05d``/``:07d`` would not pad to a fixed width, go through ``plan.key``)."""
+    import numpy as np
+    import pyarrow as pa
+
+    n = rows - plan.class_start[labels]
+    if len(rows) and (labels.max() >= 10**5 or n.max() >= 10**7):
+        return pa.concat_arrays([pa.array([plan.key(i) for i in rows[b:b + _INDEX_BLOCK].tolist()], pa.string())
+                                 for b in range(0, len(rows), _INDEX_BLOCK)])
+    blocks = []
+    for b in range(0, len(rows), _INDEX_BLOCK):
+        lab, num = labels[b:b + _INDEX_BLOCK].astype(np.int64), n[b:b + _INDEX_BLOCK]
+        chars = np.empty((len(lab), 13), dtype=np.uint8)
+        chars[:, :5] = lab[:, None] // 10 ** np.arange(4, -1, -1) % 10 + 48
+        chars[:, 5] = ord("_")
+        chars[:, 6:] = num[:, None] // 10 ** np.arange(6, -1, -1) % 10 + 48
+        offsets = np.arange(0, 13 * (len(lab) + 1), 13, dtype=np.int32)
+        blocks.append(pa.Array.from_buffers(pa.string(), len(lab), [None, pa.py_buffer(offsets),
+                                                                    pa.py_buffer(chars.tobytes())]))
+    return pa.concat_arrays(blocks) if blocks else pa.array([], pa.string())
+
+
+def _index_sources(plan: _Plan, rows: Any) -> Any:
+    """The ``source`` column (``_display`` of each path) as an Arrow string array: straight from the path blob
+    when every name is UTF-8 (then ``_display`` is the name itself), else name by name."""
+    import pyarrow as pa
+
+    if os.sep == "/" and len(plan.paths.blob) < 2**31:
+        names = pa.Array.from_buffers(pa.binary(), len(plan.paths), [
+            None, pa.py_buffer(plan.paths.offsets.astype("int32")), pa.py_buffer(plan.paths.blob)])
+        try:
+            return names.take(pa.array(rows)).cast(pa.string())
+        except pa.ArrowInvalid:  # a name that is not UTF-8
+            pass
+    return pa.concat_arrays([pa.array([_display(plan.paths[i]) for i in rows[b:b + _INDEX_BLOCK].tolist()],
+                                      pa.string()) for b in range(0, len(rows), _INDEX_BLOCK)])
+
+
 def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
             options: dict[str, Any]) -> Any:
     import numpy as np
@@ -1659,23 +1716,19 @@ def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]
 
     rows = np.concatenate([plan.indices(s) for s in plan.shards])  # plan order: shard by shard
     shard_of = np.repeat(np.arange(len(plan.shards)), [s["count"] for s in plan.shards])
-    keys, sources = [], []
-    for b in range(0, len(rows), _INDEX_BLOCK):
-        block = rows[b:b + _INDEX_BLOCK].tolist()
-        keys.append(pa.array([plan.key(i) for i in block], pa.string()))
-        sources.append(pa.array([_display(plan.paths[i]) for i in block], pa.string()))
     labels = plan.cols["label"][rows]
+    nbytes, width, height = plan.stored(rows)
     table = pa.table({
-        "key": pa.concat_arrays(keys),
+        "key": _index_keys(plan, rows, labels),
         "shard": pa.array([s["name"] for s in plan.shards], pa.string()).take(pa.array(shard_of)),
         "class": pa.array(plan.classes, pa.string()).take(pa.array(labels)),
         "label": pa.array(labels.astype(np.int64), pa.int64()),
-        "source": pa.concat_arrays(sources),
-        "bytes": pa.array(plan.stored_len[rows].astype(np.int64), pa.int64()),
-        "width": pa.array(plan.stored_w[rows].astype(np.int32), pa.int32()),
-        "height": pa.array(plan.stored_h[rows].astype(np.int32), pa.int32()),
+        "source": _index_sources(plan, rows),
+        "bytes": pa.array(nbytes.astype(np.int64), pa.int64()),
+        "width": pa.array(width.astype(np.int32), pa.int32()),
+        "height": pa.array(height.astype(np.int32), pa.int32()),
     })
-    del keys, sources
+    del rows, shard_of, labels, nbytes, width, height
     buf = pa.BufferOutputStream()
     pq.write_table(table, buf)
     del table

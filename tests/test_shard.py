@@ -488,9 +488,9 @@ def test_plan_of_an_older_version_or_damaged_is_refused_then_replanned(tmp_path:
     state = dest / ".gpufeed"
     meta = json.loads((state / "plan.json").read_text())
     assert meta["plan_version"] == 3 and "samples" not in meta and meta["num_samples"] == 4
-    # 139 bytes a sample plus its path: numeric columns, the 32-byte digest, path offset; paths in one blob.
+    # 137 bytes a sample plus its path: numeric columns, the 32-byte digest, path offset; paths in one blob.
     paths = sum(len(f"a/{i}.jpg") for i in range(4))
-    assert (state / "plan.bin").stat().st_size == 4 * 131 + 5 * 8 + paths
+    assert (state / "plan.bin").stat().st_size == 4 * 129 + 5 * 8 + paths
     old = {"plan_version": 2, "fingerprint": meta["fingerprint"], "samples": [], "shards": []}
     (state / "plan.json").write_text(json.dumps(old))
     (dest / "train-000001.tar").unlink()
@@ -698,14 +698,22 @@ MIXED_GOLDEN = {
         "train-000003.tar": "72f167e853deda432eb411733415365c83c55a2a56c6431acec1e7de6e785749",
         "train-000004.tar": "bc9c3e3f51dc37a111d9bd6eba63d429fa6bb8d8dc7a561a5e76fb313c999b43",
     },
+    "range_w2": {
+        "_info.json": "67cdedb78b8b8d70d23c4745147eb85a7cce3c8c302540ba9e61d50c5f9ff330",
+        "index.parquet": "35dd1d2e946e0b4551eb4bfd59ab5d48c07819acf03120613bf30cf5d4baf8b6",
+        "manifest.json": "14b6db2c411034e2fb4be1fc06bae3b06f438ca381c50f7d47a3e64dcbc14214",
+        "train-000000.tar": "d207092e9cee1660312bccbf41551ed6bbb999d8b260877224a2efec0f2cb1ae",
+        "train-000001.tar": "3bc5092ee3517d5be14eb8b9fb0eac17ed27fceab5a15e3fa181578d66ab9d41",
+    },
 }
 
 
-@pytest.mark.parametrize("case", ["default", "max_size", "header_w2"])
+@pytest.mark.parametrize("case", ["default", "max_size", "header_w2", "range_w2"])
 def test_output_bytes_match_the_pre_columnar_plan(tmp_path: Path, case: str) -> None:
     src = mixed_folder(tmp_path / "src")
     kw = {"default": {"shard_samples": 4}, "max_size": {"max_size": 10, "shard_samples": 5},
-          "header_w2": {"check": "header", "workers": 2, "shard_samples": 3}}[case]
+          "header_w2": {"check": "header", "workers": 2, "shard_samples": 3},
+          "range_w2": {"workers": 2, "shard_samples": 8}}[case]  # 2 shards for 2 workers: written in runs
     dest = tmp_path / "out"
     rep = shard(src, dest, **kw)
     got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(dest.iterdir()) if p.is_file()}

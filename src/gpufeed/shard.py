@@ -67,7 +67,7 @@ Resume
 ------
 The plan (fingerprint of the scanned files' paths, sizes and mtimes and of every output-affecting option,
 plus the validated sample list) is kept in ``DEST/.gpufeed/plan.json`` (metadata) and ``plan.bin`` (the samples
-as columns: ~140 bytes a sample plus its path, in memory as on disk; plan.json records its sha256 and a plan that
+as columns: 137 bytes a sample plus its path, in memory as on disk; plan.json records its sha256 and a plan that
 does not check out is treated as a different plan); each completed shard leaves
 ``DEST/.gpufeed/<shard>.done.json`` with its size and sha256. A re-run with the same fingerprint skips shards
 whose file matches its sidecar and writes the rest; a different fingerprint is refused unless ``overwrite``.
@@ -947,7 +947,7 @@ def _hash_file_ranges(path: str, blocks: Any) -> str:
     return h.hexdigest()
 
 
-def _finish_shard(dest: str, job: _ShardJob, digest: str) -> dict[str, Any]:
+def _finish_shard(dest: str, name: str, size: int, num_samples: int, digest: str) -> dict[str, Any]:
     """Rename a fully written and hashed shard into place, then leave its ``.done.json`` sidecar.
 
     No fsync of the shard: the rename makes it atomic against a killed process; after a power loss, resume and
@@ -956,10 +956,10 @@ def _finish_shard(dest: str, job: _ShardJob, digest: str) -> dict[str, Any]:
     """
     from gpufeed.records import atomic_write_bytes
 
-    os.replace(job.tmp, job.final)
-    result = {"name": job.name, "num_samples": job.num_samples, "bytes": job.size, "sha256": digest}
+    os.replace(os.path.join(dest, f".{name}.tmp"), os.path.join(dest, name))
+    result = {"name": name, "num_samples": num_samples, "bytes": size, "sha256": digest}
     # One C-encoder call: json.dump streams through the pure-Python encoder.
-    atomic_write_bytes(os.path.join(dest, STATE_DIR, f"{job.name}.done.json"), json.dumps(result).encode("utf-8"))
+    atomic_write_bytes(os.path.join(dest, STATE_DIR, f"{name}.done.json"), json.dumps(result).encode("utf-8"))
     return result
 
 
@@ -1148,7 +1148,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                 _clear_cache(state)  # useless without a plan: give the space back
                 raise _os_error(exc, cfg, est, cache_deleted=cached) from None
             plan = _make_plan(cfg, scan, results, fingerprint, options, order)
-            del results
+            del results, order
             _check_empty(cfg, plan.classes, plan.meta["class_counts"], warn, after_validation=True)
             try:
                 _save_plan(state, plan)
@@ -1158,6 +1158,8 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             bar.note("resume: the plan matches; validation skipped")
             _check_empty(cfg, plan.classes, plan.meta["class_counts"], warn, after_validation=True)
         validate_s = time.perf_counter() - t_val
+        ignored = scan.ignored
+        del scan  # the plan holds what the rest needs
 
         # ---- write
         t_w = time.perf_counter()
@@ -1184,8 +1186,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         for leftover in os.listdir(dest):
             if leftover.startswith(".") and leftover.endswith(".tar.tmp") or _atomic_leftover(leftover):
                 os.unlink(os.path.join(dest, leftover))
-        tasks = [(s["name"], s["count"], (lambda s=s: plan.samples(plan.indices(s), src, state)))
-                 for s in todo]
+        tasks = [(s["name"], s["count"], (lambda s=s: plan.part(plan.indices(s)))) for s in todo]
         caches_of = {s["name"]: s["caches"] for s in todo}
 
         def shard_done(name: str) -> None:
@@ -1198,7 +1199,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                         pass
 
         try:
-            written = _write_all(dest, tasks, opts, pool, bar, shard_done, workers=workers)
+            written = _write_all(dest, src, tasks, pool, bar, shard_done, workers=workers)
         except OSError as exc:
             raise _os_error(exc, cfg, need, cache_kept=_cache_bytes(state)) from None
         done.update(written)
@@ -1226,7 +1227,6 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     n_written = sum(i["num_samples"] for i in written.values())
     in_written = sum(int(plan.cols["bytes"][plan.indices(s)].sum()) for s in todo if s["name"] in written)
     rejected = plan.rejected
-    ignored = scan.ignored
     if rejected:
         warn.append(f"{len(rejected)} file(s) rejected")
     return ShardReport(
@@ -1421,7 +1421,7 @@ _ACTIONS = ("copy", "reencode", "cmyk_to_rgb_jpeg", "16bit_to_png8", "to_png")
 _EXTS = ("", "jpg", "png", "webp")
 _COLUMNS = {  # per-sample columns of validation results and of the plan: numpy dtype, trailing shape
     "action": ("u1", ()), "ext": ("u1", ()), "width": ("<i4", ()), "height": ("<i4", ()),
-    "orientation": ("<i4", ()), "sha256": ("u1", (32,)), "id_size": ("<i8", ()), "id_mtime": ("<i8", ()),
+    "orientation": ("<u2", ()), "sha256": ("u1", (32,)), "id_size": ("<i8", ()), "id_mtime": ("<i8", ()),
     "id_ino": ("<u8", ()), "id_dev": ("<u8", ()), "enc_cache": ("<i8", ()), "enc_off": ("<i8", ()),
     "enc_len": ("<i8", ()), "enc_ext": ("u1", ()), "enc_w": ("<i4", ()), "enc_h": ("<i4", ()),
 }
@@ -1507,31 +1507,40 @@ class _Plan:
         label = int(self.cols["label"][i])
         return f"{label:05d}_{i - int(self.class_start[label]):07d}"
 
-    def samples(self, idx: Any, src: str, state: str) -> list[_Sample]:
-        """The samples at plan positions ``idx`` (one shard), built column by column."""
+    def part(self, idx: Any) -> dict[str, Any]:
+        """What the writer needs of the samples at plan positions ``idx`` (one shard), as columns: small to send
+        to a worker process, which builds the records (``_samples_of``)."""
         import numpy as np
 
         c = self.cols
         labels = c["label"][idx]
-        n = (idx - self.class_start[labels]).tolist()
         caches = c["enc_cache"][idx]
-        encoded = (caches >= 0).tolist()
-        ext = np.where(caches >= 0, c["enc_ext"][idx], c["ext"][idx]).tolist()
-        ident = zip(c["id_size"][idx].tolist(), c["id_mtime"][idx].tolist(), c["id_ino"][idx].tolist(),
-                    c["id_dev"][idx].tolist())
-        digests = c["sha256"][idx].tobytes()
-        out = []
         stored_len, stored_w, stored_h = self.stored(idx)
-        for k, (i, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
-                idx.tolist(), labels.tolist(), ext, stored_w.tolist(), stored_h.tolist(),
-                c["width"][idx].tolist(), c["height"][idx].tolist(), c["orientation"][idx].tolist(),
-                stored_len.tolist(), caches.tolist(), c["enc_off"][idx].tolist(), ident)):
-            raw = self.paths[i]
-            out.append(_Sample(f"{label:05d}_{n[k]:07d}", os.path.join(src, raw), label, self.classes[label],
-                               _display(raw), orientation, _EXTS[e], w, h, ow, oh,
-                               digests[32 * k:32 * k + 32].hex(), length, None if encoded[k] else idt,
-                               os.path.join(state, _cache_name(j)) if encoded[k] else None, coff))
-        return out
+        return {"n": (idx - self.class_start[labels]).tolist(), "label": labels.tolist(),
+                "ext": np.where(caches >= 0, c["enc_ext"][idx], c["ext"][idx]).tolist(),
+                "width": stored_w.tolist(), "height": stored_h.tolist(), "orig_width": c["width"][idx].tolist(),
+                "orig_height": c["height"][idx].tolist(), "orientation": c["orientation"][idx].tolist(),
+                "img_len": stored_len.tolist(), "cache": caches.tolist(), "coff": c["enc_off"][idx].tolist(),
+                "ident": list(zip(c["id_size"][idx].tolist(), c["id_mtime"][idx].tolist(),
+                                  c["id_ino"][idx].tolist(), c["id_dev"][idx].tolist())),
+                "sha256": c["sha256"][idx].tobytes(), "paths": [self.paths[i] for i in idx.tolist()],
+                "classes": self.classes}
+
+
+def _samples_of(part: dict[str, Any], src: str, state: str) -> list[_Sample]:
+    """The records of one shard's samples from ``_Plan.part``."""
+    classes, digests = part["classes"], part["sha256"]
+    out = []
+    for k, (raw, n, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
+            part["paths"], part["n"], part["label"], part["ext"], part["width"], part["height"],
+            part["orig_width"], part["orig_height"], part["orientation"], part["img_len"], part["cache"],
+            part["coff"], part["ident"])):
+        encoded = j >= 0
+        out.append(_Sample(f"{label:05d}_{n:07d}", os.path.join(src, raw), label, classes[label], _display(raw),
+                           orientation, _EXTS[e], w, h, ow, oh, digests[32 * k:32 * k + 32].hex(), length,
+                           None if encoded else idt, os.path.join(state, _cache_name(j)) if encoded else None,
+                           coff))
+    return out
 
 
 def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: str,
@@ -1546,9 +1555,14 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: st
     rejected.sort(key=lambda i: i.path)
     if not len(acc):
         raise DataError(f"SRC {cfg.src} holds no valid image ({len(rejected)} rejected)")
-    cols = {k: v[acc] for k, v in results.cols.items()}
-    cols["label"], cols["bytes"] = scan.labels[acc], scan.sizes[acc]
-    paths = scan.paths if len(acc) == len(scan) else scan.paths.take(acc)
+    everything = len(acc) == len(ok)
+    cols = {}
+    for k in list(results.cols):  # column by column, each dropped from the results once copied: one copy at a time
+        v = results.cols.pop(k)
+        cols[k] = v if everything else v[acc]
+        del v
+    cols["label"], cols["bytes"] = (scan.labels, scan.sizes) if everything else (scan.labels[acc], scan.sizes[acc])
+    paths = scan.paths if everything else scan.paths.take(acc)
     counts = np.bincount(cols["label"], minlength=len(scan.classes)).tolist()
     rank = np.cumsum(ok) - 1  # candidate -> position among the accepted
     shuffled = np.asarray(shuffled, dtype=np.int64)
@@ -1868,14 +1882,30 @@ def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any
             stored(ks, j, fut.result())
 
 
-def _write_all(dest: str, tasks: list[tuple[str, int, Callable[[], list[_Sample]]]], opts: dict[str, Any],
-               pool: Any, bar: _Bar, on_done: Callable[[str], None] = lambda name: None,
-               workers: int = 1) -> dict[str, Any]:
-    """Write the shards: every shard is split into runs of consecutive samples written in parallel at their
-    offsets (``_write_range``, in the worker processes, or one thread without a pool), while one thread per
-    shard hashes it in order as its runs complete; a shard is renamed once written and hashed. Several shards
-    are in flight at once, so a one-shard plan uses every worker too. ``tasks``: (shard name, number of samples,
-    a function building its samples), so only the shards in flight are held as records."""
+def _write_shard(dest: str, src: str, name: str, part: dict[str, Any]) -> tuple[int, str, int]:
+    """Write one whole shard in this (worker) process: records, layout, bytes, then its sha256 -> (size, sha256,
+    image bytes). The same layout and writer as the parallel runs of ``_write_all``, so the same bytes."""
+    job = _ShardJob(dest, name, _samples_of(part, src, os.path.join(dest, STATE_DIR)))
+    try:
+        for items, _end, _nbytes in job.ranges:
+            _write_range(job.tmp, items)
+        return job.size, _sha256_file(job.tmp), sum(r[2] for r in job.ranges)
+    except BaseException:
+        job.abort()
+        raise
+
+
+def _write_all(dest: str, src: str, tasks: list[tuple[str, int, Callable[[], dict[str, Any]]]], pool: Any,
+               bar: _Bar, on_done: Callable[[str], None] = lambda name: None, workers: int = 1) -> dict[str, Any]:
+    """Write the shards. ``tasks``: (shard name, number of samples, a function giving ``_Plan.part`` of its
+    samples), so only the shards in flight are held as records; as many shards are in flight as workers (the
+    DEST space check counts on it).
+
+    With at least two shards a worker, each worker writes and hashes whole shards (``_write_shard``): the
+    records, member layout and hashing all happen in the workers. With fewer, every shard is split into runs
+    of consecutive samples written in parallel at their offsets (``_write_range``, in the worker processes, or
+    one thread without a pool), while one thread per shard hashes it in order as its runs complete, so a
+    one-shard plan uses every worker too. Either way a shard is renamed once written and hashed."""
     total = sum(t[1] for t in tasks)
     bar.start("write", total)
     out: dict[str, Any] = {}
@@ -1883,7 +1913,48 @@ def _write_all(dest: str, tasks: list[tuple[str, int, Callable[[], list[_Sample]
         return out
     own = pool is None
     ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufeed-write") if own else pool[0]
+    try:
+        if len(tasks) >= 2 * max(1, workers):
+            _write_whole(dest, src, tasks, ex, bar, on_done, workers, out)
+        else:
+            _write_ranges(dest, src, tasks, ex, bar, on_done, workers, out)
+    finally:
+        if own:
+            ex.shutdown(wait=True)
+    return out
+
+
+def _write_whole(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on_done: Callable[[str], None],
+                 workers: int, out: dict[str, Any]) -> None:
+    pending = iter(tasks)
+    running: dict[Any, tuple[str, int]] = {}
+    try:
+        while True:
+            while len(running) < max(1, workers):
+                nxt = next(pending, None)
+                if nxt is None:
+                    break
+                running[ex.submit(_write_shard, dest, src, nxt[0], nxt[2]())] = (nxt[0], nxt[1])
+            if not running:
+                return
+            finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                name, count = running.pop(fut)
+                size, digest, nbytes = fut.result()
+                out[name] = _finish_shard(dest, name, size, count, digest)
+                on_done(name)
+                bar.update(count, nbytes)
+    except BaseException:
+        for fut in running:
+            fut.cancel()
+        cf.wait(running)  # the shards being written abort themselves (their temporary files go)
+        raise
+
+
+def _write_ranges(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on_done: Callable[[str], None],
+                  workers: int, out: dict[str, Any]) -> None:
     hashers = cf.ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="gpufeed-sha256")
+    state = os.path.join(dest, STATE_DIR)
     depth = 2 * max(1, workers)  # write tasks in flight
     pending = iter(tasks)
     jobs: list[_ShardJob] = []  # opened, not yet finished
@@ -1899,7 +1970,7 @@ def _write_all(dest: str, tasks: list[tuple[str, int, Callable[[], list[_Sample]
                     nxt = next(pending, None)
                     if nxt is None:
                         break
-                    current = _ShardJob(dest, nxt[0], nxt[2]())
+                    current = _ShardJob(dest, nxt[0], _samples_of(nxt[2](), src, state))
                     jobs.append(current)
                     fut = hashers.submit(_hash_file_ranges, current.tmp, current.blocks)
                     hashing[fut] = current
@@ -1918,7 +1989,7 @@ def _write_all(dest: str, tasks: list[tuple[str, int, Callable[[], list[_Sample]
                     bar.update(len(items), nbytes)
                 else:
                     job = hashing.pop(fut)
-                    out[job.name] = _finish_shard(dest, job, fut.result())
+                    out[job.name] = _finish_shard(dest, job.name, job.size, job.num_samples, fut.result())
                     jobs.remove(job)
                     on_done(job.name)
     except BaseException:
@@ -1929,9 +2000,6 @@ def _write_all(dest: str, tasks: list[tuple[str, int, Callable[[], list[_Sample]
         raise
     finally:
         hashers.shutdown(wait=True)
-        if own:
-            ex.shutdown(wait=True)
-    return out
 
 
 # --------------------------------------------------------------------------- rendering

@@ -80,12 +80,12 @@ def run_tar(src: Path, out: Path) -> dict:
     return {"variant": "tar", "wall_s": wall, "rc": p.returncode}
 
 
-def run_shard(src: Path, out: Path, n: int) -> dict:
+def run_shard(src: Path, out: Path, n: int, code: Path = ROOT / "src") -> dict:
     import psutil
 
     cmd = [sys.executable, "-m", "gpufeed.cli", "shard", str(src), str(out / "shards"), "--check", "header",
            "--workers", "2", "--json"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ, PYTHONPATH=str(code))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     ps = psutil.Process(proc.pid)
@@ -128,6 +128,10 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--repeats", type=int, nargs="+", default=[2, 1], help="per size (the last one repeats)")
     ap.add_argument("--work-dir", default=None, help="default: /dev/shm when it has room, else /tmp")
+    ap.add_argument("--baseline-src", default=None,
+                    help="a src/ folder of other gpufeed code (e.g. `git archive <commit> src`) also run, once per "
+                         "size up to --baseline-max, as variant shard_baseline")
+    ap.add_argument("--baseline-max", type=int, default=100_000)
     args = ap.parse_args()
     base = args.work_dir or ("/dev/shm" if shutil.disk_usage("/dev/shm").free > 6 << 30 else tempfile.gettempdir())
     results = []
@@ -141,13 +145,19 @@ def main() -> None:
             warm(work / "src")
             runs = []
             for r in range(reps):
-                for fn in (run_tar, run_shard):
-                    rec = fn(work / "src", work / "out") if fn is run_tar else fn(work / "src", work / "out", n)
+                for fn in (run_tar, run_shard, "baseline"):
+                    if fn == "baseline":
+                        if not args.baseline_src or r or n > args.baseline_max:
+                            continue
+                        rec = run_shard(work / "src", work / "out", n, Path(args.baseline_src))
+                        rec["variant"] = "shard_baseline"
+                    else:
+                        rec = fn(work / "src", work / "out") if fn is run_tar else fn(work / "src", work / "out", n)
                     rec.update({"n": n, "repeat": r, "loadavg_1m": os.getloadavg()[0]})
                     runs.append(rec)
                     print(json.dumps(rec), file=sys.stderr)
             tar = [x["wall_s"] for x in runs if x["variant"] == "tar"]
-            sh = [x for x in runs if x["variant"] != "tar"]
+            sh = [x for x in runs if x["variant"] == "shard_header_w2"]
             summary = {"n": n, "input_bytes": nbytes, "generate_s": gen_s,
                        "tar_wall_s_median": statistics.median(tar),
                        "shard_wall_s_median": statistics.median(x["wall_s"] for x in sh),

@@ -4,12 +4,17 @@ Pipeline (DESIGN §1): scan -> validate (parallel, batched per task) -> plan (se
 shards) -> write -> ``index.parquet``, timm's ``_info.json`` and, last and atomically, ``manifest.json``.
 No torch import anywhere on this path.
 
-Writing is parallel within a shard as well as across shards (a 3,000-image folder plans one shard): tar
-blocks are position-independent and every header follows from the plan, so the main process computes each
+Writing: with at least two shards a worker, each worker writes and hashes whole shards, from the plan's
+columns for that shard. With fewer (a 3,000-image folder plans one shard), writing is parallel within a shard:
+tar blocks are position-independent and every header follows from the plan, so the main process computes each
 member's offset, creates the shard's temporary file at its final size (holes read as the zero padding and
 end-of-archive blocks), and the workers write runs of consecutive samples at their offsets (``pwrite``, image
-bytes by ``sendfile``) while a thread of the main process hashes the file in order as the runs complete; the
-file is renamed only once fully written and hashed. The bytes are the same for any ``--workers``.
+bytes by ``sendfile``) while a thread of the main process hashes the file in order as the runs complete. Either
+way a file is renamed only once fully written and hashed, and the bytes are the same for any ``--workers``.
+
+The plan is columnar (numpy arrays and one blob of file names, ~140 bytes a sample plus its path), never a
+Python object per sample; records are built one shard at a time. ``--check header`` reads plain JFIF headers
+itself (``_plain_jpeg_size``) and leaves every other file to Pillow.
 
 Input rules
 -----------

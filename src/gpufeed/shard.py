@@ -730,10 +730,6 @@ def ustar_header(name: str, size: int) -> bytes:
                      _USTAR_TAIL])
 
 
-def _member(name: str, data: bytes) -> bytes:
-    return ustar_header(name, len(data)) + data + b"\0" * (-len(data) % 512)
-
-
 def _padded(n: int) -> int:
     return n + (-n % 512)
 

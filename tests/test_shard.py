@@ -476,37 +476,34 @@ def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatc
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-def test_plan_without_source_identities_compares_sha256(tmp_path: Path, monkeypatch) -> None:
-    """Plans written before identities were recorded: the writer hashes the source again (same bytes out)."""
-    import gpufeed.shard as mod
-
+def test_plan_of_an_older_version_or_damaged_is_refused_then_replanned(tmp_path: Path) -> None:
+    """plan.json v2 (one dict per sample) or a plan.bin that does not match plan.json is never used: the run is
+    refused as for a different plan, and --overwrite replans to the same bytes."""
     src = tmp_path / "src"
-    for i in range(3):
+    for i in range(4):
         write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
-    ref = shard(src, tmp_path / "ref")
-    real = mod._make_plan
-
-    def no_ident(*a, **k):
-        plan = real(*a, **k)
-        for s in plan["samples"]:
-            s.pop("ident")
-        return plan
-
-    monkeypatch.setattr(mod, "_make_plan", no_ident)
-    shard(src, tmp_path / "old")
-    assert ref.num_samples == 3 and digests(tmp_path / "old") == digests(tmp_path / "ref")
-    victim = src / "a" / "1.jpg"
-
-    def no_ident_then_swap(*a, **k):
-        plan = no_ident(*a, **k)
-        st = victim.stat()
-        victim.write_bytes(b"\xff\xd8\xff" + b"\0" * (st.st_size - 3))
-        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with its mtime restored
-        return plan
-
-    monkeypatch.setattr(mod, "_make_plan", no_ident_then_swap)
-    with pytest.raises(DataError, match=r"a/1\.jpg changed while sharding"):
-        shard(src, tmp_path / "swapped")
+    dest = tmp_path / "out"
+    ref = shard(src, dest, shard_samples=2)
+    want = digests(dest)
+    state = dest / ".gpufeed"
+    meta = json.loads((state / "plan.json").read_text())
+    assert meta["plan_version"] == 3 and "samples" not in meta and meta["num_samples"] == 4
+    # 137 bytes a sample plus its path: numeric columns, the 32-byte digest, path offset; paths in one blob.
+    paths = sum(len(f"a/{i}.jpg") for i in range(4))
+    assert (state / "plan.bin").stat().st_size == 4 * 129 + 5 * 8 + paths
+    old = {"plan_version": 2, "fingerprint": meta["fingerprint"], "samples": [], "shards": []}
+    (state / "plan.json").write_text(json.dumps(old))
+    (dest / "train-000001.tar").unlink()
+    with pytest.raises(DataError, match="planned from different input files or options.*--overwrite"):
+        shard(src, dest, shard_samples=2)
+    (state / "plan.json").write_text(json.dumps(meta))
+    blob = bytearray((state / "plan.bin").read_bytes())
+    blob[-1] ^= 1  # a path byte
+    (state / "plan.bin").write_bytes(bytes(blob))
+    with pytest.raises(DataError, match="planned from different input files or options"):
+        shard(src, dest, shard_samples=2)
+    again = shard(src, dest, shard_samples=2, overwrite=True)
+    assert not again.resumed and again.num_samples == ref.num_samples and digests(dest) == want
 
 
 def test_resume_report_counts_only_what_this_run_wrote(image_folder, tmp_path: Path) -> None:
@@ -647,3 +644,137 @@ def test_free_space_check_after_reencoding_names_the_cache(tmp_path: Path, monke
     assert cached > 0 and len(calls) == 2
     assert (f"; {cached} bytes of DEST is gpufeed's own transcode cache of re-encoded images under "
             f"{dest / '.gpufeed'}") in str(err.value)
+
+
+def mixed_folder(root: Path) -> Path:
+    """A small ImageFolder with the cases the plan carries: nested folders, PNG stored under .jpg, CMYK, 16-bit
+    grayscale, BMP, an EXIF orientation, a non-UTF-8 name, a non-image, an empty file, an ignored extension."""
+    write_image(root / "a" / "0.jpg", size=(16, 12), color=(10, 20, 30), quality=95)
+    write_image(root / "a" / "sub" / "1.jpg", size=(40, 20), color=(50, 60, 70), quality=90)
+    write_image(root / "a" / "png_named.jpg", size=(9, 9), fmt="PNG")
+    write_image(root / "a" / "cmyk.jpg", size=(12, 12), mode="CMYK", color=(1, 2, 3))
+    write_image(root / "b" / "bmp.bmp", size=(10, 7), fmt="BMP", color=(9, 9, 9))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    write_image(root / "b" / "rot.jpg", size=(14, 10), color=(100, 0, 0), exif=exif.tobytes())
+    Image.fromarray((np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000)).save(root / "b" / "g16.png")
+    write_image(root / "b" / os.fsdecode(b"n\xe9.jpg"), size=(8, 8), color=(7, 7, 7))
+    (root / "b" / "text.jpg").write_bytes(b"not an image at all")
+    (root / "b" / "empty.png").write_bytes(b"")
+    (root / "b" / "notes.txt").write_text("x")
+    write_image(root / "c" / "x.webp", size=(11, 5), fmt="WEBP", lossless=True)
+    for i in range(5):
+        write_image(root / "c" / f"{i}.jpg", size=(8 + i, 8), color=(i * 40, 5, 5))
+    return root
+
+
+# sha256 of every output file for mixed_folder, written by the code before the plan became columnar (commit
+# bb927f7, Pillow 13): the plan's in-memory and on-disk form may change, the output bytes may not.
+MIXED_GOLDEN = {
+    "default": {
+        "_info.json": "ce746bc0422fff7b7c32bd70841c8c7e710a7723e2cb5a1ce47d950a21aaa8d4",
+        "index.parquet": "cd7405a1ad4a70c68621839f96420e6132805dae2f2183c59c9befcadd257a49",
+        "manifest.json": "9896db642ac1340a106835626632502097e61e293c4e28b8604a3f6bc88f166e",
+        "train-000000.tar": "95d37549ecf69322bf340dddc4848fa839d98ae37d78a4194745d62d6d0ae125",
+        "train-000001.tar": "8fd8820f48be21a66928002df083e7c76514f3bb165265020dd08e067c9ce797",
+        "train-000002.tar": "350f3f772b1688e165074a232d8884cba18d5d4e33ed1569990b346a981f6ffe",
+        "train-000003.tar": "f204daaaf65cf4dc92ab8c5a8665777666a3227418131f8ff8c74acfc4eb0f28",
+    },
+    "max_size": {
+        "_info.json": "dbb8275ac8ad5617bdc4b7fde594867e2ddbe9c213835c165a9b29a314136f46",
+        "index.parquet": "478fe60761f23fbd3104fc7180ce039a0cc07b2fd6d1df505431384f0afe5b4a",
+        "manifest.json": "9df3beb6a3bca149d950f0b952da682fea0c4a789cbea4e34476ff5783e140cd",
+        "train-000000.tar": "97ddfac815efb2ca724ac5a097299c3aecd5228a6697f09904d46a7b6fe32c3f",
+        "train-000001.tar": "62ce31f127abbb24ceef0a52796bb9326891200bd9c913e47791edfc6246b2a5",
+        "train-000002.tar": "95f282c84371558ad8cfdbafe6a02f09255daa607bb90f488ac403eb2efb3093",
+    },
+    "header_w2": {
+        "_info.json": "de4f6da3605e36c1d4ccc1515d871c155c64ad089516af4f5de4ea76b2223b84",
+        "index.parquet": "47f2968f7cf507db42689bcee7019c1b66bd551451a5695d6ab912c468e4e46b",
+        "manifest.json": "431918aa1944ef4b382cd79288a437541a338550b9d4afa4e0bc3e191250a401",
+        "train-000000.tar": "a0d51174cca539a32dbd2be26d5991ca7fc7202a8593466aea87748b949509d0",
+        "train-000001.tar": "1430559f0f3e29b8d792f9a6d240bbe5cb29f8b838c05f488f34bfb4567bcbe4",
+        "train-000002.tar": "897e57450c18e261dca9bc92ceaf087fe787e2873892d0aa0e324e00afd3ef75",
+        "train-000003.tar": "72f167e853deda432eb411733415365c83c55a2a56c6431acec1e7de6e785749",
+        "train-000004.tar": "bc9c3e3f51dc37a111d9bd6eba63d429fa6bb8d8dc7a561a5e76fb313c999b43",
+    },
+    "range_w2": {
+        "_info.json": "67cdedb78b8b8d70d23c4745147eb85a7cce3c8c302540ba9e61d50c5f9ff330",
+        "index.parquet": "35dd1d2e946e0b4551eb4bfd59ab5d48c07819acf03120613bf30cf5d4baf8b6",
+        "manifest.json": "14b6db2c411034e2fb4be1fc06bae3b06f438ca381c50f7d47a3e64dcbc14214",
+        "train-000000.tar": "d207092e9cee1660312bccbf41551ed6bbb999d8b260877224a2efec0f2cb1ae",
+        "train-000001.tar": "3bc5092ee3517d5be14eb8b9fb0eac17ed27fceab5a15e3fa181578d66ab9d41",
+    },
+}
+
+
+@pytest.mark.parametrize("case", ["default", "max_size", "header_w2", "range_w2"])
+def test_output_bytes_match_the_pre_columnar_plan(tmp_path: Path, case: str) -> None:
+    src = mixed_folder(tmp_path / "src")
+    kw = {"default": {"shard_samples": 4}, "max_size": {"max_size": 10, "shard_samples": 5},
+          "header_w2": {"check": "header", "workers": 2, "shard_samples": 3},
+          "range_w2": {"workers": 2, "shard_samples": 8}}[case]  # 2 shards for 2 workers: written in runs
+    dest = tmp_path / "out"
+    rep = shard(src, dest, **kw)
+    got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(dest.iterdir()) if p.is_file()}
+    assert got == MIXED_GOLDEN[case], json.dumps(got, indent=1)
+    assert rep.num_rejected == 2 and rep.num_ignored == 1
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_plain_jpeg_fast_path_agrees_with_pillow_on_damaged_headers(tmp_path: Path, monkeypatch) -> None:
+    """--check header reads plain JPEG headers itself; for every truncation and many one-byte corruptions of the
+    header its verdict (accept with size, or let Pillow decide) equals Pillow's."""
+    import gpufeed.shard as mod
+
+    opts = {"check": "header", "max_pixels": 178_956_970, "max_size": None, "quality": None}
+    exif = Image.Exif()
+    exif[0x0112] = 3
+    sources = [
+        write_image(tmp_path / "rgb.jpg", size=(21, 13), quality=90),
+        write_image(tmp_path / "gray.jpg", size=(9, 17), mode="L"),
+        write_image(tmp_path / "prog.jpg", size=(30, 8), progressive=True, optimize=True),
+        write_image(tmp_path / "exif.jpg", size=(12, 12), exif=exif.tobytes()),
+        write_image(tmp_path / "cmyk.jpg", size=(8, 8), mode="CMYK"),
+    ]
+    real_fast = mod._plain_jpeg_size
+    assert [real_fast(p.read_bytes(), 10**9) for p in sources] == [(21, 13), (9, 17), (30, 8), None, None]
+    probe = tmp_path / "probe.jpg"
+    fast_hits = 0
+
+    def both(data: bytes) -> None:
+        nonlocal fast_hits
+        probe.write_bytes(data)
+        monkeypatch.setattr(mod, "_plain_jpeg_size", real_fast)
+        fast = mod._inspect(str(probe), opts)
+        monkeypatch.setattr(mod, "_plain_jpeg_size", lambda *a: None)
+        slow = mod._inspect(str(probe), opts)
+        assert fast == slow, (len(data), fast, slow)
+        fast_hits += real_fast(data, 10**9) is not None
+
+    for src in sources:
+        data = src.read_bytes()
+        sos = data.index(b"\xff\xda")
+        for cut in range(0, sos + 16):
+            both(data[:cut])
+        for i in range(2, sos + 14):
+            for v in (0x00, 0x03, 0xC0, 0xFF, data[i] ^ 0x80):
+                both(data[:i] + bytes([v]) + data[i + 1:])
+    assert fast_hits > 500  # the fast path did take part
+
+
+def test_sample_json_is_exactly_json_dumps() -> None:
+    from gpufeed.shard import _Sample, _sample_json
+
+    for cname, source, orientation, size in [("cat", "cat/1.jpg", 1, (8, 8)),
+                                             ('q"\\\n\t\x01é\u2028', 'd/"x"\\é\x7f.jpg', 6, (30, 20)),
+                                             ("x", "x/\ufffd.png", 70000, (8, 9))]:
+        s = _Sample("00001_0000002", "/abs", 1, cname, source, orientation, "png", 8, 8, *size, "ab" * 32, 10,
+                    None, None, 0)
+        meta = {"source": source, "class": cname, "label": 1, "width": 8, "height": 8, "format": "png",
+                "sha256": "ab" * 32}
+        if orientation != 1:
+            meta["exif_orientation"] = orientation
+        if size != (8, 8):
+            meta["orig_width"], meta["orig_height"] = size
+        assert _sample_json(s) == json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")

@@ -4,12 +4,17 @@ Pipeline (DESIGN §1): scan -> validate (parallel, batched per task) -> plan (se
 shards) -> write -> ``index.parquet``, timm's ``_info.json`` and, last and atomically, ``manifest.json``.
 No torch import anywhere on this path.
 
-Writing is parallel within a shard as well as across shards (a 3,000-image folder plans one shard): tar
-blocks are position-independent and every header follows from the plan, so the main process computes each
+Writing: with at least two shards a worker, each worker writes and hashes whole shards, from the plan's
+columns for that shard. With fewer (a 3,000-image folder plans one shard), writing is parallel within a shard:
+tar blocks are position-independent and every header follows from the plan, so the main process computes each
 member's offset, creates the shard's temporary file at its final size (holes read as the zero padding and
 end-of-archive blocks), and the workers write runs of consecutive samples at their offsets (``pwrite``, image
-bytes by ``sendfile``) while a thread of the main process hashes the file in order as the runs complete; the
-file is renamed only once fully written and hashed. The bytes are the same for any ``--workers``.
+bytes by ``sendfile``) while a thread of the main process hashes the file in order as the runs complete. Either
+way a file is renamed only once fully written and hashed, and the bytes are the same for any ``--workers``.
+
+The plan is columnar (numpy arrays and one blob of file names, ~140 bytes a sample plus its path), never a
+Python object per sample; records are built one shard at a time. ``--check header`` reads plain JFIF headers
+itself (``_plain_jpeg_size``) and leaves every other file to Pillow.
 
 Input rules
 -----------
@@ -66,7 +71,9 @@ names, mode 0644) and members are written in plan order, so the bytes do not dep
 Resume
 ------
 The plan (fingerprint of the scanned files' paths, sizes and mtimes and of every output-affecting option,
-plus the validated sample list) is kept in ``DEST/.gpufeed/plan.json``; each completed shard leaves
+plus the validated sample list) is kept in ``DEST/.gpufeed/plan.json`` (metadata) and ``plan.bin`` (the samples
+as columns: 137 bytes a sample plus its path, in memory as on disk; plan.json records its sha256 and a plan that
+does not check out is treated as a different plan); each completed shard leaves
 ``DEST/.gpufeed/<shard>.done.json`` with its size and sha256. A re-run with the same fingerprint skips shards
 whose file matches its sidecar and writes the rest; a different fingerprint is refused unless ``overwrite``.
 A run holds ``fcntl.flock`` on ``DEST/.gpufeed/lock`` (which records its pid): a second run into the same DEST is
@@ -80,7 +87,7 @@ opened file's identity (size, mtime_ns, inode, device). When its shard is writte
 still have that identity, else the run is refused ("changed while sharding"): any rewrite in place moves mtime
 and a replacement by rename changes the inode. Not caught: a rewrite at the same size that keeps (or restores,
 ``touch -d``) the exact mtime_ns — re-hashing would catch it, at the cost of a third SHA-256 pass over the
-input. (Plans written before identities were recorded fall back to comparing the sha256.)
+input.
 
 Disk space
 ----------
@@ -109,11 +116,12 @@ import re
 import shutil
 import sys
 import tarfile
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from gpufeed.config import ShardConfig
 from gpufeed.errors import DataError
@@ -122,12 +130,14 @@ CANDIDATE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif",
 """torchvision ImageFolder's IMG_EXTENSIONS: the files considered images (matched case-insensitively)."""
 STATE_DIR = ".gpufeed"
 PLAN_NAME = "plan.json"
-PLAN_VERSION = 2  # 2: validation and shards follow one seeded order; per-shard transcode caches
+PLAN_VERSION = 3  # 2: validation and shards follow one seeded order; per-shard transcode caches; 3: columnar
 LOCK_NAME = "lock"
 DEFAULT_REENCODE_QUALITY = 90
 CMYK_QUALITY = 95
 _SHARD_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.tar$")
+_CACHE_RE = re.compile(r"^enc-\d{6,}\.bin$")
 _CHUNK = 32  # files per validation task: amortises IPC, small enough for a smooth bar and balance
+_HEADER_CHUNK = 512  # the same for --check header without re-encoding options (no decode: ~20 us a file)
 _TAR_OVERHEAD_PER_SAMPLE = 3 * 1024 + 300  # 3 headers + padding + json member, roughly
 
 
@@ -200,11 +210,38 @@ class ShardReport:
 # --------------------------------------------------------------------------- scan
 
 
+class _Strings:
+    """A column of file names kept as one bytes blob plus offsets (``os.fsencode``d, so names that are not UTF-8
+    round-trip): ~N + 8 bytes a name instead of a Python ``str`` object each."""
+
+    def __init__(self, blob: bytes, offsets: Any) -> None:
+        self.blob = blob
+        self.offsets = offsets  # numpy int64, len(self) + 1, non-decreasing, from 0 to len(blob)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> str:
+        return os.fsdecode(self.blob[self.offsets[i]:self.offsets[i + 1]])
+
+    def take(self, idx: Any) -> _Strings:
+        import numpy as np
+
+        o = self.offsets
+        parts = [self.blob[o[i]:o[i + 1]] for i in idx]
+        lengths = np.fromiter((len(b) for b in parts), np.int64, len(parts))
+        return _Strings(b"".join(parts), np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
+
+
 @dataclass
 class _Scan:
     classes: list[str]
     """Class names as recorded (``_display``: non-UTF-8 bytes become U+FFFD), in label order."""
-    candidates: list[tuple[str, int, int, int]]  # (relpath, label, size, mtime_ns)
+    paths: _Strings
+    """Candidate files (relative to SRC, real names), sorted by (label, path); the arrays below follow them."""
+    labels: Any  # numpy int32
+    sizes: Any  # numpy int64
+    mtimes: Any  # numpy int64 (st_mtime_ns)
     ignored: list[FileIssue]
     rejected: list[FileIssue]
     class_counts: list[int]
@@ -212,6 +249,9 @@ class _Scan:
     """The class folders' real names (file system access), in label order."""
     duplicates: list[int] = field(default_factory=list)
     """Per class: files rejected because the same file (device, inode) is already stored under another path."""
+
+    def __len__(self) -> int:
+        return len(self.labels)
 
 
 def _rel(path: str, root: str) -> str:
@@ -224,7 +264,23 @@ def _display(rel: str) -> str:
     return rel.replace(os.sep, "/").encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
+class _Found(NamedTuple):
+    """A candidate file as the walk finds it."""
+
+    raw: str
+    """Path relative to SRC, real name."""
+    size: int
+    mtime_ns: int
+    dev: int
+    ino: int
+    via_link: bool
+    """Reached through a symlink (file or folder)."""
+
+
 def _scan(src: str) -> _Scan:
+    import numpy as np
+    from array import array
+
     classes: list[str] = []
     ignored: list[FileIssue] = []
     rejected: list[FileIssue] = []
@@ -239,48 +295,70 @@ def _scan(src: str) -> _Scan:
             ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
         else:
             ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
-    found: list[tuple[str, int, int, int, tuple[int, int], bool]] = []
+    # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here.
+    blob, ends = bytearray(), array("q")
+    labels, sizes, mtimes, devs, inos, via = array("i"), array("q"), array("q"), array("Q"), array("Q"), bytearray()
     for label, name in enumerate(classes):
-        _walk_class(src, os.path.join(src, name), label, found, ignored, rejected)
-    candidates, duplicates = _store_once(found, rejected, len(classes))
-    counts = [0] * len(classes)
-    for c in candidates:
-        counts[c[1]] += 1
+        found: list[_Found] = []
+        _walk_class(src, os.path.join(src, name), found, ignored, rejected)
+        found.sort(key=lambda f: f.raw)
+        for f in found:
+            blob += os.fsencode(f.raw)
+            ends.append(len(blob))
+            labels.append(label)
+            sizes.append(f.size)
+            mtimes.append(f.mtime_ns)
+            devs.append(f.dev)
+            inos.append(f.ino)
+            via.append(f.via_link)
+        del found
+    paths = _Strings(bytes(blob), np.concatenate(([0], np.frombuffer(ends, np.int64))).astype(np.int64))
+    del blob, ends
+    lab = np.frombuffer(labels, np.int32).copy()
+    keep, duplicates = _store_once(paths, lab, np.frombuffer(devs, np.uint64), np.frombuffer(inos, np.uint64),
+                                   np.frombuffer(via, np.uint8), rejected, len(classes))
+    siz, mt = np.frombuffer(sizes, np.int64).copy(), np.frombuffer(mtimes, np.int64).copy()
+    if keep is not None:
+        paths, lab, siz, mt = paths.take(keep), lab[keep], siz[keep], mt[keep]
+    counts = np.bincount(lab, minlength=len(classes)).tolist()
     ignored.sort(key=lambda i: i.path)
     shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them
     if len(set(shown)) != len(shown):
         dup = sorted({c for c in shown if shown.count(c) > 1})
         raise DataError(f"class folders whose names are not valid UTF-8 read the same once shown ({', '.join(dup)}); "
                         f"rename them")
-    return _Scan(shown, candidates, ignored, rejected, counts, dirs=classes, duplicates=duplicates)
+    return _Scan(shown, paths, lab, siz, mt, ignored, rejected, counts, dirs=classes, duplicates=duplicates)
 
 
-def _store_once(found: list[tuple], rejected: list[FileIssue], num_classes: int
-                ) -> tuple[list[tuple[str, int, int, int]], list[int]]:
+def _store_once(paths: _Strings, labels: Any, devs: Any, inos: Any, via: Any, rejected: list[FileIssue],
+                num_classes: int) -> tuple[Any, list[int]]:
     """Every file once: paths that reach the same file (device, inode) through symlinks or hard links, in one
     class or several, keep one path (one reached without a symlink first, then the lowest label, then the path);
-    the others are rejected naming it. -> (candidates sorted by (label, path), duplicates per class)."""
-    first: dict[tuple[int, int], tuple] = {}
-    for f in sorted(found, key=lambda f: (f[5], f[1], f[0])):
-        first.setdefault(f[4], f)
-    candidates = []
-    duplicates = [0] * num_classes
-    for raw, label, size, mtime, ident, _via_link in found:
-        kept = first[ident]
-        if kept[0] == raw and kept[1] == label:
-            candidates.append((raw, label, size, mtime))
-            continue
-        duplicates[label] += 1
-        where = "" if kept[1] == label else " in another class"
-        rejected.append(FileIssue(_display(raw), f"same file as {_display(kept[0])}{where} (symlink or hard link); "
-                                                 f"stored once"))
-    candidates.sort(key=lambda c: (c[1], c[0]))
-    return candidates, duplicates
+    the others are rejected naming it. The candidates are in (label, path) order, so the rule is the lowest
+    (via_link, position). -> (indices to keep, or None when all are kept; duplicates per class)."""
+    import numpy as np
+
+    n = len(labels)
+    pos = np.arange(n, dtype=np.int64)
+    order = np.lexsort((pos, via, inos, devs))  # by device, inode, then the keeping rule
+    first = np.ones(n, dtype=bool)
+    first[1:] = (devs[order][1:] != devs[order][:-1]) | (inos[order][1:] != inos[order][:-1])
+    kept = np.empty(n, dtype=np.int64)
+    kept[order] = order[first][np.cumsum(first) - 1]
+    dup = np.nonzero(kept != pos)[0]
+    duplicates = np.bincount(labels[dup], minlength=num_classes).tolist()
+    if not len(dup):
+        return None, duplicates
+    for i in dup.tolist():
+        k = int(kept[i])
+        where = "" if labels[k] == labels[i] else " in another class"
+        rejected.append(FileIssue(_display(paths[i]), f"same file as {_display(paths[k])}{where} (symlink or hard "
+                                                      f"link); stored once"))
+    return np.nonzero(kept == pos)[0], duplicates
 
 
-def _walk_class(src: str, top: str, label: int, out: list, ignored: list, rejected: list) -> None:
-    """Collect a class' candidate files into ``out`` as (relpath, label, size, mtime_ns, (device, inode),
-    reached_through_a_symlink). Sub-folders are followed through symlinks, each folder (device, inode) once, so
+def _walk_class(src: str, top: str, out: list[_Found], ignored: list, rejected: list) -> None:
+    """Collect a class' candidate files into ``out``. Sub-folders are followed through symlinks, each folder (device, inode) once, so
     loops end; folders reached without a symlink are walked first, so a folder also linked from elsewhere in the
     class is listed under its own path."""
     seen: set[tuple[int, int]] = set()
@@ -332,7 +410,7 @@ def _walk_class(src: str, top: str, label: int, out: list, ignored: list, reject
             if st.st_size == 0:
                 rejected.append(FileIssue(rel, "empty file (0 bytes)"))
                 continue
-            out.append((raw, label, st.st_size, st.st_mtime_ns, (st.st_dev, st.st_ino), via_link or e.is_symlink()))
+            out.append(_Found(raw, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, via_link or e.is_symlink()))
         stack.extend(sd for sd in reversed(subdirs) if not sd[1])
         linked.extend(sd for sd in reversed(subdirs) if sd[1])
 
@@ -424,8 +502,92 @@ def _encode(data: bytes, action: str, opts: dict[str, Any]) -> tuple[bytes, str,
     raise AssertionError(action)  # pragma: no cover
 
 
-def _inspect(path: str, opts: dict[str, Any]) -> tuple:
-    """Validate one file -> (ok, reason_or_action, fmt, width, height, orientation[, transcoded, sha256, ident]).
+_SKIPPED_SEGMENTS = frozenset((0xC4, 0xDD, 0xFE))  # DHT, DRI, COM: Pillow reads them whole, nothing more
+
+
+def _plain_jpeg_size(data: bytes, max_image_pixels: int) -> tuple[int, int] | None:
+    """(width, height) of a plain JFIF/baseline or progressive 8-bit, 1- or 3-component JPEG whose header Pillow
+    opens without a doubt, else None (then Pillow decides: its answer for every other file stays the rule).
+
+    ``--check header`` spends most of its per-file time in Pillow's Python JPEG marker parser; for the common
+    plain file this walks the same segments with the same checks Pillow makes (segment lengths within the data,
+    quantization tables whole, one SOF with 8-bit samples and whole component records, a complete SOS
+    segment), and gives up on anything else: other APPn segments (Exif, XMP and ICC profiles, MPF, Adobe),
+    other SOF types, padding or junk between segments, a second SOF, no pixels, more than Pillow's
+    ``MAX_IMAGE_PIXELS``. Such a file has no EXIF orientation (1), mode L or RGB, format JPEG."""
+    n = len(data)
+    if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        return None
+    pos = 2
+    size = None
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        end = pos + 2 + length
+        if length < 2 or end > n:
+            return None
+        if marker == 0xDA:  # start of scan: Pillow stops here
+            if size is None:
+                return None
+            w, h = size
+            return size if 0 < w * h <= max_image_pixels else None
+        seg = data[pos + 4:end]
+        if marker == 0xDB:  # DQT: whole tables only
+            k = 0
+            while k < len(seg):
+                qt = 1 + (64 if seg[k] < 16 else 128)
+                if len(seg) - k < qt:
+                    return None
+                k += qt
+        elif marker in (0xC0, 0xC1, 0xC2):  # SOF
+            if size is not None or len(seg) < 6 or seg[0] != 8 or seg[5] not in (1, 3) or (len(seg) - 6) % 3:
+                return None
+            size = ((seg[3] << 8) | seg[4], (seg[1] << 8) | seg[2])
+        elif marker == 0xE0:  # APP0: Pillow reads the JFIF version at bytes 5-6
+            if seg.startswith(b"JFIF") and len(seg) < 7:
+                return None
+        elif marker not in _SKIPPED_SEGMENTS:
+            return None
+        pos = end
+    return None
+
+
+class _Encoded(NamedTuple):
+    """A transcoded image: worker side, ``data`` holds its bytes; in a batch's result, ``data`` is its offset in
+    the batch's cache file."""
+
+    data: bytes | int
+    length: int
+    ext: str
+    width: int
+    height: int
+
+
+class _Checked(NamedTuple):
+    """One validated file."""
+
+    ok: bool
+    what: str
+    """The reason (rejected) or the storage action (accepted)."""
+    fmt: str | None
+    width: int
+    height: int
+    orientation: int
+    enc: _Encoded | None = None
+    sha256: bytes = b""
+    """Digest of the stored image bytes (accepted files)."""
+    ident: tuple[int, int, int, int] | None = None
+    """(size, mtime_ns, inode, device) of the opened source, for pass-through files."""
+
+
+def _reject(reason: str, fmt: str | None = None, w: int = 0, h: int = 0, orientation: int = 1) -> _Checked:
+    return _Checked(False, reason, fmt, w, h, orientation)
+
+
+def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
+    """Validate one file.
 
     ``ident`` is the opened file's identity (size, mtime_ns, inode, device) after reading it: the writer checks
     the source it copies against it instead of hashing the bytes a second time."""
@@ -436,40 +598,47 @@ def _inspect(path: str, opts: dict[str, Any]) -> tuple:
             data = f.read()
             st = os.fstat(f.fileno())
     except OSError as exc:
-        return (False, f"unreadable ({exc.strerror or exc})", None, 0, 0, 1)
+        return _reject(f"unreadable ({exc.strerror or exc})")
     if not data:
-        return (False, "empty file (0 bytes)", None, 0, 0, 1)
+        return _reject("empty file (0 bytes)")
+    ident = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+    if opts["check"] == "header" and opts["quality"] is None:
+        size = _plain_jpeg_size(data, min(opts["max_pixels"], Image.MAX_IMAGE_PIXELS or opts["max_pixels"]))
+        if size is not None and (opts["max_size"] is None or max(size) <= opts["max_size"]):
+            return _Checked(True, "copy", "JPEG", size[0], size[1], 1, None, hashlib.sha256(data).digest(), ident)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             im = Image.open(io.BytesIO(data))
         except Image.DecompressionBombError as exc:
-            return (False, f"decompression bomb ({exc})", None, 0, 0, 1)
+            return _reject(f"decompression bomb ({exc})")
         except UnidentifiedImageError:
-            return (False, "not an image (content not recognised)", None, 0, 0, 1)
+            return _reject("not an image (content not recognised)")
         except Exception as exc:  # noqa: BLE001 - any parser failure is a per-file reject
-            return (False, f"unreadable image header ({type(exc).__name__}: {exc})", None, 0, 0, 1)
+            return _reject(f"unreadable image header ({type(exc).__name__}: {exc})")
         fmt, mode, (w, h) = im.format or "", im.mode, im.size
         if fmt == "MPO":  # multi-picture camera JPEGs: the stream is a baseline JPEG (first picture) plus extras
             fmt = "JPEG"
         if w <= 0 or h <= 0:
-            return (False, f"image has no pixels ({w}x{h})", fmt, w, h, 1)
+            return _reject(f"image has no pixels ({w}x{h})", fmt, w, h)
         if w * h > opts["max_pixels"]:
-            return (False, f"decompression bomb: {w}x{h} = {w * h} pixels > max_pixels {opts['max_pixels']}",
-                    fmt, w, h, 1)
+            return _reject(f"decompression bomb: {w}x{h} = {w * h} pixels > max_pixels {opts['max_pixels']}",
+                           fmt, w, h)
         if fmt in ("JPEG", "PNG", "WEBP") and _detect(data) != fmt:
-            return (False, f"unsupported {fmt} variant", fmt, w, h, 1)
+            return _reject(f"unsupported {fmt} variant", fmt, w, h)
         try:
             orientation = int(im.getexif().get(0x0112, 1) or 1)
         except Exception:  # noqa: BLE001 - a broken EXIF block is not a broken image
+            orientation = 1
+        if not 0 <= orientation <= 0xFFFF:  # not an EXIF SHORT: a broken EXIF block too
             orientation = 1
         action = _action(fmt, mode, w, h, opts["max_size"], opts["quality"])
         try:
             if action != "copy":
                 # Transcoding decodes the whole image (the validation) and its output is kept for the writer.
                 out, ext, ow, oh = _encode(data, action, opts)
-                return (True, action, fmt, w, h, orientation, (out, ext, ow, oh), hashlib.sha256(out).hexdigest(),
-                        None)
+                return _Checked(True, action, fmt, w, h, orientation, _Encoded(out, len(out), ext, ow, oh),
+                                hashlib.sha256(out).digest())
             if opts["check"] == "full":
                 if fmt == "JPEG":
                     # Scaled IDCT: libjpeg still parses and entropy-decodes every coefficient of the whole
@@ -479,32 +648,58 @@ def _inspect(path: str, opts: dict[str, Any]) -> tuple:
                 if mode not in ("RGB", "L"):
                     im.convert("RGB")
         except Exception as exc:  # noqa: BLE001 - truncated / corrupt data is a per-file reject
-            return (False, f"decode failed ({type(exc).__name__}: {exc})", fmt, w, h, orientation)
-    ident = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-    return (True, action, fmt, w, h, orientation, None, hashlib.sha256(data).hexdigest(), ident)
+            return _reject(f"decode failed ({type(exc).__name__}: {exc})", fmt, w, h, orientation)
+    return _Checked(True, action, fmt, w, h, orientation, None, hashlib.sha256(data).digest(), ident)
 
 
-def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = None) -> list[tuple]:
-    """Validate a batch of files. Transcoded outputs go to one cache file per batch: (offset, length, ext, w, h)."""
+def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = None) -> dict[str, Any]:
+    """Validate a batch of files -> their results as columns (``_batch_columns``). Transcoded outputs go to one
+    cache file per batch."""
     results = []
     blobs = []
     offset = 0
     for p in paths:
         r = _inspect(p, opts)
-        if r[0] and r[6] is not None:
-            out, ext, ow, oh = r[6]
-            blobs.append(out)
-            r = r[:6] + ((offset, len(out), ext, ow, oh),) + r[7:]
-            offset += len(out)
-        elif not r[0]:
-            r = r + (None, None, None)
+        if r.enc is not None:
+            blobs.append(r.enc.data)
+            r = r._replace(enc=r.enc._replace(data=offset))
+            offset += r.enc.length
         results.append(r)
     if blobs:
         assert cache is not None
         from gpufeed.records import atomic_write_bytes
 
         atomic_write_bytes(cache, b"".join(blobs))
-    return results
+    return _batch_columns(results)
+
+
+def _batch_columns(results: list[_Checked]) -> dict[str, Any]:
+    """A batch's results as numpy columns of its accepted files (``_COLUMNS``; ``enc_cache`` 0 marks a transcoded
+    file, whose cache the main process numbers), ``ok`` per file and ``reasons`` {position: reason}: built in the
+    worker, so the main process only scatters a few arrays per batch."""
+    import numpy as np
+
+    acc = [r for r in results if r.ok]
+    none = _Encoded(0, 0, "", 0, 0)
+    encs = [r.enc or none for r in acc]
+    ids = [r.ident or (0, 0, 0, 0) for r in acc]
+    values = {
+        "action": [_ACTIONS.index(r.what) for r in acc],
+        "ext": [_EXTS.index(_EXT.get(r.fmt or "", "")) for r in acc],
+        "width": [r.width for r in acc], "height": [r.height for r in acc],
+        "orientation": [r.orientation for r in acc],
+        "sha256": np.frombuffer(b"".join(r.sha256 for r in acc), np.uint8).reshape(len(acc), 32),
+        "id_size": [i[0] for i in ids], "id_mtime": [i[1] for i in ids], "id_ino": [i[2] for i in ids],
+        "id_dev": [i[3] for i in ids], "enc_cache": [-1 if r.enc is None else 0 for r in acc],
+        "enc_off": [e.data for e in encs], "enc_len": [e.length for e in encs],
+        "enc_ext": [_EXTS.index(e.ext) for e in encs], "enc_w": [e.width for e in encs],
+        "enc_h": [e.height for e in encs],
+    }
+    out: dict[str, Any] = {k: np.asarray(values[k], dtype=dt).reshape(len(acc), *shape)
+                           for k, (dt, shape) in _COLUMNS.items()}
+    out["ok"] = np.array([r.ok for r in results], dtype=bool)
+    out["reasons"] = {i: r.what for i, r in enumerate(results) if not r.ok}
+    return out
 
 
 # --------------------------------------------------------------------------- writing (worker side)
@@ -515,21 +710,24 @@ shard in order trails the writers by little, large enough to amortise the per-ta
 _RANGE_SAMPLES = 256
 
 
+_USTAR_MODE_IDS = b"0000644\0" b"0000000\0" b"0000000\0"
+_USTAR_MTIME = b"00000000000\0"
+_USTAR_TAIL = (b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * 32 + b"\0" * 32 + b"\0" * 8 + b"\0" * 8
+               + b"\0" * 155).ljust(512 - 156, b"\0")
+_USTAR_FIXED_SUM = sum(_USTAR_MODE_IDS) + sum(_USTAR_MTIME) + 8 * ord(" ") + sum(_USTAR_TAIL)
+"""Checksum of the header's fixed fields (the checksum field counting as 8 spaces); name and size add theirs."""
+
+
 def ustar_header(name: str, size: int) -> bytes:
     """The 512-byte USTAR header tarfile writes for a regular file with our fixed metadata (mtime 0, uid/gid 0,
     empty user/group names, mode 0644), built directly: tarfile's generic path costs more than the I/O."""
     nb = name.encode("utf-8")
     if len(nb) > 100 or size >= 8**11:
         raise ValueError(f"{name!r} ({size} bytes) does not fit a plain USTAR header")
-    buf = b"".join([
-        nb.ljust(100, b"\0"), b"0000644\0", b"0000000\0", b"0000000\0", b"%011o\0" % size, b"00000000000\0",
-        b" " * 8, b"0", b"\0" * 100, b"ustar\x0000", b"\0" * 32, b"\0" * 32, b"\0" * 8, b"\0" * 8, b"\0" * 155,
-    ]).ljust(512, b"\0")
-    return buf[:148] + b"%06o\0" % sum(buf) + buf[155:]
-
-
-def _member(name: str, data: bytes) -> bytes:
-    return ustar_header(name, len(data)) + data + b"\0" * (-len(data) % 512)
+    size_field = b"%011o\0" % size
+    checksum = _USTAR_FIXED_SUM + sum(nb) + sum(size_field)
+    return b"".join([nb.ljust(100, b"\0"), _USTAR_MODE_IDS, size_field, _USTAR_MTIME, b"%06o\0 " % checksum,
+                     _USTAR_TAIL])
 
 
 def _padded(n: int) -> int:
@@ -549,24 +747,14 @@ def _changed(rel: str) -> DataError:
                      f"or device differ, or its bytes do); re-run (with --overwrite when asked)")
 
 
-def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: list[int] | None,
-                 digest: str) -> None:
+def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> None:
     """Copy a pass-through source into the shard at ``pos`` (``sendfile``: no user-space copy), after checking
-    that the opened file is the one validated (``os.fstat`` identity; plans without one: sha256 again)."""
+    that the opened file is the one validated (``os.fstat`` identity)."""
     sfd = os.open(path, os.O_RDONLY)
     try:
         st = os.fstat(sfd)
-        if st.st_size != nbytes:
+        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != ident or st.st_size != nbytes:
             raise _changed(rel)
-        if ident is not None:
-            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != tuple(ident):
-                raise _changed(rel)
-        else:  # a plan written before identities were recorded
-            data = os.pread(sfd, nbytes + 1, 0)
-            if len(data) != nbytes or hashlib.sha256(data).hexdigest() != digest:
-                raise _changed(rel)
-            _pwrite_all(fd, data, pos)
-            return
         done = 0
         try:
             os.lseek(fd, pos, os.SEEK_SET)
@@ -588,18 +776,35 @@ def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: lis
         os.close(sfd)
 
 
-def _write_range(tmp: str, items: list[tuple]) -> None:
+class _Item(NamedTuple):
+    """One sample of a write task: its offset in the shard, member names and small members, and where its image
+    bytes come from (``cache`` None: the source file ``path``, else ``cache`` at ``coff``)."""
+
+    offset: int
+    key: str
+    ext: str
+    img_len: int
+    cls_b: bytes
+    json_b: bytes
+    path: str
+    rel: str
+    ident: tuple[int, int, int, int] | None
+    cache: str | None
+    coff: int
+
+
+def _write_range(tmp: str, items: list[_Item]) -> None:
     """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
     the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
     write disjoint ranges of one shard; padding and the end-of-archive blocks are the file's zeros."""
     fd = os.open(tmp, os.O_WRONLY)
     try:
-        for offset, key, ext, img_len, cls_b, json_b, source in items:
-            pos = start = offset
+        for it in items:
+            pos = start = it.offset
             buf: list[bytes] = []
-            for name, payload in sorted([(ext, None), ("cls", cls_b), ("json", json_b)], key=lambda m: m[0]):
-                size = img_len if payload is None else len(payload)
-                buf.append(ustar_header(f"{key}.{name}", size))
+            for name, payload in sorted([(it.ext, None), ("cls", it.cls_b), ("json", it.json_b)], key=lambda m: m[0]):
+                size = it.img_len if payload is None else len(payload)
+                buf.append(ustar_header(f"{it.key}.{name}", size))
                 pos += 512
                 if payload is not None:
                     buf.append(payload)
@@ -607,16 +812,15 @@ def _write_range(tmp: str, items: list[tuple]) -> None:
                     pos += _padded(size)
                     continue
                 _pwrite_all(fd, b"".join(buf), start)
-                if source[0] == "file":
-                    _, path, rel, ident, digest = source
-                    _copy_source(fd, pos, path, rel, img_len, ident, digest)
+                if it.cache is None:
+                    assert it.ident is not None
+                    _copy_source(fd, pos, it.path, it.rel, it.img_len, it.ident)
                 else:  # transcoded during validation; read back from the batch cache
-                    _, cache, coff = source
-                    with open(cache, "rb") as f:
-                        f.seek(coff)
-                        data = f.read(img_len)
-                    if len(data) != img_len:
-                        raise DataError(f"the transcode cache {cache} is incomplete; re-run with --overwrite")
+                    with open(it.cache, "rb") as f:
+                        f.seek(it.coff)
+                        data = f.read(it.img_len)
+                    if len(data) != it.img_len:
+                        raise DataError(f"the transcode cache {it.cache} is incomplete; re-run with --overwrite")
                     _pwrite_all(fd, data, pos)
                 pos += _padded(size)
                 buf, start = [], pos
@@ -629,51 +833,81 @@ def _write_range(tmp: str, items: list[tuple]) -> None:
 # --------------------------------------------------------------------------- writing (main side)
 
 
+class _Sample(NamedTuple):
+    """One planned sample, as the writer needs it (built from the plan's columns one shard at a time)."""
+
+    key: str
+    path: str
+    """Absolute path of the source."""
+    label: int
+    cname: str
+    source: str
+    """Path relative to SRC as recorded."""
+    orientation: int
+    ext: str
+    width: int
+    """Stored width (after any re-encoding)."""
+    height: int
+    orig_width: int
+    orig_height: int
+    sha256: str
+    img_len: int
+    """Bytes of the stored image member."""
+    ident: tuple[int, int, int, int] | None
+    """Pass-through: the validated source's identity; transcoded: None."""
+    cache: str | None
+    """Transcoded: the cache file holding the bytes, at ``coff``."""
+    coff: int
+
+
+def _sample_json(s: _Sample) -> bytes:
+    """``KEY.json``: exactly ``json.dumps(meta, sort_keys=True, ensure_ascii=False)`` of the sample's metadata
+    (``source``, ``class``, ``label``, stored ``width``/``height``, ``format``, ``sha256``, ``exif_orientation``
+    when not 1, ``orig_width``/``orig_height`` when resized), written out directly: the generic encoder costs more
+    than the rest of the sample."""
+    from json.encoder import encode_basestring
+
+    parts = [f'{{"class": {encode_basestring(s.cname)}, ']
+    if s.orientation != 1:
+        parts.append(f'"exif_orientation": {s.orientation}, ')
+    parts.append(f'"format": {encode_basestring(s.ext)}, "height": {s.height}, "label": {s.label}, ')
+    if (s.orig_width, s.orig_height) != (s.width, s.height):
+        parts.append(f'"orig_height": {s.orig_height}, "orig_width": {s.orig_width}, ')
+    parts.append(f'"sha256": "{s.sha256}", "source": {encode_basestring(s.source)}, "width": {s.width}}}')
+    return "".join(parts).encode("utf-8")
+
+
 class _ShardJob:
     """One shard being written: its layout, temporary file, write ranges and in-order hashing."""
 
-    def __init__(self, dest: str, name: str, samples: list[tuple]) -> None:
+    def __init__(self, dest: str, name: str, samples: list[_Sample]) -> None:
         import queue
 
         self.name = name
+        self.num_samples = len(samples)
         self.final = os.path.join(dest, name)
         self.tmp = os.path.join(dest, f".{name}.tmp")
-        self.rows: list[tuple] = []
         items = []
         pos = 0
-        for key, path, label, cname, rel, action, orientation, ext, w, h, digest, nbytes, enc, ident in samples:
-            ow, oh = w, h
-            if enc is None:
-                img_len = nbytes
-                source: tuple = ("file", path, rel, ident, digest)
-            else:
-                cache, coff, img_len, ext, w, h = enc
-                source = ("cache", cache, coff)
-            meta: dict[str, Any] = {"source": rel, "class": cname, "label": label, "width": w, "height": h,
-                                    "format": ext, "sha256": digest}
-            if orientation != 1:
-                meta["exif_orientation"] = orientation
-            if (ow, oh) != (w, h):
-                meta["orig_width"], meta["orig_height"] = ow, oh
-            json_b = json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
-            cls_b = str(label).encode("ascii")
-            items.append((pos, key, ext, img_len, cls_b, json_b, source))
-            pos += 3 * 512 + _padded(img_len) + _padded(len(cls_b)) + _padded(len(json_b))
-            self.rows.append((key, img_len, w, h))
+        for s in samples:
+            json_b = _sample_json(s)
+            cls_b = str(s.label).encode("ascii")
+            items.append(_Item(pos, s.key, s.ext, s.img_len, cls_b, json_b, s.path, s.source, s.ident, s.cache,
+                               s.coff))
+            pos += 3 * 512 + _padded(s.img_len) + _padded(len(cls_b)) + _padded(len(json_b))
         self.size = pos + 1024 + (-(pos + 1024) % tarfile.RECORDSIZE)  # end-of-archive, padded like tarfile
-        # Contiguous runs of samples, each one write task: [(items, end offset)].
-        self.ranges: list[tuple[list[tuple], int, int]] = []
+        # Contiguous runs of samples, each one write task: [(items, end offset, image bytes)].
+        self.ranges: list[tuple[list[_Item], int, int]] = []
         first = 0
         for i in range(1, len(items) + 1):
-            if i == len(items) or items[i][0] - items[first][0] >= _RANGE_BYTES or i - first >= _RANGE_SAMPLES:
-                end = self.size if i == len(items) else items[i][0]
-                self.ranges.append((items[first:i], end, sum(it[3] for it in items[first:i])))
+            if i == len(items) or items[i].offset - items[first].offset >= _RANGE_BYTES or i - first >= _RANGE_SAMPLES:
+                end = self.size if i == len(items) else items[i].offset
+                self.ranges.append((items[first:i], end, sum(it.img_len for it in items[first:i])))
                 first = i
         self.done = [False] * len(self.ranges)
         self.hashed_to = 0  # ranges [0, hashed_to) are queued for hashing
         self.submitted = 0
         self.blocks: Any = queue.SimpleQueue()
-        self.hash_future: Any = None
         fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             os.ftruncate(fd, self.size)  # holes read as zeros: the padding and the end-of-archive blocks
@@ -714,7 +948,7 @@ def _hash_file_ranges(path: str, blocks: Any) -> str:
     return h.hexdigest()
 
 
-def _finish_shard(dest: str, job: _ShardJob, digest: str) -> dict[str, Any]:
+def _finish_shard(dest: str, name: str, size: int, num_samples: int, digest: str) -> dict[str, Any]:
     """Rename a fully written and hashed shard into place, then leave its ``.done.json`` sidecar.
 
     No fsync of the shard: the rename makes it atomic against a killed process; after a power loss, resume and
@@ -723,11 +957,10 @@ def _finish_shard(dest: str, job: _ShardJob, digest: str) -> dict[str, Any]:
     """
     from gpufeed.records import atomic_write_bytes
 
-    os.replace(job.tmp, job.final)
-    result = {"name": job.name, "num_samples": len(job.rows), "bytes": job.size, "sha256": digest,
-              "rows": job.rows}
+    os.replace(os.path.join(dest, f".{name}.tmp"), os.path.join(dest, name))
+    result = {"name": name, "num_samples": num_samples, "bytes": size, "sha256": digest}
     # One C-encoder call: json.dump streams through the pure-Python encoder.
-    atomic_write_bytes(os.path.join(dest, STATE_DIR, f"{job.name}.done.json"), json.dumps(result).encode("utf-8"))
+    atomic_write_bytes(os.path.join(dest, STATE_DIR, f"{name}.done.json"), json.dumps(result).encode("utf-8"))
     return result
 
 
@@ -768,8 +1001,9 @@ def _fingerprint(scan: _Scan, options: dict[str, Any]) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"plan_version": PLAN_VERSION, "gpufeed": __version__, "options": options,
                          "classes": scan.classes}, sort_keys=True).encode())
-    for rel, label, size, mtime in scan.candidates:
-        h.update(f"{label}\0{rel}\0{size}\0{mtime}\n".encode("utf-8", "surrogateescape"))
+    for column in (scan.paths.offsets, scan.labels, scan.sizes, scan.mtimes):
+        h.update(column.tobytes())
+    h.update(scan.paths.blob)
     for issue in scan.rejected:
         h.update(f"r\0{issue.path}\n".encode("utf-8", "surrogateescape"))
     return h.hexdigest()
@@ -871,6 +1105,8 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
          progress: bool, t0: float, lock_fd: int) -> ShardReport:
     state = os.path.join(dest, STATE_DIR)
     pool = _make_pool(workers, lock_fd) if workers > 1 else None
+    import numpy as np  # after the pool has forked its workers (numpy may start threads)
+
     _preload_finish_imports()
     bar = _Bar(progress)
     try:
@@ -886,11 +1122,11 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         resumed = plan is not None
         done: dict[str, dict[str, Any]] = {}
         if plan is not None:
-            for s in plan["shards"]:
+            for s in plan.shards:
                 info = _shard_complete(dest, s["name"])
                 if info is not None:
                     done[s["name"]] = info
-            lost = [c for s in plan["shards"] if s["name"] not in done for c in s["caches"]
+            lost = [c for s in plan.shards if s["name"] not in done for c in s["caches"]
                     if not os.path.exists(os.path.join(state, c))]
             if lost:  # transcoded bytes are gone (cleared after use): redo the deterministic validation
                 plan = None
@@ -900,38 +1136,41 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             # Before anything is written: the input size is the estimate (pass-through bytes are the output;
             # re-encodes to --max-size/--quality are rarely larger). The exact check follows validation.
             kept = sum(i["bytes"] for i in done.values())
-            est = sum(c[2] + _TAR_OVERHEAD_PER_SAMPLE for c in scan.candidates) - kept
+            est = int(scan.sizes.sum()) + _TAR_OVERHEAD_PER_SAMPLE * len(scan) - kept
             _check_free_space(dest, est, cfg)
-            order = list(range(len(scan.candidates)))
-            random.Random(cfg.seed).shuffle(order)
+            shuffled = list(range(len(scan)))
+            random.Random(cfg.seed).shuffle(shuffled)
+            order = np.array(shuffled, dtype=np.int64)
+            del shuffled
             try:
-                results = _validate(scan, src, state, opts, pool, bar, order)
+                results = _validate(scan, src, state, opts, pool, bar, order, workers)
             except OSError as exc:
                 cached = _cache_bytes(state)
                 _clear_cache(state)  # useless without a plan: give the space back
                 raise _os_error(exc, cfg, est, cache_deleted=cached) from None
             plan = _make_plan(cfg, scan, results, fingerprint, options, order)
-            _check_empty(cfg, plan["classes"], plan["class_counts"], warn, after_validation=True)
-            from gpufeed.records import atomic_write_bytes
-
+            del results, order
+            _check_empty(cfg, plan.classes, plan.meta["class_counts"], warn, after_validation=True)
             try:
-                atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(plan).encode("utf-8"))
+                _save_plan(state, plan)
             except OSError as exc:
                 raise _os_error(exc, cfg, None, cache_kept=_cache_bytes(state)) from None
         else:
             bar.note("resume: the plan matches; validation skipped")
-            _check_empty(cfg, plan["classes"], plan["class_counts"], warn, after_validation=True)
+            _check_empty(cfg, plan.classes, plan.meta["class_counts"], warn, after_validation=True)
         validate_s = time.perf_counter() - t_val
+        ignored = scan.ignored
+        del scan  # the plan holds what the rest needs
 
         # ---- write
         t_w = time.perf_counter()
-        names = [s["name"] for s in plan["shards"]]
+        names = [s["name"] for s in plan.shards]
         if not resumed or not done:
             for name in names:
                 info = _shard_complete(dest, name)
                 if info is not None:
                     done[name] = info
-        todo = [s for s in plan["shards"] if s["name"] not in done]
+        todo = [s for s in plan.shards if s["name"] not in done]
         # Each transcode cache file is deleted once every shard that reads it is written, so DEST peaks near
         # the output size: the cache turns into shards as they are written.
         users: dict[str, int] = {}
@@ -948,15 +1187,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         for leftover in os.listdir(dest):
             if leftover.startswith(".") and leftover.endswith(".tar.tmp") or _atomic_leftover(leftover):
                 os.unlink(os.path.join(dest, leftover))
-        samples = plan["samples"]
-        tasks = []
-        for s in todo:
-            rows = [samples[i] for i in s["samples"]]
-            tasks.append((s["name"], [
-                (r["key"], os.path.join(src, r["path"]), r["label"], plan["classes"][r["label"]], r["source"],
-                 r["action"], r["orientation"], r["ext"], r["width"], r["height"], r["sha256"], r["bytes"],
-                 None if r["enc"] is None else (os.path.join(state, r["enc"][0]), *r["enc"][1:]), r.get("ident"))
-                for r in rows], sum(r["bytes"] for r in rows)))
+        tasks = [(s["name"], s["count"], (lambda s=s: plan.part(plan.indices(s)))) for s in todo]
         caches_of = {s["name"]: s["caches"] for s in todo}
 
         def shard_done(name: str) -> None:
@@ -969,7 +1200,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                         pass
 
         try:
-            written = _write_all(dest, tasks, opts, pool, bar, shard_done, workers=workers)
+            written = _write_all(dest, src, tasks, pool, bar, shard_done, workers=workers)
         except OSError as exc:
             raise _os_error(exc, cfg, need, cache_kept=_cache_bytes(state)) from None
         done.update(written)
@@ -979,6 +1210,11 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         if pool is not None:
             pool[0].shutdown(wait=True, cancel_futures=True)
 
+    per_action = np.bincount(plan.cols["action"], minlength=len(_ACTIONS)).tolist()
+    transforms = {a: k for a, k in sorted(zip(_ACTIONS, per_action)) if k}
+    num_exif_oriented = int((plan.cols["orientation"] != 1).sum())
+    plan.release_write_columns()
+
     # ---- index, timm info, manifest (last)
     infos = [done[n] for n in names]
     try:
@@ -986,30 +1222,26 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     except OSError as exc:
         raise _os_error(exc, cfg, None, shards_done=len(infos)) from None
     _clear_cache(state)  # the transcode cache is only needed until every shard is complete
-    input_bytes = sum(r["bytes"] for r in plan["samples"])
+    input_bytes = int(plan.cols["bytes"].sum())
     elapsed = time.perf_counter() - t0
     # Rates count what this run wrote (a resume that keeps every shard converts nothing).
     n_written = sum(i["num_samples"] for i in written.values())
-    in_written = sum(plan["samples"][j]["bytes"] for s in todo if s["name"] in written for j in s["samples"])
-    transforms: dict[str, int] = {}
-    for r in plan["samples"]:
-        transforms[r["action"]] = transforms.get(r["action"], 0) + 1
-    rejected = [FileIssue(**i) for i in plan["rejected"]]
-    ignored = scan.ignored
+    in_written = sum(int(plan.cols["bytes"][plan.indices(s)].sum()) for s in todo if s["name"] in written)
+    rejected = plan.rejected
     if rejected:
         warn.append(f"{len(rejected)} file(s) rejected")
     return ShardReport(
-        src=src, dest=dest, prefix=cfg.prefix, num_classes=len(plan["classes"]),
-        num_samples=len(plan["samples"]), num_rejected=len(rejected), num_ignored=len(ignored),
+        src=src, dest=dest, prefix=cfg.prefix, num_classes=len(plan.classes),
+        num_samples=len(plan), num_rejected=len(rejected), num_ignored=len(ignored),
         num_shards=len(names), num_shards_written=len(written), num_shards_skipped=len(names) - len(written),
         total_bytes=manifest.total_bytes, input_bytes=input_bytes,
         written_samples=n_written, written_bytes=sum(i["bytes"] for i in written.values()),
         written_input_bytes=in_written, elapsed_s=elapsed, validate_s=validate_s,
         write_s=write_s, samples_per_s=n_written / elapsed if elapsed > 0 else 0.0,
         mb_per_s=in_written / 1e6 / elapsed if elapsed > 0 else 0.0, workers=workers, strict=cfg.strict,
-        resumed=resumed, transforms=dict(sorted(transforms.items())),
-        num_exif_oriented=sum(1 for r in plan["samples"] if r["orientation"] != 1),
-        classes=list(plan["classes"]), empty_classes=list(plan["empty_classes"]), warnings=warn,
+        resumed=resumed, transforms=transforms,
+        num_exif_oriented=num_exif_oriented,
+        classes=list(plan.classes), empty_classes=list(plan.meta["empty_classes"]), warnings=warn,
         rejected=rejected, ignored=ignored, shards=names, url_pattern=manifest.url_pattern,
         manifest=os.path.join(dest, "manifest.json"),
     )
@@ -1130,7 +1362,7 @@ def _our_outputs(dest: str) -> list[str]:
     return out
 
 
-def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> dict[str, Any] | None:
+def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> _Plan | None:
     """The stored plan when it matches; refuse a different one unless overwrite (then clear our files)."""
     if not os.path.isdir(dest):
         return None
@@ -1142,11 +1374,8 @@ def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> dict[str, Any] 
             _remove(dest, name)
         return None
     if os.path.exists(plan_path):
-        try:
-            plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            plan = None
-        if plan is not None and plan.get("fingerprint") == fingerprint:
+        plan = _read_plan(os.path.join(dest, STATE_DIR))
+        if plan is not None and plan.meta["fingerprint"] == fingerprint:
             return plan
         why = "was planned from different input files or options"
     else:
@@ -1189,61 +1418,310 @@ def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig, cached: int =
         )
 
 
-def _make_plan(cfg: ShardConfig, scan: _Scan, results: list[tuple], fingerprint: str,
-               options: dict[str, Any], shuffled: list[int]) -> dict[str, Any]:
+_ACTIONS = ("copy", "reencode", "cmyk_to_rgb_jpeg", "16bit_to_png8", "to_png")
+_EXTS = ("", "jpg", "png", "webp")
+_COLUMNS = {  # per-sample columns of validation results and of the plan: numpy dtype, trailing shape
+    "action": ("u1", ()), "ext": ("u1", ()), "width": ("<i4", ()), "height": ("<i4", ()),
+    "orientation": ("<u2", ()), "sha256": ("u1", (32,)), "id_size": ("<i8", ()), "id_mtime": ("<i8", ()),
+    "id_ino": ("<u8", ()), "id_dev": ("<u8", ()), "enc_cache": ("<i8", ()), "enc_off": ("<i8", ()),
+    "enc_len": ("<i8", ()), "enc_ext": ("u1", ()), "enc_w": ("<i4", ()), "enc_h": ("<i4", ()),
+}
+"""``id_*``: the pass-through source's identity at validation; ``enc_*``: transcoded bytes in cache file
+``enc-{enc_cache:06d}.bin`` (-1: none) at ``enc_off``, with their ext code and stored size."""
+_PLAN_COLUMNS = {**_COLUMNS, "label": ("<i4", ()), "bytes": ("<i8", ()), "order": ("<i8", ()),
+                 "path_offsets": ("<i8", ()), "path_blob": ("u1", ())}
+PLAN_ARRAYS_NAME = "plan.bin"
+
+
+class _Results:
+    """Validation results in columns, indexed like the scan's candidates; reasons of the rejected by index."""
+
+    def __init__(self, n: int) -> None:
+        import numpy as np
+
+        self.ok = np.zeros(n, dtype=bool)
+        self.cols = {k: np.zeros((n, *shape), dtype=dt) for k, (dt, shape) in _COLUMNS.items()}
+        self.cols["enc_cache"][:] = -1
+        self.reasons: dict[int, str] = {}
+
+    def put(self, ks: Any, batch: dict[str, Any], cache: int) -> None:
+        """Store a batch's columns (``_batch_columns``) for candidates ``ks`` (``cache``: the batch's cache file
+        number)."""
+        ok = batch["ok"]
+        if len(ok) != len(ks):
+            raise AssertionError("a validation batch returned a result per file")  # pragma: no cover
+        self.ok[ks] = ok
+        sel = ks[ok]
+        for name in _COLUMNS:
+            self.cols[name][sel] = batch[name]
+        self.cols["enc_cache"][sel[batch["enc_cache"] >= 0]] = cache
+        for i, reason in batch["reasons"].items():
+            self.reasons[int(ks[i])] = reason
+
+
+def _cache_name(j: int) -> str:
+    return f"enc-{j:06d}.bin"
+
+
+class _Plan:
+    """The plan, columnar: ``meta`` (JSON: fingerprint, options, classes, rejected files, shards as slices of
+    ``order``) and per-sample numpy columns (``_PLAN_COLUMNS``) for the accepted samples in key order, i.e.
+    sorted by (label, path); ``order`` is their seeded shard order. ~150 bytes a sample plus its path."""
+
+    def __init__(self, meta: dict[str, Any], cols: dict[str, Any], paths: _Strings) -> None:
+        import numpy as np
+
+        self.meta = meta
+        self.cols = cols
+        self.paths = paths
+        self.classes: list[str] = meta["classes"]
+        self.shards: list[dict[str, Any]] = meta["shards"]
+        self.rejected = [FileIssue(i["path"], i["reason"]) for i in meta["rejected"]]
+        counts = np.asarray(meta["class_counts"], dtype=np.int64)
+        self.class_start = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+
+    def stored(self, idx: Any) -> tuple[Any, Any, Any]:
+        """(bytes, width, height) of the stored image members of the samples at ``idx`` (after any transcoding)."""
+        import numpy as np
+
+        c = self.cols
+        encoded = c["enc_cache"][idx] >= 0
+        return (np.where(encoded, c["enc_len"][idx], c["bytes"][idx]),
+                np.where(encoded, c["enc_w"][idx], c["width"][idx]),
+                np.where(encoded, c["enc_h"][idx], c["height"][idx]))
+
+    def release_write_columns(self) -> None:
+        """Drop the columns only the writer needs (digests, source identities, cache offsets, ...) before the
+        index is built, so their memory is not held at the same time. A resumed plan's columns share one
+        buffer, which stays."""
+        for name in ("sha256", "id_size", "id_mtime", "id_ino", "id_dev", "enc_off", "enc_ext", "action", "ext",
+                     "orientation"):
+            self.cols.pop(name, None)
+
+    def __len__(self) -> int:
+        return len(self.cols["label"])
+
+    def indices(self, shard: dict[str, Any]) -> Any:
+        return self.cols["order"][shard["start"]:shard["start"] + shard["count"]]
+
+    def key(self, i: int) -> str:
+        label = int(self.cols["label"][i])
+        return f"{label:05d}_{i - int(self.class_start[label]):07d}"
+
+    def part(self, idx: Any) -> dict[str, Any]:
+        """What the writer needs of the samples at plan positions ``idx`` (one shard), as columns: small to send
+        to a worker process, which builds the records (``_samples_of``)."""
+        import numpy as np
+
+        c = self.cols
+        labels = c["label"][idx]
+        caches = c["enc_cache"][idx]
+        stored_len, stored_w, stored_h = self.stored(idx)
+        return {"n": (idx - self.class_start[labels]).tolist(), "label": labels.tolist(),
+                "ext": np.where(caches >= 0, c["enc_ext"][idx], c["ext"][idx]).tolist(),
+                "width": stored_w.tolist(), "height": stored_h.tolist(), "orig_width": c["width"][idx].tolist(),
+                "orig_height": c["height"][idx].tolist(), "orientation": c["orientation"][idx].tolist(),
+                "img_len": stored_len.tolist(), "cache": caches.tolist(), "coff": c["enc_off"][idx].tolist(),
+                "ident": list(zip(c["id_size"][idx].tolist(), c["id_mtime"][idx].tolist(),
+                                  c["id_ino"][idx].tolist(), c["id_dev"][idx].tolist())),
+                "sha256": c["sha256"][idx].tobytes(), "paths": [self.paths[i] for i in idx.tolist()],
+                "classes": self.classes}
+
+
+def _samples_of(part: dict[str, Any], src: str, state: str) -> list[_Sample]:
+    """The records of one shard's samples from ``_Plan.part``."""
+    classes, digests = part["classes"], part["sha256"]
+    out = []
+    for k, (raw, n, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
+            part["paths"], part["n"], part["label"], part["ext"], part["width"], part["height"],
+            part["orig_width"], part["orig_height"], part["orientation"], part["img_len"], part["cache"],
+            part["coff"], part["ident"])):
+        encoded = j >= 0
+        out.append(_Sample(f"{label:05d}_{n:07d}", os.path.join(src, raw), label, classes[label], _display(raw),
+                           orientation, _EXTS[e], w, h, ow, oh, digests[32 * k:32 * k + 32].hex(), length,
+                           None if encoded else idt, os.path.join(state, _cache_name(j)) if encoded else None,
+                           coff))
+    return out
+
+
+def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: str,
+               options: dict[str, Any], shuffled: Any) -> _Plan:
     """The plan: accepted samples (keys in sorted order), split into shards following ``shuffled`` (the seeded
     permutation of the candidates; the accepted ones in that order are a seeded shuffle of the accepted list)."""
-    accepted = []
-    rejected = list(scan.rejected)
-    position: dict[int, int] = {}
-    for c, ((rel, label, size, _mtime), res) in enumerate(zip(scan.candidates, results)):
-        ok, what, fmt, w, h, orientation, enc, digest, ident = res
-        if not ok:
-            rejected.append(FileIssue(_display(rel), what))
-            continue
-        position[c] = len(accepted)
-        sample = {"source": _display(rel), "path": rel, "label": label, "bytes": size, "action": what,
-                  "ext": _EXT.get(fmt, ""),
-                  "width": w, "height": h, "orientation": orientation, "enc": None, "est_bytes": size,
-                  "sha256": digest, "ident": None if ident is None else list(ident)}
-        if enc is not None:
-            sample["enc"] = list(enc)  # [cache file, offset, length, ext, width, height]
-            sample["est_bytes"] = enc[2]
-        accepted.append(sample)
+    import numpy as np
+
+    ok = results.ok
+    acc = np.nonzero(ok)[0]
+    rejected = list(scan.rejected) + [FileIssue(_display(scan.paths[k]), r) for k, r in results.reasons.items()]
     rejected.sort(key=lambda i: i.path)
-    counts = [0] * len(scan.classes)
-    for a in accepted:  # already sorted by (label, source)
-        a["key"] = f"{a['label']:05d}_{counts[a['label']]:07d}"
-        counts[a["label"]] += 1
-    if not accepted:
+    if not len(acc):
         raise DataError(f"SRC {cfg.src} holds no valid image ({len(rejected)} rejected)")
-    order = [position[c] for c in shuffled if c in position]
-    est_total = sum(a["est_bytes"] + _TAR_OVERHEAD_PER_SAMPLE for a in accepted)
-    n_shards = plan_num_shards(len(accepted), est_total, cfg)
-    if n_shards > len(accepted):
+    everything = len(acc) == len(ok)
+    cols = {}
+    for k in list(results.cols):  # column by column, each dropped from the results once copied: one copy at a time
+        v = results.cols.pop(k)
+        cols[k] = v if everything else v[acc]
+        del v
+    cols["label"], cols["bytes"] = (scan.labels, scan.sizes) if everything else (scan.labels[acc], scan.sizes[acc])
+    paths = scan.paths if everything else scan.paths.take(acc)
+    counts = np.bincount(cols["label"], minlength=len(scan.classes)).tolist()
+    rank = np.cumsum(ok) - 1  # candidate -> position among the accepted
+    shuffled = np.asarray(shuffled, dtype=np.int64)
+    order = rank[shuffled[ok[shuffled]]].astype(np.int64)
+    encoded = cols["enc_cache"] >= 0
+    est = np.where(encoded, cols["enc_len"], cols["bytes"]) + _TAR_OVERHEAD_PER_SAMPLE
+    n = len(acc)
+    n_shards = plan_num_shards(n, int(est.sum()), cfg)
+    if n_shards > n:
         raise DataError(
             f"{n_shards} shards (a multiple of --multiple-of {cfg.multiple_of}) need at least {n_shards} images, "
-            f"but only {len(accepted)} were accepted; lower --multiple-of"
+            f"but only {n} were accepted; lower --multiple-of"
         )
     shards = []
     pos = 0
-    for name, k in zip(_shard_names(cfg.prefix, n_shards), split_sizes(len(accepted), n_shards)):
+    for name, k in zip(_shard_names(cfg.prefix, n_shards), split_sizes(n, n_shards)):
         idx = order[pos:pos + k]
+        enc_idx = idx[encoded[idx]]
+        shards.append({"name": name, "start": pos, "count": k, "est_bytes": int(est[idx].sum()),
+                       "caches": [_cache_name(j) for j in np.unique(cols["enc_cache"][enc_idx]).tolist()],
+                       "cache_bytes": int(cols["enc_len"][enc_idx].sum())})
         pos += k
-        caches = sorted({accepted[i]["enc"][0] for i in idx if accepted[i]["enc"] is not None})
-        shards.append({"name": name, "samples": idx,
-                       "est_bytes": sum(accepted[i]["est_bytes"] + _TAR_OVERHEAD_PER_SAMPLE for i in idx),
-                       "caches": caches,
-                       "cache_bytes": sum(accepted[i]["enc"][2] for i in idx if accepted[i]["enc"] is not None)})
-    return {"plan_version": PLAN_VERSION, "fingerprint": fingerprint, "options": options,
+    cols["order"] = order
+    meta = {"plan_version": PLAN_VERSION, "fingerprint": fingerprint, "options": options,
             "classes": scan.classes, "class_counts": counts,
-            "empty_classes": [c for c, n in zip(scan.classes, counts) if n == 0],
-            "samples": accepted, "shards": shards, "rejected": [i.__dict__ for i in rejected],
-            "warnings": []}
+            "empty_classes": [c for c, m in zip(scan.classes, counts) if m == 0],
+            "num_samples": n, "shards": shards, "rejected": [i.__dict__ for i in rejected]}
+    return _Plan(meta, cols, paths)
 
 
-def _finish(dest: str, cfg: ShardConfig, plan: dict[str, Any], infos: list[dict[str, Any]],
+def _save_plan(state: str, plan: _Plan) -> None:
+    """``plan.bin`` (the columns, raw little-endian arrays one after the other) then, atomically and last,
+    ``plan.json`` (the metadata, each column's dtype, shape and offset, and plan.bin's sha256)."""
+    import numpy as np
+
+    from gpufeed.records import _umask, atomic_write_bytes, fsync_dir
+
+    arrays = {**plan.cols, "path_offsets": plan.paths.offsets,
+              "path_blob": np.frombuffer(plan.paths.blob, dtype=np.uint8)}
+    spec = []
+    h = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{PLAN_ARRAYS_NAME}.", suffix=".tmp", dir=state)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            offset = 0
+            for name in sorted(_PLAN_COLUMNS):
+                a = np.ascontiguousarray(arrays[name], dtype=_PLAN_COLUMNS[name][0])
+                spec.append([name, list(a.shape), offset])
+                f.write(memoryview(a).cast("B"))
+                h.update(memoryview(a).cast("B"))
+                offset += a.nbytes
+            f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(state, PLAN_ARRAYS_NAME))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(state)
+    meta = {**plan.meta, "arrays": {"sha256": h.hexdigest(), "bytes": offset, "columns": spec}}
+    atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(meta).encode("utf-8"))
+
+
+def _read_plan(state: str) -> _Plan | None:
+    """The stored plan, or None when it is missing, of another version, or inconsistent in any way (every size,
+    offset and index is checked before use: the state folder is data too)."""
+    import numpy as np
+
+    try:
+        meta = json.loads(Path(state, PLAN_NAME).read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or meta.get("plan_version") != PLAN_VERSION:
+            return None
+        spec = meta["arrays"]
+        with open(os.path.join(state, PLAN_ARRAYS_NAME), "rb") as f:
+            data = f.read(int(spec["bytes"]) + 1)
+        if len(data) != spec["bytes"] or hashlib.sha256(data).hexdigest() != spec["sha256"]:
+            return None
+        n = int(meta["num_samples"])
+        arrays: dict[str, Any] = {}
+        for name, shape, offset in spec["columns"]:
+            dt, tail = _PLAN_COLUMNS[name]
+            if tuple(shape[1:]) != tail or len(shape) != 1 + len(tail) or name in arrays:
+                return None
+            count = math.prod(shape)
+            if not 0 <= offset <= len(data) - count * np.dtype(dt).itemsize:
+                return None
+            arrays[name] = np.frombuffer(data, dtype=dt, count=count, offset=offset).reshape(shape)
+        if set(arrays) != set(_PLAN_COLUMNS):
+            return None
+        offsets, blob = arrays.pop("path_offsets"), arrays.pop("path_blob")
+        classes, shards = meta["classes"], meta["shards"]
+        if (any(len(a) != n for a in arrays.values()) or len(offsets) != n + 1 or offsets[0] != 0
+                or offsets[-1] != len(blob) or (n and np.diff(offsets).min() < 0)
+                or len(meta["class_counts"]) != len(classes) or sum(meta["class_counts"]) != n
+                or not n or not 0 <= arrays["label"].min() <= arrays["label"].max() < len(classes)
+                or np.bincount(arrays["label"], minlength=len(classes)).tolist() != meta["class_counts"]
+                or not 0 <= arrays["order"].min() <= arrays["order"].max() < n
+                or [s["start"] for s in shards] != [sum(s["count"] for s in shards[:i]) for i in range(len(shards))]
+                or sum(s["count"] for s in shards) != n
+                or not all(type(s["count"]) is int and s["count"] > 0 and _SHARD_RE.match(s["name"])
+                           and all(_CACHE_RE.match(c) for c in s["caches"]) for s in shards)
+                or arrays["ext"].max() >= len(_EXTS) or arrays["enc_ext"].max() >= len(_EXTS)
+                or arrays["action"].max() >= len(_ACTIONS)):
+            return None
+        return _Plan(meta, arrays, _Strings(blob.tobytes(), offsets))
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+_INDEX_BLOCK = 65536
+"""Rows of ``index.parquet`` whose key and source strings are built at a time (then kept as Arrow arrays)."""
+
+
+def _index_keys(plan: _Plan, rows: Any, labels: Any) -> Any:
+    """The ``key`` column (``{label:05d}_{n:07d}``) as an Arrow string array, digits computed with numpy a block
+    at a time (wider numbers, which ``:05d``/``:07d`` would not pad to a fixed width, go through ``plan.key``)."""
+    import numpy as np
+    import pyarrow as pa
+
+    n = rows - plan.class_start[labels]
+    if len(rows) and (labels.max() >= 10**5 or n.max() >= 10**7):
+        return pa.concat_arrays([pa.array([plan.key(i) for i in rows[b:b + _INDEX_BLOCK].tolist()], pa.string())
+                                 for b in range(0, len(rows), _INDEX_BLOCK)])
+    blocks = []
+    for b in range(0, len(rows), _INDEX_BLOCK):
+        lab, num = labels[b:b + _INDEX_BLOCK].astype(np.int64), n[b:b + _INDEX_BLOCK]
+        chars = np.empty((len(lab), 13), dtype=np.uint8)
+        chars[:, :5] = lab[:, None] // 10 ** np.arange(4, -1, -1) % 10 + 48
+        chars[:, 5] = ord("_")
+        chars[:, 6:] = num[:, None] // 10 ** np.arange(6, -1, -1) % 10 + 48
+        offsets = np.arange(0, 13 * (len(lab) + 1), 13, dtype=np.int32)
+        blocks.append(pa.Array.from_buffers(pa.string(), len(lab), [None, pa.py_buffer(offsets),
+                                                                    pa.py_buffer(chars.tobytes())]))
+    return pa.concat_arrays(blocks) if blocks else pa.array([], pa.string())
+
+
+def _index_sources(plan: _Plan, rows: Any) -> Any:
+    """The ``source`` column (``_display`` of each path) as an Arrow string array: straight from the path blob
+    when every name is UTF-8 (then ``_display`` is the name itself), else name by name."""
+    import pyarrow as pa
+
+    if os.sep == "/" and len(plan.paths.blob) < 2**31:
+        names = pa.Array.from_buffers(pa.binary(), len(plan.paths), [
+            None, pa.py_buffer(plan.paths.offsets.astype("int32")), pa.py_buffer(plan.paths.blob)])
+        try:
+            return names.take(pa.array(rows)).cast(pa.string())
+        except pa.ArrowInvalid:  # a name that is not UTF-8
+            pass
+    return pa.concat_arrays([pa.array([_display(plan.paths[i]) for i in rows[b:b + _INDEX_BLOCK].tolist()],
+                                      pa.string()) for b in range(0, len(rows), _INDEX_BLOCK)])
+
+
+def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
             options: dict[str, Any]) -> Any:
+    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -1251,42 +1729,38 @@ def _finish(dest: str, cfg: ShardConfig, plan: dict[str, Any], infos: list[dict[
     from gpufeed.manifest import INDEX_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
     from gpufeed.records import atomic_write_bytes
 
-    by_key = {s["key"]: s for s in plan["samples"]}
-    cols: dict[str, list[Any]] = {c: [] for c in ("key", "shard", "class", "label", "source", "bytes",
-                                                    "width", "height")}
-    for info in infos:
-        for key, nbytes, w, h in info["rows"]:
-            s = by_key[key]
-            cols["key"].append(key)
-            cols["shard"].append(info["name"])
-            cols["class"].append(plan["classes"][s["label"]])
-            cols["label"].append(s["label"])
-            cols["source"].append(s["source"])
-            cols["bytes"].append(nbytes)
-            cols["width"].append(w)
-            cols["height"].append(h)
+    rows = np.concatenate([plan.indices(s) for s in plan.shards])  # plan order: shard by shard
+    shard_of = np.repeat(np.arange(len(plan.shards)), [s["count"] for s in plan.shards])
+    labels = plan.cols["label"][rows]
+    nbytes, width, height = plan.stored(rows)
     table = pa.table({
-        "key": pa.array(cols["key"], pa.string()), "shard": pa.array(cols["shard"], pa.string()),
-        "class": pa.array(cols["class"], pa.string()), "label": pa.array(cols["label"], pa.int64()),
-        "source": pa.array(cols["source"], pa.string()), "bytes": pa.array(cols["bytes"], pa.int64()),
-        "width": pa.array(cols["width"], pa.int32()), "height": pa.array(cols["height"], pa.int32()),
+        "key": _index_keys(plan, rows, labels),
+        "shard": pa.array([s["name"] for s in plan.shards], pa.string()).take(pa.array(shard_of)),
+        "class": pa.array(plan.classes, pa.string()).take(pa.array(labels)),
+        "label": pa.array(labels.astype(np.int64), pa.int64()),
+        "source": _index_sources(plan, rows),
+        "bytes": pa.array(nbytes.astype(np.int64), pa.int64()),
+        "width": pa.array(width.astype(np.int32), pa.int32()),
+        "height": pa.array(height.astype(np.int32), pa.int32()),
     })
+    del rows, shard_of, labels, nbytes, width, height
     buf = pa.BufferOutputStream()
     pq.write_table(table, buf)
-    atomic_write_bytes(os.path.join(dest, INDEX_NAME), buf.getvalue().to_pybytes())
+    del table
+    atomic_write_bytes(os.path.join(dest, INDEX_NAME), buf.getvalue())
 
     names = [i["name"] for i in infos]
     shard_infos = [ShardInfo(name=i["name"], num_samples=i["num_samples"], bytes=i["bytes"], sha256=i["sha256"])
                    for i in infos]
     total = sum(i["bytes"] for i in infos)
     n = sum(i["num_samples"] for i in infos)
-    timm = {"name": os.path.basename(dest.rstrip("/")) or "gpufeed", "num_classes": len(plan["classes"]),
+    timm = {"name": os.path.basename(dest.rstrip("/")) or "gpufeed", "num_classes": len(plan.classes),
             "splits": {cfg.prefix: {"name": cfg.prefix, "num_samples": n, "filenames": names,
                                     "shard_lengths": [i["num_samples"] for i in infos]}}}
     atomic_write_bytes(os.path.join(dest, TIMM_INFO_NAME), (json.dumps(timm, indent=2) + "\n").encode())
     manifest = Manifest(
-        prefix=cfg.prefix, classes=list(plan["classes"]), shards=shard_infos, num_samples=n,
-        num_rejected=len(plan["rejected"]), total_bytes=total, mean_sample_bytes=total / n if n else 0.0,
+        prefix=cfg.prefix, classes=list(plan.classes), shards=shard_infos, num_samples=n,
+        num_rejected=len(plan.rejected), total_bytes=total, mean_sample_bytes=total / n if n else 0.0,
         url_pattern=brace_pattern(names), options=options, created_by="gpufeed shard",
         gpufeed_version=__version__,
     )
@@ -1363,51 +1837,125 @@ def _noop() -> None:
     return None
 
 
+_VALIDATE_DEPTH = 4
+"""Validation batches in flight per worker: enough to keep the workers busy, few enough that the batches' paths
+and results are never all held at once."""
+
+
 def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any, bar: _Bar,
-              order: list[int]) -> list[tuple]:
+              order: Any, workers: int = 1) -> _Results:
     """Validate the candidates in the seeded shard order (so each transcode cache file feeds one or a few
     consecutive shards and can be deleted once they are written); results in candidate order."""
-    paths = [os.path.join(src, scan.candidates[k][0]) for k in order]
-    sizes = [scan.candidates[k][2] for k in order]
-    bar.start("validate", len(paths))
-    chunks = [(i, paths[i:i + _CHUNK]) for i in range(0, len(paths), _CHUNK)]
-    results: list[Any] = [None] * len(chunks)
-    cache = [f"enc-{j:06d}.bin" for j in range(len(chunks))]
+    n = len(order)
+    results = _Results(n)
+    bar.start("validate", n)
+    # Header checks of pass-through files take microseconds a file: bigger batches amortise the IPC.
+    cheap = opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None
+    chunk = _HEADER_CHUNK if cheap else _CHUNK
+    starts = iter(enumerate(range(0, n, chunk)))
+
+    def batch(i: int) -> tuple[Any, list[str]]:
+        ks = order[i:i + chunk]
+        return ks, [os.path.join(src, scan.paths[k]) for k in ks.tolist()]
+
+    def stored(ks: Any, j: int, res: dict[str, Any]) -> None:
+        results.put(ks, res, j)
+        bar.update(len(ks), int(scan.sizes[ks].sum()))
+
     if pool is None:
-        for j, (i, chunk) in enumerate(chunks):
-            results[j] = _validate_chunk(chunk, opts, os.path.join(state, cache[j]))
-            bar.update(len(chunk), sum(sizes[i:i + len(chunk)]))
-    else:
-        ex = pool[0]
-        futs = {ex.submit(_validate_chunk, chunk, opts, os.path.join(state, cache[j])): (j, i, len(chunk))
-                for j, (i, chunk) in enumerate(chunks)}
-        for fut in cf.as_completed(futs):
-            j, i, k = futs[fut]
-            results[j] = fut.result()
-            bar.update(k, sum(sizes[i:i + k]))
-    out: list[Any] = [None] * len(order)
-    pos = 0
-    for j, chunk_results in enumerate(results):
-        for r in chunk_results:
-            out[order[pos]] = r if r[6] is None else r[:6] + ((cache[j], *r[6]),) + r[7:]
-            pos += 1
-    return out
+        for j, i in starts:
+            ks, paths = batch(i)
+            stored(ks, j, _validate_chunk(paths, opts, os.path.join(state, _cache_name(j))))
+        return results
+    ex = pool[0]
+    running: dict[Any, tuple[list[int], int]] = {}
+    while True:
+        for j, i in starts:
+            ks, paths = batch(i)
+            running[ex.submit(_validate_chunk, paths, opts, os.path.join(state, _cache_name(j)))] = (ks, j)
+            if len(running) >= _VALIDATE_DEPTH * workers:
+                break
+        if not running:
+            return results
+        finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+        for fut in finished:
+            ks, j = running.pop(fut)
+            stored(ks, j, fut.result())
 
 
-def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, bar: _Bar,
-               on_done: Callable[[str], None] = lambda name: None, workers: int = 1) -> dict[str, Any]:
-    """Write the shards: every shard is split into runs of consecutive samples written in parallel at their
-    offsets (``_write_range``, in the worker processes, or one thread without a pool), while one thread per
-    shard hashes it in order as its runs complete; a shard is renamed once written and hashed. Several shards
-    are in flight at once, so a one-shard plan uses every worker too."""
-    total = sum(len(t[1]) for t in tasks)
+def _write_shard(dest: str, src: str, name: str, part: dict[str, Any]) -> tuple[int, str, int]:
+    """Write one whole shard in this (worker) process: records, layout, bytes, then its sha256 -> (size, sha256,
+    image bytes). The same layout and writer as the parallel runs of ``_write_all``, so the same bytes."""
+    job = _ShardJob(dest, name, _samples_of(part, src, os.path.join(dest, STATE_DIR)))
+    try:
+        for items, _end, _nbytes in job.ranges:
+            _write_range(job.tmp, items)
+        return job.size, _sha256_file(job.tmp), sum(r[2] for r in job.ranges)
+    except BaseException:
+        job.abort()
+        raise
+
+
+def _write_all(dest: str, src: str, tasks: list[tuple[str, int, Callable[[], dict[str, Any]]]], pool: Any,
+               bar: _Bar, on_done: Callable[[str], None] = lambda name: None, workers: int = 1) -> dict[str, Any]:
+    """Write the shards. ``tasks``: (shard name, number of samples, a function giving ``_Plan.part`` of its
+    samples), so only the shards in flight are held as records; as many shards are in flight as workers (the
+    DEST space check counts on it).
+
+    With at least two shards a worker, each worker writes and hashes whole shards (``_write_shard``): the
+    records, member layout and hashing all happen in the workers. With fewer, every shard is split into runs
+    of consecutive samples written in parallel at their offsets (``_write_range``, in the worker processes, or
+    one thread without a pool), while one thread per shard hashes it in order as its runs complete, so a
+    one-shard plan uses every worker too. Either way a shard is renamed once written and hashed."""
+    total = sum(t[1] for t in tasks)
     bar.start("write", total)
     out: dict[str, Any] = {}
     if not tasks:
         return out
     own = pool is None
     ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufeed-write") if own else pool[0]
+    try:
+        if len(tasks) >= 2 * max(1, workers):
+            _write_whole(dest, src, tasks, ex, bar, on_done, workers, out)
+        else:
+            _write_ranges(dest, src, tasks, ex, bar, on_done, workers, out)
+    finally:
+        if own:
+            ex.shutdown(wait=True)
+    return out
+
+
+def _write_whole(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on_done: Callable[[str], None],
+                 workers: int, out: dict[str, Any]) -> None:
+    pending = iter(tasks)
+    running: dict[Any, tuple[str, int]] = {}
+    try:
+        while True:
+            while len(running) < max(1, workers):
+                nxt = next(pending, None)
+                if nxt is None:
+                    break
+                running[ex.submit(_write_shard, dest, src, nxt[0], nxt[2]())] = (nxt[0], nxt[1])
+            if not running:
+                return
+            finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                name, count = running.pop(fut)
+                size, digest, nbytes = fut.result()
+                out[name] = _finish_shard(dest, name, size, count, digest)
+                on_done(name)
+                bar.update(count, nbytes)
+    except BaseException:
+        for fut in running:
+            fut.cancel()
+        cf.wait(running)  # the shards being written abort themselves (their temporary files go)
+        raise
+
+
+def _write_ranges(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on_done: Callable[[str], None],
+                  workers: int, out: dict[str, Any]) -> None:
     hashers = cf.ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="gpufeed-sha256")
+    state = os.path.join(dest, STATE_DIR)
     depth = 2 * max(1, workers)  # write tasks in flight
     pending = iter(tasks)
     jobs: list[_ShardJob] = []  # opened, not yet finished
@@ -1423,7 +1971,7 @@ def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, b
                     nxt = next(pending, None)
                     if nxt is None:
                         break
-                    current = _ShardJob(dest, nxt[0], nxt[1])
+                    current = _ShardJob(dest, nxt[0], _samples_of(nxt[2](), src, state))
                     jobs.append(current)
                     fut = hashers.submit(_hash_file_ranges, current.tmp, current.blocks)
                     hashing[fut] = current
@@ -1442,7 +1990,7 @@ def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, b
                     bar.update(len(items), nbytes)
                 else:
                     job = hashing.pop(fut)
-                    out[job.name] = _finish_shard(dest, job, fut.result())
+                    out[job.name] = _finish_shard(dest, job.name, job.size, job.num_samples, fut.result())
                     jobs.remove(job)
                     on_done(job.name)
     except BaseException:
@@ -1453,9 +2001,6 @@ def _write_all(dest: str, tasks: list[tuple], opts: dict[str, Any], pool: Any, b
         raise
     finally:
         hashers.shutdown(wait=True)
-        if own:
-            ex.shutdown(wait=True)
-    return out
 
 
 # --------------------------------------------------------------------------- rendering

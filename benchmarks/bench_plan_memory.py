@@ -1,0 +1,186 @@
+"""Plan memory and per-file cost of ``gpufeed shard --check header`` on many tiny files (structure issue item).
+
+    flock /tmp/gpufeed-bench.lock .venv/bin/python benchmarks/bench_plan_memory.py --sizes 100000 1000000 \\
+        --repeats 2 1
+
+For each N: writes N tiny JPEGs (100 classes, 8x8..32x32 px, ~50 distinct encodings written as copies that
+differ in a COM segment, so every file has its own bytes) to a RAM disk (/dev/shm) when it has room, reads them
+once (warm page cache), then runs, interleaved, ``tar cf`` of the folder and ``gpufeed shard --check header
+--workers 2`` into a fresh DEST. For the shard run it polls the process tree (the main process and its workers)
+every 20 ms with psutil and records the peak of the summed RSS and of the main process' RSS, per sample. The
+workers are forked, so the summed RSS counts pages they share with the main process more than once: it is an
+upper bound; the summed PSS (shared pages split between the processes, polled every 100 ms) is the tree's real
+footprint. Saves JSON under benchmarks/results/. Never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLASSES = 100
+
+
+def encodings() -> list[bytes]:
+    """~50 distinct tiny JPEGs (8x8..32x32 px), each split after its SOI marker for a COM segment."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(50):
+        w, h = 8 + (i * 7) % 25, 8 + (i * 11) % 25
+        a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, "JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def generate(root: Path, n: int) -> int:
+    """N tiny JPEGs as ROOT/cNNN/img_NNNNNNN.jpg; each gets its own 8-byte COM segment. -> total bytes."""
+    encs = encodings()
+    total = 0
+    for c in range(CLASSES):
+        (root / f"c{c:03d}").mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        e = encs[i % len(encs)]
+        data = e[:2] + b"\xff\xfe\x00\x0a" + i.to_bytes(8, "big") + e[2:]  # SOI, COM(len 10), rest
+        with open(root / f"c{i % CLASSES:03d}" / f"img_{i:07d}.jpg", "wb") as f:
+            f.write(data)
+        total += len(data)
+    return total
+
+
+def warm(root: Path) -> None:
+    for d in sorted(root.iterdir()):
+        for p in d.iterdir():
+            with open(p, "rb") as f:
+                f.read()
+
+
+def run_tar(src: Path, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    p = subprocess.run(["tar", "cf", str(out / "all.tar"), "-C", str(src), "."], capture_output=True)
+    wall = time.perf_counter() - t0
+    shutil.rmtree(out)
+    return {"variant": "tar", "wall_s": wall, "rc": p.returncode}
+
+
+def run_shard(src: Path, out: Path, n: int, code: Path = ROOT / "src") -> dict:
+    import psutil
+
+    cmd = [sys.executable, "-m", "gpufeed.cli", "shard", str(src), str(out / "shards"), "--check", "header",
+           "--workers", "2", "--json"]
+    env = dict(os.environ, PYTHONPATH=str(code))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    ps = psutil.Process(proc.pid)
+    peak_tree = peak_main = peak_pss = 0
+    tick = 0
+    while proc.poll() is None:
+        try:
+            procs = [ps, *ps.children(recursive=True)]
+            main = ps.memory_info().rss
+            tree = pss = 0
+            for p in procs:
+                try:
+                    tree += p.memory_info().rss
+                    if tick % 5 == 0:  # PSS (pages shared with the forked workers counted once) every 100 ms
+                        pss += p.memory_full_info().pss
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            break
+        peak_tree, peak_main, peak_pss = max(peak_tree, tree), max(peak_main, main), max(peak_pss, pss)
+        tick += 1
+        time.sleep(0.02)
+    stdout, stderr = proc.communicate()
+    wall = time.perf_counter() - t0
+    rec = {"variant": "shard_header_w2", "wall_s": wall, "rc": proc.returncode,
+           "peak_rss_tree_bytes": peak_tree, "peak_rss_main_bytes": peak_main, "peak_pss_tree_bytes": peak_pss,
+           "peak_pss_tree_per_sample": peak_pss / n,
+           "peak_rss_tree_per_sample": peak_tree / n, "peak_rss_main_per_sample": peak_main / n}
+    if proc.returncode == 0:
+        rep = json.loads(stdout.decode().strip().splitlines()[-1])
+        rec.update({k: rep.get(k) for k in ("num_samples", "num_shards", "validate_s", "write_s", "elapsed_s")})
+    else:
+        rec["error"] = stderr.decode()[-2000:]
+    shutil.rmtree(out, ignore_errors=True)
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--repeats", type=int, nargs="+", default=[2, 1], help="per size (the last one repeats)")
+    ap.add_argument("--work-dir", default=None, help="default: /dev/shm when it has room, else /tmp")
+    ap.add_argument("--baseline-src", default=None,
+                    help="a src/ folder of other gpufeed code (e.g. `git archive <commit> src`) also run, once per "
+                         "size up to --baseline-max, as variant shard_baseline")
+    ap.add_argument("--baseline-max", type=int, default=100_000)
+    args = ap.parse_args()
+    base = args.work_dir or ("/dev/shm" if shutil.disk_usage("/dev/shm").free > 6 << 30 else tempfile.gettempdir())
+    results = []
+    for k, n in enumerate(args.sizes):
+        reps = args.repeats[min(k, len(args.repeats) - 1)]
+        work = Path(tempfile.mkdtemp(prefix="gpufeed-planmem-", dir=base))
+        try:
+            t0 = time.perf_counter()
+            nbytes = generate(work / "src", n)
+            gen_s = time.perf_counter() - t0
+            warm(work / "src")
+            runs = []
+            for r in range(reps):
+                for fn in (run_tar, run_shard, "baseline"):
+                    if fn == "baseline":
+                        if not args.baseline_src or r or n > args.baseline_max:
+                            continue
+                        rec = run_shard(work / "src", work / "out", n, Path(args.baseline_src))
+                        rec["variant"] = "shard_baseline"
+                    else:
+                        rec = fn(work / "src", work / "out") if fn is run_tar else fn(work / "src", work / "out", n)
+                    rec.update({"n": n, "repeat": r, "loadavg_1m": os.getloadavg()[0]})
+                    runs.append(rec)
+                    print(json.dumps(rec), file=sys.stderr)
+            tar = [x["wall_s"] for x in runs if x["variant"] == "tar"]
+            sh = [x for x in runs if x["variant"] == "shard_header_w2"]
+            summary = {"n": n, "input_bytes": nbytes, "generate_s": gen_s,
+                       "tar_wall_s_median": statistics.median(tar),
+                       "shard_wall_s_median": statistics.median(x["wall_s"] for x in sh),
+                       "ratio_shard_over_tar": statistics.median(x["wall_s"] for x in sh) / statistics.median(tar),
+                       "peak_rss_tree_per_sample_max": max(x["peak_rss_tree_per_sample"] for x in sh),
+                       "peak_rss_main_per_sample_max": max(x["peak_rss_main_per_sample"] for x in sh),
+                       "peak_pss_tree_per_sample_max": max(x["peak_pss_tree_per_sample"] for x in sh),
+                       "runs": runs}
+            results.append(summary)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = ROOT / "benchmarks" / "results" / f"bench_plan_memory-{stamp}.json"
+    out.write_text(json.dumps({"host": platform.node(), "cpus": os.cpu_count(), "work_dir": base,
+                               "python": platform.python_version(), "results": results}, indent=2) + "\n")
+    print(f"{'N':>9} {'tar s':>7} {'shard s':>8} {'ratio':>6} {'tree RSS B/sample':>18} {'tree PSS B/sample':>18} "
+          f"{'main RSS B/sample':>18}")
+    for s in results:
+        print(f"{s['n']:>9} {s['tar_wall_s_median']:>7.2f} {s['shard_wall_s_median']:>8.2f} "
+              f"{s['ratio_shard_over_tar']:>6.1f} {s['peak_rss_tree_per_sample_max']:>18.0f} "
+              f"{s['peak_pss_tree_per_sample_max']:>18.0f} {s['peak_rss_main_per_sample_max']:>18.0f}")
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -67,7 +67,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 

@@ -32,8 +32,9 @@ SRC), bytes (encoded image bytes as stored), width, height (stored image)."""
 INDEX_COLUMNS = tuple(INDEX_TYPES)
 
 
-def index_table(columns: dict[str, list[Any]]) -> Any:
-    """The ``index.parquet`` table (a ``pyarrow.Table`` with :data:`INDEX_TYPES`) from one list per column.
+def index_table(columns: dict[str, Any]) -> Any:
+    """The ``index.parquet`` table (a ``pyarrow.Table`` with :data:`INDEX_TYPES`) from one list or Arrow array per
+    column.
     Raises ValueError when the columns are not exactly :data:`INDEX_COLUMNS` or differ in length."""
     import pyarrow as pa
 
@@ -42,7 +43,12 @@ def index_table(columns: dict[str, list[Any]]) -> Any:
     if len({len(v) for v in columns.values()}) > 1:
         raise ValueError("index columns differ in length")
     schema = pa.schema([(c, getattr(pa, t)()) for c, t in INDEX_TYPES.items()])
-    return pa.table({c: pa.array(columns[c], schema.field(c).type) for c in INDEX_COLUMNS}, schema=schema)
+
+    def column(c: str) -> Any:
+        v, t = columns[c], schema.field(c).type
+        return v.cast(t) if isinstance(v, (pa.Array, pa.ChunkedArray)) else pa.array(v, t)
+
+    return pa.table({c: column(c) for c in INDEX_COLUMNS}, schema=schema)
 
 
 @dataclass(frozen=True)

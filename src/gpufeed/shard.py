@@ -125,6 +125,7 @@ from typing import Any, Callable, NamedTuple
 
 from gpufeed.config import ShardConfig
 from gpufeed.errors import DataError
+from gpufeed.shardset.tar import ustar_header
 
 CANDIDATE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 """torchvision ImageFolder's IMG_EXTENSIONS: the files considered images (matched case-insensitively)."""
@@ -708,26 +709,6 @@ _RANGE_BYTES = 8 << 20
 """Target bytes of one write task (a run of consecutive samples of one shard): small enough that hashing the
 shard in order trails the writers by little, large enough to amortise the per-task IPC."""
 _RANGE_SAMPLES = 256
-
-
-_USTAR_MODE_IDS = b"0000644\0" b"0000000\0" b"0000000\0"
-_USTAR_MTIME = b"00000000000\0"
-_USTAR_TAIL = (b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * 32 + b"\0" * 32 + b"\0" * 8 + b"\0" * 8
-               + b"\0" * 155).ljust(512 - 156, b"\0")
-_USTAR_FIXED_SUM = sum(_USTAR_MODE_IDS) + sum(_USTAR_MTIME) + 8 * ord(" ") + sum(_USTAR_TAIL)
-"""Checksum of the header's fixed fields (the checksum field counting as 8 spaces); name and size add theirs."""
-
-
-def ustar_header(name: str, size: int) -> bytes:
-    """The 512-byte USTAR header tarfile writes for a regular file with our fixed metadata (mtime 0, uid/gid 0,
-    empty user/group names, mode 0644), built directly: tarfile's generic path costs more than the I/O."""
-    nb = name.encode("utf-8")
-    if len(nb) > 100 or size >= 8**11:
-        raise ValueError(f"{name!r} ({size} bytes) does not fit a plain USTAR header")
-    size_field = b"%011o\0" % size
-    checksum = _USTAR_FIXED_SUM + sum(nb) + sum(size_field)
-    return b"".join([nb.ljust(100, b"\0"), _USTAR_MODE_IDS, size_field, _USTAR_MTIME, b"%06o\0 " % checksum,
-                     _USTAR_TAIL])
 
 
 def _padded(n: int) -> int:
@@ -1726,14 +1707,15 @@ def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]
     import pyarrow.parquet as pq
 
     from gpufeed import __version__
-    from gpufeed.manifest import INDEX_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
+    from gpufeed.manifest import (INDEX_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, brace_pattern, index_table,
+                                  write_manifest)
     from gpufeed.records import atomic_write_bytes
 
     rows = np.concatenate([plan.indices(s) for s in plan.shards])  # plan order: shard by shard
     shard_of = np.repeat(np.arange(len(plan.shards)), [s["count"] for s in plan.shards])
     labels = plan.cols["label"][rows]
     nbytes, width, height = plan.stored(rows)
-    table = pa.table({
+    table = index_table({
         "key": _index_keys(plan, rows, labels),
         "shard": pa.array([s["name"] for s in plan.shards], pa.string()).take(pa.array(shard_of)),
         "class": pa.array(plan.classes, pa.string()).take(pa.array(labels)),
@@ -1813,22 +1795,13 @@ class _Bar:
             self.bar = None
 
 
-def _make_pool(workers: int, lock_fd: int) -> tuple[cf.ProcessPoolExecutor, Any]:
-    """A process pool (fork where safe, else spawn), started at once so its start-up overlaps the scan. Its
-    workers die with this process and do not keep the DEST lock (``system.die_with_parent``)."""
-    import multiprocessing as mp
+def _make_pool(workers: int, lock_fd: int) -> tuple[Any, Any]:
+    """The job's process pool (:func:`gpufeed.system.process_pool`: fork where safe, else spawn; workers die with
+    this process and a forked one closes its copy of the DEST lock), started at once so that its start-up
+    overlaps the scan."""
+    from gpufeed.system import process_pool
 
-    import threading
-
-    from gpufeed.system import die_with_parent
-
-    # fork starts in milliseconds but is only safe while this process runs a single thread; ProcessPoolExecutor
-    # forks every worker at the first submit, which happens right here. Otherwise spawn (slower, always safe).
-    method = "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
-    # Only a forked worker inherits the lock descriptor (spawn starts a fresh program; the fd is close-on-exec).
-    inherited = (lock_fd,) if method == "fork" else ()
-    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method),
-                                initializer=die_with_parent, initargs=(os.getpid(), inherited))
+    ex = process_pool(workers, close_fds=(lock_fd,))
     ex.submit(_noop)  # start the workers now (spawn: their start-up overlaps the scan)
     return ex, None
 

@@ -142,12 +142,13 @@ def _pool_init(parent_pid: int, close_fds: tuple[int, ...], initializer: Any, in
 
 
 def process_pool(workers: int, *, initializer: Any = None, initargs: tuple = (),
-                 close_fds: tuple[int, ...] = ()) -> "concurrent.futures.ProcessPoolExecutor":
-    """The one process-pool policy of every job (shard, verify, synth).
+                 close_fds: tuple[int, ...] = ()) -> Any:
+    """The one process-pool policy of every job (shard, verify, synth): a ``ProcessPoolExecutor``.
 
     - Start method: ``fork`` while this process runs a single thread (workers start in milliseconds and
       inherit what was imported), else ``spawn`` (forking a threaded process can deadlock in the child).
-    - Every worker dies with this process (:func:`die_with_parent`) and closes ``close_fds`` first.
+    - Every worker dies with this process (:func:`die_with_parent`); a forked one first closes ``close_fds``
+      (descriptors it inherited but must not hold, such as a lock).
     - ``initializer(*initargs)`` runs after that in each worker.
     """
     import concurrent.futures as cf
@@ -155,5 +156,7 @@ def process_pool(workers: int, *, initializer: Any = None, initargs: tuple = (),
     import threading
 
     method = "fork" if sys.platform.startswith("linux") and threading.active_count() == 1 else "spawn"
+    # only a forked worker inherits descriptors (spawn starts a fresh program: the same number may be another file)
+    inherited = tuple(close_fds) if method == "fork" else ()
     return cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method), initializer=_pool_init,
-                                  initargs=(os.getpid(), tuple(close_fds), initializer, tuple(initargs)))
+                                  initargs=(os.getpid(), inherited, initializer, tuple(initargs)))

@@ -54,7 +54,7 @@ def render(s: dict[str, Any]) -> str:
         util = [r["gpu"].get("util_mean_pct") for r in m["per_rank"] if r.get("gpu")]
         util = [u for u in util if u is not None]
         if util:
-            lines.append(f"  GPU utilisation %: " + ", ".join(f"{u:.0f}" for u in util))
+            lines.append("  GPU utilisation %: " + ", ".join(f"{u:.0f}" for u in util))
         if len(m["per_rank"]) > 1 and name != "loader-only":
             lines.append("  per rank stall %: " + ", ".join(f"r{r['rank']} {r['stall_pct']:.1f}" for r in m["per_rank"]))
     ceilings = [f"{mode_role(k, _is_cuda(s))} {m['samples_per_s']:.1f} samples/s ({k})"

@@ -22,7 +22,6 @@ Shards are read with :class:`gpufeed.shardset.tar.TarPass` and grouped with
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
 import io
 import json
@@ -251,12 +250,9 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
             for s in m.shards]
     workers = min(workers or usable_cpus(), max(1, len(jobs)))
     if workers > 1:
-        import multiprocessing as mp
+        from gpufeed.system import process_pool
 
-        from gpufeed.system import die_with_parent  # the workers die with this process (kill -9, OOM killer)
-
-        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                                    initializer=die_with_parent, initargs=(os.getpid(),)) as ex:
+        with process_pool(workers) as ex:
             results = list(ex.map(_verify_shard, *zip(*jobs)))
     else:
         results = [_verify_shard(*j) for j in jobs]

@@ -196,18 +196,26 @@ class HeaderChain:
         return name, size, typ in REGULAR_TYPES
 
 
+_USTAR_MODE_IDS = b"0000644\0" b"0000000\0" b"0000000\0"
+_USTAR_MTIME = b"00000000000\0"
+_USTAR_TAIL = (b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * 32 + b"\0" * 32 + b"\0" * 8 + b"\0" * 8
+               + b"\0" * 155).ljust(_BLOCK - 156, b"\0")
+_USTAR_FIXED_SUM = sum(_USTAR_MODE_IDS) + sum(_USTAR_MTIME) + 8 * ord(" ") + sum(_USTAR_TAIL)
+"""Checksum of the header's fixed fields (the checksum field counting as 8 spaces); name and size add theirs."""
+
+
 def ustar_header(name: str, size: int) -> bytes:
     """The 512-byte USTAR header tarfile writes for a regular file with gpufeed's fixed metadata (mtime 0,
-    uid/gid 0, empty user/group names, mode 0644), built directly: tarfile's generic path costs more than the
-    I/O. Raises ValueError for a name over 100 UTF-8 bytes or a size of 8 GiB or more (no prefix, no pax)."""
+    uid/gid 0, empty user/group names, mode 0644), built directly from precomputed fixed fields: tarfile's
+    generic path costs more than the I/O. Raises ValueError for a name over 100 UTF-8 bytes or a size outside
+    0..8 GiB (no prefix, no pax)."""
     nb = name.encode("utf-8")
     if len(nb) > 100 or not 0 <= size < 8**11:
         raise ValueError(f"{name!r} ({size} bytes) does not fit a plain USTAR header")
-    buf = b"".join([
-        nb.ljust(100, b"\0"), b"0000644\0", b"0000000\0", b"0000000\0", b"%011o\0" % size, b"00000000000\0",
-        b" " * 8, b"0", b"\0" * 100, b"ustar\x0000", b"\0" * 32, b"\0" * 32, b"\0" * 8, b"\0" * 8, b"\0" * 155,
-    ]).ljust(_BLOCK, b"\0")
-    return buf[:148] + b"%06o\0" % sum(buf) + buf[155:]
+    size_field = b"%011o\0" % size
+    checksum = _USTAR_FIXED_SUM + sum(nb) + sum(size_field)
+    return b"".join([nb.ljust(100, b"\0"), _USTAR_MODE_IDS, size_field, _USTAR_MTIME, b"%06o\0 " % checksum,
+                     _USTAR_TAIL])
 
 
 def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:

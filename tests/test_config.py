@@ -204,3 +204,38 @@ def test_huge_deep_or_unreadable_files_are_refused(tmp_path: Path) -> None:
         load_config(deep)
     with pytest.raises(ConfigError, match="cannot be read"):
         load_config(tmp_path)  # a folder
+
+
+# --------------------------------------------------------------------------- help text from the field docs
+
+
+def test_field_help_renders_doc_default_and_range() -> None:
+    from gpufeed.config import TrainConfig, TuneConfig, field_help
+
+    # a size default and size bounds in their largest exact unit
+    assert field_help(ShardConfig, "shard_bytes") == \
+        "Target bytes per shard (bytes or a size such as 1GB, 512MiB).  [default: 1GB; 1B<=x<=1TiB]"
+    # a closing "None = ..." clause of the docstring is the shown default
+    assert field_help(TuneConfig, "max_workers") == \
+        "Largest num_workers tried.  [default: the usable CPUs x cpu_budget, rounded down; 0<=x<=1024]"
+    # open bounds, floats, 2**63-1, strings, and a field with neither default nor range
+    assert field_help(TrainConfig, "label_smoothing") == "Cross-entropy label smoothing.  [default: 0.1; 0<=x<1]"
+    assert field_help(LoaderConfig, "crop_ratio").endswith("[default: 0.875; 0<x<=1]")
+    assert field_help(ShardConfig, "seed").endswith("[default: 0; 0<=x<=2**63-1]")
+    assert field_help(ShardConfig, "prefix") == "Shard file prefix: train, val, ...  [default: train]"
+    assert field_help(TrainConfig, "master_addr") == "Static rendezvous host (rank 0's node)."
+    # multi-line docstrings are joined and ``markup`` dropped
+    assert "\n" not in field_help(LoaderConfig, "max_pixels") and "``" not in field_help(LoaderConfig, "max_pixels")
+
+
+@pytest.mark.parametrize("section", ["shard", "loader", "tune", "train", "synth"])
+def test_every_field_has_a_docstring_and_no_raw_none(section: str) -> None:
+    import dataclasses
+
+    from gpufeed.config import SECTIONS, field_help
+
+    for f in dataclasses.fields(SECTIONS[section]):
+        text = field_help(SECTIONS[section], f.name)
+        assert not text.startswith("[") and len(text.split("  [")[0]) > 3, f"[{section}] {f.name} has no docstring"
+        # "None = ..." must close the docstring, where it becomes the shown default
+        assert "None =" not in text, f"[{section}] {f.name}: {text}"

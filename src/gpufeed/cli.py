@@ -9,13 +9,42 @@ the command's summary record; human text goes to stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Callable
 
 import click
 
 from gpufeed import __version__
+from gpufeed.config import LoaderConfig, ShardConfig, SynthConfig, TrainConfig, TuneConfig, field_help
 from gpufeed.errors import GpufeedError
+
+
+def config_help(cls: type, *names: str, **elsewhere: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give every option declared below it that sets a field of config class ``cls`` that field's help: its
+    docstring, default and range (``config.field_help``), so each default is written once, in config.py.
+
+    An option sets the field named as its parameter (less a trailing ``_``: ``compile_`` -> ``compile``);
+    ``names``, when given, limits this to those fields; ``elsewhere`` maps a parameter to the config class that
+    holds its field instead (train's ``num_workers`` sets ``LoaderConfig.num_workers``). Options with help of
+    their own, and flags that each pick one value of a field (``--synthetic``), keep theirs.
+    """
+    fields = {f.name for f in dataclasses.fields(cls) if not names or f.name in names}
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        for param in getattr(f, "__click_params__", []):
+            if not isinstance(param, click.Option) or param.help is not None or not param.name:
+                continue
+            if param.is_flag and not param.is_bool_flag:
+                continue
+            name = param.name.rstrip("_")
+            if name in elsewhere:
+                param.help = field_help(elsewhere[name], name)
+            elif name in fields:
+                param.help = field_help(cls, name)
+        return f
+
+    return decorate
 
 
 def config_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,22 +159,22 @@ def index_cmd(shards: str, out: str | None, no_hash: bool, as_json: bool) -> Non
 
 
 @cli.command()
+@config_help(ShardConfig)
 @click.argument("src", type=click.Path(file_okay=False))
 @click.argument("dest", type=click.Path(file_okay=False))
-@click.option("--workers", type=int, help="Worker processes  [default: the CPUs this process may use].")
-@click.option("--seed", type=int, help="Seed of the shuffle that spreads classes over shards  [default: 0].")
-@click.option("--shard-samples", type=int, help="Target samples per shard  [default: 10000].")
-@click.option("--shard-bytes", type=str, help="Target bytes per shard, e.g. 1GB, 512MiB  [default: 1GB].")
-@click.option("--multiple-of", type=int, help="Round the shard count up to a multiple of this (ranks x workers).")
-@click.option("--prefix", type=str, help="Shard file prefix: train, val, ...  [default: train].")
-@click.option("--max-size", type=int, help="Re-encode: long side down to this many pixels (never up).")
-@click.option("--quality", type=int, help="Re-encode every image as JPEG of this quality (1-95).")
-@click.option("--check", type=click.Choice(["full", "header"]), help="full = decode every image  [default: full].")
-@click.option("--strict/--no-strict", default=None, help="Exit 1 if any input file was rejected.")
-@click.option("--overwrite/--no-overwrite", default=None, help="Replace a set at DEST planned differently.")
-@click.option("--allow-empty-classes/--no-allow-empty-classes", default=None,
-              help="Keep empty class folders as labels (with a warning) instead of refusing.")
-@click.option("--max-pixels", type=int, help="Decompression-bomb limit in pixels  [default: 89478485].")
+@click.option("--workers", type=int)
+@click.option("--seed", type=int)
+@click.option("--shard-samples", type=int)
+@click.option("--shard-bytes", type=str)
+@click.option("--multiple-of", type=int)
+@click.option("--prefix", type=str)
+@click.option("--max-size", type=int)
+@click.option("--quality", type=int)
+@click.option("--check", type=click.Choice(["full", "header"]))
+@click.option("--strict/--no-strict", default=None)
+@click.option("--overwrite/--no-overwrite", default=None)
+@click.option("--allow-empty-classes/--no-allow-empty-classes", default=None)
+@click.option("--max-pixels", type=int)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @config_option
 @json_option
@@ -175,12 +204,11 @@ def shard(src: str, dest: str, workers: int | None, seed: int | None, shard_samp
 
 
 @cli.command()
+@config_help(LoaderConfig, "max_pixels")
 @click.argument("dest", type=click.Path())
 @click.option("--decode/--no-decode", default=True, show_default=True, help="Decode every image.")
 @click.option("--workers", type=int, help="Worker processes  [default: the CPUs this process may use].")
-@click.option("--max-pixels", type=int,
-              help="Decompression-bomb limit (width x height, from the image header)  [default: the [loader] "
-                   "max_pixels, 89478485].")
+@click.option("--max-pixels", type=int)
 @config_option
 @json_option
 def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None, config_path: str | None,
@@ -202,21 +230,21 @@ def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None,
 
 
 @cli.command()
+@config_help(TuneConfig)
 @click.argument("shards", type=click.Path())
-@click.option("--budget", "budget_s", type=float, help="Wall-clock budget of the whole sweep, seconds  [default: 300].")
-@click.option("--batch-size", type=int, help="Batch size of every trial  [default: the [loader] batch_size].")
-@click.option("--image-size", type=int, help="Output side in pixels  [default: the [loader] image_size].")
-@click.option("--max-workers", type=int, help="Largest num_workers tried  [default: usable CPUs x cpu budget].")
-@click.option("--cpu-budget", type=float, help="Fraction of the usable CPUs the loader may use, (0, 1]  [default: 1].")
-@click.option("--ram-budget", type=str, help="RAM the loader processes may use, e.g. 8GB  [default: half of RAM].")
-@click.option("--target-rate", type=float, help="Samples/s the GPU needs: stop once beaten with margin.")
-@click.option("--baseline-imagefolder", type=click.Path(file_okay=False),
-              help="ImageFolder of the same images: measure torchvision ImageFolder + DataLoader as baseline.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Write the winning [loader] section here (TOML).")
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder  [default: runs/tune-<timestamp>].")
-@click.option("--repeats", type=int, help="Measurement windows per trial  [default: 3].")
-@click.option("--window", "window_s", type=float, help="Seconds per window  [default: sized from the budget].")
-@click.option("--device", type=str, help="auto, cpu, cuda or cuda:N  [default: auto].")
+@click.option("--budget", "budget_s", type=float)
+@click.option("--batch-size", type=int)
+@click.option("--image-size", type=int)
+@click.option("--max-workers", type=int)
+@click.option("--cpu-budget", type=float)
+@click.option("--ram-budget", type=str)
+@click.option("--target-rate", type=float)
+@click.option("--baseline-imagefolder", type=click.Path(file_okay=False))
+@click.option("--out", type=click.Path(dir_okay=False))
+@click.option("--run-dir", type=click.Path(file_okay=False))
+@click.option("--repeats", type=int)
+@click.option("--window", "window_s", type=float)
+@click.option("--device", type=str)
 @config_option
 @json_option
 def tune(shards: str, budget_s: float | None, batch_size: int | None, image_size: int | None,
@@ -245,12 +273,13 @@ def tune(shards: str, budget_s: float | None, batch_size: int | None, image_size
 
 
 @cli.command()
+@config_help(SynthConfig)
 @click.argument("dest", type=click.Path(file_okay=False))
-@click.option("--images", type=int, help="Images to write in all  [default: 1000].")
-@click.option("--classes", type=int, help="Class folders (n0000, n0001, ...)  [default: 10].")
-@click.option("--seed", type=int, help="Same seed => byte-identical files  [default: 0].")
-@click.option("--workers", type=int, help="Worker processes  [default: the usable CPUs].")
-@click.option("--overwrite", is_flag=True, default=None, help="Replace an earlier synth folder at DEST.")
+@click.option("--images", type=int)
+@click.option("--classes", type=int)
+@click.option("--seed", type=int)
+@click.option("--workers", type=int)
+@click.option("--overwrite", is_flag=True, default=None)
 @config_option
 @json_option
 def synth(dest: str, images: int | None, classes: int | None, seed: int | None, workers: int | None,
@@ -277,50 +306,46 @@ def synth(dest: str, images: int | None, classes: int | None, seed: int | None, 
 
 
 @cli.command()
-@click.option("--shards", type=click.Path(file_okay=False), help="Training shard set (folder with manifest.json).")
-@click.option("--val-shards", type=click.Path(file_okay=False), help="Validation shard set: top-1/top-5 each epoch.")
-@click.option("--arch", type=click.Choice(["resnet18", "resnet34", "resnet50", "resnet101"]),
-              help="torchvision ResNet  [default: resnet50].")
-@click.option("--epochs", type=int, help="Epochs (ignored with --steps)  [default: 1].")
-@click.option("--steps", type=int, help="Optimizer steps (overrides --epochs).")
-@click.option("--batch-size", type=int, help="Samples per micro-batch per GPU/rank  [default: the [loader] batch_size].")
-@click.option("--accum-steps", type=int, help="Micro-batches per optimizer step  [default: 1].")
-@click.option("--image-size", type=int, help="Image side in pixels  [default: the [loader] image_size].")
-@click.option("--amp", type=click.Choice(["auto", "bf16", "fp16", "off"]),
-              help="Autocast dtype; fp16 uses a GradScaler. auto: bf16 on GPUs that have it, fp16 on older GPUs, "
-                   "off on the CPU; the summary says which  [default: auto].")
-@click.option("--channels-last/--no-channels-last", default=None, help="channels_last memory format.")
-@click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the model.")
-@click.option("--lr", type=float, help="Peak SGD learning rate after warm-up, then cosine  [default: 0.1].")
-@click.option("--warmup-steps", type=int, help="Linear LR warm-up steps  [default: 5% of the run, <= 2000].")
-@click.option("--momentum", type=float, help="SGD momentum  [default: 0.9].")
-@click.option("--weight-decay", type=float, help="SGD weight decay  [default: 1e-4].")
-@click.option("--label-smoothing", type=float, help="Cross-entropy label smoothing  [default: 0.1].")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Folder for atomic checkpoints (last.pt).")
-@click.option("--checkpoint-every", type=int, help="Checkpoint every N steps (0 = epoch ends and run end)  [default: 0].")
-@click.option("--resume/--no-resume", default=None, help="Continue from CHECKPOINT_DIR/last.pt.")
-@click.option("--seed", type=int, help="Seed for model init and data order  [default: 0].")
+@config_help(TrainConfig, num_workers=LoaderConfig)
+@click.option("--shards", type=click.Path(file_okay=False))
+@click.option("--val-shards", type=click.Path(file_okay=False))
+@click.option("--arch", type=click.Choice(["resnet18", "resnet34", "resnet50", "resnet101"]))
+@click.option("--epochs", type=int)
+@click.option("--steps", type=int)
+@click.option("--batch-size", type=int)
+@click.option("--accum-steps", type=int)
+@click.option("--image-size", type=int)
+@click.option("--amp", type=click.Choice(["auto", "bf16", "fp16", "off"]))
+@click.option("--channels-last/--no-channels-last", default=None)
+@click.option("--compile/--no-compile", "compile_", default=None)
+@click.option("--lr", type=float)
+@click.option("--warmup-steps", type=int)
+@click.option("--momentum", type=float)
+@click.option("--weight-decay", type=float)
+@click.option("--label-smoothing", type=float)
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False))
+@click.option("--checkpoint-every", type=int)
+@click.option("--resume/--no-resume", default=None)
+@click.option("--seed", type=int)
 @click.option("--synthetic", "mode", flag_value="synthetic", default=None,
               help="Fixed batch already on the device: the compute ceiling (of the GPU, or of the CPU without one).")
 @click.option("--loader-only", "mode", flag_value="loader-only", help="Loader alone, batches moved to the device and dropped.")
 @click.option("--measure", "mode", flag_value="measure",
               help="Run synthetic, loader-only and real briefly, in that order, then the verdict.")
-@click.option("--measure-steps", type=int, help="Timed steps per mode with --measure  [default: 20].")
-@click.option("--log-every", type=int, help="Steps per JSONL log record  [default: 10].")
-@click.option("--num-workers", type=int, help="Loader workers per rank (overrides [loader] num_workers).")
-@click.option("--nproc-per-node", type=int, help="Processes (GPUs) per node; > 1 launches through torchrun  [default: 1].")
-@click.option("--nnodes", type=str, help="Nodes, N or MIN:MAX (torchrun)  [default: 1].")
-@click.option("--node-rank", type=int, help="This node's rank (static rendezvous with --master-addr).")
-@click.option("--master-addr", type=str, help="Static rendezvous host (rank 0's node).")
-@click.option("--master-port", type=int, help="Static rendezvous port  [default: 29500].")
-@click.option("--rdzv-endpoint", type=str, help="c10d rendezvous HOST[:PORT] (instead of --master-addr).")
-@click.option("--rdzv-id", type=str, help="Rendezvous job id, same on all nodes  [default: gpufeed].")
-@click.option("--device", type=str,
-              help="auto, cpu, cuda or cuda:N; under torchrun each rank takes cuda:LOCAL_RANK  [default: auto].")
-@click.option("--threads", type=int, help="torch CPU threads per rank  [default: usable CPUs / processes].")
-@click.option("--storage-rate", "storage_bytes_per_s", type=float,
-              help="Measured storage read rate, bytes/s (lets the verdict call a storage bound).")
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder  [default: runs/train-<timestamp>].")
+@click.option("--measure-steps", type=int)
+@click.option("--log-every", type=int)
+@click.option("--num-workers", type=int)
+@click.option("--nproc-per-node", type=int)
+@click.option("--nnodes", type=str)
+@click.option("--node-rank", type=int)
+@click.option("--master-addr", type=str)
+@click.option("--master-port", type=int)
+@click.option("--rdzv-endpoint", type=str)
+@click.option("--rdzv-id", type=str)
+@click.option("--device", type=str)
+@click.option("--threads", type=int)
+@click.option("--storage-rate", "storage_bytes_per_s", type=float)
+@click.option("--run-dir", type=click.Path(file_okay=False))
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @config_option
 @json_option

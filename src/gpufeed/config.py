@@ -5,12 +5,17 @@ type-checked against the field's annotation before the dataclass' own ``__post_i
 numeric field declares its range (``bounded``, limits ``MAX_*`` below), checked however the dataclass is built.
 A config file is read only up to ``MAX_CONFIG_BYTES`` and must be UTF-8.
 
+The docstring under each field is also that option's ``gpufeed CMD --help`` text (``field_help`` adds the
+default and range); an optional field's docstring ends with "None = ..." saying what None means.
+
 This module must stay free of torch imports: ``gpufeed --help`` loads it.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import math
 import re
 import sys
@@ -183,7 +188,7 @@ class ShardConfig:
     shard_samples: int = bounded(10_000, 1, MAX_SHARD_SAMPLES)
     """Target samples per shard (the plan takes whichever of samples/bytes gives more shards)."""
     shard_bytes: int = bounded(1_000_000_000, 1, MAX_SHARD_BYTES, size=True)
-    """Target bytes per shard."""
+    """Target bytes per shard (bytes or a size such as 1GB, 512MiB)."""
     multiple_of: int = bounded(1, 1, MAX_MULTIPLE_OF)
     """Round the shard count up to a multiple of this (set it to ranks x workers)."""
     prefix: str = "train"
@@ -191,7 +196,7 @@ class ShardConfig:
     max_size: int | None = bounded(None, 8, MAX_IMAGE_SIDE)
     """Re-encode: resize the long side down to this many pixels (never up)."""
     quality: int | None = bounded(None, 1, 95)
-    """Re-encode JPEG quality (1-95); implies re-encoding."""
+    """Re-encode every image as JPEG of this quality."""
     check: Literal["full", "header"] = "full"
     """full = decode every image; header = read headers only (faster, catches less)."""
     strict: bool = False
@@ -240,8 +245,8 @@ class LoaderConfig:
     resize: Literal["torch", "pil"] = "torch"
     """Crop+resize kernel (uint8, antialiased bilinear): torch's SIMD kernel (fast) or PIL resize(box=...)."""
     max_pixels: int = bounded(89_478_485, 1, MAX_PIXELS_LIMIT)
-    """Decompression-bomb limit (width x height) for a stored image, as in ``shard``: larger images are refused
-    (``on_error = "raise"``) or skipped and counted (``"skip"``) before they are decoded."""
+    """Decompression-bomb limit (width x height, from the image header) for a stored image, as in ``shard``: a
+    larger image is refused before it is decoded (the loader treats it as a corrupt sample, per on_error)."""
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -258,7 +263,7 @@ class TuneConfig:
     batch_size: int | None = bounded(None, 1, MAX_BATCH_SIZE)
     """Batch size used in every trial; None = the [loader] batch_size."""
     max_workers: int | None = bounded(None, 0, MAX_WORKERS)
-    """Largest num_workers tried; None = the usable CPUs."""
+    """Largest num_workers tried; None = the usable CPUs x cpu_budget, rounded down."""
     cpu_budget: float = bounded(1.0, 0.0, 1.0, min_open=True)
     """Fraction of the usable CPUs the loader may use (as tf.data AUTOTUNE's cpu_budget)."""
     ram_budget: int | None = bounded(None, 1, MAX_RAM_BYTES, size=True)
@@ -276,7 +281,7 @@ class TuneConfig:
     repeats: int = bounded(3, 1, MAX_REPEATS)
     """Measurement windows per trial (median and spread are reported)."""
     window_s: float | None = bounded(None, 0.0, MAX_WINDOW_S, min_open=True)
-    """Seconds per measurement window; None = sized from the budget (0.5-10 s)."""
+    """Seconds per measurement window; None = sized from the budget (0.3-10 s)."""
     warmup_batches: int = bounded(2, 0, MAX_WARMUP_BATCHES)
     """Batches read and discarded after start-up before measuring (start-up is reported separately)."""
     min_gain: float = bounded(0.05, 0.0, MAX_MIN_GAIN)
@@ -350,21 +355,21 @@ class TrainConfig:
     log_every: int = bounded(10, 1, MAX_STEPS)
     """Optimizer steps per JSONL log record."""
     device: str = "auto"
-    """auto (CUDA when present), cpu or cuda."""
+    """auto (CUDA when present), cpu, cuda or cuda:N; under torchrun each rank takes cuda:LOCAL_RANK."""
     threads: int | None = bounded(None, 1, MAX_WORKERS)
     """torch CPU threads per rank; None = usable CPUs / processes on this node."""
     storage_bytes_per_s: float | None = bounded(None, 0.0, MAX_STORAGE_BYTES_PER_S, min_open=True)
-    """Measured read rate of the shard storage (e.g. from gpufeed io); lets the verdict call a storage bound."""
+    """Measured read rate of the shard storage in bytes/s (e.g. with fio); lets the verdict call a storage bound."""
     nproc_per_node: int = bounded(1, 1, MAX_NPROC_PER_NODE)
     """Processes (GPUs) per node; > 1 or nnodes > 1 launches through torchrun."""
     nnodes: str = "1"
     """Nodes (torchrun syntax: N or MIN:MAX)."""
     node_rank: int | None = bounded(None, 0, MAX_NODES - 1)
-    """This node's rank for static rendezvous (with master_addr)."""
+    """This node's rank for static rendezvous (with master_addr); None = 0."""
     master_addr: str | None = None
     """Static rendezvous host (rank 0's node)."""
     master_port: int | None = bounded(None, 1, 65535)
-    """Static rendezvous port."""
+    """Static rendezvous port; None = 29500."""
     rdzv_endpoint: str | None = None
     """c10d rendezvous endpoint HOST[:PORT] (instead of master_addr/master_port)."""
     rdzv_id: str = "gpufeed"
@@ -397,7 +402,7 @@ class SynthConfig:
     seed: int = bounded(0, 0, MAX_SEED)
     """Same seed => byte-identical files (with the same Pillow/libjpeg build), whatever the workers."""
     workers: int | None = bounded(None, 1, MAX_WORKERS)
-    """Worker processes; None = the CPUs this process may use. The output does not depend on it."""
+    """Worker processes (the output does not depend on them); None = the CPUs this process may use."""
     overwrite: bool = False
     """Replace an earlier synth folder at DEST (folders holding other files are refused)."""
 
@@ -576,3 +581,68 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return str(value)
         raise ConfigError(f"{where} must be a string, got {_show(value)}")
     return value
+
+
+# --------------------------------------------------------------------------- help text
+
+
+_NONE_MEANS = re.compile(r"[;.]\s*None = (.+?)\.?$", re.DOTALL)
+"""A docstring's closing "; None = <what None means>." clause."""
+_SIZE_NAMES = ("PiB", "PB", "TiB", "TB", "GiB", "GB", "MiB", "MB", "KiB", "KB")
+
+
+def field_help(cls: type, name: str) -> str:
+    """Help text of config field ``cls.name``: its docstring, then its default and range in brackets, e.g.
+    ``"Target samples per shard.  [default: 10000; 1<=x<=10000000]"``. A closing "None = ..." clause of the
+    docstring says what the default None means and is shown as the default."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    doc = _field_docs().get(cls.__name__, {}).get(name, "")
+    notes = []
+    if f.default is None:
+        m = _NONE_MEANS.search(doc)
+        if m:
+            doc = doc[:m.start()] + "."
+            notes.append(f"default: {m.group(1)}")
+    elif f.default is not dataclasses.MISSING:
+        notes.append(f"default: {_help_value(f.default, f.metadata.get('size', False))}")
+    if "max" in f.metadata:
+        lo, hi = (_help_value(f.metadata[k], f.metadata["size"]) for k in ("min", "max"))
+        notes.append(f"{lo}{'<' if f.metadata['min_open'] else '<='}x{'<' if f.metadata['max_open'] else '<='}{hi}")
+    return f"{doc}  [{'; '.join(notes)}]" if notes else doc
+
+
+@functools.lru_cache(maxsize=None)
+def _field_docs() -> dict[str, dict[str, str]]:
+    """Class name -> field name -> the docstring under that field (whitespace joined, ``markup`` dropped), read
+    from this module's source: Python keeps no docstrings of attributes."""
+    try:
+        tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    except OSError:  # installed without its .py source: help shows defaults and ranges only
+        return {}
+    docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            docs[node.name] = {
+                stmt.target.id: " ".join(doc.value.value.replace("``", "").split())
+                for stmt, doc in zip(node.body, node.body[1:])
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)}
+    return docs
+
+
+def _help_value(value: Any, size: bool = False) -> str:
+    """A default or bound as the user would type it: sizes in their largest exact unit, 2**63-1 as such."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int) and size:
+        exact = [(value // _SIZE_UNITS[u.lower()], u) for u in _SIZE_NAMES if value and value % _SIZE_UNITS[u.lower()] == 0]
+        n, unit = min(exact, default=(value, "B"))
+        return f"{n}{unit}"
+    if isinstance(value, int) and value >= 2**31 and (value + 1) & value == 0:
+        return f"2**{value.bit_length()}-1"
+    if isinstance(value, int) and value >= 2**31 and value & (value - 1) == 0:
+        return f"2**{value.bit_length() - 1}"
+    return str(value)

@@ -64,7 +64,7 @@ class VerdictInputs:
     read_bytes_per_s: float | None = None
     """Storage read rate of the loader (per node) while it ran."""
     storage_bytes_per_s: float | None = None
-    """What the storage delivers (measured separately, e.g. ``gpufeed io``), per node."""
+    """What the storage delivers (measured separately and given as ``train --storage-rate``), per node."""
     mean_sample_bytes: float | None = None
     """Mean stored bytes per sample (from the manifest)."""
     decode: str | None = None

@@ -1,6 +1,6 @@
 """``gpufeed shard SRC DEST``: an ImageFolder -> deterministic WebDataset tar shards + manifest.
 
-Pipeline (DESIGN §1): scan -> validate (parallel, batched per task) -> plan (seeded shuffle, N equal
+Pipeline (docs/design.md §2 has the format it writes): scan -> validate (parallel, batched per task) -> plan (seeded shuffle, N equal
 shards) -> write -> ``index.parquet``, timm's ``_info.json`` and, last and atomically, ``manifest.json``.
 No torch import anywhere on this path.
 

@@ -1,7 +1,7 @@
 """``gpufeed shard SRC DEST``: an ImageFolder -> deterministic WebDataset tar shards + manifest.
 
-Pipeline (docs/design.md §2 has the format it writes): scan -> validate (parallel, batched per task) -> plan (seeded shuffle, N equal
-shards) -> write -> ``index.parquet``, timm's ``_info.json`` and, last and atomically, ``manifest.json``.
+Pipeline (the format it writes: docs/design.md §2): scan -> validate (parallel, batched per task) -> plan
+(seeded shuffle, N equal shards) -> write -> ``index.parquet``, timm's ``_info.json`` and, last and atomically, ``manifest.json``.
 No torch import anywhere on this path.
 
 Writing: with at least two shards a worker, each worker writes and hashes whole shards, from the plan's

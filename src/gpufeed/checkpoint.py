@@ -12,7 +12,6 @@ function of the step.
 from __future__ import annotations
 
 import math
-import os
 import random
 import warnings
 from dataclasses import dataclass
@@ -35,17 +34,11 @@ LOADER_ORDER_KNOBS = ("seed", "batch_size", "num_workers", "shuffle_buffer", "wo
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """``torch.save`` through :func:`gpufeed.records.atomic_writer` (fsync file, rename, fsync folder)."""
+    from gpufeed.records import atomic_writer
+
+    with atomic_writer(path) as f:
+        torch.save(obj, f)
 
 
 def _rng_state(cuda: bool) -> dict[str, Any]:

@@ -6,6 +6,7 @@ the records, ``summary.json`` and a human report.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import errno
@@ -14,7 +15,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Iterable, Iterator
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -36,16 +37,17 @@ def to_jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """THE atomic writer: a temporary file in the same folder, written and fsynced, renamed over ``path``, then
-    the folder fsynced, so ``path`` holds either its old content or all of ``data``, even after a power loss.
-    The file gets the usual ``0666 & ~umask`` permissions."""
+@contextlib.contextmanager
+def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
+    """THE atomic writer: yields a temporary file in ``path``'s folder; on a clean exit it is fsynced, renamed
+    over ``path`` and the folder fsynced, so ``path`` holds either its old content or all that was written, even
+    after a power loss; on an exception the temporary file is removed. The file gets ``0666 & ~umask``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; outputs are shared files
             os.fsync(f.fileno())
@@ -57,6 +59,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             pass
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` with :func:`atomic_writer`."""
+    with atomic_writer(path) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:

@@ -116,7 +116,6 @@ import re
 import shutil
 import sys
 import tarfile
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -1580,33 +1579,20 @@ def _save_plan(state: str, plan: _Plan) -> None:
     ``plan.json`` (the metadata, each column's dtype, shape and offset, and plan.bin's sha256)."""
     import numpy as np
 
-    from gpufeed.records import _umask, atomic_write_bytes, fsync_dir
+    from gpufeed.records import atomic_write_bytes, atomic_writer
 
     arrays = {**plan.cols, "path_offsets": plan.paths.offsets,
               "path_blob": np.frombuffer(plan.paths.blob, dtype=np.uint8)}
     spec = []
     h = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=f".{PLAN_ARRAYS_NAME}.", suffix=".tmp", dir=state)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            offset = 0
-            for name in sorted(_PLAN_COLUMNS):
-                a = np.ascontiguousarray(arrays[name], dtype=_PLAN_COLUMNS[name][0])
-                spec.append([name, list(a.shape), offset])
-                f.write(memoryview(a).cast("B"))
-                h.update(memoryview(a).cast("B"))
-                offset += a.nbytes
-            f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(state, PLAN_ARRAYS_NAME))
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(state)
+    offset = 0
+    with atomic_writer(os.path.join(state, PLAN_ARRAYS_NAME)) as f:
+        for name in sorted(_PLAN_COLUMNS):
+            a = np.ascontiguousarray(arrays[name], dtype=_PLAN_COLUMNS[name][0])
+            spec.append([name, list(a.shape), offset])
+            f.write(memoryview(a).cast("B"))
+            h.update(memoryview(a).cast("B"))
+            offset += a.nbytes
     meta = {**plan.meta, "arrays": {"sha256": h.hexdigest(), "bytes": offset, "columns": spec}}
     atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(meta).encode("utf-8"))
 

@@ -51,6 +51,9 @@ _NO_DATA_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")
 """Hard/symbolic links, devices, directories, FIFOs: tarfile reads no data after their header."""
 _NUMERIC_FIELDS = ((100, 108), (108, 116), (116, 124), (136, 148), (329, 337), (337, 345))
 """mode, uid, gid, mtime, devmajor, devminor: tarfile refuses a header whose field is not a number."""
+_CHECKED_FIELDS: set[bytes] = set()
+"""Byte strings of those fields already found valid (a shard's headers nearly always share them): checked once."""
+_MAX_CHECKED_FIELDS = 256
 MAX_PAX_LENGTH_DIGITS = 20
 """Most digits in a pax record's length field (a record is at most MAX_PAX_BYTES long anyway)."""
 
@@ -62,6 +65,11 @@ class TarFormatError(ValueError):
 def _show(name: str) -> str:
     """A member name for a one-line message (quoted; control characters escaped)."""
     return repr(name[:200])
+
+
+def _where(name: str, pos: int) -> str:
+    """Where a header problem is, for its message (built only when there is one)."""
+    return f"member {_show(name)} (header at offset {pos})"
 
 
 def _octal(field: bytes) -> int:
@@ -116,18 +124,23 @@ def parse_header(hdr: bytes, pos: int) -> tuple[str, int, bytes]:
     ``\\0``-type member whose name ends with ``/`` is a directory (type ``5``). Raises TarFormatError.
     """
     raw_name = hdr[0:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-    where = f"member {_show(raw_name)} (header at offset {pos})"
     try:
         chk = _octal(hdr[148:156])
         size = _octal(hdr[124:136])
-        for a, b in _NUMERIC_FIELDS:
-            _octal(hdr[a:b])
+        fixed = hdr[100:124] + hdr[136:148] + hdr[329:345]
+        if fixed not in _CHECKED_FIELDS:  # mode, uid, gid, mtime, dev: usually the same in every header
+            for a, b in _NUMERIC_FIELDS:
+                _octal(hdr[a:b])
+            if len(_CHECKED_FIELDS) >= _MAX_CHECKED_FIELDS:
+                _CHECKED_FIELDS.clear()
+            _CHECKED_FIELDS.add(fixed)
     except ValueError as exc:
-        raise TarFormatError(f"{where}: bad numeric field ({exc})") from None
-    unsigned = sum(hdr[:148]) + 256 + sum(hdr[156:])
-    signed = unsigned - 256 * (sum(1 for x in hdr[:148] if x > 127) + sum(1 for x in hdr[156:] if x > 127))
-    if chk != unsigned and chk != signed:
-        raise TarFormatError(f"{where}: bad header checksum")
+        raise TarFormatError(f"member {_show(raw_name)} (header at offset {pos}): bad numeric field ({exc})") from None
+    unsigned = sum(hdr) - sum(hdr[148:156]) + 256
+    if chk != unsigned:
+        signed = unsigned - 256 * (sum(1 for x in hdr[:148] if x > 127) + sum(1 for x in hdr[156:] if x > 127))
+        if chk != signed:
+            raise TarFormatError(f"member {_show(raw_name)} (header at offset {pos}): bad header checksum")
     typ = hdr[156:157]
     if typ == b"\0" and raw_name.endswith("/"):
         typ = b"5"  # tarfile: an old-style directory
@@ -180,7 +193,9 @@ class HeaderChain:
         elif "path" in pax:
             name = pax["path"].rstrip("/")  # as tarfile's _apply_pax_info
         self.long_name = self.pax = self.extended_at = None
-        where = f"member {_show(name)} (header at offset {pos})"
+        if not pax and size >= 0 and typ != b"S" and (typ not in _NO_DATA_TYPES or not size):
+            return name, size, typ in REGULAR_TYPES  # the common member: nothing to refuse
+        where = _where(name, pos)
         if "size" in pax:
             if not _DECIMAL.fullmatch(pax["size"]):
                 raise TarFormatError(f"{where}: pax size {pax['size'][:20]!r} is not a non-negative decimal")
@@ -236,9 +251,9 @@ def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
         if hdr.count(0) == _BLOCK:
             return  # end of archive
         name, size, typ = parse_header(hdr, pos)
-        where = f"member {_show(name)} (header at offset {pos})"
         data_start = pos + _BLOCK
         if typ in EXTENDED_TYPES or typ == b"g":
+            where = _where(name, pos)
             check_extended_size(typ, size, where)
             if data_start + size > file_size:
                 raise TarFormatError(f"{where}: truncated member (size {size} runs past the end of the file)")
@@ -250,9 +265,8 @@ def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
             pos = data_start + padded
             continue
         name, size, regular = chain.member(name, size, typ, pos)
-        where = f"member {_show(name)} (header at offset {pos})"
         if data_start + size > file_size:
-            raise TarFormatError(f"{where}: truncated member (size {size} runs past the end of the file)")
+            raise TarFormatError(f"{_where(name, pos)}: truncated member (size {size} runs past the end of the file)")
         padded = _padded(size)
         pos = data_start + padded  # > the header's offset: every header moves forward
         if not regular:  # not a regular file: skip its data (none for links, devices, FIFOs, directories)
@@ -261,7 +275,7 @@ def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
         if want(name):
             data = f.read(padded)
             if len(data) < size:
-                raise TarFormatError(f"{where}: truncated member")
+                raise TarFormatError(f"{_where(name, pos - padded - _BLOCK)}: truncated member")
             yield name, data[:size] if size != len(data) else data
         else:
             f.seek(pos)

@@ -11,9 +11,14 @@ Variants, run A B A B ... in each round:
 
 * ``shard_full``   ``gpufeed shard SRC DEST --json`` (full validation, 2 workers), wall seconds
 * ``shard_header`` ``gpufeed shard SRC DEST --check header --json``, wall seconds
-* ``loader``       samples/s of ``build_loader`` over one shard set (written once, by the *after* tree: the
-                   format did not change), 2 workers, simplejpeg, batch 64, 224 px, train crops; the first
-                   3 batches are warm-up, then 30 batches are timed (1,920 samples)
+* ``loader_eval``  samples/s of ``build_loader`` over one shard set (written once, by the *after* tree: the
+                   format did not change), 2 workers, simplejpeg, batch 64, 224 px, eval crops (resize +
+                   centre crop: the same decode work in both trees); the first 3 batches are warm-up, then 30
+                   batches are timed (1,920 samples)
+* ``loader_train`` the same with training crops, seed = the round number (the same seed for both trees in a
+                   round). Random crops set the decode scale, so one seed's 1,920 crops can cost ±10% more than
+                   another's; and a change of the crop RNG draws other crops from the same seed: compare the
+                   median over rounds, not one round
 
 Reports the median per variant and tree, and after/before ratios (wall: < 1 is faster; samples/s: > 1 is
 faster). The machine is shared and noisy: trust ratios within ~10% as "no change". Saves JSON.
@@ -40,8 +45,9 @@ import json, sys, time
 from gpufeed.config import LoaderConfig
 from gpufeed.loader import build_loader
 from gpufeed.world import World
-cfg = LoaderConfig(batch_size=64, num_workers=2, image_size=224, decode="simplejpeg", pin_memory=False)
-loader = build_loader(sys.argv[1], cfg, World.single())
+cfg = LoaderConfig(batch_size=64, num_workers=2, image_size=224, decode="simplejpeg", pin_memory=False,
+                   seed=int(sys.argv[3]))
+loader = build_loader(sys.argv[1], cfg, World.single(), train=sys.argv[2] == "train")
 it = iter(loader)
 for _ in range(3):
     next(it)
@@ -97,7 +103,7 @@ def main() -> int:
                          "--multiple-of", "2", "--json"])
     subprocess.run(["cat", *map(str, sorted(args.data.rglob("*.jpg")))], stdout=subprocess.DEVNULL)  # page cache
     results: dict[str, dict[str, list[float]]] = {v: {"before": [], "after": []}
-                                                  for v in ("shard_full", "shard_header", "loader")}
+                                                  for v in ("shard_full", "shard_header", "loader_eval", "loader_train")}
     for r in range(args.rounds):
         for which in ("before", "after") if r % 2 == 0 else ("after", "before"):
             t = trees[which]
@@ -108,8 +114,9 @@ def main() -> int:
                                   *extra, "--json"])
                 shutil.rmtree(dest, ignore_errors=True)
                 results[variant][which].append(wall)
-            _, out = run(t, [py, "-c", LOADER_SNIPPET, str(shards)])
-            results["loader"][which].append(json.loads(out.strip().splitlines()[-1])["samples_per_s"])
+            for mode in ("eval", "train"):
+                _, out = run(t, [py, "-c", LOADER_SNIPPET, str(shards), mode, str(r)])
+                results[f"loader_{mode}"][which].append(json.loads(out.strip().splitlines()[-1])["samples_per_s"])
             print(f"round {r + 1} {which}: " + ", ".join(f"{v} {results[v][which][-1]:.2f}" for v in results),
                   flush=True)
     summary = {}
@@ -120,7 +127,7 @@ def main() -> int:
     print(f"\nbefore = {revs['before']}, after = {revs['after']}, data = {args.data}, {args.rounds} interleaved rounds")
     print(f"{'variant':14} {'before':>10} {'after':>10} {'after/before':>13}")
     for v, s in summary.items():
-        unit = "samples/s" if v == "loader" else "s"
+        unit = "samples/s" if v.startswith("loader") else "s"
         print(f"{v:14} {s['before_median']:10.2f} {s['after_median']:10.2f} {s['after_over_before']:13.3f}  ({unit}, median)")
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")

@@ -167,7 +167,8 @@ def per_node(ranks: list[RankTiming]) -> list[NodeRecord]:
         out.append(NodeRecord(
             node=node, host=rs[0].host, ranks=[r.rank for r in rs], num_samples=samples,
             samples_per_s=samples / wall if wall > 0 else 0.0,
-            stall_pct=_pct(sum(r.data_wait_s for r in rs), step_s), copy_wait_pct=_pct(sum(r.h2d_s for r in rs), step_s),
+            stall_pct=_pct(sum(r.data_wait_s for r in rs), step_s),
+            copy_wait_pct=_pct(sum(r.h2d_s for r in rs), step_s),
             loader_cores_used=sum(cores) if cores else None,
             read_bytes_per_s=sum(r.read_bytes for r in rs) / wall if wall > 0 else 0.0))
     return out

@@ -36,7 +36,8 @@ def render(s: dict[str, Any]) -> str:
     if "mode" not in s:
         return "\n".join(s.get("notes", []))
     lines = [
-        f"gpufeed train: {s['arch']} on {s['world_size']} x {s['device'].split(':')[0]}{_over_nodes(s)} ({s['backend']}), "
+        f"gpufeed train: {s['arch']} on {s['world_size']} x {s['device'].split(':')[0]}{_over_nodes(s)} "
+        f"({s['backend']}), "
         f"amp {s['amp']}, batch {s['batch_size']} x accum {s['accum_steps']} x {s['world_size']} ranks = "
         f"{s['global_batch']}, {s['image_size']} px, mode {s['mode']}",
     ]

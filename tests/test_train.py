@@ -62,6 +62,16 @@ def test_torchrun_command_rendezvous_options(tmp_path: Path) -> None:
         torchrun_command(tiny(nnodes="2"), "c")
 
 
+def test_the_note_of_a_node_without_rank_0_names_node_0() -> None:
+    from gpufeed.launch import not_node_zero_note
+
+    static = tiny(nproc_per_node=4, nnodes="2", master_addr="10.0.0.1", node_rank=1)
+    assert not_node_zero_note(static) == ("this node (node rank 1) ran its ranks; the summary and verdict are in "
+                                          "the run folder of node 0 (--node-rank 0)")
+    c10d = tiny(nproc_per_node=8, nnodes="2", rdzv_endpoint="node0:29400")
+    assert "torchrun numbers the nodes itself" in not_node_zero_note(c10d)
+
+
 CADENCE = [  # (checkpoint_every, step, epoch end, run end) -> save?
     (0, 3, False, False, False),  # no count: only epoch and run ends
     (0, 3, True, False, True),
@@ -333,7 +343,7 @@ def test_meter_leaves_paused_time_out_of_the_rate() -> None:
     ({}, "cuda:3", "cuda:3"),  # one process keeps the GPU it was given
 ])
 def test_world_from_env_puts_each_rank_on_its_local_gpu(monkeypatch, env, device, expected) -> None:
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -344,6 +354,53 @@ def test_world_from_env_puts_each_rank_on_its_local_gpu(monkeypatch, env, device
         assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.num_nodes) == (3, 4, 1, 2, 2)
     else:
         assert (w.rank, w.world_size, w.local_world_size, w.num_nodes) == (0, 1, 1, 1)
+
+
+def test_world_from_env_takes_the_node_from_torchrun(monkeypatch) -> None:
+    """Node 1 of 2 with 1 rank, node 0 with 2 (3 ranks): the node counts come from torchrun's GROUP_* variables,
+    not from world size / ranks per node (3 // 1 = 3 nodes)."""
+    env = {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "1",
+           "GROUP_WORLD_SIZE": "2"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    w = World.from_env("cpu")
+    assert (w.rank, w.node_rank, w.num_nodes, w.local_world_size) == (2, 1, 2, 1)
+    monkeypatch.delenv("GROUP_WORLD_SIZE")  # an older launcher: counted from the ranks per node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert World.from_env("cpu").num_nodes == 1
+
+
+def test_per_node_records_sum_each_nodes_ranks_and_show_in_the_report() -> None:
+    """4 ranks on 2 nodes; node 1's rank 3 waits for data: its node's stall shows what the mean hides."""
+    from gpufeed.records import to_jsonable
+    from gpufeed.train_records import RankTiming, aggregate
+    from gpufeed.train_report import render, render_markdown
+
+    def rank(r: int, node: int, wait: float, cores: float) -> RankTiming:
+        return RankTiming(rank=r, num_steps=10, num_samples=100, wall_s=2.0 + wait, step_s=2.0 + wait,
+                          data_wait_s=wait, next_wait_s=wait, h2d_s=0.0, compute_s=2.0, samples_per_s=0.0,
+                          stall_pct=0.0, window_rates=[50.0], cores_used=cores, read_bytes=1000, node=node,
+                          host=f"host{node}")
+
+    m = aggregate("real", [rank(3, 1, 2.0, 1.5), rank(0, 0, 0.0, 1.0), rank(1, 0, 0.0, 1.0), rank(2, 1, 0.0, 1.5)],
+                  num_nodes=2)
+    assert [(n.node, n.host, n.ranks) for n in m.per_node] == [(0, "host0", [0, 1]), (1, "host1", [2, 3])]
+    assert [n.num_samples for n in m.per_node] == [200, 200]
+    assert [n.samples_per_s for n in m.per_node] == [100.0, 50.0]  # 200 samples over the node's longest window
+    assert [n.stall_pct for n in m.per_node] == [0.0, pytest.approx(100 * 2.0 / 6.0)]
+    assert [n.loader_cores_used for n in m.per_node] == [2.0, 3.0]
+    assert [n.read_bytes_per_s for n in m.per_node] == [1000.0, 500.0]
+    s = {"mode": "real", "arch": "resnet18", "device": "cuda:0", "backend": "nccl", "world_size": 4, "num_nodes": 2,
+         "amp": "bf16", "batch_size": 10, "accum_steps": 1, "global_batch": 40, "image_size": 224, "start_step": 0,
+         "step": 10, "total_steps": 10, "epoch": 0, "final_loss": 1.0, "final_lr": 0.1, "started": "t",
+         "wall_s": 5.0, "modes": {"real": to_jsonable(m)}}
+    text = render(s)
+    assert text.splitlines()[0].startswith("gpufeed train: resnet18 on 4 x cuda over 2 nodes (nccl)")
+    assert ("  per node: node 0 (ranks 0-1) 100.0 samples/s, stall 0.0 %; "
+            "node 1 (ranks 2-3) 50.0 samples/s, stall 33.3 %") in text.splitlines()
+    md = render_markdown(s)
+    assert md.startswith("# gpufeed train — resnet18, 4 x cuda over 2 nodes, mode real")
+    assert "| 1 | host1 | 2-3 | 50.0 | 33.3 | 3.0 |" in md.splitlines()
 
 
 # --------------------------------------------------------------------------- a checkpoint that does not fit
@@ -503,6 +560,21 @@ def test_rank_failure_reports_the_first_cause_with_its_exit_code(tmp_path: Path)
     err = rank_failure(tmp_path, 1)
     assert not isinstance(err, RunError) and isinstance(err, GpufeedError) and err.exit_code == 2
     assert str(err).startswith("rank 1: /ck/last.pt")
+
+
+def test_rank_failure_on_a_node_without_the_cause_points_to_the_other_nodes(tmp_path: Path) -> None:
+    """Each node's launcher reads only its own ranks' files: a peer's death is all this node saw."""
+    from gpufeed.errors import RunError
+    from gpufeed.launch import rank_failure
+
+    (tmp_path / "rank-0.error").write_text(json.dumps(
+        {"rank": 0, "message": "unexpected RuntimeError: Connection closed by peer", "exit_code": 1, "cause": False,
+         "time": 1.0}))
+    assert str(rank_failure(tmp_path, 1)) == "rank 0: unexpected RuntimeError: Connection closed by peer"
+    err = rank_failure(tmp_path, 1, multi_node=True)
+    assert isinstance(err, RunError) and str(err) == ("rank 0: unexpected RuntimeError: Connection closed by peer "
+                                                      "(no rank of this node named a cause: see the other nodes' "
+                                                      "output)")
 
 
 def test_rank_entry_point_prints_one_sentence_and_writes_its_cause(shards, tmp_path: Path, capsys) -> None:

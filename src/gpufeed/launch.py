@@ -9,6 +9,11 @@ Failures: what every rank would refuse before its first step (no shards, a missi
 is refused here, exit 2. Under torchrun each failed rank prints ``rank R: <one sentence>`` and writes it to
 ``rank-R.error`` (:func:`main`); the launcher repeats the first cause (:func:`rank_failure`) with that rank's
 exit code: 2 when it failed before its first step, else 1.
+
+More than one node (``--nnodes N``): every node runs ``gpufeed train`` with the same options and rendezvous;
+each launcher checks the data, writes its run folder and starts its node's ranks through torchrun. Rank 0
+writes summary.json into the run folder of its node (node 0); the launchers of the other nodes return
+:func:`not_node_zero_note`. When a rank fails, every node's launcher exits non-zero with one sentence.
 """
 
 from __future__ import annotations
@@ -103,26 +108,37 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig) -> dict[str, Any]:
         env["OMP_NUM_THREADS"] = str(cfg.threads or max(1, usable_cpus() // cfg.nproc_per_node))
     env.setdefault("PYTHONUNBUFFERED", "1")
     cmd = torchrun_command(cfg, config_path)
-    for old in run_dir.glob(RANK_ERROR.format(rank="*")):  # a reused run folder: only this run's causes count
-        old.unlink()
+    summary = run_dir / SUMMARY_NAME
+    # a reused run folder: only this run's causes count, and only this run's summary (a node without rank 0
+    # must not return an old one)
+    for old in [*run_dir.glob(RANK_ERROR.format(rank="*")), summary]:
+        old.unlink(missing_ok=True)
     # rank output goes to our stderr, so that stdout stays free for --json
     proc = subprocess.run(cmd, env=env, stdout=sys.__stderr__, stderr=sys.__stderr__)
     if proc.returncode != 0:
-        raise rank_failure(run_dir, proc.returncode)
-    summary = run_dir / SUMMARY_NAME
+        raise rank_failure(run_dir, proc.returncode, multi_node=cfg.nnodes != "1")
     if not summary.exists():
-        which = f" (node rank {cfg.node_rank})" if cfg.node_rank is not None else ""
-        return {"ok": True, "run_dir": str(run_dir),
-                "notes": [f"this node{which} ran its ranks; the summary and verdict are in rank 0's run folder"]}
+        return {"ok": True, "run_dir": str(run_dir), "notes": [not_node_zero_note(cfg)]}
     return json.loads(summary.read_text(encoding="utf-8"))
 
 
-def rank_failure(run_dir: Path, returncode: int) -> GpufeedError:
+def not_node_zero_note(cfg: TrainConfig) -> str:
+    """What the launcher of a node without rank 0 says: its ranks ran, and where the summary is."""
+    if cfg.rdzv_endpoint:
+        return ("this node ran its ranks; the summary and verdict are in the run folder of node 0 (with "
+                "--rdzv-endpoint torchrun numbers the nodes itself: the one whose launcher printed the summary)")
+    return (f"this node (node rank {cfg.node_rank or 0}) ran its ranks; the summary and verdict are in the run "
+            f"folder of node 0 (--node-rank 0)")
+
+
+def rank_failure(run_dir: Path, returncode: int, *, multi_node: bool = False) -> GpufeedError:
     """The error for a failed torchrun: the first cause the ranks wrote to ``run_dir/rank-R.error``.
 
     A GpufeedError in a rank is a cause; an unexpected exception is usually a consequence (a peer died
     under a collective), so it is reported only when no rank named a cause. Among causes, the earliest.
-    The error keeps the rank's exit code: 2 (GpufeedError) when it failed before its first step, else 1."""
+    The error keeps the rank's exit code: 2 (GpufeedError) when it failed before its first step, else 1.
+    Each node's launcher sees only its own ranks' files: with ``multi_node`` and no cause here, the
+    sentence points to the other nodes, where the rank that failed first reported it."""
     reports = []
     for path in sorted(run_dir.glob(RANK_ERROR.format(rank="*")))[:4096]:
         try:
@@ -135,8 +151,10 @@ def rank_failure(run_dir: Path, returncode: int) -> GpufeedError:
     if not reports:
         return RunError(f"torchrun exited with {returncode} and no rank reported a cause (killed by a signal or "
                         f"out of memory?); see the output above and {run_dir}")
-    _, _, rank, message, code = min(reports)
+    consequence, _, rank, message, code = min(reports)
     text = f"rank {rank}: {message}"
+    if consequence and multi_node:
+        text += " (no rank of this node named a cause: see the other nodes' output)"
     return GpufeedError(text) if code == 2 else RunError(text)
 
 

@@ -19,8 +19,8 @@ busy), the host-to-device copy that is not overlapped with compute (``loader.to_
 stream: the step cannot start before it ends), compute (normalise + forward + backward + optimizer) and
 the step. Nothing waits for the device per step: the marks are read in bulk at log steps and at the ends
 of the timed window. Data stall % = Σ (data wait + copy) / Σ step time.
-At the end of each mode the per-rank numbers are all-gathered and rank 0 writes the records
-(:mod:`gpufeed.train_records`).
+At the end of each mode the per-rank numbers, each tagged with its node (torchrun's GROUP_RANK), are
+all-gathered and rank 0 writes the records, per rank and per node (:mod:`gpufeed.train_records`).
 
 Checkpoints (:mod:`gpufeed.checkpoint`) are saved on one cadence rule and checked before ``--resume`` loads them.
 
@@ -569,7 +569,11 @@ class Trainer:
         return max(warm, -(-backlog // per_step) + 1), max(num_steps, -(-2 * w // per_step))
 
     def _aggregate(self, mode: str, meter: Meter) -> ModeRecord | None:
-        timing = meter.finish()
+        """This rank's timed window, tagged with its node, all-gathered; rank 0 gets the mode's record (with the
+        per-node sums), the other ranks None."""
+        import socket
+
+        timing = dataclasses.replace(meter.finish(), node=self.world.node_rank, host=socket.gethostname())
         ranks = self.gather(timing)
         loss = float(self.last_loss) if (self.last_loss is not None and mode != "loader-only") else None
         return aggregate(mode, ranks, self.num_nodes, loss) if self.world.is_main else None

@@ -40,6 +40,29 @@ class RankTiming:
     read_bytes: int = 0
     rss_max_bytes: int = 0
     gpu: dict[str, Any] = field(default_factory=dict)
+    node: int = 0
+    """The rank's node (torchrun's GROUP_RANK)."""
+    host: str = ""
+    """The node's host name."""
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One node's ranks of one mode, summed (a slow or starved node shows here, not only in the rank list)."""
+
+    node: int
+    host: str
+    ranks: list[int]
+    num_samples: int
+    """Timed samples, this node's ranks."""
+    samples_per_s: float
+    """num_samples / the longest timed window of this node's ranks."""
+    stall_pct: float
+    """Σ (data wait + copy) / Σ step time over this node's ranks."""
+    copy_wait_pct: float
+    loader_cores_used: float | None
+    """Σ cores busy over this node's ranks (rank processes + their loader workers)."""
+    read_bytes_per_s: float
 
 
 @dataclass(frozen=True)
@@ -70,6 +93,8 @@ class ModeRecord:
     read_bytes_per_s: float
     per_rank: list[RankTiming]
     final_loss: float | None = None
+    per_node: list[NodeRecord] = field(default_factory=list)
+    """The ranks grouped by node (:func:`per_node`), in node order."""
 
 
 @dataclass(frozen=True)
@@ -124,8 +149,34 @@ class TrainRecord:
 
 
 
+def _pct(part: float, whole: float) -> float:
+    return 100.0 * part / whole if whole > 0 else 0.0
+
+
+def per_node(ranks: list[RankTiming]) -> list[NodeRecord]:
+    """The ranks' timings grouped by their node: sums over each node's ranks, rate over its longest window."""
+    nodes: dict[int, list[RankTiming]] = {}
+    for r in sorted(ranks, key=lambda r: r.rank):
+        nodes.setdefault(r.node, []).append(r)
+    out = []
+    for node, rs in sorted(nodes.items()):
+        wall = max(r.wall_s for r in rs)
+        samples = sum(r.num_samples for r in rs)
+        step_s = sum(r.step_s for r in rs)
+        cores = [r.cores_used for r in rs if r.cores_used is not None]
+        out.append(NodeRecord(
+            node=node, host=rs[0].host, ranks=[r.rank for r in rs], num_samples=samples,
+            samples_per_s=samples / wall if wall > 0 else 0.0,
+            stall_pct=_pct(sum(r.data_wait_s for r in rs), step_s),
+            copy_wait_pct=_pct(sum(r.h2d_s for r in rs), step_s),
+            loader_cores_used=sum(cores) if cores else None,
+            read_bytes_per_s=sum(r.read_bytes for r in rs) / wall if wall > 0 else 0.0))
+    return out
+
+
 def aggregate(mode: str, ranks: list[RankTiming], num_nodes: int = 1, final_loss: float | None = None) -> ModeRecord:
-    """Per-rank timings -> one ModeRecord (sums over ranks; rate over the longest window)."""
+    """Per-rank timings -> one ModeRecord (sums over ranks; rate over the longest window), with the per-node
+    sums. ``read_bytes_per_s`` is per node: the read rate of all ranks / ``num_nodes``."""
     ranks = sorted(ranks, key=lambda r: r.rank)
     wall = max((r.wall_s for r in ranks), default=0.0)
     samples = sum(r.num_samples for r in ranks)
@@ -139,12 +190,11 @@ def aggregate(mode: str, ranks: list[RankTiming], num_nodes: int = 1, final_loss
         mode=mode, num_ranks=len(ranks), num_steps=max((r.num_steps for r in ranks), default=0),
         num_samples=samples, wall_s=wall, samples_per_s=samples / wall if wall > 0 else 0.0,
         samples_per_s_stat=Stat.of(windows) if windows else None,
-        stall_pct=100.0 * wait / step_s if step_s > 0 else 0.0,
-        copy_wait_pct=100.0 * h2d / step_s if step_s > 0 else 0.0,
+        stall_pct=_pct(wait, step_s), copy_wait_pct=_pct(h2d, step_s),
         data_wait_s=wait, next_wait_s=sum(r.next_wait_s for r in ranks), h2d_s=h2d,
         compute_s=sum(r.compute_s for r in ranks), step_s=step_s,
         loader_cores_used=sum(cores) if cores else None,
         read_bytes_per_s=sum(r.read_bytes for r in ranks) / wall / max(1, num_nodes) if wall > 0 else 0.0,
-        per_rank=ranks, final_loss=final_loss,
+        per_rank=ranks, final_loss=final_loss, per_node=per_node(ranks),
     )
 

@@ -36,7 +36,8 @@ def render(s: dict[str, Any]) -> str:
     if "mode" not in s:
         return "\n".join(s.get("notes", []))
     lines = [
-        f"gpufeed train: {s['arch']} on {s['world_size']} x {s['device'].split(':')[0]} ({s['backend']}), "
+        f"gpufeed train: {s['arch']} on {s['world_size']} x {s['device'].split(':')[0]}{_over_nodes(s)} "
+        f"({s['backend']}), "
         f"amp {s['amp']}, batch {s['batch_size']} x accum {s['accum_steps']} x {s['world_size']} ranks = "
         f"{s['global_batch']}, {s['image_size']} px, mode {s['mode']}",
     ]
@@ -57,6 +58,10 @@ def render(s: dict[str, Any]) -> str:
             lines.append("  GPU utilisation %: " + ", ".join(f"{u:.0f}" for u in util))
         if len(m["per_rank"]) > 1 and name != "loader-only":
             lines.append("  per rank stall %: " + ", ".join(f"r{r['rank']} {r['stall_pct']:.1f}" for r in m["per_rank"]))
+        if len(m.get("per_node", [])) > 1:
+            lines.append("  per node: " + "; ".join(
+                f"node {n['node']} ({_ranks(n['ranks'])}) {n['samples_per_s']:.1f} samples/s"
+                + (f", stall {n['stall_pct']:.1f} %" if name != "loader-only" else "") for n in m["per_node"]))
     ceilings = [f"{mode_role(k, _is_cuda(s))} {m['samples_per_s']:.1f} samples/s ({k})"
                 for k, m in s["modes"].items() if k in ("synthetic", "loader-only")]
     if ceilings:
@@ -81,6 +86,21 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"{head}: {v['reason']}")
         lines += [f"  fix: {f}" for f in v.get("fixes", [])]
     return "\n".join(lines)
+
+
+def _over_nodes(s: dict[str, Any]) -> str:
+    """" over N nodes" for a multi-node run, else nothing."""
+    n = int(s.get("num_nodes") or 1)
+    return f" over {n} nodes" if n > 1 else ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    """"rank 0" or "ranks 0-7" (contiguous, as torchrun numbers them) or "ranks 0, 2"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 def _is_cuda(s: dict[str, Any]) -> bool:
@@ -171,7 +191,8 @@ def plot_summary(run_dir: Path, s: dict[str, Any]) -> str | None:
 
 
 def render_markdown(s: dict[str, Any], plot: str | None = None) -> str:
-    out = [f"# gpufeed train — {s['arch']}, {s['world_size']} x {s['device'].split(':')[0]}, mode {s['mode']}", "",
+    out = [f"# gpufeed train — {s['arch']}, {s['world_size']} x {s['device'].split(':')[0]}{_over_nodes(s)}, "
+           f"mode {s['mode']}", "",
            f"Started {s['started']}, {s['wall_s']:.1f} s. amp {s['amp']}, batch {s['batch_size']} per rank x accum "
            f"{s['accum_steps']} (global {s['global_batch']}), {s['image_size']} px.", "",
            "| mode | steps | samples/s | median (min–max) | stall % | copy % | next s | h2d s | compute s | cores |",
@@ -188,6 +209,15 @@ def render_markdown(s: dict[str, Any], plot: str | None = None) -> str:
             for r in m["per_rank"]:
                 c = f"{r['cores_used']:.1f}" if r.get("cores_used") is not None else "-"
                 out.append(f"| {r['rank']} | {r['samples_per_s']:.1f} | {r['stall_pct']:.1f} | {c} |")
+    for name, m in s["modes"].items():
+        if len(m.get("per_node", [])) > 1:
+            out += ["", f"Per node ({name}):", "", "| node | host | ranks | samples/s | stall % | cores |",
+                    "|---:|---|---|---:|---:|---:|"]
+            for n in m["per_node"]:
+                c = f"{n['loader_cores_used']:.1f}" if n.get("loader_cores_used") is not None else "-"
+                stall = f"{n['stall_pct']:.1f}" if name != "loader-only" else "-"
+                out.append(f"| {n['node']} | {n['host']} | {_ranks(n['ranks']).split(' ', 1)[1]} | "
+                           f"{n['samples_per_s']:.1f} | {stall} | {c} |")
     if s.get("val"):
         out += ["", "| epoch | step | top-1 % | top-5 % | loss |", "|---:|---:|---:|---:|---:|"]
         out += [f"| {v['epoch']} | {v['step']} | {v['top1_pct']:.2f} | {v['top5_pct']:.2f} | {v['loss']:.4f} |"

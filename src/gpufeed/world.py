@@ -1,4 +1,4 @@
-"""One object knows the world: rank, world size, ranks per node, device and backend. Built once, passed in."""
+"""One object knows the world: rank, world size, node, ranks per node, device and backend. Built once, passed in."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ class World:
     """'nccl' on CUDA, 'gloo' otherwise."""
     local_world_size: int = 1
     """Ranks on this node (torchrun's LOCAL_WORLD_SIZE)."""
+    node_rank: int = 0
+    """This rank's node, 0..num_nodes-1 (torchrun's GROUP_RANK)."""
+    num_nodes: int = 1
+    """Nodes of the job (torchrun's GROUP_WORLD_SIZE)."""
 
     @property
     def is_main(self) -> bool:
@@ -30,14 +34,11 @@ class World:
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
-    @property
-    def num_nodes(self) -> int:
-        return max(1, self.world_size // max(1, self.local_world_size))
-
     @classmethod
     def from_env(cls, device: str | None = None) -> "World":
-        """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE; pick CUDA when available unless
-        told otherwise.
+        """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK / GROUP_WORLD_SIZE;
+        pick CUDA when available unless told otherwise. Without GROUP_WORLD_SIZE the nodes are counted as
+        world size / ranks per node.
 
         Under torchrun (WORLD_SIZE > 1) every CUDA rank takes ``cuda:LOCAL_RANK``, whatever index ``device``
         names: one GPU per rank. A single process keeps the ``cuda:N`` it was given.
@@ -48,13 +49,15 @@ class World:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        node_rank = int(os.environ.get("GROUP_RANK", "0"))
+        num_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "0")) or max(1, world_size // max(1, local_world_size))
         if device is None or device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" or (device.startswith("cuda") and world_size > 1):
             device = f"cuda:{local_rank}"
         backend = "nccl" if device.startswith("cuda") else "gloo"
         return cls(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
-                   device=device, backend=backend)
+                   node_rank=node_rank, num_nodes=num_nodes, device=device, backend=backend)
 
     @classmethod
     def single(cls, device: str = "cpu") -> "World":

@@ -1,0 +1,94 @@
+"""Two nodes on this machine: two ``gpufeed train --nnodes 2`` launchers meet at a loopback c10d rendezvous,
+one rank each (gloo, CPU). The multi-node code paths (rank -> node mapping, per-node records, num_nodes in
+the summary and the report, the note of the node without rank 0) run as they would on two machines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.train_shards import write_tiny_shards
+
+
+def free_port() -> int:
+    """A port nobody listens on now: the kernel's pick for a socket bound to port 0."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher that is still running, its process group, and its descendants (torchrun starts each
+    rank in a session of its own, out of the launcher's group)."""
+    import psutil
+
+    if proc.poll() is not None:
+        return
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_nodes_over_a_loopback_rendezvous(tmp_path: Path) -> None:
+    shards = write_tiny_shards(tmp_path / "shards", [16, 16, 16, 16])
+    port = free_port()
+    args = ["--shards", str(shards), "--arch", "resnet18", "--image-size", "32", "--batch-size", "4",
+            "--num-workers", "0", "--amp", "off", "--steps", "2", "--device", "cpu", "--threads", "1", "--quiet",
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", f"test-{port}", "--json"]
+    runs = [tmp_path / "node-a", tmp_path / "node-b"]  # each launcher its own run folder, as on two machines
+    procs = [subprocess.Popen([sys.executable, "-m", "gpufeed.cli", "train", *args, "--run-dir", str(run)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for run in runs]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=150))
+    finally:
+        for p in procs:
+            kill_tree(p)
+
+    # torchrun numbers the nodes itself: node 0 is the launcher whose run folder holds the summary
+    zero = [i for i, run in enumerate(runs) if (run / "summary.json").is_file()]
+    assert len(zero) == 1, outs
+    head, other = zero[0], 1 - zero[0]
+    s = json.loads(outs[head][0])
+    assert s == json.loads((runs[head] / "summary.json").read_text())
+    assert procs[head].returncode == (0 if s["ok"] else 1), outs[head][1]
+    assert (s["num_nodes"], s["world_size"], s["global_batch"], s["step"]) == (2, 2, 8, 2)
+    real = s["modes"]["real"]
+    assert [(r["rank"], r["node"]) for r in real["per_rank"]] == [(0, 0), (1, 1)]
+    assert [(n["node"], n["ranks"]) for n in real["per_node"]] == [(0, [0]), (1, [1])]
+    assert [n["num_samples"] for n in real["per_node"]] == [r["num_samples"] for r in real["per_rank"]] == [4, 4]
+    assert len(s["rank_param_checksums"]) == 2 and s["rank_param_checksums"][0] == s["rank_param_checksums"][1]
+    report = (runs[head] / "report.md").read_text()
+    assert report.startswith("# gpufeed train — resnet18, 2 x cpu over 2 nodes, mode real")
+    assert "Per node (real):" in report
+
+    # the other node ran its rank and says where the summary is
+    assert procs[other].returncode == 0, outs[other][1]
+    note = json.loads(outs[other][0])
+    assert note["ok"] is True and note["run_dir"] == str(runs[other])
+    assert note["notes"][0].startswith("this node ran its ranks; the summary and verdict are in the run folder "
+                                       "of node 0")
+    assert not (runs[other] / "summary.json").exists()

@@ -132,6 +132,19 @@ def test_manifest_naming_a_pipe_shard_never_reaches_the_loader(tmp_path, monkeyp
     assert not (tmp_path / "PWNED").exists()
 
 
+def test_manifest_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """open() of a FIFO blocks until a writer comes: a shard set must not be able to hang every reader."""
+    import os
+
+    from gpufeed.errors import DataError
+    from gpufeed.manifest import first_duplicate, read_manifest
+
+    os.mkfifo(tmp_path / "manifest.json")
+    with pytest.raises(DataError, match="manifest.json is not a regular file"):
+        read_manifest(tmp_path)
+    assert first_duplicate(["a", "b", "c", "b", "a"]) == "b" and first_duplicate(["a", "b"]) is None
+
+
 # --------------------------------------------------------------------------- 2. a checkpoint runs code on --resume
 
 

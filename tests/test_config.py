@@ -239,3 +239,30 @@ def test_every_field_has_a_docstring_and_no_raw_none(section: str) -> None:
         assert not text.startswith("[") and len(text.split("  [")[0]) > 3, f"[{section}] {f.name} has no docstring"
         # "None = ..." must close the docstring, where it becomes the shown default
         assert "None =" not in text, f"[{section}] {f.name}: {text}"
+
+
+def test_every_string_reads_back_from_to_toml(tmp_path: Path) -> None:
+    """Run folders store the resolved config with to_toml and torchrun ranks read it back: a path holding a tab,
+    a newline, quotes or DEL must survive."""
+    from gpufeed.config import TrainConfig, to_toml
+
+    odd = '/data/x\ny"\\z\x7f\tend'
+    p = tmp_path / "c.toml"
+    p.write_text(to_toml("train", TrainConfig(run_dir="runs/a\tb", shards=odd)))
+    got = load_config(p).train
+    assert got.shards == odd and got.run_dir == "runs/a\tb"
+
+
+def test_tune_device_is_checked_at_load(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[tune]\ndevice = "bogus"\n')
+    with pytest.raises(ConfigError, match="device must be auto, cpu, cuda or cuda:N, got 'bogus'"):
+        load_config(p)
+
+
+def test_sizes_take_an_exponent() -> None:
+    from gpufeed.config import parse_size
+
+    assert parse_size("1e9") == 10**9 and parse_size("1.5e3MB") == 1_500_000_000
+    with pytest.raises(ConfigError, match="finite"):
+        parse_size("1e999")

@@ -484,6 +484,8 @@ def test_resume_checks_the_checkpoint_before_loading_it(checkpoint, tmp_path: Pa
         ({"optimizer": {**good["optimizer"], "param_groups": [{**g, "lr": "0.1"} for g in
                                                                 good["optimizer"]["param_groups"]]}},
          "not a finite number"),
+        ({"loader_position": {"epoch": 0, "batches_consumed": 99}}, "does not match epoch"),
+        ({"loader_position": {"epoch": -1, "batches_consumed": 1}}, "epoch must be a non-negative integer"),
     ]
     for change, says in cases:
         torch.save({**good, **change}, ck / "last.pt")
@@ -691,3 +693,44 @@ def test_plot_summary_writes_the_png(tmp_path: Path) -> None:
     assert plot_summary(tmp_path, s) == "throughput.png"
     assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_summary(tmp_path / "none", _summary("cpu", {}, [])) is None
+
+
+def test_class_lists_must_fit_the_model_and_agree_with_validation(shards, tmp_path: Path) -> None:
+    """num_classes below the set's class count would put labels out of range mid-run; a validation set with
+    another class list would score top-1 against the wrong names. Both are refused before launch (exit 2)."""
+    import json as _json
+    import shutil
+
+    from tests.conftest import invoke
+
+    args = ["train", "--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--num-workers", "0",
+            "--amp", "off", "--steps", "1", "--device", "cpu", "--quiet"]
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\nnum_classes = 2\n")
+    res = invoke([*args, "--shards", shards["train"], "--config", cfg, "--run-dir", tmp_path / "a"], expect=2)
+    assert "num_classes = 2 is fewer than the 4 classes of" in res.stderr
+    val = tmp_path / "val"
+    shutil.copytree(shards["val"], val)
+    m = _json.loads((val / "manifest.json").read_text())
+    m["classes"] = list(reversed(m["classes"]))
+    (val / "manifest.json").write_text(_json.dumps(m))
+    res = invoke([*args, "--shards", shards["train"], "--val-shards", val, "--run-dir", tmp_path / "b"], expect=2)
+    assert "validation labels would not mean the training classes" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_full_disk_while_checkpointing_is_a_failed_run_exit_1(shards, tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import gpufeed.checkpoint as ck
+
+    from tests.conftest import invoke
+
+    def full(obj, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ck, "_atomic_torch_save", full)
+    res = invoke(["train", "--shards", shards["train"], "--arch", "resnet18", "--image-size", "32",
+                  "--batch-size", "4", "--num-workers", "0", "--amp", "off", "--steps", "1", "--device", "cpu",
+                  "--quiet", "--checkpoint-dir", tmp_path / "ck", "--run-dir", tmp_path / "run"], expect=1)
+    assert res.stderr.strip().splitlines()[-1] == f"error: No space left on device ({tmp_path / 'ck' / 'last.pt'})"

@@ -22,6 +22,7 @@ import torch
 
 from gpufeed.config import LoaderConfig, TrainConfig
 from gpufeed.errors import DataError, one_line
+from gpufeed.loader import LoaderPosition
 from gpufeed.records import to_jsonable
 from gpufeed.world import World
 
@@ -244,6 +245,8 @@ class Resume:
     step_in_epoch: int
     rng: RngState
     """This rank's RNG states, to apply once the loader is back at its position."""
+    position: LoaderPosition
+    """Where the loader resumes: the batches of ``epoch`` already trained on, passed over without decoding."""
 
 
 class Checkpointer:
@@ -285,8 +288,7 @@ class Checkpointer:
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                "loader_position": {"epoch": epoch, "batches_consumed": step_in_epoch * self.cfg.accum_steps,
-                                    "method": "skip"},
+                "loader_position": LoaderPosition(epoch, step_in_epoch * self.cfg.accum_steps).to_dict(),
                 "rng": rngs, "world_size": self.world.world_size,
                 "config": to_jsonable(self.cfg), "loader_config": to_jsonable(self.loader_cfg),
                 "total_steps": self.total_steps,
@@ -315,6 +317,13 @@ class Checkpointer:
             raise DataError(f"{path} was written for {_short(state.get('num_classes'))} classes, this run has "
                             f"{self.num_classes}")
         step, epoch, step_in_epoch = (_count(state, k, path) for k in ("step", "epoch", "step_in_epoch"))
+        try:
+            position = LoaderPosition.from_dict(state.get("loader_position"))
+        except DataError as exc:
+            raise DataError(f"{path}: {exc}") from None
+        if position != LoaderPosition(epoch, step_in_epoch * self.cfg.accum_steps):
+            raise DataError(f"{path}: loader_position {position.to_dict()} does not match epoch {epoch}, step "
+                            f"{step_in_epoch} of it, x {self.cfg.accum_steps} micro-batches")
         rng = self._rank_rng(state, path)
         scaler = state.get("scaler")
         try:
@@ -331,7 +340,7 @@ class Checkpointer:
         if self.scaler.is_enabled() and not scaler:
             self.notes.append("resume: the checkpoint has no fp16 loss scale; the GradScaler starts afresh")
         self._note_changes(state)
-        return Resume(step=step, epoch=epoch, step_in_epoch=step_in_epoch, rng=rng)
+        return Resume(step=step, epoch=epoch, step_in_epoch=step_in_epoch, rng=rng, position=position)
 
     def _rank_rng(self, state: dict[str, Any], path: Path) -> RngState:
         """This rank's RNG states (rank 0's when the checkpoint was written by another number of ranks)."""

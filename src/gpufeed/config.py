@@ -32,7 +32,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]{1,3})?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
@@ -44,7 +44,7 @@ _SIZE_UNITS = {
 
 
 def parse_size(value: int | float | str) -> int:
-    """Parse a byte size such as ``1GB``, ``512MiB``, ``1e9`` or ``4096`` into bytes."""
+    """Parse a byte size such as ``1GB``, ``512MiB``, ``1.5e9`` or ``4096`` into bytes."""
     if isinstance(value, bool):
         raise ConfigError(f"expected a size such as 1GB or 512MiB, got {value!r}")
     if isinstance(value, (int, float)):
@@ -62,7 +62,10 @@ def parse_size(value: int | float | str) -> int:
     unit = (m.group(2) or "").lower()
     if unit not in _SIZE_UNITS:
         raise ConfigError(f"unknown size unit in {value!r} (use B, KB, MB, GB, TB or KiB, MiB, GiB, TiB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+    size = float(m.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(size):
+        raise ConfigError(f"a size must be a finite number, got {value!r}")
+    return int(size)
 
 
 _MAX_SIZE_TEXT = 64
@@ -293,6 +296,13 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        check_device(self.device)
+
+
+def check_device(device: str) -> None:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``, else a ConfigError."""
+    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d{1,4}", device):
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {device[:40]!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -381,8 +391,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
-        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_device(self.device)
         if not re.fullmatch(r"\d+(:\d+)?", self.nnodes):
             raise ConfigError(f"nnodes must be N or MIN:MAX, got {self.nnodes!r}")
         if self.resume and not self.checkpoint_dir:
@@ -526,10 +535,28 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise ConfigError(f"cannot write {value!r} to TOML")
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped, so that every string (a path
+    holding a tab or a newline included) reads back as it was written."""
+    out = ['"']
+    for ch in text:
+        o = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif o < 0x20 or o == 0x7F:
+            out.append(f"\\u{o:04x}")
+        elif 0xD800 <= o <= 0xDFFF:
+            raise ConfigError(f"cannot write {text[:80]!r} to TOML: it holds bytes that are not UTF-8 text")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

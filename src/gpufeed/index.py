@@ -36,7 +36,8 @@ from pathlib import Path
 
 from gpufeed.errors import DataError
 from gpufeed.manifest import (MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, SHARD_SUFFIXES, LabelError, Manifest,
-                              ShardInfo, manifest_path, parse_label, shard_name_problem, write_manifest)
+                              ShardInfo, first_duplicate, manifest_path, parse_label, shard_name_problem,
+                              write_manifest)
 from gpufeed.shardset.keys import LABEL_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image, split_member
 from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
 
@@ -248,8 +249,8 @@ def _classes(folder: Path, labels: set[str]) -> tuple[list[str], str]:
         names = [line.strip() for line in text.splitlines() if line.strip()]
         if not names:
             raise DataError(f"{class_map} lists no class name; write one name per line")
-        if len(set(names)) != len(names):
-            dup = next(c for i, c in enumerate(names) if c in names[:i])
+        dup = first_duplicate(names)
+        if dup is not None:
             raise DataError(f"{class_map} lists class {dup[:80]!r} twice")
         position = {c: i for i, c in enumerate(names)}
         for x in sorted(labels):  # parse_label reads digits as an index: a class named "7" must be class 7

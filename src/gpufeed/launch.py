@@ -30,7 +30,7 @@ from typing import Any
 from gpufeed.config import LoaderConfig, TrainConfig, load_config, to_toml
 from gpufeed.errors import ConfigError, GpufeedError, RunError, one_line
 from gpufeed.records import atomic_write_bytes, make_run_dir, to_jsonable, write_json
-from gpufeed.train import open_shards, run_loader_config, steps_per_epoch, train
+from gpufeed.train import check_classes, open_shards, run_loader_config, steps_per_epoch, train
 from gpufeed.train_records import CONFIG_NAME, SUMMARY_NAME
 from gpufeed.world import World
 
@@ -50,9 +50,10 @@ def check_data(cfg: TrainConfig, loader_cfg: LoaderConfig, world_size: int) -> N
         raise ConfigError(f"mode {cfg.mode} needs --shards (only --synthetic runs without data)")
     lc = run_loader_config(cfg, loader_cfg)
     world = World(world_size=world_size)
-    steps_per_epoch(cfg, open_shards(cfg.shards, lc, world))
-    if cfg.val_shards and cfg.mode == "real":
-        open_shards(cfg.val_shards, lc, world, train=False)
+    loader = open_shards(cfg.shards, lc, world)
+    steps_per_epoch(cfg, loader)
+    val = open_shards(cfg.val_shards, lc, world, train=False) if cfg.val_shards and cfg.mode == "real" else None
+    check_classes(cfg, loader.manifest, val.manifest if val is not None else None)
 
 
 def needs_torchrun(cfg: TrainConfig) -> bool:

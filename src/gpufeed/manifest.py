@@ -11,6 +11,7 @@ rule, extensions, grouping) and the tar layer are :mod:`gpufeed.shardset`.
 from __future__ import annotations
 
 import json
+import stat
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,8 +154,8 @@ class Manifest:
             if not isinstance(c, str) or len(c.encode("utf-8", "surrogatepass")) > MAX_LABEL_BYTES:
                 raise DataError(f"{where}: class {str(c)[:80]!r} is not a class name (a string of at most "
                                 f"{MAX_LABEL_BYTES} bytes)")
-        if len(set(classes)) != len(classes):
-            dup = next(c for i, c in enumerate(classes) if c in classes[:i])
+        dup = first_duplicate(classes)
+        if dup is not None:
             raise DataError(f"{where}: class {dup[:80]!r} is listed twice")
         root = d.get("root")
         if root is not None:
@@ -307,6 +308,16 @@ def manifest_path(shards: str | Path) -> Path:
     return p if p.name.endswith(".json") and p.is_file() else p / MANIFEST_NAME
 
 
+def first_duplicate(items: list[str]) -> str | None:
+    """The first item that appeared before, in one pass (lists from data can hold millions of names)."""
+    seen: set[str] = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    return None
+
+
 def read_manifest(shards: str | Path) -> Manifest:
     """Load and check a shard set's manifest. Raises DataError with a fix when it is missing or bad."""
     path = manifest_path(shards)
@@ -318,6 +329,8 @@ def read_manifest(shards: str | Path) -> Manifest:
             f"(for shards written by other tools, run `gpufeed index {path.parent}`)"
         )
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block open() forever, a device never end
+            raise DataError(f"{path} is not a regular file")
         with open(path, "rb") as f:
             text = f.read(MAX_MANIFEST_BYTES + 1)
         if len(text) > MAX_MANIFEST_BYTES:

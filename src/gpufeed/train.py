@@ -47,6 +47,7 @@ import torch
 from gpufeed.checkpoint import Checkpointer, Resume, RngState
 from gpufeed.config import LoaderConfig, TrainConfig
 from gpufeed.errors import ConfigError, DataError, GpufeedError, RunError
+from gpufeed.loader import LoaderPosition
 from gpufeed.records import append_jsonl, utc_now
 from gpufeed.timing import Clock, CudaClock, HostClock, Meter, StepMarks, resolve
 from gpufeed.train_records import LOG_NAME, ModeRecord, TrainRecord, ValRecord, aggregate
@@ -113,6 +114,20 @@ def steps_per_epoch(cfg: TrainConfig, loader: Any) -> int:
     return steps
 
 
+def check_classes(cfg: TrainConfig, train: Any, val: Any) -> None:
+    """The model's outputs cover every label of the training set, and the validation set uses the same class
+    list in the same order (its labels index its own list): else labels would be out of range mid-run or top-1
+    silently wrong. ``train``/``val`` are manifests or None. Raises ConfigError/DataError (exit 2)."""
+    if train is not None and cfg.num_classes is not None and cfg.num_classes < train.num_classes:
+        raise ConfigError(f"num_classes = {cfg.num_classes} is fewer than the {train.num_classes} classes of "
+                          f"{cfg.shards}; labels would be out of range")
+    if train is not None and val is not None and list(val.classes) != list(train.classes):
+        differ = next((i for i, (a, b) in enumerate(zip(train.classes, val.classes)) if a != b),
+                      min(len(train.classes), len(val.classes)))
+        raise DataError(f"{cfg.val_shards} lists {val.num_classes} classes and {cfg.shards} {train.num_classes}, "
+                        f"first differing at index {differ}: validation labels would not mean the training classes")
+
+
 def open_shards(shards: str | Path, loader_cfg: LoaderConfig, world: World, *, train: bool = True) -> Any:
     """Build the loader of ``shards`` for rank 0 of ``world`` (no workers start) and open every shard once:
     the checks that can be made before a run starts (manifest, shard files present and readable, enough
@@ -164,6 +179,7 @@ class Trainer:
         self.loader, self.val_loader = self._build_loaders()
         self.manifest = self.loader.manifest if self.loader is not None else None
         self.num_classes = cfg.num_classes or (self.manifest.num_classes if self.manifest else 1000)
+        check_classes(cfg, self.manifest, self.val_loader.manifest if self.val_loader is not None else None)
         self.module, self.ddp, self.model = self._build_model()
         self.optimizer = self._build_optimizer()
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
@@ -191,6 +207,8 @@ class Trainer:
         self.started = False
         """True once this rank began reading data or computing: a failure after that is a RunError (exit 1)."""
         self.resume_rng: RngState | None = None
+        self.resume_position: LoaderPosition | None = None
+        """The checkpoint's loader position, for the first epoch after --resume."""
         """This rank's RNG state from the checkpoint, applied once the loader is back at its position."""
         self._batches: Iterator[Any] | None = None
         """The current epoch's batches (run_real), opened at the epoch's first step."""
@@ -411,6 +429,7 @@ class Trainer:
         if self.step_in_epoch >= self.steps_per_epoch:  # written at the end of an epoch
             self._next_epoch()
         self.resume_rng = resume.rng
+        self.resume_position = resume.position
         return resume
 
     def _schedule(self, step: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -526,7 +545,11 @@ class Trainer:
         checkpoint's batch: the loader passes over the batches already trained on without decoding them
         (LoaderPosition), no replay; the checkpoint's RNG states apply from there."""
         if self._batches is None:
-            self.loader.set_epoch(self.epoch, start_batch=self.step_in_epoch * self.accum)
+            position, self.resume_position = self.resume_position, None
+            if position is not None and position.epoch == self.epoch:
+                self.loader.resume(position)
+            else:  # a fresh epoch (or the one after a checkpoint written at an epoch's end)
+                self.loader.set_epoch(self.epoch)
             self._batches = iter(self.loader)
             if self.resume_rng is not None:
                 self.resume_rng.apply()
@@ -643,8 +666,9 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
     run_dir); other ranks return None. ``on_step(step)`` is called at the end of every real optimizer step
     (tests).
 
-    A GpufeedError raised before the rank read data or computed (a bad shard set, a refused checkpoint)
-    keeps its exit code 2; one raised after that (a corrupt shard met mid-epoch) becomes a RunError (exit 1)."""
+    A GpufeedError or OSError raised before the rank read data or computed (a bad shard set, a refused
+    checkpoint) keeps its exit code 2; one raised after that (a corrupt shard met mid-epoch, a full disk while
+    checkpointing) becomes a RunError (exit 1)."""
     t0 = time.perf_counter()
     started = utc_now()
     if run_dir is not None and world.is_main:
@@ -667,6 +691,11 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
     except GpufeedError as exc:
         if trainer is not None and trainer.started and not isinstance(exc, RunError):
             raise RunError(str(exc)) from exc
+        raise
+    except OSError as exc:  # a full disk or an I/O error while checkpointing or writing the report
+        if trainer is not None and trainer.started:
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise RunError(f"{exc.strerror or exc}{where}") from exc
         raise
     finally:
         if created:

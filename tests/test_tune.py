@@ -343,7 +343,7 @@ def test_a_fake_measure_does_not_switch_off_the_shard_set_check(tmp_path: Path) 
     assert info.value.exit_code == 2 and not toy.calls
     seen: list[tuple[str, int]] = []
     tune(toy_cfg(tmp_path, max_workers=1), LoaderConfig(decode="pil", batch_size=4), measure=toy,
-         world=World.single(), check_shards=lambda shards, base: seen.append((shards, base.batch_size)) or 100)
+         world=World.single(), check_shards=lambda shards, base, world: seen.append((shards, base.batch_size)) or 100)
     assert seen == [(str(tmp_path / "no-shards-needed"), 32)]
 
 

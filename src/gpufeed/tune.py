@@ -1300,7 +1300,7 @@ def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> Tu
     if report.best is not None:
         out = Path(cfg.out) if cfg.out else run / "loader.toml"
         header = (f"Written by gpufeed tune on {report.shards}\n{report.conclusion}\n"
-                  f"gpufeed train --config {out.name} reads this section.")
+                  f"gpufeed train --config {out.name} reads these sections ([layout]: the layout it was tuned for).")
         text = to_toml("loader", report.best, header=header)
         if report.layout is not None:  # gpufeed train warns when it runs a different layout
             text += "\n" + to_toml("layout", report.layout)

@@ -343,7 +343,8 @@ def test_a_fake_measure_does_not_switch_off_the_shard_set_check(tmp_path: Path) 
     assert info.value.exit_code == 2 and not toy.calls
     seen: list[tuple[str, int]] = []
     tune(toy_cfg(tmp_path, max_workers=1), LoaderConfig(decode="pil", batch_size=4), measure=toy,
-         world=World.single(), check_shards=lambda shards, base, world: seen.append((shards, base.batch_size)) or 100)
+         world=World.single(),
+         check_shards=lambda shards, base, world: seen.append((shards, base.batch_size)) or 100)
     assert seen == [(str(tmp_path / "no-shards-needed"), 32)]
 
 
@@ -655,3 +656,20 @@ def test_cli_tune_two_ranks_fits_the_cores_and_its_aggregate_matches_an_independ
         theirs.append(_independent_ranks(tiny_shards, best, 2, 2.0))
     ratio = statistics.median(ours) / statistics.median(theirs)
     assert 0.5 <= ratio <= 2.0, (ours, theirs)  # the same work measured two ways; a shared 2-core machine is noisy
+
+
+def test_cli_tune_reads_the_layout_from_train_and_refuses_an_incomparable_baseline(tiny_shards: Path,
+                                                                                  tmp_path: Path) -> None:
+    """``[train] nproc_per_node`` is the layout tune measures when the command line does not say; an ImageFolder
+    baseline (one loader) cannot be set against an aggregate of ranks, so that is refused before any trial."""
+    from tests.conftest import invoke
+
+    config = tmp_path / "cfg.toml"
+    config.write_text("[train]\nnproc_per_node = 3\n")
+    res = invoke(["tune", tiny_shards, "--config", config, "--baseline-imagefolder", tmp_path, "--budget", "5"],
+                 expect=2)
+    assert res.stderr.strip() == ("error: --baseline-imagefolder measures one ImageFolder loader, which cannot be "
+                                  "compared with the aggregate of 3 ranks: use it with --nproc-per-node 1")
+    res = invoke(["tune", tiny_shards, "--config", config, "--nproc-per-node", "2", "--baseline-imagefolder", tmp_path,
+                  "--budget", "5"], expect=2)
+    assert "the aggregate of 2 ranks" in res.stderr  # the command line wins over [train]

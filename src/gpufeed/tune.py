@@ -896,6 +896,9 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     shards = str(cfg.shards)
     if cfg.baseline_imagefolder and not Path(cfg.baseline_imagefolder).is_dir():
         raise ConfigError(f"--baseline-imagefolder {cfg.baseline_imagefolder} is not a folder")
+    if cfg.baseline_imagefolder and (cfg.nproc_per_node or 1) > 1:
+        raise ConfigError("--baseline-imagefolder measures one ImageFolder loader, which cannot be compared with the "
+                          f"aggregate of {cfg.nproc_per_node} ranks: use it with --nproc-per-node 1")
     from gpufeed.layout import device_type, loader_cores, worker_ceiling
 
     if world is None:

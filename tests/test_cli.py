@@ -118,6 +118,7 @@ def test_config_option_help_is_the_field_doc_with_the_dataclass_default() -> Non
 
 def test_rendered_help_shows_the_field_default() -> None:
     out = " ".join(invoke(["tune", "--help"]).stdout.split())
-    assert "--max-workers INTEGER Largest num_workers tried. [default: the usable CPUs x cpu_budget, rounded down;" in out
+    assert ("--max-workers INTEGER Largest num_workers per rank tried. [default: the loaders' share of the usable CPUs "
+            "(x cpu_budget, less trainer_cores per rank) split over the ranks, rounded down;") in out
     out = " ".join(invoke(["shard", "--help"]).stdout.split())
     assert "--shard-samples INTEGER Target samples per shard" in out and "[default: 10000;" in out

@@ -217,7 +217,8 @@ def test_field_help_renders_doc_default_and_range() -> None:
         "Target bytes per shard (bytes or a size such as 1GB, 512MiB).  [default: 1GB; 1B<=x<=1TiB]"
     # a closing "None = ..." clause of the docstring is the shown default
     assert field_help(TuneConfig, "max_workers") == \
-        "Largest num_workers tried.  [default: the usable CPUs x cpu_budget, rounded down; 0<=x<=1024]"
+        ("Largest num_workers per rank tried.  [default: the loaders' share of the usable CPUs (x cpu_budget, less "
+         "trainer_cores per rank) split over the ranks, rounded down; 0<=x<=1024]")
     # open bounds, floats, 2**63-1, strings, and a field with neither default nor range
     assert field_help(TrainConfig, "label_smoothing") == "Cross-entropy label smoothing.  [default: 0.1; 0<=x<1]"
     assert field_help(LoaderConfig, "crop_ratio").endswith("[default: 0.875; 0<x<=1]")

@@ -245,18 +245,29 @@ def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None,
 @click.option("--repeats", type=int)
 @click.option("--window", "window_s", type=float)
 @click.option("--device", type=str)
+@click.option("--nproc-per-node", type=int)
+@click.option("--trainer-cores", type=int)
 @config_option
 @json_option
 def tune(shards: str, budget_s: float | None, batch_size: int | None, image_size: int | None,
          max_workers: int | None, cpu_budget: float | None, ram_budget: str | None, target_rate: float | None,
          baseline_imagefolder: str | None, out: str | None, run_dir: str | None, repeats: int | None,
-         window_s: float | None, device: str | None, config_path: str | None, as_json: bool) -> None:
-    """Measured, budget-aware DataLoader sweep over SHARDS -> the fastest [loader] config for this machine."""
+         window_s: float | None, device: str | None, nproc_per_node: int | None, trainer_cores: int | None,
+         config_path: str | None, as_json: bool) -> None:
+    """Measured, budget-aware DataLoader sweep over SHARDS -> the fastest per-rank [loader] config for this node.
+
+    \b
+    gpufeed tune SHARDS --nproc-per-node 8 --target-rate 24000 --out tuned.toml
+    measures 8 concurrent rank loaders (the node's aggregate samples/s and the slowest rank's) and writes
+    [loader] (per rank) and [layout] (the layout it was tuned for, which gpufeed train checks).
+    """
     cfg = load(config_path, "tune", {
         "shards": shards, "budget_s": budget_s, "batch_size": batch_size, "image_size": image_size,
         "max_workers": max_workers, "cpu_budget": cpu_budget, "ram_budget": ram_budget, "target_rate": target_rate,
         "baseline_imagefolder": baseline_imagefolder, "out": out, "run_dir": run_dir, "repeats": repeats,
-        "window_s": window_s, "device": device})
+        "window_s": window_s, "device": device, "nproc_per_node": nproc_per_node, "trainer_cores": trainer_cores})
+    if cfg.nproc_per_node is None:  # the layout training will run: [train] nproc_per_node
+        cfg = dataclasses.replace(cfg, nproc_per_node=load(config_path, "train", {}).nproc_per_node)
     base = load(config_path, "loader", {})
 
     def job() -> Any:
@@ -373,7 +384,7 @@ def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int 
     def job() -> Any:
         from gpufeed.launch import launch
 
-        return launch(conf.train, conf.loader)
+        return launch(conf.train, conf.loader, conf.layout)
 
     from gpufeed.train_report import render
 

@@ -266,13 +266,15 @@ class TuneConfig:
     batch_size: int | None = bounded(None, 1, MAX_BATCH_SIZE)
     """Batch size used in every trial; None = the [loader] batch_size."""
     max_workers: int | None = bounded(None, 0, MAX_WORKERS)
-    """Largest num_workers tried; None = the usable CPUs x cpu_budget, rounded down."""
+    """Largest num_workers per rank tried; None = the loaders' share of the usable CPUs (x cpu_budget, less
+    trainer_cores per rank) split over the ranks, rounded down."""
     cpu_budget: float = bounded(1.0, 0.0, 1.0, min_open=True)
     """Fraction of the usable CPUs the loader may use (as tf.data AUTOTUNE's cpu_budget)."""
     ram_budget: int | None = bounded(None, 1, MAX_RAM_BYTES, size=True)
     """RAM the loader processes may use (bytes or '8GB'); None = half of the machine's RAM."""
     target_rate: float | None = bounded(None, 0.0, MAX_RATE, min_open=True)
-    """Samples/s the GPU needs; the search stops once the loader beats it with margin."""
+    """Samples/s the node's GPUs need together (GPUs x one GPU's ceiling); the search stops once the ranks'
+    aggregate beats it with margin."""
     baseline_imagefolder: str | None = None
     """An ImageFolder of the same images: measure torchvision ImageFolder + DataLoader as baseline."""
     out: str | None = None
@@ -293,6 +295,29 @@ class TuneConfig:
     """Stop once the best rate >= target_rate x this margin."""
     device: str = "auto"
     """Where batches are moved: auto (CUDA when present), cpu, cuda or cuda:N."""
+    nproc_per_node: int | None = bounded(None, 1, MAX_NPROC_PER_NODE)
+    """Training processes (GPUs) per node to tune for: that many rank loaders run at once, each on its own slice;
+    None = the [train] nproc_per_node."""
+    trainer_cores: int = bounded(1, 0, MAX_WORKERS)
+    """Cores left to each training process, kept out of its loader's worker budget."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutConfig:
+    """The node layout a [loader] section was tuned for: ``gpufeed tune`` writes it next to [loader] and
+    ``gpufeed train`` warns when it runs a different one."""
+
+    ranks_per_node: int | None = bounded(None, 1, MAX_NPROC_PER_NODE)
+    """Rank loaders measured at once on the node; None = no tuned layout recorded."""
+    usable_cores: int | None = bounded(None, 1, MAX_WORKERS)
+    """CPUs the tuning process could use (affinity and cgroup aware); None = not recorded."""
+    trainer_cores: int = bounded(1, 0, MAX_WORKERS)
+    """Cores left to each training process, kept out of its loader's worker budget."""
+    device: Literal["cpu", "cuda"] | None = None
+    """Device type the batches went to; None = not recorded."""
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -428,6 +453,7 @@ SECTIONS: dict[str, type] = {
     "tune": TuneConfig,
     "train": TrainConfig,
     "synth": SynthConfig,
+    "layout": LayoutConfig,
 }
 
 
@@ -440,6 +466,7 @@ class Config:
     tune: TuneConfig = field(default_factory=TuneConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     synth: SynthConfig = field(default_factory=SynthConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
 
 
 # --------------------------------------------------------------------------- loading

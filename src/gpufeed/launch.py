@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpufeed.config import LoaderConfig, TrainConfig, load_config, to_toml
+from gpufeed.config import LayoutConfig, LoaderConfig, TrainConfig, load_config, to_toml
 from gpufeed.errors import ConfigError, GpufeedError, RunError, one_line
 from gpufeed.records import atomic_write_bytes, make_run_dir, to_jsonable, write_json
 from gpufeed.train import check_classes, open_shards, run_loader_config, steps_per_epoch, train
@@ -81,17 +81,20 @@ def _min_world_size(cfg: TrainConfig) -> int:
     return max(1, int(cfg.nnodes.split(":")[0])) * max(1, cfg.nproc_per_node)
 
 
-def launch(cfg: TrainConfig, loader_cfg: LoaderConfig) -> dict[str, Any]:
+def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | None = None) -> dict[str, Any]:
     """Check the data, create the run folder (resolved config, environment), run every rank, return
     summary.json as a dict.
 
     One process runs in-process; more go through torchrun, which re-enters :func:`main` in each rank.
     Errors: what every rank would refuse before starting is refused here (exit 2, see :func:`check_data`);
     when torchrun fails, the first rank's cause (from the ``rank-R.error`` files) is raised with that
-    rank's exit code: 2 when it failed before its first step, else 1 (RunError)."""
+    rank's exit code: 2 when it failed before its first step, else 1 (RunError). ``layout`` is the config's
+    [layout] (the one the loader was tuned for): a different one is named in one line (``gpufeed.layout.warn``)."""
+    from gpufeed.layout import warn as warn_layout
     from gpufeed.system import environment_snapshot, usable_cpus
 
     check_data(cfg, loader_cfg, _min_world_size(cfg))
+    warn_layout(cfg, loader_cfg, layout or LayoutConfig())  # one line on stderr when not the tuned layout
     run_dir = Path(cfg.run_dir) if cfg.run_dir else make_run_dir("train")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))

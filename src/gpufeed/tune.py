@@ -8,6 +8,8 @@ Two layers, kept apart so tests and other jobs can reuse them:
   (median, min, max), with process-tree telemetry (CPU per core, cores used, RSS, read bytes/s).
   :func:`measure_imagefolder` measures torchvision ``ImageFolder`` + ``DataLoader`` the same way, and
   :func:`measure_stream` is the shared core for any batch iterable (the benchmark's recipes use it).
+  :func:`measure_ranks` runs N rank loaders at once in N processes, as ``train --nproc-per-node N`` will, and
+  sums their rates over shared windows (:func:`measure_node` picks it for a multi-rank world).
   A trial that raises or exceeds its RAM budget comes back as a :class:`TrialRecord` with ``error`` set.
 - **Search.** :func:`tune` runs phase functions over one explicit :class:`Search` state, each returning
   :class:`Decision` records (knob, chosen value, trials compared, a :data:`Reason` code and the sentence
@@ -21,14 +23,17 @@ Two layers, kept apart so tests and other jobs can reuse them:
   so a test can drive the search with a pipeline whose speed it controls. What limits the best trial is
   named by :func:`classify_bound` in the vocabulary of :mod:`gpufeed.bounds`, shared with the verdict.
 
+The layout (``--nproc-per-node N``, ``--trainer-cores``): the worker ladder is per rank, bounded by
+:func:`gpufeed.layout.worker_ceiling`, and every rate, ``target_rate`` included, is the node's aggregate.
+
 Outputs (in the run folder): trials.jsonl, trials.parquet, summary.json, config.toml, environment.json,
-tune.png, report.md, and the winning ``[loader]`` section at ``out``. Only ``cli.py`` prints.
+tune.png, report.md, and the winning ``[loader]`` section (per rank) with the ``[layout]`` it was measured in at
+``out``. Only ``cli.py`` prints.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +41,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 
 from gpufeed import bounds
 from gpufeed.bounds import TrialBound
-from gpufeed.config import LoaderConfig, TuneConfig, to_toml
+from gpufeed.config import LayoutConfig, LoaderConfig, TuneConfig, to_toml
 from gpufeed.errors import ConfigError, GpufeedError, one_line
 from gpufeed.metrics import Stat
 from gpufeed.world import World
@@ -109,6 +114,15 @@ class TrialRecord:
     contended: bool = False
     """The machine was >= 90% busy while the loader got < 75% of the cores it could use: other processes
     took CPU, so samples/s is a lower bound (samples_per_core_s still holds)."""
+    ranks: int = 1
+    """Rank loaders measured at once (``tune --nproc-per-node``), each on its own rank's slice. With more than one,
+    samples/s is the node's aggregate (the ranks' rates summed over the same wall windows); the CPU, RSS and read
+    figures are summed over the ranks, and start-up, warm-up, the windows' seconds, data wait and copy are the
+    slowest rank's start-up and warm-up and the ranks' mean otherwise."""
+    rank_samples_per_s: list[float] = field(default_factory=list)
+    """Each rank's median samples/s, by rank (empty for a one-rank trial)."""
+    slowest_rank_samples_per_s: float | None = None
+    """The slowest rank's median samples/s (None for a one-rank trial): DDP steps at this rank's pace."""
     note: str = ""
     error: str | None = None
     """Why the trial failed, one sentence."""
@@ -176,6 +190,10 @@ class TuneReport:
     device: str
     num_trials: int
     trials: list[TrialRecord]
+    layout: LayoutConfig | None = None
+    """The layout the trials ran in ([layout] of ``out``): ranks per node, usable cores, trainer cores, device."""
+    slowest_rank_samples_per_s: float | None = None
+    """The best trial's slowest rank (None with one rank)."""
 
 
 # --------------------------------------------------------------------------- measurement
@@ -187,7 +205,8 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
                    deadline: float | None = None, ram_budget_bytes: int | None = None,
                    cuda_sync: Callable[[], None] | None = None, telemetry_interval_s: float = 0.25,
                    skipped: Callable[[], int] | None = None,
-                   repeated: Callable[[], int] | None = None) -> dict[str, Any]:
+                   repeated: Callable[[], int] | None = None,
+                   start_barrier: Callable[[], None] | None = None) -> dict[str, Any]:
     """Measure steady-state samples/s of any batch iterable; returns TrialRecord fields.
 
     ``open_batches(epoch)`` returns one epoch of ``(images, labels)`` batches; epochs are chained
@@ -196,7 +215,10 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
     (``num_workers × prefetch_factor`` batches at most, stopping early as soon as a batch has to be
     waited for) plus ``warmup_batches``. A window lasts ``window_s`` and at least 2 batches per worker
     (or exactly ``window_batches``); ``deadline`` (``time.monotonic()``) cuts windows short.
-    ``skipped`` / ``repeated`` read the loader's counters at the end.
+    ``skipped`` / ``repeated`` read the loader's counters at the end. ``start_barrier`` (concurrent rank loaders)
+    is called after warm-up and blocks until every rank is there; the windows then end on a shared clock, window
+    k at the first batch after ``k+1`` window_s from the barrier, so that all ranks measure the same wall windows
+    (within one batch).
     A loader error is raised as an exception whose message is one sentence and whose ``partial`` holds
     what was measured before it; :func:`measure_loader` turns it into an error record.
     """
@@ -206,6 +228,8 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
 
     if window_s is None and window_batches is None:
         raise ConfigError("measure needs window_s or window_batches")
+    if start_barrier is not None and window_s is None:
+        raise ConfigError("measuring ranks together needs window_s (windows on a shared clock)")
     move = to_device or _touch
     sync = cuda_sync or (lambda: None)
     out: dict[str, Any] = {}
@@ -258,11 +282,16 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
         n_batches = n_samples = 0
         wait_s = copy_s = measure_s = 0.0
         with Telemetry(interval_s=telemetry_interval_s) as tel:
+            if start_barrier is not None:
+                start_barrier()
+            begin = time.perf_counter()
             for r in range(repeats):
                 if r > 0 and past_deadline(window_s or 0.0):
                     out["truncated"] = True
                     break
                 ts = time.perf_counter()
+                # on a shared clock: this window ends (r+1) windows after the barrier, whatever the last one took
+                span = begin + (r + 1) * window_s - ts if start_barrier is not None and window_s else window_s
                 nb = ns = 0
                 while True:
                     ta = time.perf_counter()
@@ -277,7 +306,7 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
                     ns += _batch_len(batch)
                     if window_batches is not None and nb >= window_batches:
                         break
-                    if window_s is not None and tc - ts >= window_s and nb >= min_batches:
+                    if span is not None and tc - ts >= span and nb >= min_batches:
                         break
                     if past_deadline():
                         out["truncated"] = True
@@ -349,13 +378,15 @@ class _LoaderFailed(_TrialError):
 
 def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = None, *, warmup_batches: int = 2,
                    window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
-                   deadline: float | None = None, ram_budget_bytes: int | None = None) -> TrialRecord:
+                   deadline: float | None = None, ram_budget_bytes: int | None = None,
+                   start_barrier: Callable[[], None] | None = None) -> TrialRecord:
     """The loader ceiling (docs/design.md §4) of ``build_loader(shards, cfg, world)``: never raises for a bad trial.
 
     Batches go to ``world.device`` (synchronised on CUDA; on CPU they are touched) and are dropped.
     Returns a TrialRecord with median/min/max samples/s over ``repeats`` windows of ``window_s``
     seconds (or ``window_batches`` batches), start-up and telemetry; ``error`` is set when the loader
     raised, the RAM budget was exceeded, or ``deadline`` passed before anything was measured.
+    ``start_barrier``: see :func:`measure_stream` (:func:`measure_ranks` passes it).
     """
     world = world or World.single()
     t0 = time.perf_counter()
@@ -387,8 +418,163 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
                                window_batches=window_batches, repeats=repeats, deadline=deadline,
                                ram_budget_bytes=ram_budget_bytes, cuda_sync=sync,
                                skipped=lambda: getattr(holder.get("loader"), "num_skipped", 0),
-                               repeated=lambda: getattr(holder.get("loader"), "num_repeated", 0)),
+                               repeated=lambda: getattr(holder.get("loader"), "num_repeated", 0),
+                               start_barrier=start_barrier),
         cfg, "gpufeed", t0, cleanup=holder.clear)
+
+
+def measure_node(shards: str | Path, cfg: LoaderConfig, world: World | None = None, **kw: Any) -> TrialRecord:
+    """What ``tune`` measures: :func:`measure_loader` in this process for a one-rank ``world``, and
+    :func:`measure_ranks` (one process per rank, all at once) when ``world.world_size`` ranks share the node."""
+    world = world or World.single()
+    if world.world_size <= 1:
+        return measure_loader(shards, cfg, world, **kw)
+    return measure_ranks(shards, cfg, world, **kw)
+
+
+def rank_world(world: World, rank: int) -> World:
+    """Rank ``rank`` of a one-node ``world``, on ``cuda:rank`` when the world is on CUDA, as under torchrun."""
+    device = f"cuda:{rank}" if world.is_cuda else world.device
+    return World(rank=rank, world_size=world.world_size, local_rank=rank, device=device, backend=world.backend,
+                 local_world_size=world.world_size)
+
+
+RANK_START_S = 120.0
+"""How long a rank process may take to start (import torch, build its loader, warm up) when the trial has no
+deadline; with a deadline the ranks get until it and this much again for teardown before they are ended."""
+
+
+def measure_ranks(shards: str | Path, cfg: LoaderConfig, world: World, *, warmup_batches: int = 2,
+                  window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
+                  deadline: float | None = None, ram_budget_bytes: int | None = None) -> TrialRecord:
+    """``world.world_size`` rank loaders at once, as ``gpufeed train --nproc-per-node N`` runs them on one node.
+
+    One spawned process per rank builds ``build_loader(shards, cfg, rank_world(world, r))`` (its own slice of the
+    epoch, its own ``cuda:r`` and pinning there) and measures it with :func:`measure_loader`; a shared barrier
+    after warm-up starts every rank's windows together, on the same clock. The RAM budget is split evenly over the
+    ranks. Returns one TrialRecord (``ranks`` = N): samples/s per window is the sum of the ranks' rates in that
+    window, ``rank_samples_per_s`` each rank's median and ``slowest_rank_samples_per_s`` the lowest. A failed rank
+    fails the trial with its sentence; never raises for a bad trial.
+    """
+    import multiprocessing as mp
+    import os
+    import queue
+
+    n = world.world_size
+    t0 = time.perf_counter()
+    if window_s is None:
+        return trial_record(cfg, error="measuring ranks together needs window_s", ranks=n)
+    ctx = mp.get_context("spawn")  # fork would copy this process's threads and CUDA state into every rank
+    barrier = ctx.Barrier(n)
+    results = ctx.Queue()
+    kw = dict(warmup_batches=warmup_batches, window_s=window_s, window_batches=window_batches, repeats=repeats,
+              deadline=deadline, ram_budget_bytes=None if ram_budget_bytes is None else max(1, ram_budget_bytes // n))
+    wait_s = RANK_START_S if deadline is None else max(0.0, deadline - time.monotonic()) + RANK_START_S / 4
+    # rank processes start DataLoader workers of their own, so they cannot be daemons
+    procs = [ctx.Process(target=_rank_main, args=(str(shards), cfg, rank_world(world, r), kw, barrier, results,
+                                                  wait_s, os.getpid()), daemon=False) for r in range(n)]
+    recs: dict[int, TrialRecord] = {}
+    lost: dict[int, str] = {}
+    give_up = time.monotonic() + wait_s + RANK_START_S / 4 + (repeats * window_s if deadline is None else 0.0)
+    try:
+        for p in procs:
+            p.start()
+        while len(recs) + len(lost) < n:
+            try:
+                rank, fields_ = results.get(timeout=0.2)
+                recs[rank] = TrialRecord(**fields_)
+                continue
+            except queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in recs and r not in lost and p.exitcode is not None and results.empty():
+                    lost[r] = f"rank {r} process exited with code {p.exitcode} before reporting (killed?)"
+            if time.monotonic() > give_up:
+                for r in range(n):
+                    if r not in recs:
+                        lost.setdefault(r, f"rank {r} did not report within {give_up - t0:.0f} s")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        results.close()
+    rec = combine_ranks(cfg, [recs.get(r) for r in range(n)], lost)
+    return dataclasses.replace(rec, wall_s=time.perf_counter() - t0)
+
+
+def _rank_main(shards: str, cfg: LoaderConfig, world: World, kw: dict[str, Any], barrier: Any, results: Any,
+               wait_s: float, parent_pid: int) -> None:
+    """One rank process of :func:`measure_ranks`: measure this rank's loader and put ``(rank, record fields)`` on
+    ``results``. A rank that fails before the barrier breaks it, so that the others stop waiting."""
+    import threading
+
+    from gpufeed.system import die_with_parent
+
+    die_with_parent(parent_pid)
+    passed = threading.Event()
+
+    def start() -> None:
+        barrier.wait(timeout=wait_s)
+        passed.set()
+
+    try:
+        if world.is_cuda:
+            import torch
+
+            torch.cuda.set_device(world.device)  # pinned memory and copies on this rank's own GPU
+        rec = measure_loader(shards, cfg, world, start_barrier=start, **kw)
+    except Exception as exc:  # noqa: BLE001 - reported as this rank's error record
+        rec = trial_record(cfg, error=error_sentence(exc))
+    if not passed.is_set():
+        barrier.abort()
+    results.put((world.rank, dataclasses.asdict(rec)))
+
+
+_BARRIER_BROKEN = "BrokenBarrierError"
+
+
+def combine_ranks(cfg: LoaderConfig, recs: list[TrialRecord | None], lost: dict[int, str] | None = None) -> TrialRecord:
+    """One node-level TrialRecord from the ranks' records (``None`` for a rank that never reported, with its reason
+    in ``lost``): rates summed window by window over the windows every rank measured; see
+    :attr:`TrialRecord.ranks` for the other fields. The first rank's own failure (not a broken barrier, which only
+    follows another rank's failure) is the trial's error."""
+    n = len(recs)
+    lost = lost or {}
+    errors = [(r, lost[r]) if rec is None else (r, rec.error or "") for r, rec in enumerate(recs)
+              if rec is None or not rec.ok]
+    if errors:
+        own = [e for e in errors if not e[1].startswith(_BARRIER_BROKEN)] or errors
+        r, why = own[0]
+        return trial_record(cfg, error=f"rank {r}: {why or 'no rate'}", ranks=n,
+                            over_ram_budget=any(x is not None and x.over_ram_budget for x in recs))
+    ok = [rec for rec in recs if rec is not None]
+    k = min(len(rec.samples_per_s_runs) for rec in ok)
+    rates = [sum(rec.samples_per_s_runs[i] for rec in ok) for i in range(k)]
+
+    def total(name: str) -> Any:
+        values = [getattr(rec, name) for rec in ok]
+        return None if any(v is None for v in values) else sum(values)
+
+    def mean(name: str) -> Any:
+        total_ = total(name)
+        return None if total_ is None else total_ / n
+
+    medians = [float(rec.samples_per_s) for rec in ok]
+    per_core = [list(rec.cpu_percent_per_core) for rec in ok if rec.cpu_percent_per_core]
+    return trial_record(
+        cfg, rates, ranks=n, rank_samples_per_s=medians, slowest_rank_samples_per_s=min(medians),
+        startup_s=max(rec.startup_s or 0.0 for rec in ok), warmup_s=max(rec.warmup_s or 0.0 for rec in ok),
+        num_warmup_batches=max(rec.num_warmup_batches for rec in ok), measure_s=mean("measure_s"),
+        num_batches=total("num_batches"), num_samples=total("num_samples"), data_wait_s=mean("data_wait_s"),
+        copy_s=mean("copy_s"),
+        cpu_percent_per_core=[round(sum(c) / len(c), 1) for c in zip(*per_core)] if per_core else [],
+        cpu_percent_mean=mean("cpu_percent_mean"), tree_cores_used=total("tree_cores_used"),
+        rss_max_bytes=total("rss_max_bytes"), read_bytes_per_s=total("read_bytes_per_s"),
+        disk_read_bytes_per_s=mean("disk_read_bytes_per_s"), num_skipped=total("num_skipped"),
+        num_repeated=total("num_repeated"), truncated=any(rec.truncated for rec in ok))
 
 
 def measure_imagefolder(src: str | Path, cfg: LoaderConfig, world: World | None = None, *, warmup_batches: int = 2,
@@ -527,8 +713,9 @@ Reason = Literal[
 """Why the search took a step: the code tests and tools read; :attr:`Decision.sentence` is its English."""
 
 _SENTENCES: dict[str, str] = {
-    "setup": "{usable} usable CPUs, cpu_budget {cpu_budget:g} -> up to {ceiling} workers; RAM budget {ram_budget}; "
-             "{repeats} windows of {window_s:.2f} s per trial",
+    "setup": "{usable} usable CPUs, {ranks} rank(s) per node, {trainer_cores} core(s) left to each training process, "
+             "cpu_budget {cpu_budget:g} -> {loader_cores:g} cores for the loaders, up to {ceiling} workers per rank; "
+             "RAM budget {ram_budget}; {repeats} windows of {window_s:.2f} s per trial",
     "contended-remeasured": "{workers} workers measured while the CPU was contended ({first:.0f} samples/s), "
                             "again: {again:.0f}",
     "stopped-budget": "stopped before {workers} workers (budget)",
@@ -577,18 +764,18 @@ class Decision:
 
 
 MeasureFn = Callable[..., TrialRecord]
-CheckFn = Callable[[str, LoaderConfig], int]
+CheckFn = Callable[[str, LoaderConfig, World], int]
 
 BUDGET_SATURATED = 0.9
 """The worker climb stops once the loader processes use this fraction of the CPU budget's cores."""
 
 
-def check_shard_set(shards: str, base: LoaderConfig) -> int:
+def check_shard_set(shards: str, base: LoaderConfig, world: World) -> int:
     """The checks ``gpufeed train`` makes before it starts, with the same exit code 2 (manifest, shard files present
-    and readable, one batch); returns the samples per epoch."""
+    and readable, one batch per rank of ``world``); returns the samples per epoch."""
     from gpufeed.train import open_shards
 
-    return int(open_shards(shards, base, World.single()).manifest.num_samples)
+    return int(open_shards(shards, base, World(world_size=world.world_size)).manifest.num_samples)
 
 
 class Search:
@@ -617,6 +804,8 @@ class Search:
         self.skipped: dict[str, str] = {}
         self.cache: dict[tuple[Any, ...], TrialRecord] = {}
         self.stop_reason = ""
+        self.layout: LayoutConfig | None = None
+        """The layout the trials run in (set by :func:`tune`)."""
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -657,7 +846,7 @@ class Search:
                     and rec.tree_cores_used > self.cores_budget * 1.1)
         contended = bool(rec.ok and rec.cpu_percent_mean is not None and rec.tree_cores_used is not None
                          and rec.cpu_percent_mean >= bounds.MACHINE_BUSY_PCT
-                         and not bounds.cpu_saturated(rec.tree_cores_used, min(self.usable, max(1, rec.num_workers))))
+                         and not bounds.cpu_saturated(rec.tree_cores_used, _possible_cores(rec, self.usable)))
         rec = dataclasses.replace(rec, trial=len(self.trials), phase=phase, over_cpu_budget=over, contended=contended)
         self.trials.append(rec)
         self.cache[key] = rec
@@ -677,7 +866,7 @@ class Search:
         return max(ok, key=lambda t: t.samples_per_s) if ok else None
 
 
-def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureFn = measure_loader,
+def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureFn = measure_node,
          measure_baseline: MeasureFn = measure_imagefolder, check_shards: CheckFn | None = check_shard_set,
          world: World | None = None, progress: Callable[[str], None] | None = None, write: bool = True) -> TuneReport:
     """Search the fastest LoaderConfig for ``cfg.shards`` on this machine within ``cfg.budget_s``.
@@ -688,6 +877,12 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     first trial (default :func:`check_shard_set`: a shard set that cannot be read is a DataError, exit 2, as in
     ``gpufeed train``) and returns the samples per epoch; None skips it (a fake ``measure`` reads no shards).
     With ``write`` the run folder and ``cfg.out`` are written.
+
+    The layout (``cfg.nproc_per_node`` = N ranks per node): every trial measures N rank loaders at once
+    (:func:`measure_node` gets a ``world`` of N ranks); the worker ladder is per rank, up to
+    :func:`gpufeed.layout.worker_ceiling` (the usable CPUs x cpu_budget, less ``cfg.trainer_cores`` per rank,
+    split over the ranks) unless ``cfg.max_workers`` says otherwise; samples/s, ``target_rate`` and the CPU
+    budget are the node's aggregate. On CUDA rank r uses ``cuda:r``, so N GPUs are needed.
 
     The phases, each a function of the :class:`Search` state returning its :class:`Decision` records:
     :func:`climb_workers`, then at that point :func:`refine_decode`, :func:`refine_batching`,
@@ -701,17 +896,32 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     shards = str(cfg.shards)
     if cfg.baseline_imagefolder and not Path(cfg.baseline_imagefolder).is_dir():
         raise ConfigError(f"--baseline-imagefolder {cfg.baseline_imagefolder} is not a folder")
+    if cfg.baseline_imagefolder and (cfg.nproc_per_node or 1) > 1:
+        raise ConfigError("--baseline-imagefolder measures one ImageFolder loader, which cannot be compared with the "
+                          f"aggregate of {cfg.nproc_per_node} ranks: use it with --nproc-per-node 1")
+    from gpufeed.layout import device_type, loader_cores, worker_ceiling
+
     if world is None:
         world = World.from_env(cfg.device) if cfg.device != "cpu" else World.single()
+    ranks = cfg.nproc_per_node or 1
+    if ranks > 1 and world.world_size != ranks:  # the node's world: rank r on cuda:r, as torchrun starts them
+        world = World(world_size=ranks, local_world_size=ranks, device="cuda:0" if world.is_cuda else world.device,
+                      backend=world.backend)
+    if ranks > 1 and world.is_cuda:
+        import torch
+
+        if torch.cuda.device_count() < ranks:
+            raise ConfigError(f"--nproc-per-node {ranks} on CUDA needs {ranks} GPUs (rank r uses cuda:r); "
+                              f"this node has {torch.cuda.device_count()}")
     base = base or LoaderConfig()
     base = dataclasses.replace(base, batch_size=base.batch_size if cfg.batch_size is None else cfg.batch_size,
                                image_size=base.image_size if cfg.image_size is None else cfg.image_size)
     if (base.decode == "gpu" and not world.is_cuda) or (base.decode == "simplejpeg" and not _has_module("simplejpeg")):
         base = dataclasses.replace(base, decode="pil-draft")
-    epoch_samples = check_shards(shards, base) if check_shards is not None else None
+    epoch_samples = check_shards(shards, base, world) if check_shards is not None else None
 
     usable = usable_cpus()
-    cap = max(1, math.floor(cfg.cpu_budget * usable + 1e-9))
+    cap = worker_ceiling(usable, ranks, cfg.trainer_cores, cfg.cpu_budget)
     ceiling = cap if cfg.max_workers is None else (cfg.max_workers if cfg.cpu_budget >= 1 else
                                                    min(cfg.max_workers, cap))
     ram_budget = cfg.ram_budget if cfg.ram_budget is not None else total_ram_bytes() // 2
@@ -723,9 +933,12 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
 
     s = Search(cfg, shards, base, world, measure, window_s=window_s, ram_budget=ram_budget, usable=usable,
                ceiling=ceiling, progress=progress)
+    s.layout = LayoutConfig(ranks_per_node=ranks, usable_cores=usable, trainer_cores=cfg.trainer_cores,
+                            device=device_type(world.device))
     s.decisions.append(Decision("search", "setup", detail={
-        "usable": usable, "cpu_budget": cfg.cpu_budget, "ceiling": ceiling, "ram_budget": _mb(ram_budget),
-        "repeats": cfg.repeats, "window_s": window_s}))
+        "usable": usable, "ranks": ranks, "trainer_cores": cfg.trainer_cores,
+        "loader_cores": loader_cores(usable, ranks, cfg.trainer_cores, cfg.cpu_budget), "cpu_budget": cfg.cpu_budget,
+        "ceiling": ceiling, "ram_budget": _mb(ram_budget), "repeats": cfg.repeats, "window_s": window_s}))
     s.decisions += climb_workers(s, ladder)
     if s.point_rec is not None and not s.target_reached():
         for phase in (refine_decode, refine_batching, refine_prefetch, refine_pinning):
@@ -950,8 +1163,11 @@ def _finish(s: Search, chosen: LoaderConfig | None, best: TrialRecord | None,
         conclusion = ("no loader configuration could be measured: " + ("; ".join(errors[:3]) if errors
                                                                            else s.stop_reason))
     else:
-        conclusion = (f"best: {describe(best, s.world.is_cuda)} -> {best.samples_per_s:.0f} samples/s "
-                      f"({best_stat.fmt() if best_stat else ''})"
+        per_rank = (f" per rank; node aggregate of {best.ranks} ranks" if best.ranks > 1 else "")
+        slowest = (f", slowest rank {best.slowest_rank_samples_per_s:.0f}"
+                   if best.slowest_rank_samples_per_s is not None else "")
+        conclusion = (f"best: {describe(best, s.world.is_cuda)}{per_rank} -> {best.samples_per_s:.0f} samples/s "
+                      f"({best_stat.fmt() if best_stat else ''}{slowest})"
                       + (f", {ratio:.2f}x ImageFolder ({baseline.samples_per_s:.0f} samples/s)" if ratio else "")
                       + f"; {bounds.label(bound)}"
                       + (f"; target {cfg.target_rate:g} {'met' if target_met else 'NOT met'}" if cfg.target_rate else ""))
@@ -961,7 +1177,8 @@ def _finish(s: Search, chosen: LoaderConfig | None, best: TrialRecord | None,
         baseline_samples_per_s=base_stat, ratio_vs_baseline=ratio, bound=bound, bound_evidence=evidence,
         stop_reason=s.stop_reason, skipped=s.skipped, decisions=s.decisions, conclusion=conclusion,
         budget_s=cfg.budget_s, elapsed_s=s.elapsed(), target_rate=cfg.target_rate, target_met=target_met,
-        usable_cpus=s.usable, device=s.world.device, num_trials=len(s.trials), trials=s.trials,
+        usable_cpus=s.usable, device=s.world.device, num_trials=len(s.trials), trials=s.trials, layout=s.layout,
+        slowest_rank_samples_per_s=None if best is None else best.slowest_rank_samples_per_s,
     )
 
 
@@ -973,7 +1190,7 @@ def classify_bound(t: TrialRecord, usable_cpus: int,
     share of the data stall."""
     rate = t.samples_per_s or 0.0
     cores = t.tree_cores_used or 0.0
-    possible = min(usable_cpus, max(1, t.num_workers))
+    possible = _possible_cores(t, usable_cpus)
     machine = t.cpu_percent_mean or 0.0
     read = t.read_bytes_per_s or 0.0
     if t.measure_s and bounds.copy_limited(100 * t.copy_s / t.measure_s,
@@ -1000,6 +1217,11 @@ def classify_bound(t: TrialRecord, usable_cpus: int,
                                 f"{machine:.0f}%) while reading {read / 1e6:.1f} MB/s from storage")
     return bounds.UNCLEAR, (f"CPU not saturated ({cores:.2f} of {possible} cores, machine {machine:.0f}%) and no "
                             f"storage reads (page cache): likely inter-process transfer or the main process")
+
+
+def _possible_cores(t: TrialRecord, usable_cpus: int) -> int:
+    """Cores a trial's loader processes could keep busy: each rank's workers (or its main process), all ranks."""
+    return min(usable_cpus, max(1, t.num_workers) * max(1, t.ranks))
 
 
 # --------------------------------------------------------------------------- outputs
@@ -1050,6 +1272,12 @@ def render(report: TuneReport) -> str:
                  f"(budget {report.budget_s:g} s)")
     if report.bound:
         lines.append(f"bound: {report.bound}: {report.bound_evidence}")
+    if report.layout is not None:
+        lay = report.layout
+        lines.append(f"layout: {lay.ranks_per_node} rank(s) per node measured at once, {lay.usable_cores} usable "
+                     f"cores, {lay.trainer_cores} left to each training process, {lay.device}"
+                     + ("; samples/s is the node's aggregate, [loader] is per rank" if (lay.ranks_per_node or 1) > 1
+                        else ""))
     if report.run_dir:
         lines.append(f"run folder: {report.run_dir}" + (f"; config: {report.out}" if report.out else ""))
     lines.append(report.conclusion)
@@ -1075,8 +1303,11 @@ def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> Tu
     if report.best is not None:
         out = Path(cfg.out) if cfg.out else run / "loader.toml"
         header = (f"Written by gpufeed tune on {report.shards}\n{report.conclusion}\n"
-                  f"gpufeed train --config {out.name} reads this section.")
-        atomic_write_bytes(out, to_toml("loader", report.best, header=header).encode())
+                  f"gpufeed train --config {out.name} reads these sections ([layout]: the layout it was tuned for).")
+        text = to_toml("loader", report.best, header=header)
+        if report.layout is not None:  # gpufeed train warns when it runs a different layout
+            text += "\n" + to_toml("layout", report.layout)
+        atomic_write_bytes(out, text.encode())
     report = dataclasses.replace(report, run_dir=str(run), out=None if out is None else str(out))
     write_jsonl(run / "trials.jsonl", report.trials)
     if report.trials:

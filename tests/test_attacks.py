@@ -246,6 +246,44 @@ def test_a_checkpoint_holds_only_tensors_and_plain_values_and_resumes(tmp_path):
 
 
 # --------------------------------------------------------------------------- 3. a tar header hangs the reader
+@pytest.mark.parametrize("compress", [True, False])
+def test_a_member_over_the_cap_is_refused_before_it_is_read(tmp_path, monkeypatch, compress):
+    """A gzip bomb (a small .tgz whose k.jpg inflates to hundreds of MiB) or a huge plain member: the loader refuses
+    a member declaring more than shardset.tar.MAX_MEMBER_BYTES before reading it (cap lowered to 1 MiB here);
+    under skip the samples it cost are counted. The gzip path used to read any size."""
+    import dataclasses
+    import gzip
+
+    import gpufeed.shardset.tar as tar
+    from gpufeed.errors import DataError
+    from gpufeed.loader import build_loader
+    from gpufeed.manifest import read_manifest, write_manifest
+    from gpufeed.world import World
+    from tests.test_loader import cfg, encode, smooth_image, write_set
+
+    monkeypatch.setattr(tar, "MAX_MEMBER_BYTES", 1 << 20)
+    shards = write_set(tmp_path / "set", [4], num_classes=4, size=(16, 12),
+                       make=lambda n: ("jpg", b"\0" * (2 << 20) if n == 2 else encode(smooth_image(16, 12, n))))
+    name = "train-000000.tar"
+    if compress:
+        m = read_manifest(shards)
+        (shards / "train-000000.tgz").write_bytes(gzip.compress((shards / name).read_bytes()))
+        (shards / name).unlink()
+        (shards / "manifest.json").unlink()
+        write_manifest(shards, dataclasses.replace(
+            m, shards=[dataclasses.replace(m.shards[0], name="train-000000.tgz")], compression="gzip"))
+        name = "train-000000.tgz"
+        assert (shards / name).stat().st_size < 64 << 10  # 2 MiB of zeros, compressed
+    with pytest.raises(DataError, match=re.escape(name) + r" is malformed .*'s00002\.jpg'.*member is 2097152 "
+                                        r"bytes, more than the 1048576") as err:
+        list(build_loader(shards, cfg(batch_size=1, shuffle_buffer=0), World.single(), train=False))
+    assert "\n" not in str(err.value)
+    loader = build_loader(shards, cfg(batch_size=1, shuffle_buffer=0, on_error="skip"), World.single(), train=False)
+    labels = [int(x) for _, y in loader for x in y]
+    # sample 1 ends only where s00002.jpg begins: samples 1..3 are lost, sample 0 fills the epoch
+    assert labels == [0, 0, 0, 0] and loader.num_skipped == 3
+
+
 def _agree_member(name: str, data: bytes, typ: bytes = b"0", magic: bytes = b"ustar\x0000", prefix: bytes = b"",
                   signed: bool = False) -> bytes:
     h = bytearray(512)

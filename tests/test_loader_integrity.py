@@ -73,7 +73,7 @@ def test_truncated_member_counts_every_lost_sample(tmp_path):
 
 
 def test_truncated_gzip_shard_counts_every_lost_sample(tmp_path):
-    """The webdataset path (gzip shards): whatever it could not deliver is counted, sample by sample."""
+    """The gzip path (TarPass): whatever it could not deliver is counted, sample by sample."""
     import gzip
 
     from gpufeed.manifest import read_manifest, write_manifest

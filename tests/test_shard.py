@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from gpufeed.config import ShardConfig
-from gpufeed.errors import DataError
+from gpufeed.errors import DataError, RunError
 from gpufeed.manifest import read_manifest
 from gpufeed.shard import plan_num_shards, split_sizes, write_shards
 from tests.conftest import invoke, invoke_json, write_image
@@ -430,7 +430,9 @@ def test_reencode_peak_dest_use_stays_near_the_output_size(tmp_path: Path, monke
     assert max(total for total, _ in seen) <= output + full_cache / 2  # old code: output + the whole cache
 
 
-def test_disk_full_is_a_data_error_naming_dest(image_folder, tmp_path: Path, monkeypatch) -> None:
+def test_disk_full_names_dest_and_is_a_run_error_once_writing(image_folder, tmp_path: Path, monkeypatch) -> None:
+    """DEST full while the shards are written: RunError (exit 1, the run had started); while validating (the
+    transcode cache), before any shard is written: DataError (exit 2)."""
     import errno
 
     import gpufeed.shard as mod
@@ -441,14 +443,16 @@ def test_disk_full_is_a_data_error_naming_dest(image_folder, tmp_path: Path, mon
     src = noise_folder(tmp_path / "src", per_class=3)
     dest = tmp_path / "out"
     monkeypatch.setattr(mod, "_write_range", full)
-    with pytest.raises(DataError) as err:
+    with pytest.raises(RunError) as err:
         shard(src, dest)
+    assert err.value.exit_code == 1
     assert f"DEST {dest} is full" in str(err.value) and "bytes needed" in str(err.value)
     assert not list(dest.glob("*.tar*")) and not list(dest.glob(".*.tmp"))
     monkeypatch.undo()
     monkeypatch.setattr(mod, "_inspect", full)  # while the transcode cache is written
-    with pytest.raises(DataError, match="is full"):
+    with pytest.raises(DataError, match="is full") as err:
         shard(src, tmp_path / "out2", quality=80)
+    assert not isinstance(err.value, RunError) and err.value.exit_code == 2
     assert not list((tmp_path / "out2").rglob("enc-*"))
 
 
@@ -471,7 +475,7 @@ def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatc
         return plan
 
     monkeypatch.setattr(mod, "_make_plan", plan_then_swap)
-    with pytest.raises(DataError, match=r"a/1\.jpg changed while sharding.*re-run"):
+    with pytest.raises(RunError, match=r"a/1\.jpg changed while sharding.*re-run"):
         shard(src, tmp_path / "out")
     assert not (tmp_path / "out" / "manifest.json").exists()
 
@@ -504,6 +508,62 @@ def test_plan_of_an_older_version_or_damaged_is_refused_then_replanned(tmp_path:
         shard(src, dest, shard_samples=2)
     again = shard(src, dest, shard_samples=2, overwrite=True)
     assert not again.resumed and again.num_samples == ref.num_samples and digests(dest) == want
+
+
+def test_tampered_plan_is_never_used_and_never_crashes(tmp_path: Path) -> None:
+    """DEST/.gpufeed is data too: a plan.json/plan.bin whose sizes, fields or paths are wrong (a path out of SRC
+    would copy any readable file into a shard) makes _read_plan return None (replan / refuse without
+    --overwrite), never OverflowError, MemoryError or TypeError."""
+    import hashlib
+
+    import numpy as np
+
+    import gpufeed.shard as mod
+
+    src = tmp_path / "src"
+    for i in range(4):
+        write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
+    dest = tmp_path / "out"
+    shard(src, dest, shard_samples=2)
+    state = dest / ".gpufeed"
+    meta0, bin0 = json.loads((state / "plan.json").read_text()), (state / "plan.bin").read_bytes()
+    cols = {name: offset for name, _, offset in meta0["arrays"]["columns"]}
+
+    def plan_with(edit_meta=None, column=None, at=0, raw=b""):
+        meta, data = json.loads(json.dumps(meta0)), bytearray(bin0)
+        if column is not None:
+            data[cols[column] + at:cols[column] + at + len(raw)] = raw
+            meta["arrays"]["sha256"] = hashlib.sha256(data).hexdigest()
+        if edit_meta is not None:
+            edit_meta(meta)
+        (state / "plan.json").write_text(json.dumps(meta))
+        (state / "plan.bin").write_bytes(bytes(data))
+        return mod._read_plan(str(state))
+
+    assert plan_with() is not None
+    assert plan_with(column="path_blob", raw=b"a/..jpg") is not None  # '..jpg' is a name, not '..'
+    refused = {
+        "bytes 2**63": dict(edit_meta=lambda m: m["arrays"].update(bytes=2**63)),
+        "bytes 2**40": dict(edit_meta=lambda m: m["arrays"].update(bytes=2**40)),
+        "bytes as text": dict(edit_meta=lambda m: m["arrays"].update(bytes=str(len(bin0)))),
+        "est_bytes not an int": dict(edit_meta=lambda m: m["shards"][0].update(est_bytes="9")),
+        "cache_bytes negative": dict(edit_meta=lambda m: m["shards"][1].update(cache_bytes=-1)),
+        "start moved": dict(edit_meta=lambda m: m["shards"][1].update(start=1)),
+        "start a float": dict(edit_meta=lambda m: m["shards"][0].update(start=0.0)),
+        "absolute path": dict(column="path_blob", raw=b"/a0.jpg"),
+        "dot-dot path": dict(column="path_blob", raw=b"../.jpg"),
+        "inner dot-dot path": dict(column="path_blob", at=7, raw=b"a/../1x"),
+        "negative enc_off": dict(column="enc_off", raw=np.int64(-1).tobytes()),
+        "negative enc_len": dict(column="enc_len", at=8, raw=np.int64(-5).tobytes()),
+    }
+    for what, kw in refused.items():
+        assert plan_with(**kw) is None, what
+    plan_with(**refused["bytes 2**63"])
+    with pytest.raises(DataError, match="planned from different input files or options"):
+        shard(src, dest, shard_samples=2)  # used to end as an unexpected OverflowError (exit 1)
+    plan_with(**refused["dot-dot path"])
+    again = shard(src, dest, shard_samples=2, overwrite=True)
+    assert not again.resumed and again.num_samples == 4
 
 
 def test_resume_report_counts_only_what_this_run_wrote(image_folder, tmp_path: Path) -> None:
@@ -589,7 +649,7 @@ def test_disk_full_at_finish_names_no_made_up_need(image_folder, tmp_path: Path,
     src = image_folder(classes=2, per_class=3)
     dest = tmp_path / "out"
     monkeypatch.setattr(mod, "_finish", full)  # the index/manifest write after every shard is complete
-    with pytest.raises(DataError) as err:
+    with pytest.raises(RunError) as err:
         shard(src, dest, shard_samples=3)
     msg = str(err.value)
     assert f"DEST {dest} is full" in msg and "0.0 MB more" not in msg and "needed" not in msg

@@ -3,6 +3,7 @@ schema, and the jobs that read shards import it rather than each other."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import subprocess
 import sys
@@ -65,6 +66,51 @@ def test_grouper_and_lean_reader_group_alike(tmp_path: Path):
     lean = [(s["__key__"], sorted(k for k in s if not k.startswith("__")))
             for s in iter_samples(str(path), frozenset({*images, "cls"}), images)]
     assert lean == [("a", ["cls", "jpg"]), ("d/b", ["cls", "png"]), ("e", ["cls", "jpeg"]), ("a", ["jpg"])]
+    # the loader's gzip path (and the stream path) group exactly like the plain one, data included
+    gz = tmp_path / "s.tgz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    exts = frozenset({*images, "cls"})
+    plain = [{k: v for k, v in s.items() if k != "__url__"} for s in iter_samples(str(path), exts, images)]
+    assert plain[0] == {"__key__": "a", "jpg": b"0", "cls": b"1"}
+    for p, stream in ((gz, False), (path, True)):
+        assert [{k: v for k, v in s.items() if k != "__url__"}
+                for s in iter_samples(str(p), exts, images, stream=stream)] == plain
+        total = [-1]
+        assert [s["__key__"] for s in iter_samples(str(p), exts, images, 1, None, total, stream=stream)] == \
+            ["d/b", "e", "a"] and total == [4]
+
+
+def _tar_of(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for n, data in members:
+            ti = tarfile.TarInfo(n)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_every_reader_refuses_a_wanted_member_over_the_cap(tmp_path: Path, monkeypatch, compress):
+    """A member over MAX_MEMBER_BYTES is refused before it is read by the lean reader and by TarPass (index,
+    verify, the loader's gzip path); one that is not wanted is passed over."""
+    import gpufeed.shardset.tar as tar
+
+    monkeypatch.setattr(tar, "MAX_MEMBER_BYTES", 1000)
+    path = _tar_of(tmp_path / "s.tar", [("a.cls", b"1"), ("big.jpg", b"\0" * 1001), ("c.jpg", b"x" * 1000)])
+    if compress:
+        path.write_bytes(gzip.compress(path.read_bytes()))
+    refused = r"member 'big\.jpg' \(header at offset 1024\): member is 1001 bytes, more than the 1000"
+    if not compress:
+        with open(path, "rb") as f:
+            assert [(n, d) for n, d in iter_members(f, lambda n: n != "big.jpg")] == \
+                [("a.cls", b"1"), ("big.jpg", None), ("c.jpg", b"x" * 1000)]
+        with open(path, "rb") as f, pytest.raises(tar.TarFormatError, match=refused):
+            list(iter_members(f, lambda n: True))
+    with open(path, "rb") as f:
+        assert [(n, s, d) for n, s, d in tar.TarPass(f, compress).members(lambda n, s: n != "big.jpg")] == \
+            [("a.cls", 1, b"1"), ("big.jpg", 1001, None), ("c.jpg", 1000, b"x" * 1000)]
+    with open(path, "rb") as f, pytest.raises(tar.TarFormatError, match=refused):
+        list(tar.TarPass(f, compress).members(lambda n, s: True))
 
 
 CASES = [("00000_0000000.jpg", 0), ("00012_0001234.json", 511), ("00012_0001234.cls", 512), ("k" * 100, 8**11 - 1),

@@ -46,10 +46,10 @@ the workers directly into a shared-memory ``[B, S, S, 3]`` uint8 tensor and hand
 ``[B, 3, S, S]`` view (channels-last memory) with one IPC message per batch.
 
 Security: shards are local files, opened by the loader itself by path; no shard name ever reaches a URL
-opener (webdataset's ``gopen`` runs ``pipe:`` names as shell commands). Plain ``.tar`` shards are read by
-:mod:`gpufeed.shardset.tar` (every header size and offset validated); gzip-compressed shards by webdataset's
-tar iterator (``tar_file_expander`` + ``group_by_keys``) over the stream the loader opened, without its
-decoders. Only image members (``shardset.keys.READ_IMAGE_EXTENSIONS``) and ``.cls`` labels are read at all,
+opener (webdataset's ``gopen`` runs ``pipe:`` names as shell commands). Shards, plain ``.tar`` and
+gzip-compressed, are read by :mod:`gpufeed.shardset.tar` (every header size and offset validated, every member
+read capped at ``shardset.tar.MAX_MEMBER_BYTES``); webdataset's readers and decoders are not used. Only image
+members (``shardset.keys.READ_IMAGE_EXTENSIONS``) and ``.cls`` labels are read at all,
 labels follow :func:`gpufeed.manifest.parse_label`, and nothing is unpickled.
 """
 
@@ -296,7 +296,8 @@ class LoaderPosition:
 
 
 _select = partial(wanted, extensions=_READ_EXTENSIONS)
-"""webdataset's ``select_files`` for the gzip path: the members the lean reader reads too."""
+"""The members the loader reads, as a webdataset ``select_files`` predicate (tests compare the loader's reader
+with webdataset's through it)."""
 
 
 class ShardStream(IterableDataset):
@@ -316,7 +317,8 @@ class ShardStream(IterableDataset):
         """Batches of the epoch the next iteration passes over without decoding (see ShardLoader.set_epoch)."""
         self.per_sample = not cfg.worker_batching
         self.fast_tar = True
-        """Read local plain .tar shards with :mod:`gpufeed.shardset.tar`; False = webdataset for every shard."""
+        """Read plain .tar shards with the lean seeking reader; False = the one-pass stream reader of gzip shards
+        (``shardset.tar.TarPass``) for every shard."""
 
     # ------------------------------------------------------------------ reading
 
@@ -371,29 +373,10 @@ class ShardStream(IterableDataset):
             yield last
 
     def _shard_samples(self, path: str, start: int, stop: int | None, total: list[int]) -> Iterator[dict]:
-        """Image samples ``[start, stop)`` (``stop`` None: to the end) of the local shard at ``path``.
-
-        The file is opened here, by path: webdataset only ever sees the open stream, never the name.
-        """
-        if self.fast_tar and path.endswith(".tar"):
-            yield from iter_samples(path, _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS, start, stop, total)
-            return
-        from webdataset.handlers import reraise_exception
-        from webdataset.tariterators import group_by_keys, tar_file_expander
-
-        i = 0
-        with open(path, "rb") as f:
-            files = tar_file_expander([{"url": path, "stream": f}], handler=reraise_exception,
-                                      select_files=_select)
-            for sample in group_by_keys(files, handler=reraise_exception):
-                if not any(e in sample for e in READ_IMAGE_EXTENSIONS):
-                    continue  # not an image sample (indexing does not count these either)
-                if i >= start:
-                    yield sample
-                i += 1
-                if stop is not None and i >= stop:
-                    return
-        total[0] = i
+        """Image samples ``[start, stop)`` (``stop`` None: to the end) of the local shard at ``path``, plain or
+        gzip-compressed (:func:`gpufeed.shardset.tar.iter_samples`; the file is opened by path)."""
+        yield from iter_samples(path, _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS, start, stop, total,
+                                stream=not self.fast_tar)
 
     def _shuffled(self, items: Iterator[dict], rng: random.Random) -> Iterator[dict]:
         size = self.cfg.shuffle_buffer if self.train else 0

@@ -95,7 +95,9 @@ The candidates are validated in the seeded shard order (the accepted ones in tha
 list), so each transcode cache file ``DEST/.gpufeed/enc-*.bin`` (``--max-size``/``--quality``/CMYK/16-bit/...)
 feeds one or a few consecutive shards and is deleted as soon as they are written: DEST peaks near the output
 size. Free space is checked before anything is written (estimate: the input bytes) and again, exactly, before
-the shards are written. Any OS error while writing (DEST full included) is a ``DataError`` naming path and reason.
+the shards are written. Any OS error (DEST full included) is one sentence naming path and reason: a ``DataError``
+(exit 2) before the shards are written, a ``RunError`` (exit 1) once writing them has begun, as is a source file
+that changed since validation.
 
 Names
 -----
@@ -108,6 +110,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -123,7 +126,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from gpufeed.config import ShardConfig
-from gpufeed.errors import DataError
+from gpufeed.errors import DataError, GpufeedError, RunError
 from gpufeed.shardset.tar import ustar_header
 
 CANDIDATE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -722,9 +725,9 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         offset += n
 
 
-def _changed(rel: str) -> DataError:
-    return DataError(f"{rel} changed while sharding (it is not the file that was validated: size, mtime, inode "
-                     f"or device differ, or its bytes do); re-run (with --overwrite when asked)")
+def _changed(rel: str) -> RunError:
+    return RunError(f"{rel} changed while sharding (it is not the file that was validated: size, mtime, inode "
+                    f"or device differ, or its bytes do); re-run (with --overwrite when asked)")
 
 
 def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> None:
@@ -800,7 +803,7 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
                         f.seek(it.coff)
                         data = f.read(it.img_len)
                     if len(data) != it.img_len:
-                        raise DataError(f"the transcode cache {it.cache} is incomplete; re-run with --overwrite")
+                        raise RunError(f"the transcode cache {it.cache} is incomplete; re-run with --overwrite")
                     _pwrite_all(fd, data, pos)
                 pos += _padded(size)
                 buf, start = [], pos
@@ -1182,7 +1185,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         try:
             written = _write_all(dest, src, tasks, pool, bar, shard_done, workers=workers)
         except OSError as exc:
-            raise _os_error(exc, cfg, need, cache_kept=_cache_bytes(state)) from None
+            raise _os_error(exc, cfg, need, cache_kept=_cache_bytes(state), writing=True) from None
         done.update(written)
         write_s = time.perf_counter() - t_w
     finally:
@@ -1200,7 +1203,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     try:
         manifest = _finish(dest, cfg, plan, infos, options)
     except OSError as exc:
-        raise _os_error(exc, cfg, None, shards_done=len(infos)) from None
+        raise _os_error(exc, cfg, None, shards_done=len(infos), writing=True) from None
     _clear_cache(state)  # the transcode cache is only needed until every shard is complete
     input_bytes = int(plan.cols["bytes"].sum())
     elapsed = time.perf_counter() - t0
@@ -1272,8 +1275,9 @@ def _cache_bytes(state: str) -> int:
 
 
 def _os_error(exc: OSError, cfg: ShardConfig, need: int | None, *, cache_deleted: int = 0, cache_kept: int = 0,
-              shards_done: int = 0) -> DataError:
-    """An OS error while writing DEST (or reading SRC) as one sentence naming the path and the reason.
+              shards_done: int = 0, writing: bool = False) -> GpufeedError:
+    """An OS error while writing DEST (or reading SRC) as one sentence naming the path and the reason: a
+    :class:`RunError` (exit 1) once the shards are being written (``writing``), else a :class:`DataError`.
 
     DEST full: ``need`` is the estimate of the bytes the job still had to write (None: not known, e.g. the index
     and manifest after the shards); ``cache_deleted``/``cache_kept`` are the bytes of gpufeed's own transcode cache
@@ -1303,12 +1307,13 @@ def _os_error(exc: OSError, cfg: ShardConfig, need: int | None, *, cache_deleted
             cache = (f"; {_amount(cache_kept)} of it is gpufeed's own transcode cache of re-encoded images under "
                      f"{os.path.join(cfg.dest, STATE_DIR)}, kept for the re-run (each file is deleted once its "
                      f"shards are written)")
-        return DataError(
+        return (RunError if writing else DataError)(
             f"DEST {cfg.dest} is full ({exc.strerror}): {what}, {_amount(free)} are free now ({counts}){cache}; "
             f"free space or choose another DEST, then re-run"
         )
     where = exc.filename if exc.filename is not None else cfg.dest
-    return DataError(f"{os.fsdecode(where)}: {exc.strerror or exc} (while sharding into {cfg.dest})")
+    return (RunError if writing else DataError)(
+        f"{os.fsdecode(where)}: {exc.strerror or exc} (while sharding into {cfg.dest})")
 
 
 def _check_empty(cfg: ShardConfig, classes: list[str], counts: list[int], warn: list[str],
@@ -1597,6 +1602,17 @@ def _save_plan(state: str, plan: _Plan) -> None:
     atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(meta).encode("utf-8"))
 
 
+def _paths_inside(blob: bytes, offsets: Any) -> bool:
+    """Whether every stored path (relative to SRC) stays inside SRC: not empty, not absolute, no ``..``
+    component. A tampered plan could otherwise copy any readable file into a shard."""
+    ends = offsets.tolist()
+    for a, b in zip(ends, ends[1:]):
+        raw = blob[a:b]
+        if not raw or raw[:1] == b"/" or (b".." in raw and b".." in raw.split(b"/")):
+            return False
+    return True
+
+
 def _read_plan(state: str) -> _Plan | None:
     """The stored plan, or None when it is missing, of another version, or inconsistent in any way (every size,
     offset and index is checked before use: the state folder is data too)."""
@@ -1608,7 +1624,10 @@ def _read_plan(state: str) -> _Plan | None:
             return None
         spec = meta["arrays"]
         with open(os.path.join(state, PLAN_ARRAYS_NAME), "rb") as f:
-            data = f.read(int(spec["bytes"]) + 1)
+            # the size comes from plan.json: read only when it is the file's own size (no huge allocation)
+            if type(spec["bytes"]) is not int or spec["bytes"] != os.fstat(f.fileno()).st_size:
+                return None
+            data = f.read(spec["bytes"] + 1)
         if len(data) != spec["bytes"] or hashlib.sha256(data).hexdigest() != spec["sha256"]:
             return None
         n = int(meta["num_samples"])
@@ -1631,12 +1650,15 @@ def _read_plan(state: str) -> _Plan | None:
                 or not n or not 0 <= arrays["label"].min() <= arrays["label"].max() < len(classes)
                 or np.bincount(arrays["label"], minlength=len(classes)).tolist() != meta["class_counts"]
                 or not 0 <= arrays["order"].min() <= arrays["order"].max() < n
-                or [s["start"] for s in shards] != [sum(s["count"] for s in shards[:i]) for i in range(len(shards))]
-                or sum(s["count"] for s in shards) != n
                 or not all(type(s["count"]) is int and s["count"] > 0 and _SHARD_RE.match(s["name"])
+                           and all(type(s[k]) is int and s[k] >= 0 for k in ("start", "est_bytes", "cache_bytes"))
                            and all(_CACHE_RE.match(c) for c in s["caches"]) for s in shards)
+                or [s["start"] for s in shards] != [0, *itertools.accumulate(s["count"] for s in shards)][:-1]
+                or sum(s["count"] for s in shards) != n
                 or arrays["ext"].max() >= len(_EXTS) or arrays["enc_ext"].max() >= len(_EXTS)
-                or arrays["action"].max() >= len(_ACTIONS)):
+                or arrays["action"].max() >= len(_ACTIONS)
+                or arrays["enc_off"].min() < 0 or arrays["enc_len"].min() < 0
+                or not _paths_inside(blob.tobytes(), offsets)):
             return None
         return _Plan(meta, arrays, _Strings(blob.tobytes(), offsets))
     except (OSError, ValueError, KeyError, TypeError, IndexError):

@@ -38,15 +38,12 @@ from gpufeed.config import LoaderConfig
 from gpufeed.manifest import SHARD_SUFFIXES, LabelError, parse_label, read_manifest
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image,
                                    split_member)
-from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
+from gpufeed.shardset.tar import MAX_MEMBER_BYTES, TarFormatError, TarPass, TruncatedMember, file_problem
 
 _KNOWN = set(READ_IMAGE_EXTENSIONS) | {LABEL_EXTENSION, META_EXTENSION, "txt", "cls2", "pth", "npy", "id"}
 
 DEFAULT_MAX_PIXELS = LoaderConfig.max_pixels
 """Decompression-bomb limit (width x height) verify applies by default: the same as ``shard`` and the loader."""
-MAX_MEMBER_BYTES = 1 << 30
-"""A tar member larger than this (1 GiB) is a problem and is not read into memory (no image or label is that
-large; a gzip shard could otherwise inflate one member to any size)."""
 MAX_SHARD_PROBLEMS = 200
 """Problems recorded per shard; more are counted in ``num_problems`` but not listed."""
 MAX_REPORTED_PROBLEMS = 10_000

@@ -2,15 +2,16 @@
 
 - :func:`parse_header` and :class:`HeaderChain` read headers exactly as ``tarfile`` does and refuse what tar
   readers disagree on. Every reader of gpufeed runs them on every header: :func:`iter_members` (the lean reader)
-  and :class:`TarPass` (``gpufeed index``/``verify``), so both read a shard alike or both refuse it.
-- :func:`iter_samples` is the loader's fast path for local, uncompressed shards. Python's ``tarfile`` (which
-  webdataset uses) parses every header field of every member; at ~100 KB per sample that costs about a quarter
-  of the decode time. This reader parses only the name, size and type, checks the header checksum, reads only
-  the members the loader wants, and seeks over everything else, including whole samples before a segment's
-  start. Samples are grouped by the key rule of :mod:`gpufeed.shardset.keys` (webdataset's), so counts agree
-  with ``gpufeed index`` and with the webdataset tar iterator the loader uses for gzip-compressed shards.
-- :class:`TarPass` streams a whole shard (plain or gzip) once through ``tarfile`` for index and verify: sha256,
-  members, and the end-of-archive check.
+  and :class:`TarPass` (``gpufeed index``/``verify`` and the loader's gzip path), so all read a shard alike or
+  all refuse it. Every reader refuses a member it would read that is over :data:`MAX_MEMBER_BYTES`.
+- :func:`iter_samples` is the loader's reader. For local, uncompressed shards it is a fast path: Python's
+  ``tarfile`` parses every header field of every member; at ~100 KB per sample that costs about a quarter
+  of the decode time. :func:`iter_members` parses only the name, size and type, checks the header checksum,
+  reads only the members the loader wants, and seeks over everything else, including whole samples before a
+  segment's start. Gzip-compressed shards are read through :class:`TarPass`. Samples are grouped by the key
+  rule of :mod:`gpufeed.shardset.keys` (webdataset's), so counts agree with ``gpufeed index``.
+- :class:`TarPass` streams a whole shard (plain or gzip) once through ``tarfile``: for index and verify (sha256,
+  members, and the end-of-archive check) and for the loader's gzip shards.
 - :func:`ustar_header` is the fixed-field header ``gpufeed shard`` writes.
 
 Handles POSIX ustar (with prefix), GNU long names (``L``) and pax headers (``x`` path/size; ``g`` only when it
@@ -42,6 +43,9 @@ MAX_LONG_NAME_BYTES = 64 * 1024
 """Largest GNU long-name (``L``) member accepted: a path, even a very long one, is far shorter."""
 MAX_PAX_BYTES = 64 * 1024
 """Largest pax extended header (``x``/``g``) accepted: gpufeed reads only ``path`` and ``size`` from it."""
+MAX_MEMBER_BYTES = 1 << 30
+"""Largest member any gpufeed reader reads into memory (the loader, ``index``, ``verify``): a wanted member whose
+header declares more is refused before its data is read (members that are not wanted are passed over)."""
 EXTENDED_TYPES = (b"L", b"K", b"x", b"X")
 """Headers whose data describes the next member: GNU long name/link name, pax (``X``: Solaris, read as pax by
 tarfile). At most one may precede a member."""
@@ -273,6 +277,7 @@ def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
             f.seek(pos)
             continue
         if want(name):
+            check_member_size(size, _where(name, pos - padded - _BLOCK))
             data = f.read(padded)
             if len(data) < size:
                 raise TarFormatError(f"{_where(name, pos - padded - _BLOCK)}: truncated member")
@@ -280,6 +285,13 @@ def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
         else:
             f.seek(pos)
             yield name, None
+
+
+def check_member_size(size: int, where: str) -> None:
+    """A member about to be read must not declare more than :data:`MAX_MEMBER_BYTES`."""
+    if size > MAX_MEMBER_BYTES:
+        raise TarFormatError(f"{where}: member is {size} bytes, more than the {MAX_MEMBER_BYTES} a reader of "
+                             f"gpufeed reads")
 
 
 def check_extended_size(typ: bytes, size: int, where: str) -> None:
@@ -292,13 +304,17 @@ def check_extended_size(typ: bytes, size: int, where: str) -> None:
 
 
 def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[str, ...], start: int = 0,
-                 stop: int | None = None, total: list[int] | None = None) -> Iterator[dict]:
+                 stop: int | None = None, total: list[int] | None = None, stream: bool = False) -> Iterator[dict]:
     """Samples ``[start, stop)`` of a local tar shard, counting only keys with an image member.
 
     Each sample is ``{"__key__", "__url__", ext: bytes}`` for the members whose (lower-case) extension is in
-    ``extensions``. Samples before ``start`` are skipped by seeking, without reading their data. When the
-    reader reaches the end of the shard (before ``stop``), ``total[0]`` is set to the shard's sample count.
-    Raises TarFormatError on a malformed shard.
+    ``extensions``. Samples before ``start`` are not read (a plain tar seeks over them). When the reader reaches
+    the end of the shard (before ``stop``), ``total[0]`` is set to the shard's sample count.
+
+    A gzip shard (``.tgz``, ``.tar.gz``), or any shard with ``stream``, is read in one pass through
+    :meth:`TarPass.members` (the same header checks, tarfile's reading, the same member cap); a plain one through
+    :func:`iter_members`. Both group members with the same key rule, so both yield the same samples. Raises
+    TarFormatError on a malformed shard, and what :class:`TarPass` documents on a gzip or stream read.
     """
     index = 0  # samples (keys with an image member) completed so far
     key: str | None = None
@@ -315,7 +331,13 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
         return index + (1 if key is not None and has_image else 0) >= start
 
     with open(path, "rb", buffering=1 << 20) as f:
-        for name, data in iter_members(f, want):
+        gzip = path.endswith((".tgz", ".tar.gz"))
+        if gzip or stream:
+            members: Iterator[tuple[str, bytes | None]] = (
+                (name, data) for name, _, data in TarPass(f, gzip, hash=False).members(lambda name, _: want(name)))
+        else:
+            members = iter_members(f, want)
+        for name, data in members:
             split = None if is_metadata(name) else split_member(name)
             if split is None:
                 continue
@@ -496,7 +518,8 @@ class TarPass:
     def members(self, want: Callable[[str, int], bool]) -> Iterator[tuple[str, int, bytes | None]]:
         """Regular members as ``(name, size, data)``; data is read only when ``want(name, size)``. Every header
         passes the loader's checks first (:class:`_HeaderCheck`), and each member must be the one the loader reads
-        there (same name and size), else :class:`TarFormatError`."""
+        there (same name and size), else :class:`TarFormatError`; a wanted member over :data:`MAX_MEMBER_BYTES` raises
+        :class:`TarFormatError` before its data is read."""
         with tarfile.open(fileobj=self.check, mode="r|") as tar:
             for m in tar:
                 self.last = m.name
@@ -509,6 +532,7 @@ class TarPass:
                                          f"{theirs!r})")
                 data = None
                 if want(m.name, m.size):
+                    check_member_size(m.size, f"member {m.name[:200]!r} (header at offset {m.offset})")
                     fobj = tar.extractfile(m)
                     data = fobj.read() if fobj is not None else b""
                     if len(data) != m.size:

@@ -407,8 +407,12 @@ def test_fast_tar_reader_matches_webdataset(tmp_path):
     """gpufeed.shardset.tar groups and counts exactly as webdataset (ustar, GNU and pax long names, dirs)."""
     import webdataset as wds
 
-    from gpufeed.loader import _READ_EXTENSIONS, _select
-    from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS
+    from functools import partial
+
+    from gpufeed.loader import _READ_EXTENSIONS
+    from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS, wanted
+
+    _select = partial(wanted, extensions=_READ_EXTENSIONS)  # the members the loader reads, for webdataset
     from gpufeed.shardset.tar import iter_samples
 
     long_dir = "d" * 120

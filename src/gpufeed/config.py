@@ -303,6 +303,7 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        check_device(self.device)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,7 +322,6 @@ class LayoutConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
-        check_device(self.device)
 
 
 def check_device(device: str) -> None:

@@ -74,8 +74,8 @@ from gpufeed import decode as dec
 from gpufeed.config import LoaderConfig
 from gpufeed.errors import DataError, GpufeedError
 from gpufeed.manifest import Manifest, manifest_path, parse_label, read_manifest
+from gpufeed.shardset.keys import LABEL_EXTENSION, READ_IMAGE_EXTENSIONS
 from gpufeed.shardset.tar import file_problem, iter_samples
-from gpufeed.shardset.keys import LABEL_EXTENSION, READ_IMAGE_EXTENSIONS, wanted
 from gpufeed.world import World
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -295,9 +295,6 @@ class LoaderPosition:
         return cls(**vals)
 
 
-_select = partial(wanted, extensions=_READ_EXTENSIONS)
-"""The members the loader reads, as a webdataset ``select_files`` predicate (tests compare the loader's reader
-with webdataset's through it)."""
 
 
 class ShardStream(IterableDataset):

@@ -4,8 +4,8 @@ A member ``dir/KEY.ext.more`` belongs to sample ``dir/KEY`` with extension ``ext
 is the path up to the first dot of the base name, webdataset's ``base_plus_ext``. Names without such a dot (or
 with an empty stem, ``.cls``) belong to no sample, and webdataset's metadata members (``__...__``) are skipped.
 Every reader applies the rule through :func:`split_member`, :func:`wanted`, :func:`is_metadata` and
-:class:`SampleGrouper`: the lean tar reader (:func:`gpufeed.shardset.tar.iter_samples`), the loader's gzip path
-(through webdataset, selecting members with :func:`wanted`), ``gpufeed index`` and ``gpufeed verify``.
+:class:`SampleGrouper`: the lean tar reader (:func:`gpufeed.shardset.tar.iter_samples`, plain and gzip shards:
+the loader), ``gpufeed index`` and ``gpufeed verify``.
 """
 
 from __future__ import annotations

@@ -378,6 +378,10 @@ def test_resume_with_reencoded_images(tmp_path: Path) -> None:
     (dest / "train-000002.tar").unlink()
     rep = shard(src, dest, max_size=32, shard_samples=3)  # the cache was cleared: transcoded again, same bytes
     assert rep.num_shards_written == 1 and rep.num_shards_skipped == 3
+    assert not rep.resumed  # the plan was validated afresh (the cache it needs was gone), the shards kept
+    from gpufeed.shard import render_shard
+
+    assert "re-validated (the transcode cache was gone): 3 complete shard(s) kept, 1 written" in render_shard(rep)
     assert digests(dest) == digests(ref) and rep.transforms == {"reencode": 12}
 
 

@@ -192,6 +192,7 @@ class ShardReport:
     workers: int
     strict: bool
     resumed: bool
+    """The earlier run's plan was used as it was (validation skipped); complete shards can be kept without it."""
     transforms: dict[str, int]
     """Samples per storage action: copy, reencode, cmyk_to_rgb_jpeg, 16bit_to_png8, to_png."""
     num_exif_oriented: int
@@ -1102,7 +1103,6 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         fingerprint = _fingerprint(scan, options)
 
         plan = _load_plan(dest, fingerprint, cfg)
-        resumed = plan is not None
         done: dict[str, dict[str, Any]] = {}
         if plan is not None:
             for s in plan.shards:
@@ -1113,6 +1113,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                     if not os.path.exists(os.path.join(state, c))]
             if lost:  # transcoded bytes are gone (cleared after use): redo the deterministic validation
                 plan = None
+        resumed = plan is not None  # the earlier run's plan is used as it is (validation skipped)
 
         t_val = time.perf_counter()
         if plan is None:
@@ -1998,8 +1999,9 @@ def render_shard(report: ShardReport, max_items: int = 20) -> str:
         f"written in {r.elapsed_s:.1f} s ({r.samples_per_s:.0f} images/s, {r.mb_per_s:.1f} MB/s input, "
         f"{r.workers} workers; validate {r.validate_s:.1f} s, write {r.write_s:.1f} s)",
     ]
-    if r.resumed:
-        lines.append(f"  resumed: {r.num_shards_skipped} complete shard(s) kept, {r.num_shards_written} written")
+    if r.resumed or r.num_shards_skipped:
+        how = "resumed" if r.resumed else "re-validated (the transcode cache was gone)"
+        lines.append(f"  {how}: {r.num_shards_skipped} complete shard(s) kept, {r.num_shards_written} written")
     stored = ", ".join(f"{k} {v}" for k, v in r.transforms.items())
     lines.append(f"  stored: {stored}; EXIF orientation recorded, not applied: {r.num_exif_oriented}")
     for title, items in (("rejected", r.rejected), ("ignored", r.ignored)):

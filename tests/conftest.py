@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
+import tarfile
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 from click.testing import CliRunner, Result
@@ -36,6 +40,32 @@ def invoke_json(args: list[str], expect: int | None = 0) -> dict:
         pytest.fail(f"stdout is not one JSON object:\n{out}\n--- stderr ---\n{result.stderr}")
     assert isinstance(obj, dict)
     return obj
+
+
+def write_tar(dest: Path | BinaryIO, members: list[tuple[str, bytes]], *, gz: bool = False,
+              format: int = tarfile.USTAR_FORMAT, mode: str = "w") -> Path | BinaryIO:
+    """Write a well-formed tar of ``members`` ((name, data), in this order, duplicates kept) to ``dest``.
+
+    Every member is a regular file with tarfile's defaults (mode 0644, mtime 0, no owner). ``dest`` is a path or a
+    binary file object. ``format`` is a tarfile format (USTAR, GNU or PAX). ``gz`` gzips the whole tar (gzip
+    header mtime 0, no file name). ``mode="a"`` appends the members to an existing plain tar. Returns ``dest``.
+    """
+    if mode not in ("w", "a") or (gz and mode == "a"):
+        raise ValueError(f"write_tar: mode {mode!r} with gz={gz} (use 'w', or 'a' on a plain tar)")
+    out = io.BytesIO() if gz else dest
+    where = {"name": out} if isinstance(out, (str, Path)) else {"fileobj": out}
+    with tarfile.open(mode=mode, format=format, **where) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    if gz:
+        data = gzip.compress(out.getvalue(), mtime=0)
+        if isinstance(dest, (str, Path)):
+            Path(dest).write_bytes(data)
+        else:
+            dest.write(data)
+    return dest
 
 
 def write_image(path: Path, size: tuple[int, int] = (8, 8), color: tuple[int, int, int] = (200, 30, 30),

@@ -15,21 +15,13 @@ import pytest
 # --------------------------------------------------------------------------- 1. a shard file name runs a shell command
 def _loader_gzip_shard(path, n: int = 4) -> None:
     """A real gzip tar shard of ``n`` labelled 16x12 JPEG samples at ``path`` (any file name)."""
-    import gzip
-    import io
-    import tarfile
+    from tests.conftest import write_image, write_tar
 
-    from tests.conftest import write_image
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
-        for i in range(n):
-            img = write_image(path.parent / f".img{i}.jpg", size=(16, 12)).read_bytes()
-            for name, data in ((f"k{i:03d}.jpg", img), (f"k{i:03d}.cls", str(i % 2).encode())):
-                ti = tarfile.TarInfo(name)
-                ti.size = len(data)
-                tf.addfile(ti, io.BytesIO(data))
-    path.write_bytes(gzip.compress(buf.getvalue()))
+    members = []
+    for i in range(n):
+        img = write_image(path.parent / f".img{i}.jpg", size=(16, 12)).read_bytes()
+        members += [(f"k{i:03d}.jpg", img), (f"k{i:03d}.cls", str(i % 2).encode())]
+    write_tar(path, members, gz=True)
 
 
 def test_loader_reads_a_pipe_named_shard_as_a_local_file(tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import shutil
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from gpufeed.config import LoaderConfig
 from gpufeed.errors import DataError
 from gpufeed.manifest import read_manifest
 from gpufeed.world import World
-from tests.conftest import WDS_SAMPLE, invoke, invoke_json
+from tests.conftest import WDS_SAMPLE, invoke, invoke_json, write_tar
 
 FIXTURE = WDS_SAMPLE
 
@@ -72,14 +71,6 @@ def test_index_out_elsewhere_two_ranks(sample_set, tmp_path):
     assert lens == {90 // 2 // 7} and all(len(s) == 6 * 7 for s in seen)
 
 
-def _tar(path: Path, members: list[tuple[str, bytes]], gz: bool = False) -> None:
-    with tarfile.open(path, "w:gz" if gz else "w") as tf:
-        for name, data in members:
-            ti = tarfile.TarInfo(name)
-            ti.size = len(data)
-            tf.addfile(ti, io.BytesIO(data))
-
-
 def _png() -> bytes:
     from PIL import Image
 
@@ -95,9 +86,9 @@ def test_index_brace_pattern_text_labels_and_unlabeled(tmp_path):
     d = tmp_path / "t"
     d.mkdir()
     png = _png()
-    _tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"dog"), ("b.jpeg", _jpeg()), ("b.cls", b"cat"),
-                              ("readme.txt", b"x"), ("orphan.cls", b"dog")])
-    _tar(d / "data-001.tar", [("c.webp", _webp()), ("c.cls", b"dog"), ("d.png", png), ("d.cls", b"cat")])
+    write_tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"dog"), ("b.jpeg", _jpeg()), ("b.cls", b"cat"),
+                                   ("readme.txt", b"x"), ("orphan.cls", b"dog")])
+    write_tar(d / "data-001.tar", [("c.webp", _webp()), ("c.cls", b"dog"), ("d.png", png), ("d.cls", b"cat")])
     rep = index_shards(str(d / "data-{000..001}.tar"))
     assert rep.num_samples == 4 and rep.num_classes == 2 and rep.class_source == "text .cls"
     assert rep.num_ignored_keys == 2 and rep.ok  # readme, orphan
@@ -107,7 +98,7 @@ def test_index_brace_pattern_text_labels_and_unlabeled(tmp_path):
     labels = [x for _, l in loader for x in l.tolist()]
     assert labels == [1, 0, 1, 0]
 
-    _tar(d / "data-002.tar", [("e.png", png)])
+    write_tar(d / "data-002.tar", [("e.png", png)])
     res = invoke_json(["index", d], expect=1)  # an unlabeled sample: manifest written, exit 1
     assert res["num_unlabeled"] == 1
 
@@ -194,9 +185,9 @@ def test_index_counts_and_lists_dropped_images_duplicates_and_ungrouped_keys(tmp
     d = tmp_path / "odd"
     d.mkdir()
     png, jpg = _png(), _jpeg()
-    _tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"0"), ("k.3.jpg", jpg), ("k.3.cls", b"1"),
-                              ("b.jpg", jpg), ("b.png", png), ("b.cls", b"1"), ("c.png", png), ("c.cls", b"0"),
-                              ("c.cls", b"1"), ("a.jpeg", jpg), ("a.cls", b"1")])
+    write_tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"0"), ("k.3.jpg", jpg), ("k.3.cls", b"1"),
+                                   ("b.jpg", jpg), ("b.png", png), ("b.cls", b"1"), ("c.png", png), ("c.cls", b"0"),
+                                   ("c.cls", b"1"), ("a.jpeg", jpg), ("a.cls", b"1")])
     res = invoke(["index", d], expect=1)  # manifest written (the loader reads what it can), but a check failed
     lines = res.stdout.splitlines()
     assert "4 samples" in lines[0]  # a, b, c and a again, as the loader counts them
@@ -215,8 +206,8 @@ def test_index_checks_labels_with_the_loaders_rule(tmp_path):
     png = _png()
     (d / "classes.txt").write_text("cat\ndog\n")
     # "5" is a class index for every reader, but classes.txt names 2 classes: the loader rejects it
-    _tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"5"), ("b.png", png), ("b.cls", b"cat"),
-                              ("c.png", png), ("c.cls", b"\xff"), ("d.png", png), ("d.cls", b"1")])
+    write_tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"5"), ("b.png", png), ("b.cls", b"cat"),
+                                   ("c.png", png), ("c.cls", b"\xff"), ("d.png", png), ("d.cls", b"1")])
     res = invoke_json(["index", d], expect=1)
     assert res["num_bad_labels"] == 2 and res["num_classes"] == 2
     assert res["bad_labels"] == ["data-000.tar: a.cls (label 5 is outside 0..1)",
@@ -228,8 +219,8 @@ def test_index_refuses_labels_that_mix_indices_and_names(tmp_path):
     d = tmp_path / "mixed"
     d.mkdir()
     png = _png()
-    _tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"1"), ("b.png", png), ("b.cls", b"cat"),
-                              ("c.png", png), ("c.cls", b"dog"), ("e.png", png), ("e.cls", b"1")])
+    write_tar(d / "data-000.tar", [("a.png", png), ("a.cls", b"1"), ("b.png", png), ("b.cls", b"cat"),
+                                   ("c.png", png), ("c.cls", b"dog"), ("e.png", png), ("e.cls", b"1")])
     res = invoke(["index", d], expect=2)
     assert "mix class indices ('1') and class names ('cat')" in res.stderr
     assert not (d / "manifest.json").exists()
@@ -242,8 +233,8 @@ def test_index_refuses_a_huge_class_index_before_listing_classes(tmp_path):
     """A label of 20 digits used to make index list 10**20 class names (memory until the OOM killer)."""
     d = tmp_path / "huge"
     d.mkdir()
-    _tar(d / "data-000.tar", [("a.png", _png()), ("a.cls", b"99999999999999999999"),
-                              ("b.png", _png()), ("b.cls", b"0")])
+    write_tar(d / "data-000.tar", [("a.png", _png()), ("a.cls", b"99999999999999999999"),
+                                   ("b.png", _png()), ("b.cls", b"0")])
     res = invoke(["index", d], expect=2)
     assert "is '99999999999999999999': class indices must be below 10,000,000" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
@@ -254,7 +245,7 @@ def test_index_refuses_a_set_without_labels(tmp_path):
 
     d = tmp_path / "nolabels"
     d.mkdir()
-    _tar(d / "data-000.tar", [("a.png", _png()), ("b.png", _png())])
+    write_tar(d / "data-000.tar", [("a.png", _png()), ("b.png", _png())])
     with pytest.raises(DataError, match="no sample in .* has a .cls label"):
         index_shards(d)
     assert not (d / "manifest.json").exists()

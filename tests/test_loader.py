@@ -17,6 +17,7 @@ from gpufeed.config import LoaderConfig
 from gpufeed.errors import DataError
 from gpufeed.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
 from gpufeed.world import World
+from tests.conftest import write_tar
 
 
 def smooth_image(w: int, h: int, seed: int) -> Image.Image:
@@ -35,13 +36,6 @@ def encode(img: Image.Image, fmt: str = "JPEG", **kw) -> bytes:
     return b.getvalue()
 
 
-def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
-    ti = tarfile.TarInfo(name)
-    ti.size = len(data)
-    ti.mtime = 0
-    tf.addfile(ti, io.BytesIO(data))
-
-
 def write_set(dest: Path, shard_sizes: list[int], *, num_classes: int = 3, size: tuple[int, int] = (40, 32),
               corrupt: set[int] = frozenset(), make=None) -> Path:
     """gpufeed-format shards (KEY.jpg / KEY.cls / KEY.json) + manifest.json. Sample n has key s{n:05d}, label n % C.
@@ -53,16 +47,16 @@ def write_set(dest: Path, shard_sizes: list[int], *, num_classes: int = 3, size:
     shards = []
     for si, count in enumerate(shard_sizes):
         name = f"train-{si:06d}.tar"
-        with tarfile.open(dest / name, "w", format=tarfile.USTAR_FORMAT) as tf:
-            for _ in range(count):
-                key = f"s{n:05d}"
-                ext, data = make(n) if make else ("jpg", encode(smooth_image(*size, n), quality=95))
-                if n in corrupt:
-                    data = data[: len(data) // 3]
-                _add(tf, f"{key}.{ext}", data)
-                _add(tf, f"{key}.cls", str(n % num_classes).encode())
-                _add(tf, f"{key}.json", json.dumps({"source": f"{key}.{ext}"}).encode())
-                n += 1
+        members = []
+        for _ in range(count):
+            key = f"s{n:05d}"
+            ext, data = make(n) if make else ("jpg", encode(smooth_image(*size, n), quality=95))
+            if n in corrupt:
+                data = data[: len(data) // 3]
+            members += [(f"{key}.{ext}", data), (f"{key}.cls", str(n % num_classes).encode()),
+                        (f"{key}.json", json.dumps({"source": f"{key}.{ext}"}).encode())]
+            n += 1
+        write_tar(dest / name, members)
         shards.append(ShardInfo(name=name, num_samples=count, bytes=(dest / name).stat().st_size, sha256=None))
     m = Manifest(prefix="train", classes=[f"c{i}" for i in range(num_classes)], shards=shards, num_samples=n,
                  total_bytes=sum(s.bytes for s in shards), url_pattern=brace_pattern([s.name for s in shards]))
@@ -421,12 +415,9 @@ def test_fast_tar_reader_matches_webdataset(tmp_path):
                ("e.seg.png", b"4"), ("e.cls", b"1"), ("f.webp", b"5" * 1000)]
     for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
         path = tmp_path / f"x{fmt}.tar"
-        with tarfile.open(path, "w", format=fmt) as tf:
-            tf.addfile(tarfile.TarInfo("dir")) if fmt != tarfile.USTAR_FORMAT else None
-            for name, data in members:
-                if fmt == tarfile.USTAR_FORMAT and len(name) > 100 and "/" not in name[-100:]:
-                    continue
-                _add(tf, name, data)
+        first = [] if fmt == tarfile.USTAR_FORMAT else [("dir", b"")]  # an empty regular member named "dir"
+        write_tar(path, first + [(name, data) for name, data in members if not (
+            fmt == tarfile.USTAR_FORMAT and len(name) > 100 and "/" not in name[-100:])], format=fmt)
         ref = []
         for s in wds.WebDataset(str(path), shardshuffle=False, nodesplitter=None, workersplitter=None,
                                 select_files=_select, empty_check=False):

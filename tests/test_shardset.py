@@ -4,7 +4,6 @@ schema, and the jobs that read shards import it rather than each other."""
 from __future__ import annotations
 
 import gzip
-import io
 import subprocess
 import sys
 import tarfile
@@ -14,6 +13,7 @@ import pytest
 
 from gpufeed.shardset.keys import SampleGrouper, is_metadata, split_member, wanted
 from gpufeed.shardset.tar import iter_members, iter_samples, ustar_header
+from tests.conftest import write_tar
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -48,12 +48,7 @@ def test_grouper_and_lean_reader_group_alike(tmp_path: Path):
     names = ["a.jpg", "a.cls", "a.seg.png", "d/b.png", "d/b.cls", "__meta__", "c.cls", "e.JPEG", "e.cls",
              "noext", "a.jpg"]
     path = tmp_path / "s.tar"
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
-        for i, n in enumerate(names):
-            data = str(i).encode()
-            ti = tarfile.TarInfo(n)
-            ti.size = len(data)
-            tf.addfile(ti, io.BytesIO(data))
+    write_tar(path, [(n, str(i).encode()) for i, n in enumerate(names)])
     problems: list[tuple[str, str]] = []
     grouper = SampleGrouper(lambda member, reason, kind: problems.append((member, kind)))
     with tarfile.open(path) as tf:
@@ -80,15 +75,6 @@ def test_grouper_and_lean_reader_group_alike(tmp_path: Path):
             ["d/b", "e", "a"] and total == [4]
 
 
-def _tar_of(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
-        for n, data in members:
-            ti = tarfile.TarInfo(n)
-            ti.size = len(data)
-            tf.addfile(ti, io.BytesIO(data))
-    return path
-
-
 @pytest.mark.parametrize("compress", [False, True])
 def test_every_reader_refuses_a_wanted_member_over_the_cap(tmp_path: Path, monkeypatch, compress):
     """A member over MAX_MEMBER_BYTES is refused before it is read by the lean reader and by TarPass (index,
@@ -96,9 +82,8 @@ def test_every_reader_refuses_a_wanted_member_over_the_cap(tmp_path: Path, monke
     import gpufeed.shardset.tar as tar
 
     monkeypatch.setattr(tar, "MAX_MEMBER_BYTES", 1000)
-    path = _tar_of(tmp_path / "s.tar", [("a.cls", b"1"), ("big.jpg", b"\0" * 1001), ("c.jpg", b"x" * 1000)])
-    if compress:
-        path.write_bytes(gzip.compress(path.read_bytes()))
+    path = write_tar(tmp_path / "s.tar", [("a.cls", b"1"), ("big.jpg", b"\0" * 1001), ("c.jpg", b"x" * 1000)],
+                     gz=compress)
     refused = r"member 'big\.jpg' \(header at offset 1024\): member is 1001 bytes, more than the 1000"
     if not compress:
         with open(path, "rb") as f:

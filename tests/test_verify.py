@@ -14,7 +14,7 @@ from gpufeed.errors import DataError
 from gpufeed.manifest import Manifest, ShardInfo, write_manifest
 from gpufeed.shard import write_shards
 from gpufeed.verify import render_verify, verify_shards
-from tests.conftest import WDS_SAMPLE, invoke, invoke_json, write_image
+from tests.conftest import WDS_SAMPLE, invoke, invoke_json, write_image, write_tar
 
 
 @pytest.fixture
@@ -92,12 +92,6 @@ def test_no_manifest_is_a_usage_error(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- foreign sets (gpufeed index)
 
 
-def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    ti = tarfile.TarInfo(name)
-    ti.size = len(data)
-    tar.addfile(ti, io.BytesIO(data))
-
-
 def jpeg_bytes(tmp_path: Path, color: tuple[int, int, int] = (1, 2, 3)) -> bytes:
     return write_image(tmp_path / f"j{color}.jpg", color=color).read_bytes()
 
@@ -109,9 +103,7 @@ def foreign_set(tmp_path: Path, samples: list[list[tuple[str, bytes]]], gzip: bo
     infos = []
     for i, members in enumerate(samples):
         name = f"part-{i:04d}.tgz" if gzip else f"part-{i:04d}.tar"
-        with tarfile.open(root / name, "w:gz" if gzip else "w") as tar:
-            for member, data in members:
-                add(tar, member, data)
+        write_tar(root / name, members, gz=gzip)
         body = (root / name).read_bytes()
         n = len({m.split(".", 1)[0] for m, _ in members})
         infos.append(ShardInfo(name=name, num_samples=n, bytes=len(body),
@@ -181,10 +173,7 @@ def test_gpufeed_set_needs_its_json_members_and_index(shard_set: Path) -> None:
     with tarfile.open(first) as tar:
         members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
     dropped = next(n for n, _ in members if n.endswith(".json"))
-    with tarfile.open(first, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data in members:
-            if name != dropped:
-                add(tar, name, data)
+    write_tar(first, [(name, data) for name, data in members if name != dropped])
     m = read_manifest(shard_set)
     body = first.read_bytes()
     m.shards[0] = ShardInfo(name=first.name, num_samples=m.shards[0].num_samples, bytes=len(body),
@@ -211,10 +200,8 @@ def test_verify_accepts_text_labels_like_index_and_the_loader(tmp_path: Path) ->
     j = jpeg_bytes(tmp_path)
     root = tmp_path / "text"
     root.mkdir()
-    with tarfile.open(root / "data-000.tar", "w") as tar:
-        for key, label in (("a", b"dog"), ("b", b"cat\n"), ("c", b"cat")):
-            add(tar, f"{key}.jpg", j)
-            add(tar, f"{key}.cls", label)
+    write_tar(root / "data-000.tar", [("a.jpg", j), ("a.cls", b"dog"), ("b.jpg", j), ("b.cls", b"cat\n"),
+                                      ("c.jpg", j), ("c.cls", b"cat")])
     invoke(["index", root])
     rep = verify_shards(root, workers=1)
     assert rep.ok, rep.problems
@@ -222,9 +209,7 @@ def test_verify_accepts_text_labels_like_index_and_the_loader(tmp_path: Path) ->
     # with a classes.txt, indices and names may mix: "1" is class 1 (dog) for index, verify and the loader
     (root / "manifest.json").unlink()
     (root / "classes.txt").write_text("cat\ndog\n")
-    with tarfile.open(root / "data-000.tar", "a") as tar:
-        add(tar, "d.jpg", j)
-        add(tar, "d.cls", b"1")
+    write_tar(root / "data-000.tar", [("d.jpg", j), ("d.cls", b"1")], mode="a")
     invoke(["index", root])
     rep = verify_shards(root, workers=1)
     assert rep.ok, rep.problems
@@ -280,11 +265,7 @@ def test_verify_warns_about_shard_files_the_manifest_does_not_list(tmp_path: Pat
 
 def _cut_at_member_boundary(members: list[tuple[str, bytes]], keep: int) -> bytes:
     """A tar of ``members`` cut right after the first ``keep`` members (no end-of-archive blocks)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data in members:
-            add(tar, name, data)
-    body = buf.getvalue()
+    body = write_tar(io.BytesIO(), members).getvalue()
     with tarfile.open(fileobj=io.BytesIO(body)) as tar:
         cut = tar.getmembers()[keep].offset
     return body[:cut]

@@ -15,7 +15,7 @@ import pytest
 from gpufeed.config import LoaderConfig, TuneConfig, load_config
 from gpufeed.tune import Decision, TrialRecord, TuneReport, trial_record, tune
 from gpufeed.world import World
-from tests.conftest import invoke_json
+from tests.conftest import invoke_json, write_tar
 
 
 # --------------------------------------------------------------------------- tiny shards
@@ -25,7 +25,6 @@ def make_shards(dest: Path, *, classes: int = 3, per_class: int = 16, size: tupl
                 num_shards: int = 4) -> Path:
     """A gpufeed-format shard set (KEY.jpg, KEY.cls, KEY.json + manifest.json) written directly."""
     import hashlib
-    import tarfile
 
     import numpy as np
     from PIL import Image
@@ -47,14 +46,12 @@ def make_shards(dest: Path, *, classes: int = 3, per_class: int = 16, size: tupl
     for k in range(num_shards):
         name = f"train-{k:06d}.tar"
         part = samples[k::num_shards]
-        with tarfile.open(dest / name, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for key, c, data, w, h in part:
-                meta = json.dumps({"source": f"class_{c}/{key}.jpg", "class": f"class_{c}", "width": w,
-                                   "height": h}).encode()
-                for ext, payload in (("jpg", data), ("cls", str(c).encode()), ("json", meta)):
-                    ti = tarfile.TarInfo(f"{key}.{ext}")
-                    ti.size, ti.mtime, ti.mode = len(payload), 0, 0o644
-                    tar.addfile(ti, io.BytesIO(payload))
+        members = []
+        for key, c, data, w, h in part:
+            meta = json.dumps({"source": f"class_{c}/{key}.jpg", "class": f"class_{c}", "width": w,
+                               "height": h}).encode()
+            members += [(f"{key}.jpg", data), (f"{key}.cls", str(c).encode()), (f"{key}.json", meta)]
+        write_tar(dest / name, members)
         raw = (dest / name).read_bytes()
         infos.append(ShardInfo(name=name, num_samples=len(part), bytes=len(raw),
                                sha256=hashlib.sha256(raw).hexdigest()))

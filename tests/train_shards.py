@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import tarfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from gpufeed.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
+from tests.conftest import write_tar
 
 
 def _jpeg(rng: np.random.Generator, label: int, size: int) -> bytes:
@@ -30,18 +30,16 @@ def write_tiny_shards(dest: Path, sizes: list[int], *, classes: int = 4, image_p
     infos, k, total = [], 0, 0
     for s, n in enumerate(sizes):
         name = f"{prefix}-{s:06d}.tar"
-        with tarfile.open(dest / name, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for _ in range(n):
-                key = f"s{k:06d}"
-                label = k % classes
-                meta = {"source": f"class_{label}/{key}.jpg", "class": f"class_{label}",
-                        "width": image_px, "height": image_px}
-                for ext, data in (("jpg", _jpeg(rng, label, image_px)), ("cls", str(label).encode()),
-                                  ("json", json.dumps(meta).encode())):
-                    ti = tarfile.TarInfo(f"{key}.{ext}")
-                    ti.size, ti.mtime, ti.mode = len(data), 0, 0o644
-                    tar.addfile(ti, io.BytesIO(data))
-                k += 1
+        members = []
+        for _ in range(n):
+            key = f"s{k:06d}"
+            label = k % classes
+            meta = {"source": f"class_{label}/{key}.jpg", "class": f"class_{label}",
+                    "width": image_px, "height": image_px}
+            members += [(f"{key}.jpg", _jpeg(rng, label, image_px)), (f"{key}.cls", str(label).encode()),
+                        (f"{key}.json", json.dumps(meta).encode())]
+            k += 1
+        write_tar(dest / name, members)
         data = (dest / name).read_bytes()
         total += len(data)
         infos.append(ShardInfo(name=name, num_samples=n, bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))

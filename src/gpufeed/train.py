@@ -679,14 +679,20 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
         trainer = Trainer(cfg, loader_cfg, world, run_dir=run_dir)
         modes, vals = trainer.run(on_step)
         checksums = trainer.gather(trainer.param_checksum())
-        if not world.is_main:
-            return None
-        record = _record(trainer, modes, vals, checksums, run_dir=run_dir, wall_s=time.perf_counter() - t0,
-                         started=started)
-        if run_dir is not None:
-            from gpufeed.train_report import write_report
+        record = None
+        if world.is_main:
+            record = _record(trainer, modes, vals, checksums, run_dir=run_dir, wall_s=time.perf_counter() - t0,
+                             started=started)
+            if run_dir is not None:
+                from gpufeed.train_report import write_report
 
-            write_report(Path(run_dir), record)
+                write_report(Path(run_dir), record)
+        if created:
+            # leave together: a rank that tears gloo down while rank 0 still writes its report can abort at exit
+            # ("terminate called without an active exception") and fail a run that finished
+            import torch.distributed as dist
+
+            dist.barrier()
         return record
     except GpufeedError as exc:
         if trainer is not None and trainer.started and not isinstance(exc, RunError):

@@ -136,6 +136,10 @@ MAX_NODES = 65_536
 """Nodes of a job (node_rank < this)."""
 MAX_SYNTH_IMAGES = 10_000_000
 """Images ``gpufeed synth`` writes."""
+MAX_IO_READERS = 256
+"""``gpufeed io`` parallel readers: each holds an 8 MiB buffer, so 256 readers hold 2 GiB."""
+MAX_IO_FILES = 10_000_000
+"""Files ``gpufeed io`` lists in an image folder (ImageNet-21k has 14 M; a sample of 10 M is plenty)."""
 
 
 def bounded(default: Any, lo: float, hi: float, *, min_open: bool = False, max_open: bool = False,
@@ -447,6 +451,33 @@ class SynthConfig:
                               "every class folder needs at least one image")
 
 
+@dataclass(frozen=True, kw_only=True)
+class IoConfig:
+    """``gpufeed io PATH [PATH ...]``: read rates of shard sets and image folders, cold and warm, per reader count."""
+
+    seconds: float = bounded(3.0, 0.0, MAX_WINDOW_S, min_open=True)
+    """Wall-clock bound of one measurement step (one reader count, cold or warm) in seconds."""
+    bytes: int = bounded(2_000_000_000, 1, MAX_RAM_BYTES, size=True)
+    """Bytes one step may read at most (bytes or a size such as 2GB, 512MiB)."""
+    max_readers: int | None = bounded(None, 1, MAX_IO_READERS)
+    """Largest reader count of the ladder 1, 2, 4, ...; None = min(16, 4 x the CPUs this process may use)."""
+    max_files: int = bounded(100_000, 1, MAX_IO_FILES)
+    """Files listed at most in an image folder (the walk stops there and says so)."""
+    target_rate: float | None = bounded(None, 0.0, MAX_RATE, min_open=True)
+    """Samples/s the GPUs need; with it, each location gets the bandwidth needed and a verdict; None = no need
+    line unless gpu_ceiling is given."""
+    gpu_ceiling: str | None = None
+    """A summary.json of a previous train --measure run: its synthetic samples/s is the target rate; None = not
+    used."""
+    run_dir: str | None = None
+    """Run folder; None = runs/io-<UTC timestamp>/."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        if self.target_rate is not None and self.gpu_ceiling is not None:
+            raise ConfigError("give target_rate or gpu_ceiling, not both")
+
+
 SECTIONS: dict[str, type] = {
     "shard": ShardConfig,
     "loader": LoaderConfig,
@@ -454,6 +485,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "synth": SynthConfig,
     "layout": LayoutConfig,
+    "io": IoConfig,
 }
 
 
@@ -467,6 +499,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     synth: SynthConfig = field(default_factory=SynthConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
+    io: IoConfig = field(default_factory=IoConfig)
 
 
 # --------------------------------------------------------------------------- loading

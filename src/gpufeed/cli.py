@@ -391,6 +391,48 @@ def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int 
     run_job(job, render, as_json)
 
 
+from gpufeed.config import IoConfig  # noqa: E402 - with its command, which `gpufeed io --help` describes
+
+
+@cli.command("io")
+@config_help(IoConfig)
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--seconds", type=float)
+@click.option("--bytes", "bytes_", type=str)
+@click.option("--max-readers", type=int)
+@click.option("--max-files", type=int)
+@click.option("--target-rate", type=float)
+@click.option("--gpu-ceiling", type=click.Path(dir_okay=False))
+@click.option("--run-dir", type=click.Path(file_okay=False))
+@config_option
+@json_option
+def io_cmd(paths: tuple[str, ...], seconds: float | None, bytes_: str | None, max_readers: int | None,
+           max_files: int | None, target_rate: float | None, gpu_ceiling: str | None, run_dir: str | None,
+           config_path: str | None, as_json: bool) -> None:
+    """Read rate of each PATH (a shard set or an image folder), cold and warm, with 1, 2, 4, ... readers.
+
+    \b
+    gpufeed io /nvme/shards /dev/shm/shards --target-rate 3000
+    measures both copies the same way, side by side, and says whether each delivers the MB/s that
+    3000 samples/s need, and whether the set fits in the page cache and in /dev/shm.
+    """
+    cfg = load(config_path, "io", {
+        "seconds": seconds, "bytes": bytes_, "max_readers": max_readers, "max_files": max_files,
+        "target_rate": target_rate, "gpu_ceiling": gpu_ceiling, "run_dir": run_dir})
+
+    def job() -> Any:
+        from gpufeed.storage import measure_io
+
+        return measure_io(list(paths), cfg, progress=lambda line: click.echo(line, err=True))
+
+    def render(report: Any) -> str:
+        from gpufeed.storage import render as render_io
+
+        return render_io(report)
+
+    run_job(job, render, as_json)
+
+
 def main() -> None:
     cli(prog_name="gpufeed")
 

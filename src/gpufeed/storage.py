@@ -6,8 +6,10 @@ or an image folder (ImageFolder layout; at most ``max_files`` files are listed).
 same way, on a ladder of parallel readers 1, 2, 4, ... up to ``max_readers``:
 
 - **shards**: reader i of R reads shards i, i+R, i+2R, ... sequentially in ``READ_SIZE`` reads, so the readers
-  never share a file; the ladder stops at the shard count (more readers would sit idle).
+  never share a file.
 - **images**: R threads take whole files from one shared queue, in listing order: small-file reads.
+
+The ladder stops at the file count (more readers would sit idle) and says so.
 
 Every step (one reader count, cold or warm) stops at the first of: ``seconds`` elapsed, ``bytes`` read (the
 readers reserve each read from one shared budget, so a step never reads more), or the end of the data. A step's
@@ -567,7 +569,8 @@ def _write_run(report: IoReport, cfg: IoConfig) -> IoReport:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB"
+    """A byte count in GB, or in MB below 1 GB."""
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
 
 
 def render(report: IoReport) -> str:

@@ -15,7 +15,7 @@ Every step (one reader count, cold or warm) stops at the first of: ``seconds`` e
 readers reserve each read from one shared budget, so a step never reads more), or the end of the data. A step's
 ``seconds`` is its own duration, from the first read to the last reader's end.
 
-- **cold**: before the step every file of the location is written back (``fdatasync``, so no dirty page stays) and
+- **cold**: before the step every file of the location is written back (``fsync``, so no dirty page stays) and
   dropped from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no root. Whether the pages
   really left is checked with ``mincore(2)`` on a sample of the files (``eviction``: ``confirmed``, ``not confirmed``
   with the share still cached, or ``requested`` where mincore cannot be called). On tmpfs and ramfs the files *are*
@@ -65,6 +65,8 @@ EVICTION_CHECK_BYTES = 1 << 30
 """Bytes per file that mincore checks (the start of the file)."""
 EVICTED_BELOW = 0.05
 """Eviction counts as confirmed when less than this share of the checked pages is still cached."""
+SHORT_STEP_S = 0.5
+"""A step that reads the whole location faster than this gives a noisy rate; the report says so."""
 MAX_RECORD_BYTES = 64 << 20
 """Largest train summary.json read for its GPU ceiling."""
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm")
@@ -258,8 +260,13 @@ def _unescape_mount(text: str) -> str:
 # --------------------------------------------------------------------------- eviction
 
 
+def can_evict() -> bool:
+    """Whether this platform has posix_fadvise (Linux and most Unixes; not macOS or Windows)."""
+    return hasattr(os, "posix_fadvise")
+
+
 def evict(files: list[tuple[str, int]]) -> None:
-    """Write back and drop every file from the page cache (fdatasync + POSIX_FADV_DONTNEED)."""
+    """Write back and drop every file from the page cache (fsync + POSIX_FADV_DONTNEED); needs ``can_evict``."""
     for path, _ in files:
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -267,7 +274,7 @@ def evict(files: list[tuple[str, int]]) -> None:
             continue  # it will fail again, in one sentence, when read
         try:
             try:
-                os.fdatasync(fd)  # dirty pages are not dropped; write them back first
+                os.fsync(fd)  # dirty pages are not dropped; write them back first
             except OSError:
                 pass
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -473,7 +480,7 @@ def _shm_free() -> int | None:
 def _measure_location(loc: _Location, cfg: IoConfig, max_readers: int, opener: Opener,
                       progress: Callable[[str], None] | None) -> tuple[IoLocation, list[str]]:
     fs_type, mount = filesystem_of(loc.path)
-    cold_ok = fs_type not in RAM_FILESYSTEMS
+    cold_ok = fs_type not in RAM_FILESYSTEMS and can_evict()
     notes = []
     top = min(max_readers, len(loc.files))
     if top < max_readers:
@@ -501,11 +508,15 @@ def _measure_location(loc: _Location, cfg: IoConfig, max_readers: int, opener: O
             limit = max(1, got[0])
         got = run_step(loc.files, loc.kind, readers, seconds=cfg.seconds, limit=limit, opener=opener)
         record(readers, "warm", got, None)
+    if any(s.stopped_by == "end" and s.seconds < SHORT_STEP_S for s in steps):
+        notes.append(f"{loc.path}: some steps read all {len(loc.files)} file(s) in under {SHORT_STEP_S:g} s; "
+                     f"their rates are noisy (measure a larger set for steady figures)")
     cold = [s.mb_per_s for s in steps if s.cache == "cold"]
     return IoLocation(
         path=str(loc.path), kind=loc.kind, fs_type=fs_type, mount=mount, files=len(loc.files),
         total_bytes=sum(s for _, s in loc.files), listing_truncated=loc.truncated,
-        cold="measured" if cold_ok else f"not measurable on {fs_type} (its files are the page cache)",
+        cold=("measured" if cold_ok else "not measurable here (no posix_fadvise)" if not can_evict()
+              else f"not measurable on {fs_type} (its files are the page cache)"),
         steps=steps, best_cold_mb_per_s=max(cold) if cold else None,
         best_warm_mb_per_s=max(s.mb_per_s for s in steps if s.cache == "warm")), notes
 

@@ -391,6 +391,39 @@ def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int 
     run_job(job, render, as_json)
 
 
+from gpufeed.config import StageConfig  # noqa: E402 - the stage command's block is self-contained
+
+
+@cli.command()
+@config_help(StageConfig)
+@click.argument("src", type=click.Path())
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option("--jobs", type=int)
+@click.option("--node-rank", type=int)
+@click.option("--num-nodes", type=int)
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@config_option
+@json_option
+def stage(src: str, dest: str, jobs: int | None, node_rank: int | None, num_nodes: int | None, quiet: bool,
+          config_path: str | None, as_json: bool) -> None:
+    """Copy the shard set SRC (folder or manifest.json) to the local folder DEST: free-space check, parallel
+    copies to temporary names, sha256 checked against the manifest, resumable; DEST gets its own manifest."""
+    cfg = load(config_path, "stage", {"src": src, "dest": dest, "jobs": jobs, "node_rank": node_rank,
+                                      "num_nodes": num_nodes})
+
+    def job() -> Any:
+        from gpufeed.stage import stage as run_stage
+
+        return run_stage(cfg, progress=not quiet)
+
+    def render(report: Any) -> str:
+        from gpufeed.stage import render_stage
+
+        return render_stage(report)
+
+    run_job(job, render, as_json)
+
+
 def main() -> None:
     cli(prog_name="gpufeed")
 

@@ -401,7 +401,7 @@ def _mb(n: int) -> str:
 
 def render_stage(r: StageReport) -> str:
     """One line for the summary, then one per warning."""
+    rate = f"{r.mb_per_s:.1f} MB/s, {r.jobs} jobs" if r.shards_copied else "nothing to copy"
     line = (f"staged {r.num_shards} shards to {r.dest}: {r.shards_copied} copied ({_mb(r.bytes_copied)}), "
-            f"{r.shards_kept} kept ({_mb(r.bytes_kept)}), {r.elapsed_s:.1f} s, {r.mb_per_s:.1f} MB/s, {r.jobs} jobs, "
-            f"checked by {r.checked}")
+            f"{r.shards_kept} kept ({_mb(r.bytes_kept)}), {r.elapsed_s:.1f} s, {rate}, checked by {r.checked}")
     return "\n".join([line, *(f"warning: {w}" for w in r.warnings)])

@@ -16,7 +16,8 @@ from typing import Any, Callable
 import click
 
 from gpufeed import __version__
-from gpufeed.config import LoaderConfig, ShardConfig, SynthConfig, TrainConfig, TuneConfig, field_help
+from gpufeed.config import (IoConfig, LoaderConfig, ShardConfig, StageConfig, SynthConfig, TrainConfig, TuneConfig,
+                            field_help)
 from gpufeed.errors import GpufeedError
 
 
@@ -135,6 +136,8 @@ def cli(verbose: bool) -> None:
     gpufeed index   SHARDS         build the manifest for shards written by other tools
     gpufeed tune    SHARDS         measured DataLoader sweep -> [loader] config
     gpufeed train   --shards DEST  AMP + DDP ResNet run with a fed/starved verdict
+    gpufeed io      PATH ...       read rate of shard sets / image folders, cold and warm
+    gpufeed stage   SRC DEST       copy a shard set to NVMe or /dev/shm, checked and resumable
     """
     if verbose:
         import os
@@ -391,9 +394,6 @@ def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int 
     run_job(job, render, as_json)
 
 
-from gpufeed.config import IoConfig  # noqa: E402 - with its command, which `gpufeed io --help` describes
-
-
 @cli.command("io")
 @config_help(IoConfig)
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
@@ -429,6 +429,36 @@ def io_cmd(paths: tuple[str, ...], seconds: float | None, bytes_: str | None, ma
         from gpufeed.storage import render as render_io
 
         return render_io(report)
+
+    run_job(job, render, as_json)
+
+
+@cli.command()
+@config_help(StageConfig)
+@click.argument("src", type=click.Path())
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option("--jobs", type=int)
+@click.option("--node-rank", type=int)
+@click.option("--num-nodes", type=int)
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@config_option
+@json_option
+def stage(src: str, dest: str, jobs: int | None, node_rank: int | None, num_nodes: int | None, quiet: bool,
+          config_path: str | None, as_json: bool) -> None:
+    """Copy the shard set SRC (folder or manifest.json) to the local folder DEST: free-space check, parallel
+    copies to temporary names, sha256 checked against the manifest, resumable; DEST gets its own manifest."""
+    cfg = load(config_path, "stage", {"src": src, "dest": dest, "jobs": jobs, "node_rank": node_rank,
+                                      "num_nodes": num_nodes})
+
+    def job() -> Any:
+        from gpufeed.stage import stage as run_stage
+
+        return run_stage(cfg, progress=not quiet)
+
+    def render(report: Any) -> str:
+        from gpufeed.stage import render_stage
+
+        return render_stage(report)
 
     run_job(job, render, as_json)
 

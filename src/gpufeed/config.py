@@ -478,6 +478,27 @@ class IoConfig:
             raise ConfigError("give target_rate or gpu_ceiling, not both")
 
 
+@dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    """``gpufeed stage SRC DEST``: copy a shard set to local NVMe or a RAM disk, checked, resumable."""
+
+    src: str | None = None
+    """The shard set to copy: a shard-set folder or its manifest.json."""
+    dest: str | None = None
+    """Local folder the set is staged into (its manifest is written there)."""
+    jobs: int | None = bounded(None, 1, MAX_WORKERS)
+    """Concurrent shard copies (threads); None = min(8, shards to copy)."""
+    node_rank: int | None = bounded(None, 0, MAX_NODES - 1)
+    """This node's rank; only a whole set can be staged, so with num_nodes > 1 staging is refused."""
+    num_nodes: int | None = bounded(None, 1, MAX_NODES)
+    """Nodes of the job; more than 1 is refused (every node reads every shard across epochs)."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        if self.node_rank is not None and self.node_rank >= (self.num_nodes or 1):
+            raise ConfigError(f"node_rank ({self.node_rank}) must be below num_nodes ({self.num_nodes or 1})")
+
+
 SECTIONS: dict[str, type] = {
     "shard": ShardConfig,
     "loader": LoaderConfig,
@@ -486,6 +507,7 @@ SECTIONS: dict[str, type] = {
     "synth": SynthConfig,
     "layout": LayoutConfig,
     "io": IoConfig,
+    "stage": StageConfig,
 }
 
 
@@ -500,6 +522,7 @@ class Config:
     synth: SynthConfig = field(default_factory=SynthConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     io: IoConfig = field(default_factory=IoConfig)
+    stage: StageConfig = field(default_factory=StageConfig)
 
 
 # --------------------------------------------------------------------------- loading

@@ -1,0 +1,407 @@
+"""``gpufeed stage SRC DEST``: copy a shard set to fast local storage (NVMe, a RAM disk) before training.
+
+SRC is a shard-set folder or its ``manifest.json``; DEST is a local folder. In order:
+
+1. The manifest is read and every source shard is checked to be a regular file of the size the manifest
+   records (a missing or resized shard is an input error, exit 2, before anything is copied).
+2. ``DEST/.gpufeed-stage/lock`` is taken (``flock``; a second run into the same DEST is refused, naming the pid;
+   the lock dies with the process, so a run killed with -9 leaves nothing the next run must clear). Temporary
+   files a killed run left (``DEST/.<shard>.tmp``) are removed.
+3. Resume: a shard already at DEST is kept when its size matches and its sha256 matches the manifest, proven
+   either by its sidecar ``DEST/.gpufeed-stage/<shard>.done.json`` (size, mtime_ns and sha256 written after the
+   rename; a file changed since has another mtime or size) or, without a sidecar, by re-hashing it. A manifest
+   without sha256 (``gpufeed index --no-hash``) can only be compared by size: such a shard is kept only with a
+   sidecar written by an earlier stage run, and the report says the copies were checked by size only.
+4. Free space: the bytes still to copy (plus 1%) must fit in ``shutil.disk_usage(DEST).free``. When DEST is on
+   tmpfs/ramfs (``/dev/shm``) the staged set lives in RAM: the report (and a refusal) names how much, next to
+   the RAM available now (``psutil.virtual_memory().available``), since it comes out of the page cache.
+5. Copy: a bounded thread pool (``--jobs``, default min(8, shards to copy); the work is I/O) streams each shard
+   in ``CHUNK_BYTES`` reads into ``DEST/.<shard>.tmp``, hashing as it goes, fsyncs it, checks size and sha256
+   against the manifest, renames it to its name, fsyncs the folder and writes the sidecar. A shard whose bytes
+   differ from the manifest is refused (:class:`RunError`, exit 1, naming it) and its temporary file removed;
+   the other copies stop at their next chunk. Ctrl-C stops the same way; complete shards are kept.
+6. ``index.parquet`` and ``_info.json`` next to the SRC manifest are copied (atomically) when present, and last
+   the manifest is written to ``DEST/manifest.json`` with ``root`` None (the shards sit next to it), the same
+   shards and counts otherwise: ``tune``, ``train`` and ``verify`` use DEST directly. While a run copies, a DEST
+   manifest from an earlier run is removed first, so its presence still means the set at DEST is complete.
+
+Node subsets (``--node-rank``/``--num-nodes``) are refused for more than one node. The loader (docs/design.md
+§3) puts the manifest's shards in a seeded per-epoch permutation and gives each rank a contiguous range of that
+order, so across epochs every node reads every shard; no subset of shards is safe to stage per node, and the
+loader also refuses a manifest whose shards are not all present. A per-node subset would need a loader whose
+shard split is per node and epoch-independent; until then each node stages the whole set.
+
+Sources are opened through :class:`LocalSource` (``open(name)`` gives a binary file object, ``size(name)`` the
+size); the copy (:func:`copy_shard`) only reads from the object it is given, so a remote opener (fsspec) can
+take its place later. Shard names come from the manifest, which checked them to be plain file names.
+
+``GPUFEED_STAGE_CHUNK_BYTES`` overrides the read size; only the tests use it (to make a copy slow enough to kill).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from gpufeed.config import StageConfig
+from gpufeed.errors import DataError, RunError
+from gpufeed.manifest import INDEX_NAME, MANIFEST_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, manifest_path, \
+    read_manifest, write_manifest
+from gpufeed.records import atomic_writer, fsync_dir, write_json
+
+STATE_DIR = ".gpufeed-stage"
+LOCK_NAME = "lock"
+CHUNK_BYTES = 8 << 20
+"""Bytes per read of a source shard (8 MiB)."""
+MAX_JOBS_DEFAULT = 8
+"""Default concurrent copies (at most one per shard to copy)."""
+SPACE_MARGIN = 0.01
+"""Free space required beyond the bytes to copy: 1% of them."""
+SIDE_FILES = (INDEX_NAME, TIMM_INFO_NAME)
+"""Files next to the SRC manifest that are copied along when present."""
+_RAM_FS = ("tmpfs", "ramfs")
+_MAX_SIDECAR_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class StageReport:
+    src: str
+    """The SRC manifest read."""
+    dest: str
+    num_shards: int
+    shards_copied: int
+    shards_kept: int
+    """Shards already complete at DEST (resume), not copied again."""
+    bytes_copied: int
+    bytes_kept: int
+    elapsed_s: float
+    mb_per_s: float
+    """Bytes copied / elapsed seconds, in MB/s (10^6)."""
+    jobs: int
+    checked: str
+    """"sha256", or "size" when the manifest has no sha256 for some shards (indexed with --no-hash)."""
+    ram_fs: bool
+    """DEST is on tmpfs/ramfs: the staged set is held in RAM."""
+    manifest: str
+    warnings: list[str] = field(default_factory=list)
+    ok: bool = True
+
+
+class LocalSource:
+    """Shards of a local folder. The interface a remote source (fsspec) would implement: ``problem(name)`` (why
+    a shard cannot be read, or None), ``size(name)`` and ``open(name)`` (a binary file object, read sequentially)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, name: str) -> str:
+        return str((self.root / name).absolute())
+
+    def problem(self, name: str) -> str | None:
+        from gpufeed.shardset.tar import file_problem
+
+        return file_problem(self.path(name))
+
+    def size(self, name: str) -> int:
+        return os.stat(self.path(name)).st_size
+
+    def open(self, name: str) -> BinaryIO:
+        # O_NONBLOCK: a FIFO swapped in after problem() must not block the open; checked to be a file below
+        fd = os.open(self.path(name), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise RunError(f"source shard {self.path(name)} is not a regular file")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+def chunk_bytes() -> int:
+    raw = os.environ.get("GPUFEED_STAGE_CHUNK_BYTES", "")
+    return max(1, min(int(raw), CHUNK_BYTES)) if raw.isdigit() else CHUNK_BYTES
+
+
+def copy_shard(source: LocalSource, info: ShardInfo, dest: Path, *, chunk: int, stop: threading.Event,
+               progress: Callable[[int], None]) -> str:
+    """Copy one shard to ``dest/.<name>.tmp`` (hashing as it reads), fsync, check size and sha256 against
+    ``info``, rename it to ``dest/<name>`` and return its sha256. Raises RunError (naming the shard) on a
+    mismatch, with the temporary file removed; stops with RunError when ``stop`` is set."""
+    tmp = dest / f".{info.name}.tmp"
+    final = dest / info.name
+    h = hashlib.sha256()
+    got = 0
+    limit = info.bytes + 1  # read at most one byte past the promised size: a grown source is refused, not copied
+    try:
+        with source.open(info.name) as src:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            with os.fdopen(fd, "wb") as out:
+                while got < limit:
+                    if stop.is_set():
+                        raise RunError(f"copy of {info.name} stopped")
+                    data = src.read(min(chunk, limit - got))
+                    if not data:
+                        break
+                    h.update(data)
+                    out.write(data)
+                    got += len(data)
+                    progress(len(data))
+                out.flush()
+                os.fsync(out.fileno())
+        if got != info.bytes:
+            size = "grew past" if got > info.bytes else f"is {got} bytes, not"
+            raise RunError(f"source shard {source.path(info.name)} {size} the {info.bytes} bytes the manifest says; "
+                           f"it was not staged")
+        digest = h.hexdigest()
+        if info.sha256 is not None and digest != info.sha256:
+            raise RunError(f"source shard {source.path(info.name)} has sha256 {digest[:16]}..., the manifest says "
+                           f"{info.sha256[:16]}...; it is corrupt and was not staged")
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(dest)
+    return digest
+
+
+def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
+    """Stage the shard set ``cfg.src`` into ``cfg.dest`` (module docstring). Returns the report; raises DataError
+    (exit 2) for a problem found before copying, RunError (exit 1) for one found while copying."""
+    t0 = time.perf_counter()
+    if cfg.src is None or cfg.dest is None:
+        raise DataError("stage needs SRC (a shard set) and DEST (a folder)")
+    if cfg.num_nodes is not None and cfg.num_nodes > 1:
+        raise DataError(f"--num-nodes {cfg.num_nodes} is refused: the loader reads the shards in a seeded order "
+                        f"that changes every epoch, so every node reads every shard; stage the whole set on each node")
+    src_manifest = manifest_path(cfg.src)
+    m = read_manifest(cfg.src)
+    src_root = src_manifest.parent / m.root if m.root else src_manifest.parent
+    source = LocalSource(src_root)
+    dest = Path(cfg.dest)
+    if dest.exists() and not dest.is_dir():
+        raise DataError(f"DEST {dest} is not a folder")
+    for info in m.shards:
+        why = source.problem(info.name)
+        if why:
+            raise DataError(f"source shard {source.path(info.name)} {why}")
+        size = source.size(info.name)
+        if size != info.bytes:
+            raise DataError(f"source shard {source.path(info.name)} is {size} bytes, the manifest says {info.bytes}")
+    dest.mkdir(parents=True, exist_ok=True)
+    if dest.resolve() == src_root.resolve() or dest.resolve() == src_manifest.parent.resolve():
+        raise DataError(f"DEST {dest} is the SRC folder; choose another folder")
+    state = dest / STATE_DIR
+    state.mkdir(exist_ok=True)
+    lock = _lock(state / LOCK_NAME, dest)
+    try:
+        return _run(cfg, m, src_manifest, source, dest, state, progress, t0)
+    finally:
+        os.close(lock)
+
+
+def _run(cfg: StageConfig, m: Manifest, src_manifest: Path, source: LocalSource, dest: Path, state: Path,
+         progress: bool, t0: float) -> StageReport:
+    _refuse_other_set(dest, m)
+    for info in m.shards:  # temporaries of a killed run: this run holds the lock, nobody else writes them
+        try:
+            os.unlink(dest / f".{info.name}.tmp")
+        except FileNotFoundError:
+            pass
+    kept = [info for info in m.shards if _complete(dest, state, info)]
+    kept_names = {i.name for i in kept}
+    todo = [info for info in m.shards if info.name not in kept_names]
+    sides = [n for n in SIDE_FILES if (src_manifest.parent / n).is_file()]
+    need = sum(i.bytes for i in todo) + sum((src_manifest.parent / n).stat().st_size for n in sides)
+    ram_fs = _on_ram_fs(dest)
+    warnings = []
+    ram_note = ""
+    if ram_fs:
+        import psutil
+
+        staged = sum(i.bytes for i in m.shards)
+        ram_note = (f"DEST {dest} is on a RAM file system: the staged set holds {_mb(staged)} of RAM, out of the page "
+                    f"cache ({_mb(psutil.virtual_memory().available)} available now)")
+        warnings.append(ram_note)
+    free = shutil.disk_usage(dest).free
+    if need + int(need * SPACE_MARGIN) > free:
+        raise DataError(f"DEST {dest} has {_mb(free)} free, staging needs {_mb(need)} plus a 1% margin"
+                        + (f"; {ram_note}" if ram_note else ""))
+    unhashed = sum(i.sha256 is None for i in m.shards)
+    if unhashed:
+        warnings.append(f"the manifest has no sha256 for {unhashed} shard(s) (indexed with --no-hash): their copies "
+                        f"were checked by size only")
+    jobs = cfg.jobs if cfg.jobs is not None else min(MAX_JOBS_DEFAULT, max(1, len(todo)))
+    if todo:
+        try:  # the set at DEST is incomplete until this run writes the manifest again
+            os.unlink(dest / MANIFEST_NAME)
+        except FileNotFoundError:
+            pass
+        _copy_all(source, todo, dest, state, jobs, progress)
+    for name in sides:
+        with open(src_manifest.parent / name, "rb") as f, atomic_writer(dest / name) as out:
+            shutil.copyfileobj(f, out, CHUNK_BYTES)
+    out_manifest = write_manifest(dest, replace(m, root=None))
+    elapsed = time.perf_counter() - t0
+    copied = sum(i.bytes for i in todo)
+    return StageReport(
+        src=str(src_manifest), dest=str(dest), num_shards=len(m.shards), shards_copied=len(todo),
+        shards_kept=len(kept), bytes_copied=copied, bytes_kept=sum(i.bytes for i in kept), elapsed_s=elapsed,
+        mb_per_s=copied / 1e6 / elapsed if elapsed > 0 else 0.0, jobs=jobs,
+        checked="size" if unhashed else "sha256", ram_fs=ram_fs, manifest=str(out_manifest), warnings=warnings)
+
+
+def _copy_all(source: LocalSource, todo: list[ShardInfo], dest: Path, state: Path, jobs: int,
+              progress: bool) -> None:
+    """Copy ``todo`` with ``jobs`` threads; the first failure (or Ctrl-C) stops the others at their next chunk and
+    is raised once they have cleaned up."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(i.bytes for i in todo), desc="stage", unit="B", unit_scale=True, unit_divisor=1000,
+                   file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:
+        if bar is not None:
+            with lock:
+                bar.update(n)
+
+    stop = threading.Event()
+    chunk = chunk_bytes()
+
+    def one(info: ShardInfo) -> None:
+        digest = copy_shard(source, info, dest, chunk=chunk, stop=stop, progress=tick)
+        st = os.stat(dest / info.name)
+        write_json(state / f"{info.name}.done.json",
+                   {"name": info.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest})
+
+    pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="gpufeed-stage")
+    try:
+        futures = [pool.submit(one, info) for info in todo]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None), None)
+        if failed is not None:
+            stop.set()
+            for f in futures:
+                f.cancel()
+            raise failed.exception()  # type: ignore[misc]
+    finally:
+        stop.set()  # Ctrl-C (or a failure): running copies stop at their next chunk and remove their temporaries
+        pool.shutdown(wait=True, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+
+
+def _complete(dest: Path, state: Path, info: ShardInfo) -> bool:
+    """Whether ``dest/<name>`` already holds this shard: its size matches and its sha256 matches, by its sidecar
+    (same size and mtime as when it was written) or by re-hashing it (then the sidecar is written). Without a
+    sha256 in the manifest only a sidecar can vouch for it."""
+    path = dest / info.name
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size != info.bytes:
+        return False
+    side = _read_sidecar(state / f"{info.name}.done.json")
+    if side is not None and side.get("size") == st.st_size and side.get("mtime_ns") == st.st_mtime_ns and (
+            info.sha256 is None or side.get("sha256") == info.sha256):
+        return True
+    if info.sha256 is None:
+        return False
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while data := f.read(CHUNK_BYTES):
+            h.update(data)
+    if h.hexdigest() != info.sha256:
+        return False
+    write_json(state / f"{info.name}.done.json",
+               {"name": info.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": info.sha256})
+    return True
+
+
+def _read_sidecar(path: Path) -> dict[str, Any] | None:
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_SIDECAR_BYTES + 1)
+        data = json.loads(raw) if len(raw) <= _MAX_SIDECAR_BYTES else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _refuse_other_set(dest: Path, m: Manifest) -> None:
+    """Refuse a DEST whose manifest lists other shards or classes: staging would mix two sets."""
+    if not (dest / MANIFEST_NAME).exists():
+        return
+    try:
+        old = read_manifest(dest)
+    except DataError:
+        return  # an unreadable manifest is replaced at the end like any stale one
+    if old.shards != m.shards or old.classes != m.classes:
+        raise DataError(f"DEST {dest} holds another shard set (its {MANIFEST_NAME} lists other shards or classes); "
+                        f"choose an empty folder or remove that set first")
+
+
+def _on_ram_fs(path: Path) -> bool:
+    """Whether ``path`` is on tmpfs or ramfs (its longest mount point in /proc/mounts); False where unknown."""
+    try:
+        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split() for line in f.read(1 << 20).splitlines()]
+    except OSError:
+        return False
+    target = str(path.resolve())
+    best, kind = "", ""
+    for parts in mounts:
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, parts[2]
+    return kind in _RAM_FS
+
+
+def _lock(path: Path, dest: Path) -> int:
+    """An exclusive ``flock`` on ``path`` for the whole run, recording this pid; a held lock is refused naming
+    its holder. Close-on-exec, so it dies with this process."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 16, 0).strip()
+        os.close(fd)
+        who = f" (pid {int(holder)})" if holder.isdigit() and len(holder) <= 10 else ""
+        raise DataError(f"DEST {dest} is in use by another `gpufeed stage` run{who}; wait for it to finish") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def render_stage(r: StageReport) -> str:
+    """One line for the summary, then one per warning."""
+    rate = f"{r.mb_per_s:.1f} MB/s, {r.jobs} jobs" if r.shards_copied else "nothing to copy"
+    line = (f"staged {r.num_shards} shards to {r.dest}: {r.shards_copied} copied ({_mb(r.bytes_copied)}), "
+            f"{r.shards_kept} kept ({_mb(r.bytes_kept)}), {r.elapsed_s:.1f} s, {rate}, checked by {r.checked}")
+    return "\n".join([line, *(f"warning: {w}" for w in r.warnings)])

@@ -1,0 +1,185 @@
+"""``gpufeed stage SRC DEST``: checked copies, the DEST set is usable, corrupt sources refused, resume after a
+partial or killed run, the free-space check, and node subsets refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import invoke, invoke_json
+from tests.train_shards import write_tiny_shards
+
+SIDE = ".gpufeed-stage"
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.tar"))}
+
+
+def _no_temporaries(folder: Path) -> None:
+    assert sorted(p.name for p in folder.glob(".*.tmp")) == []
+
+
+@pytest.fixture()
+def src(tmp_path: Path) -> Path:
+    return write_tiny_shards(tmp_path / "src", [6, 5, 7, 6])
+
+
+def test_stage_copies_a_set_that_verifies_and_loads(src: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    r = invoke_json(["stage", src / "manifest.json", dest, "--quiet"])
+    assert (r["num_shards"], r["shards_copied"], r["shards_kept"], r["checked"]) == (4, 4, 0, "sha256")
+    assert r["bytes_copied"] == sum(len(b) for b in _files(src).values())
+    assert _files(dest) == _files(src)
+    written = json.loads((dest / "manifest.json").read_text())
+    assert written["root"] is None and written["num_samples"] == 24
+    assert [s["name"] for s in written["shards"]] == sorted(_files(src))
+    invoke(["verify", dest], expect=0)
+
+    from gpufeed.config import LoaderConfig
+    from gpufeed.loader import build_loader
+    from gpufeed.world import World
+
+    loader = build_loader(dest, LoaderConfig(batch_size=4, num_workers=0, decode="pil", image_size=16),
+                          World.single(), train=False)
+    labels = [int(v) for _, y in loader for v in y]
+    assert labels == [k % 4 for k in range(24)]  # every sample, in shard order, from DEST
+    assert str(dest) in loader.paths[0]
+
+
+def test_stage_of_a_set_indexed_elsewhere_puts_shards_next_to_the_manifest(src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "idx"
+    invoke(["index", src, "--out", out])
+    dest = tmp_path / "dest"
+    invoke_json(["stage", out, dest, "--quiet"])
+    assert json.loads((dest / "manifest.json").read_text())["root"] is None
+    assert _files(dest) == _files(src)
+    invoke(["verify", dest], expect=0)
+
+
+def test_corrupt_source_shard_is_refused_by_name_and_not_staged(src: Path, tmp_path: Path) -> None:
+    bad = src / "train-000002.tar"
+    data = bytearray(bad.read_bytes())
+    data[700] ^= 0xFF  # same size, one byte flipped: only the sha256 can tell
+    bad.write_bytes(bytes(data))
+    dest = tmp_path / "dest"
+    result = invoke(["stage", src, dest, "--quiet"], expect=1)
+    assert "train-000002.tar" in result.stderr and "sha256" in result.stderr
+    assert not (dest / "train-000002.tar").exists()
+    assert not (dest / SIDE / "train-000002.tar.done.json").exists()
+    assert not (dest / "manifest.json").exists()  # the DEST set is incomplete
+    _no_temporaries(dest)
+
+
+def test_missing_source_shard_is_an_input_error(src: Path, tmp_path: Path) -> None:
+    (src / "train-000001.tar").unlink()
+    result = invoke(["stage", src, tmp_path / "dest", "--quiet"], expect=2)
+    assert "train-000001.tar is missing" in result.stderr
+    assert not (tmp_path / "dest" / "train-000000.tar").exists()
+
+
+def test_resume_keeps_complete_shards_and_recopies_the_rest(src: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    invoke_json(["stage", src, dest, "--quiet"])
+    old = 1_000_000_000
+    # shard 0: complete but its sidecar is gone -> kept after a re-hash; its mtime shows it was not rewritten
+    (dest / SIDE / "train-000000.tar.done.json").unlink()
+    os.utime(dest / "train-000000.tar", ns=(old, old))
+    # shard 1: lost, with a half-written temporary of a killed run
+    (dest / "train-000001.tar").unlink()
+    (dest / ".train-000001.tar.tmp").write_bytes(_files(src)["train-000001.tar"][:5000])
+    # shard 3: right size, wrong bytes (and so another mtime than its sidecar) -> copied again
+    data = bytearray((dest / "train-000003.tar").read_bytes())
+    data[600] ^= 0xFF
+    (dest / "train-000003.tar").write_bytes(bytes(data))
+    os.utime(dest / "train-000003.tar", ns=(old, old))
+    (dest / "manifest.json").unlink()
+
+    r = invoke_json(["stage", src, dest, "--quiet"])
+    assert (r["shards_copied"], r["shards_kept"]) == (2, 2)
+    assert os.stat(dest / "train-000000.tar").st_mtime_ns == old
+    assert _files(dest) == _files(src)
+    _no_temporaries(dest)
+    invoke(["verify", dest], expect=0)
+    again = invoke_json(["stage", src, dest, "--quiet"])  # everything has a sidecar now
+    assert (again["shards_copied"], again["shards_kept"]) == (0, 4)
+
+
+def test_kill_9_mid_copy_then_rerun_gives_identical_set(tmp_path: Path) -> None:
+    src = write_tiny_shards(tmp_path / "src", [8] * 10, image_px=128)
+    dest = tmp_path / "dest"
+    env = {**os.environ, "GPUFEED_STAGE_CHUNK_BYTES": "1"}  # one byte per read: seconds per set, not milliseconds
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, "-m", "gpufeed.cli", "stage", str(src), str(dest), "--jobs", "1",
+                             "--quiet"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if list((dest / SIDE).glob("*.done.json")) and list(dest.glob(".*.tmp")):
+                break  # one shard complete, the next one half-written
+            time.sleep(0.005)
+        assert proc.poll() is None, f"stage finished before it could be killed: {proc.stderr.read()!r}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert not (dest / "manifest.json").exists()
+    assert list(dest.glob(".*.tmp"))  # the kill left a temporary behind
+    r = invoke_json(["stage", src, dest, "--quiet"])
+    assert r["shards_kept"] >= 1 and r["shards_copied"] >= 1 and r["shards_kept"] + r["shards_copied"] == 10
+    assert _files(dest) == _files(src)
+    _no_temporaries(dest)
+    invoke(["verify", dest, "--no-decode"], expect=0)
+
+
+def test_no_hash_manifest_is_checked_by_size_and_says_so(src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "idx"
+    invoke(["index", src, "--out", out, "--no-hash"])
+    dest = tmp_path / "dest"
+    r = invoke_json(["stage", out, dest, "--quiet"])
+    assert r["checked"] == "size" and r["shards_copied"] == 4
+    assert any("no sha256 for 4 shard(s)" in w for w in r["warnings"])
+    assert _files(dest) == _files(src)
+    assert invoke_json(["stage", out, dest, "--quiet"])["shards_kept"] == 4  # kept by their sidecars
+
+
+def test_dest_holding_another_set_is_refused(src: Path, tmp_path: Path) -> None:
+    other = write_tiny_shards(tmp_path / "other", [3, 3], seed=1)
+    result = invoke(["stage", src, other, "--quiet"], expect=2)
+    assert "holds another shard set" in result.stderr
+
+
+def test_node_subsets_are_refused(src: Path, tmp_path: Path) -> None:
+    result = invoke(["stage", src, tmp_path / "dest", "--num-nodes", "8", "--node-rank", "3"], expect=2)
+    assert "every node reads every shard" in result.stderr
+    assert not (tmp_path / "dest").exists()
+    result = invoke(["stage", src, tmp_path / "dest", "--num-nodes", "2", "--node-rank", "2"], expect=2)
+    assert "node_rank (2) must be below num_nodes (2)" in result.stderr
+
+
+def test_short_space_is_refused_before_copying(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    src = write_tiny_shards(tmp_path / "src", [8] * 10, image_px=128)
+    assert sum(len(b) for b in _files(src).values()) > 1 << 20
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True,
+                      timeout=30).returncode != 0:
+        pytest.skip("tmpfs cannot be mounted here")
+    try:
+        result = invoke(["stage", src, mnt / "dest", "--quiet"], expect=2)
+        assert "free, staging needs" in result.stderr and "RAM file system" in result.stderr
+        assert list((mnt / "dest").glob("*.tar")) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], timeout=30, check=True)

@@ -250,13 +250,14 @@ def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None,
 @click.option("--device", type=str)
 @click.option("--nproc-per-node", type=int)
 @click.option("--trainer-cores", type=int)
+@click.option("--storage-probe-s", type=float)
 @config_option
 @json_option
 def tune(shards: str, budget_s: float | None, batch_size: int | None, image_size: int | None,
          max_workers: int | None, cpu_budget: float | None, ram_budget: str | None, target_rate: float | None,
          baseline_imagefolder: str | None, out: str | None, run_dir: str | None, repeats: int | None,
          window_s: float | None, device: str | None, nproc_per_node: int | None, trainer_cores: int | None,
-         config_path: str | None, as_json: bool) -> None:
+         storage_probe_s: float | None, config_path: str | None, as_json: bool) -> None:
     """Measured, budget-aware DataLoader sweep over SHARDS -> the fastest per-rank [loader] config for this node.
 
     \b
@@ -268,7 +269,8 @@ def tune(shards: str, budget_s: float | None, batch_size: int | None, image_size
         "shards": shards, "budget_s": budget_s, "batch_size": batch_size, "image_size": image_size,
         "max_workers": max_workers, "cpu_budget": cpu_budget, "ram_budget": ram_budget, "target_rate": target_rate,
         "baseline_imagefolder": baseline_imagefolder, "out": out, "run_dir": run_dir, "repeats": repeats,
-        "window_s": window_s, "device": device, "nproc_per_node": nproc_per_node, "trainer_cores": trainer_cores})
+        "window_s": window_s, "device": device, "nproc_per_node": nproc_per_node, "trainer_cores": trainer_cores,
+        "storage_probe_s": storage_probe_s})
     if cfg.nproc_per_node is None:  # the layout training will run: [train] nproc_per_node
         cfg = dataclasses.replace(cfg, nproc_per_node=load(config_path, "train", {}).nproc_per_node)
     base = load(config_path, "loader", {})
@@ -359,6 +361,8 @@ def synth(dest: str, images: int | None, classes: int | None, seed: int | None, 
 @click.option("--device", type=str)
 @click.option("--threads", type=int)
 @click.option("--storage-rate", "storage_bytes_per_s", type=float)
+@click.option("--storage-record", type=click.Path(dir_okay=False))
+@click.option("--storage-probe-s", type=float)
 @click.option("--run-dir", type=click.Path(file_okay=False))
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @config_option

@@ -304,6 +304,9 @@ class TuneConfig:
     None = the [train] nproc_per_node."""
     trainer_cores: int = bounded(1, 0, MAX_WORKERS)
     """Cores left to each training process, kept out of its loader's worker budget."""
+    storage_probe_s: float = bounded(3.0, 0.0, MAX_WINDOW_S)
+    """Seconds spent probing the shard set's read rate before the trials (gpufeed io's reader ladder, cold where
+    measurable), so the bound line can say whether the loader reads at the storage's limit; 0 = no probe."""
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -398,7 +401,14 @@ class TrainConfig:
     threads: int | None = bounded(None, 1, MAX_WORKERS)
     """torch CPU threads per rank; None = usable CPUs / processes on this node."""
     storage_bytes_per_s: float | None = bounded(None, 0.0, MAX_STORAGE_BYTES_PER_S, min_open=True)
-    """Measured read rate of the shard storage in bytes/s (e.g. with fio); lets the verdict call a storage bound."""
+    """Measured read rate of the shard storage in bytes/s (e.g. with fio); lets the verdict call a storage bound.
+    Given, it replaces the probe (storage_probe_s) and storage_record."""
+    storage_record: str | None = None
+    """A ``gpufeed io`` summary.json that measured the shard set's folder: its best rate is the storage rate
+    (instead of the probe); None = not used."""
+    storage_probe_s: float = bounded(3.0, 0.0, MAX_WINDOW_S)
+    """Seconds ``--measure`` spends probing the shard set's read rate (gpufeed io's reader ladder, cold where
+    measurable) before the modes, unless storage_bytes_per_s or storage_record is given; 0 = no probe."""
     nproc_per_node: int = bounded(1, 1, MAX_NPROC_PER_NODE)
     """Processes (GPUs) per node; > 1 or nnodes > 1 launches through torchrun."""
     nnodes: str = "1"
@@ -425,6 +435,8 @@ class TrainConfig:
             raise ConfigError(f"nnodes must be N or MIN:MAX, got {self.nnodes!r}")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("resume needs checkpoint_dir (the folder holding last.pt)")
+        if self.storage_bytes_per_s is not None and self.storage_record is not None:
+            raise ConfigError("give storage_bytes_per_s (--storage-rate) or storage_record, not both")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from gpufeed.config import IoConfig
-from gpufeed.errors import DataError
+from gpufeed.errors import DataError, one_line
 
 READ_SIZE = 8 << 20
 """Bytes per read of a sequential reader (and of a large image file)."""
@@ -614,3 +614,122 @@ def render(report: IoReport) -> str:
     if report.run_dir:
         lines.append(f"run folder: {report.run_dir}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the storage rate of a run
+
+
+PROBE_BYTES = 1 << 30
+"""Bytes a probe reads at most, over all its steps."""
+
+
+@dataclass(frozen=True)
+class StorageRate:
+    """What the storage of a shard set delivers, as ``train --measure`` and ``tune`` record it (``storage`` in
+    their summary.json)."""
+
+    bytes_per_s: float
+    """The best rate of the ladder (cold where cold was measured)."""
+    source: str
+    """probe, io record or --storage-rate."""
+    readers: int | None = None
+    """Parallel readers of the best rate (None: --storage-rate)."""
+    cache: str | None = None
+    """cold or warm: the page cache state the rate was read in (None: --storage-rate)."""
+    seconds: float | None = None
+    """The probe's reading time, all steps (None: not a probe)."""
+    ladder: list[tuple[int, float]] = field(default_factory=list)
+    """(readers, bytes/s) of each step, reader counts ascending."""
+    path: str | None = None
+    """The location measured."""
+
+
+def probe(location: str | Path, seconds: float = 3.0, *, max_readers: int | None = None,
+          max_bytes: int = PROBE_BYTES, opener: Opener = local_open) -> StorageRate:
+    """A bounded ``gpufeed io`` of one location (the shard files the loader reads): the reader ladder 1, 2, 4, ...
+    up to ``max_readers`` (default :func:`default_max_readers`, never more than the files), each step given
+    ``seconds / steps`` seconds and ``max_bytes / steps`` bytes. Each step is cold where cold is measurable (the
+    files the step may reach are evicted first, as in ``gpufeed io``; eviction time is not counted), else warm.
+    Returns the best rate with its reader count and the ladder."""
+    loc = resolve_location(location, 100_000)
+    fs_type, _ = filesystem_of(loc.path)
+    cold = fs_type not in RAM_FILESYSTEMS and can_evict()
+    rungs = reader_ladder(max(1, min(max_readers or default_max_readers(), len(loc.files))))
+    step_s, step_bytes = seconds / len(rungs), max(1, max_bytes // len(rungs))
+    ladder: list[tuple[int, float]] = []
+    total_s = 0.0
+    for readers in rungs:
+        if cold:
+            evict(_reachable(loc.files, readers, step_bytes))
+        nbytes, _, secs, _ = run_step(loc.files, loc.kind, readers, seconds=step_s, limit=step_bytes, opener=opener)
+        total_s += secs
+        ladder.append((readers, nbytes / max(secs, 1e-9)))
+    readers, rate = max(ladder, key=lambda rung: (rung[1], -rung[0]))
+    return StorageRate(bytes_per_s=rate, source="probe", readers=readers, cache="cold" if cold else "warm",
+                       seconds=total_s, ladder=ladder, path=str(loc.path))
+
+
+def _reachable(files: list[tuple[str, int]], readers: int, limit: int) -> list[tuple[str, int]]:
+    """The files a shard step of ``readers`` readers can touch within ``limit`` bytes: reader r reads files
+    r, r + readers, ... and no reader reads more than ``limit``."""
+    out = []
+    for r in range(readers):
+        got = 0
+        for f in files[r::readers]:
+            if got >= limit:
+                break
+            out.append(f)
+            got += f[1]
+    return out
+
+
+def io_record_rate(record_path: str | Path, shards: str | Path) -> StorageRate:
+    """The storage rate of the shard set ``shards`` from a ``gpufeed io`` summary.json: the location whose folder
+    is the shard set's folder, its best cold rate (warm where cold was not measured). DataError (one sentence)
+    when the file is not such a record or measured another location."""
+    p = Path(record_path)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_RECORD_BYTES + 1)
+        if len(raw) > MAX_RECORD_BYTES:
+            raise DataError(f"{p} is larger than {MAX_RECORD_BYTES >> 20} MiB; it is not a gpufeed io summary.json")
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DataError(f"{p} is not a readable gpufeed io summary.json ({one_line(exc)})") from None
+    locations = data.get("locations") if isinstance(data, dict) else None
+    if not isinstance(locations, list) or not locations:
+        raise DataError(f"{p} is not a gpufeed io summary.json (no locations)")
+    want = _folder(shards)
+    seen = []
+    for loc in locations[:10_000]:
+        where = loc.get("path") if isinstance(loc, dict) else None
+        if not isinstance(where, str) or not where or "\0" in where:
+            continue
+        seen.append(where)
+        if _folder(where) != want:
+            continue
+        steps = loc.get("steps")
+        rungs = [s for s in steps[:10_000] if isinstance(s, dict)] if isinstance(steps, list) else []
+        for cache in ("cold", "warm"):
+            ladder = sorted((s["readers"], s["mb_per_s"] * 1e6) for s in rungs
+                            if s.get("cache") == cache and _count(s.get("readers")) and _rate(s.get("mb_per_s")))
+            if ladder:
+                readers, rate = max(ladder, key=lambda rung: (rung[1], -rung[0]))
+                return StorageRate(bytes_per_s=rate, source="io record", readers=readers, cache=cache,
+                                   ladder=ladder, path=where)
+        raise DataError(f"{p} holds no measured steps for {where}")
+    raise DataError(f"{p} measured {', '.join(seen[:3]) or 'no location'}, not the shard set's folder {want}")
+
+
+def _folder(path: str | Path) -> str:
+    """The real folder of a shard set given as its folder or its manifest .json."""
+    p = Path(path)
+    return os.path.realpath(p.parent if p.suffix == ".json" else p)
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= 1_000_000
+
+
+def _rate(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and 0 < x <= 1e9

@@ -49,6 +49,7 @@ from gpufeed.config import LoaderConfig, TrainConfig
 from gpufeed.errors import ConfigError, DataError, GpufeedError, RunError
 from gpufeed.loader import LoaderPosition
 from gpufeed.records import append_jsonl, utc_now
+from gpufeed.storage import StorageRate
 from gpufeed.timing import Clock, CudaClock, HostClock, Meter, StepMarks, resolve
 from gpufeed.train_records import LOG_NAME, ModeRecord, TrainRecord, ValRecord, aggregate
 from gpufeed.verdict import VerdictInputs, classify
@@ -636,12 +637,52 @@ def _init_distributed(world: World) -> bool:
     return True
 
 
-def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer) -> VerdictInputs | None:
+def given_storage_rate(cfg: TrainConfig) -> StorageRate | None:
+    """The storage rate the user gave: ``--storage-rate`` or a ``gpufeed io`` record of the shard set's folder
+    (``storage_record``; DataError, exit 2, when it is not one); None when neither was given."""
+    if cfg.storage_bytes_per_s is not None:
+        return StorageRate(bytes_per_s=cfg.storage_bytes_per_s, source="--storage-rate", path=cfg.shards)
+    if cfg.storage_record is not None:
+        if not cfg.shards:
+            raise ConfigError("storage_record needs --shards: it is the read rate of the shard set's folder")
+        from gpufeed.storage import io_record_rate
+
+        return io_record_rate(cfg.storage_record, cfg.shards)
+    return None
+
+
+def probe_storage(cfg: TrainConfig) -> StorageRate | None:
+    """``--measure`` without a given rate: probe the shard set's read rate for ``cfg.storage_probe_s`` seconds
+    (:func:`gpufeed.storage.probe`), before the modes; None when the probe is off (0 s) or there are no shards.
+    The probe reads from this node only: on several nodes it stands for each node's storage."""
+    if cfg.mode != "measure" or cfg.storage_probe_s <= 0 or not cfg.shards:
+        return None
+    from gpufeed.storage import probe
+
+    return probe(cfg.shards, cfg.storage_probe_s)
+
+
+def _shm_free_bytes() -> int | None:
+    """Free bytes in /dev/shm; None where there is none."""
+    import shutil
+
+    try:
+        return int(shutil.disk_usage("/dev/shm").free)
+    except OSError:
+        return None
+
+
+def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer,
+                   storage: StorageRate | None = None) -> VerdictInputs | None:
+    """The verdict's numbers: the modes' records, the run's layout, and the storage rate with the sizes its
+    stage fix names (the set's bytes, /dev/shm's free bytes)."""
     real = modes.get("real")
     if real is None or real.num_steps == 0:
         return None
     synth, lonly = modes.get("synthetic"), modes.get("loader-only")
     from gpufeed.system import usable_cpus
+
+    manifest = trainer.manifest
 
     return VerdictInputs(
         stall_pct=real.stall_pct, end_to_end_rate=real.samples_per_s,
@@ -654,8 +695,12 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer) -> VerdictInp
         ranks_per_node=trainer.world.local_world_size,
         num_workers=trainer.loader_cfg.num_workers,
         read_bytes_per_s=(lonly or real).read_bytes_per_s,
-        storage_bytes_per_s=trainer.cfg.storage_bytes_per_s,
-        mean_sample_bytes=trainer.manifest.mean_sample_bytes if trainer.manifest else None,
+        storage_bytes_per_s=storage.bytes_per_s if storage else None,
+        storage_source=storage.source if storage else None,
+        storage_ladder=tuple((int(r), float(b)) for r, b in storage.ladder) if storage else (),
+        shards=trainer.cfg.shards, set_bytes=manifest.total_bytes if manifest else None,
+        shm_free_bytes=_shm_free_bytes(),
+        mean_sample_bytes=manifest.mean_sample_bytes if manifest else None,
         decode=trainer.loader_cfg.decode, is_cuda=trainer.cuda,
     )
 
@@ -676,13 +721,16 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
     created = _init_distributed(world)
     trainer: Trainer | None = None
     try:
+        storage = given_storage_rate(cfg) if world.is_main else None
         trainer = Trainer(cfg, loader_cfg, world, run_dir=run_dir)
+        if storage is None and world.is_main:
+            storage = probe_storage(cfg)
         modes, vals = trainer.run(on_step)
         checksums = trainer.gather(trainer.param_checksum())
         record = None
         if world.is_main:
             record = _record(trainer, modes, vals, checksums, run_dir=run_dir, wall_s=time.perf_counter() - t0,
-                             started=started)
+                             started=started, storage=storage)
             if run_dir is not None:
                 from gpufeed.train_report import write_report
 
@@ -711,10 +759,11 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
 
 
 def _record(trainer: Trainer, modes: dict[str, ModeRecord], vals: list[ValRecord], checksums: list[float], *,
-            run_dir: str | Path | None, wall_s: float, started: str) -> TrainRecord:
-    """Rank 0's TrainRecord of the run, with the verdict."""
+            run_dir: str | Path | None, wall_s: float, started: str,
+            storage: StorageRate | None = None) -> TrainRecord:
+    """Rank 0's TrainRecord of the run, with the storage rate and the verdict."""
     cfg, world, loader = trainer.cfg, trainer.world, trainer.loader
-    vin = verdict_inputs(modes, trainer)
+    vin = verdict_inputs(modes, trainer, storage)
     verdict = classify(vin) if vin is not None else None
     return TrainRecord(
         mode=cfg.mode, arch=cfg.arch, device=world.device, backend=world.backend, world_size=world.world_size,
@@ -728,7 +777,7 @@ def _record(trainer: Trainer, modes: dict[str, ModeRecord], vals: list[ValRecord
         num_repeated=int(getattr(loader, "num_repeated", 0) or 0) if loader is not None else 0,
         checkpoint=str(trainer.checkpointer.path) if trainer.checkpointer.path else None,
         run_dir=str(run_dir) if run_dir else None, wall_s=wall_s, started=started,
-        notes=trainer.notes, rank_param_checksums=checksums,
+        notes=trainer.notes, rank_param_checksums=checksums, storage=storage,
     )
 
 

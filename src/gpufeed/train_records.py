@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufeed.metrics import Stat
+from gpufeed.storage import StorageRate
 from gpufeed.verdict import Verdict
 
 LOG_NAME = "log.jsonl"
@@ -146,6 +147,9 @@ class TrainRecord:
     notes: list[str] = field(default_factory=list)
     rank_param_checksums: list[float] = field(default_factory=list)
     """Σ of the parameters per rank at the end (DDP keeps them equal)."""
+    storage: StorageRate | None = None
+    """The shard storage's read rate the verdict used, and its source (probe, io record, --storage-rate);
+    None = not known (no --measure, or the probe disabled)."""
 
 
 

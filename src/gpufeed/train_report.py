@@ -74,6 +74,8 @@ def render(s: dict[str, Any]) -> str:
     if s.get("num_repeated"):
         lines.append(f"repeated samples: {s['num_repeated']} (read twice to keep the ranks' batch counts equal, "
                      f"rank 0)")
+    if s.get("storage"):
+        lines.append(storage_line(s))
     for n in s.get("notes", []):
         lines.append(f"note: {n}")
     if s.get("checkpoint"):
@@ -86,6 +88,18 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"{head}: {v['reason']}")
         lines += [f"  fix: {f}" for f in v.get("fixes", [])]
     return "\n".join(lines)
+
+
+def storage_line(s: dict[str, Any]) -> str:
+    """``storage: X MB/s (probe, N reader(s), cold); the loader read Y MB/s`` from a summary dict with ``storage``."""
+    st = s["storage"]
+    how = ", ".join(str(x) for x in (st["source"], f"{st['readers']} reader(s)" if st.get("readers") else None,
+                                     st.get("cache")) if x)
+    line = f"storage: {st['bytes_per_s'] / 1e6:,.1f} MB/s ({how})"
+    m = s["modes"].get("loader-only") or s["modes"].get("real")
+    if m is not None:
+        line += f"; the loader read {m['read_bytes_per_s'] / 1e6:,.1f} MB/s"
+    return line
 
 
 def _over_nodes(s: dict[str, Any]) -> str:
@@ -222,6 +236,8 @@ def render_markdown(s: dict[str, Any], plot: str | None = None) -> str:
         out += ["", "| epoch | step | top-1 % | top-5 % | loss |", "|---:|---:|---:|---:|---:|"]
         out += [f"| {v['epoch']} | {v['step']} | {v['top1_pct']:.2f} | {v['top5_pct']:.2f} | {v['loss']:.4f} |"
                 for v in s["val"]]
+    if s.get("storage"):
+        out += ["", storage_line(s).replace("storage: ", "Storage: ", 1)]
     v = s.get("verdict")
     if v:
         out += ["", f"**Verdict: {v['status']}**" + (f" ({v['bound']}-bound)" if v.get("bound") else "") +

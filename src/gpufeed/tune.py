@@ -44,6 +44,7 @@ from gpufeed.bounds import TrialBound
 from gpufeed.config import LayoutConfig, LoaderConfig, TuneConfig, to_toml
 from gpufeed.errors import ConfigError, GpufeedError, one_line
 from gpufeed.metrics import Stat
+from gpufeed.storage import StorageRate
 from gpufeed.world import World
 
 KNOBS = ("num_workers", "decode", "worker_batching", "prefetch_factor", "pin_memory", "persistent_workers",
@@ -194,6 +195,8 @@ class TuneReport:
     """The layout the trials ran in ([layout] of ``out``): ranks per node, usable cores, trainer cores, device."""
     slowest_rank_samples_per_s: float | None = None
     """The best trial's slowest rank (None with one rank)."""
+    storage: StorageRate | None = None
+    """The shard set's read rate from the probe before the trials (None: probe off, or no shard set read)."""
 
 
 # --------------------------------------------------------------------------- measurement
@@ -919,6 +922,14 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     if (base.decode == "gpu" and not world.is_cuda) or (base.decode == "simplejpeg" and not _has_module("simplejpeg")):
         base = dataclasses.replace(base, decode="pil-draft")
     epoch_samples = check_shards(shards, base, world) if check_shards is not None else None
+    storage = None
+    if check_shards is not None and cfg.storage_probe_s > 0:  # before the budget starts: the trials get all of it
+        from gpufeed.storage import probe
+
+        storage = probe(shards, cfg.storage_probe_s)
+        if progress:
+            progress(f"storage probe: {storage.bytes_per_s / 1e6:,.1f} MB/s with {storage.readers} reader(s), "
+                     f"{storage.cache}")
 
     usable = usable_cpus()
     cap = worker_ceiling(usable, ranks, cfg.trainer_cores, cfg.cpu_budget)
@@ -956,7 +967,7 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
         s.stop_reason = "search complete"
     baseline = measure_baseline_imagefolder(s, measure_baseline) if cfg.baseline_imagefolder else None
 
-    report = _finish(s, chosen, best, baseline)
+    report = _finish(s, chosen, best, baseline, storage)
     if write:
         report = write_outputs(report, cfg, base)
     return report
@@ -1151,12 +1162,13 @@ def _compare_on(ref: TrialRecord, rec: TrialRecord, usable: int, knob: str = "")
 
 
 def _finish(s: Search, chosen: LoaderConfig | None, best: TrialRecord | None,
-            baseline: TrialRecord | None) -> TuneReport:
+            baseline: TrialRecord | None, storage: StorageRate | None = None) -> TuneReport:
     cfg = s.cfg
     best_stat = Stat.of(best.samples_per_s_runs) if best is not None and best.samples_per_s_runs else None
     base_stat = Stat.of(baseline.samples_per_s_runs) if baseline is not None and baseline.samples_per_s_runs else None
     ratio = best.samples_per_s / baseline.samples_per_s if best and baseline and baseline.samples_per_s else None
-    bound, evidence = classify_bound(best, s.usable) if best else (None, "no successful trial")
+    bound, evidence = (classify_bound(best, s.usable, storage.bytes_per_s if storage else None) if best
+                       else (None, "no successful trial"))
     target_met = None if cfg.target_rate is None else bool(best and best.samples_per_s >= cfg.target_rate)
     if best is None:
         errors = sorted({t.error for t in s.trials if t.error})
@@ -1178,7 +1190,7 @@ def _finish(s: Search, chosen: LoaderConfig | None, best: TrialRecord | None,
         stop_reason=s.stop_reason, skipped=s.skipped, decisions=s.decisions, conclusion=conclusion,
         budget_s=cfg.budget_s, elapsed_s=s.elapsed(), target_rate=cfg.target_rate, target_met=target_met,
         usable_cpus=s.usable, device=s.world.device, num_trials=len(s.trials), trials=s.trials, layout=s.layout,
-        slowest_rank_samples_per_s=None if best is None else best.slowest_rank_samples_per_s,
+        slowest_rank_samples_per_s=None if best is None else best.slowest_rank_samples_per_s, storage=storage,
     )
 
 
@@ -1272,6 +1284,8 @@ def render(report: TuneReport) -> str:
                  f"(budget {report.budget_s:g} s)")
     if report.bound:
         lines.append(f"bound: {report.bound}: {report.bound_evidence}")
+    if report.storage is not None:
+        lines.append(storage_line(report))
     if report.layout is not None:
         lay = report.layout
         lines.append(f"layout: {lay.ranks_per_node} rank(s) per node measured at once, {lay.usable_cores} usable "
@@ -1282,6 +1296,20 @@ def render(report: TuneReport) -> str:
         lines.append(f"run folder: {report.run_dir}" + (f"; config: {report.out}" if report.out else ""))
     lines.append(report.conclusion)
     return "\n".join(lines)
+
+
+def storage_line(report: TuneReport) -> str:
+    """``storage: X MB/s (probe, N readers, cold); the best trial reads Y MB/s, P% of it: at the storage's limit``
+    (or below it), the limit being :data:`gpufeed.bounds.STORAGE_FRACTION` of the storage rate."""
+    st = report.storage
+    assert st is not None
+    line = f"storage: {st.bytes_per_s / 1e6:,.1f} MB/s ({st.source}, {st.readers} reader(s), {st.cache})"
+    best = next((t for t in report.trials if t.trial == report.best_trial), None)
+    if best is None or best.read_bytes_per_s is None or st.bytes_per_s <= 0:
+        return line
+    read = best.read_bytes_per_s
+    limit = "at the storage's limit" if bounds.storage_limited(read, st.bytes_per_s) else "below the storage's limit"
+    return line + f"; the best trial reads {read / 1e6:,.1f} MB/s, {100 * read / st.bytes_per_s:.0f}% of it: {limit}"
 
 
 def _is_cuda(device: str) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from statistics import median
 from typing import Any, Literal
 
@@ -64,7 +65,18 @@ class VerdictInputs:
     read_bytes_per_s: float | None = None
     """Storage read rate of the loader (per node) while it ran."""
     storage_bytes_per_s: float | None = None
-    """What the storage delivers (measured separately and given as ``train --storage-rate``), per node."""
+    """What the storage delivers, per node: the probe of ``train --measure``, a ``gpufeed io`` record or
+    ``train --storage-rate``."""
+    storage_source: str | None = None
+    """Where storage_bytes_per_s came from: probe, io record or --storage-rate."""
+    storage_ladder: tuple[tuple[int, float], ...] = ()
+    """(parallel readers, bytes/s) of each step of the probe or io record, readers ascending; () = not measured."""
+    shards: str | None = None
+    """The shard set the loader reads (the stage fix names it)."""
+    set_bytes: int | None = None
+    """The shard set's bytes (the manifest's total_bytes)."""
+    shm_free_bytes: int | None = None
+    """Free bytes in /dev/shm; None = no /dev/shm."""
     mean_sample_bytes: float | None = None
     """Mean stored bytes per sample (from the manifest)."""
     decode: str | None = None
@@ -192,19 +204,26 @@ def classify(v: VerdictInputs) -> Verdict:
     # 3. storage-bound: reads at the storage's rate, or workers idle while reading
     if bounds.storage_limited(v.read_bytes_per_s, v.storage_bytes_per_s):
         nums.update(read_bytes_per_s=v.read_bytes_per_s, storage_bytes_per_s=v.storage_bytes_per_s)
-        fixes.append(f"stage shards on a RAM disk or local NVMe: the loader read {v.read_bytes_per_s / 1e6:.0f} MB/s, "
-                     f"{100 * v.read_bytes_per_s / v.storage_bytes_per_s:.0f}% of what the storage delivers "
-                     f"({v.storage_bytes_per_s / 1e6:.0f} MB/s)")
+        need = None
         if per_node_target and _known(v.mean_sample_bytes):
             need = per_node_target * v.mean_sample_bytes
             nums["needed_bytes_per_s"] = need
             who = "the GPUs need" if v.is_cuda else "the CPU compute needs"
-            fixes.append(f"{who} ~{need / 1e6:.0f} MB/s per node at {per_node_target:.0f} samples/s "
-                         f"x {v.mean_sample_bytes / 1e3:.0f} KB/sample")
+            fixes.append(f"{who} ~{need / 1e6:.1f} MB/s per node at {per_node_target:.0f} samples/s "
+                         f"x {v.mean_sample_bytes / 1e3:.0f} KB/sample; the storage delivers "
+                         f"{v.storage_bytes_per_s / 1e6:.1f} MB/s")
+        fixes.append(_stage_fix(v, nums))
+        streams = _streams_fix(v, need, nums)
+        if streams:
+            fixes.append(streams)
         if _known(v.mean_sample_bytes) and v.mean_sample_bytes > LARGE_SAMPLE_BYTES:
             fixes.append(f"store images at <= 512 px (gpufeed shard --max-size 512): now "
                          f"{v.mean_sample_bytes / 1e3:.0f} KB per sample")
-        return Verdict("starved", bounds.STORAGE, f"{why}; the loader reads at the storage's limit", fixes, nums)
+        src = f", {v.storage_source}" if v.storage_source else ""
+        return Verdict("starved", bounds.STORAGE,
+                       f"{why}; the loader reads at the storage's limit: {v.read_bytes_per_s / 1e6:.1f} MB/s, "
+                       f"{100 * v.read_bytes_per_s / v.storage_bytes_per_s:.0f}% of the "
+                       f"{v.storage_bytes_per_s / 1e6:.1f} MB/s the storage delivers{src}", fixes, nums)
 
     busy_slots = None
     if v.num_workers is not None:
@@ -265,3 +284,48 @@ def classify(v: VerdictInputs) -> Verdict:
     if not fixes:
         fixes.append("run gpufeed train --measure to get the ceilings and per-core rates behind a fix")
     return Verdict("starved", bounds.DECODE_CPU, reason, fixes, nums)
+
+
+STREAM_GAIN = 1.2
+"""More parallel readers count as faster storage when they read at least this factor more than one reader."""
+
+
+def _size(n: float) -> str:
+    """Bytes in GB with one decimal, or in MB below 1 GB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _stage_fix(v: VerdictInputs, nums: dict[str, Any]) -> str:
+    """Copy the set to /dev/shm when it fits there, else to local NVMe: the gpufeed stage command, with the sizes."""
+    src = v.shards or "SHARDS"
+    name = PurePath(src).parent.name if src.endswith(".json") else PurePath(src).name
+    name = name or "shards"
+    if v.set_bytes is None or v.shm_free_bytes is None:
+        return f"stage the set on a RAM disk or local NVMe: gpufeed stage {src} /dev/shm/{name} (or a local NVMe folder)"
+    nums.update(set_bytes=v.set_bytes, shm_free_bytes=v.shm_free_bytes, fits_shm=v.set_bytes <= v.shm_free_bytes)
+    if v.set_bytes <= v.shm_free_bytes:
+        return (f"stage the set to /dev/shm with gpufeed stage {src} /dev/shm/{name} "
+                f"(fits: {_size(v.set_bytes)} of {_size(v.shm_free_bytes)} free in /dev/shm)")
+    return (f"stage the set to local NVMe with gpufeed stage {src} NVME_FOLDER/{name}: it does not fit in /dev/shm "
+            f"({_size(v.set_bytes)}, {_size(v.shm_free_bytes)} free)")
+
+
+def _streams_fix(v: VerdictInputs, need: float | None, nums: dict[str, Any]) -> str | None:
+    """"needs N parallel streams" when the ladder read more with more readers than the loader reads with now:
+    N = the fewest readers that delivered ``need`` bytes/s (the best rung when none did)."""
+    ladder = sorted((r, b) for r, b in v.storage_ladder if r >= 1 and _known(b))
+    if len(ladder) < 2:
+        return None
+    one_readers, one = ladder[0]
+    best_readers, best = max(ladder, key=lambda rung: (rung[1], -rung[0]))
+    if best_readers <= one_readers or best < STREAM_GAIN * one:
+        return None
+    readers, rate = next(((r, b) for r, b in ladder if need is not None and b >= need), (best_readers, best))
+    now = v.ranks_per_node * max(1, v.num_workers or 0)
+    if readers <= now:
+        return None
+    nums.update(streams_needed=readers, streams_now=now)
+    per_rank = math.ceil(readers / max(1, v.ranks_per_node))
+    return (f"needs {readers} parallel streams: the storage read {one / 1e6:.1f} MB/s with {one_readers} reader(s) "
+            f"and {rate / 1e6:.1f} MB/s with {readers}; the loader reads {now} at once ({v.ranks_per_node} rank(s) x "
+            f"{max(1, v.num_workers or 0)} worker(s)): num_workers >= {per_rank} per rank")

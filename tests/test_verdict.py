@@ -70,13 +70,49 @@ def test_num_workers_zero_says_loading_is_serial() -> None:
     assert any("num_workers = 0" in f for f in v.fixes)
 
 
+STORAGE_RUN = dict(stall_pct=40.0, end_to_end_rate=600, gpu_ceiling=1000, loader_ceiling=600, loader_cores_used=10,
+                   usable_cores=32, num_workers=2, read_bytes_per_s=95e6, storage_bytes_per_s=100e6,
+                   mean_sample_bytes=110_000, is_cuda=True, storage_source="probe", shards="/nfs/imagenet/train")
+"""A run reading at the storage's limit: 95 of 100 MB/s; 1000 samples/s x 110 KB = 110 MB/s needed."""
+
+
 def test_storage_bound_when_reading_at_the_storage_rate() -> None:
-    v = classify(VerdictInputs(stall_pct=40.0, end_to_end_rate=600, gpu_ceiling=1000, loader_ceiling=600,
-                               loader_cores_used=10, usable_cores=32, num_workers=8, read_bytes_per_s=95e6,
-                               storage_bytes_per_s=100e6, mean_sample_bytes=110_000))
+    v = classify(VerdictInputs(**STORAGE_RUN))
     assert v.status == "starved" and v.bound == "storage"
-    assert any("RAM disk" in f and "95 MB/s" in f for f in v.fixes)
-    assert any("110 MB/s" in f for f in v.fixes)  # needed: 1000 samples/s x 110 KB
+    assert v.reason == ("data stall 40.0% (>= 5%) at 600.0 samples/s, 100% of the loader ceiling (600.0); the loader "
+                        "reads at the storage's limit: 95.0 MB/s, 95% of the 100.0 MB/s the storage delivers, probe")
+    assert v.fixes[0] == ("the GPUs need ~110.0 MB/s per node at 1000 samples/s x 110 KB/sample; the storage "
+                          "delivers 100.0 MB/s")
+    assert v.numbers["needed_bytes_per_s"] == 1000 * 110_000
+
+
+def test_storage_fix_stages_to_dev_shm_when_the_set_fits() -> None:
+    v = classify(VerdictInputs(**STORAGE_RUN, set_bytes=140_000_000_000, shm_free_bytes=500_000_000_000))
+    assert v.fixes[1] == ("stage the set to /dev/shm with gpufeed stage /nfs/imagenet/train /dev/shm/train "
+                          "(fits: 140.0 GB of 500.0 GB free in /dev/shm)")
+    assert v.numbers["fits_shm"] is True
+
+
+def test_storage_fix_suggests_local_nvme_when_the_set_does_not_fit_in_dev_shm() -> None:
+    v = classify(VerdictInputs(**{**STORAGE_RUN, "shards": "/nfs/imagenet/train/manifest.json"},
+                               set_bytes=140_000_000_000, shm_free_bytes=64_000_000_000))
+    assert v.fixes[1] == ("stage the set to local NVMe with gpufeed stage /nfs/imagenet/train/manifest.json "
+                          "NVME_FOLDER/train: it does not fit in /dev/shm (140.0 GB, 64.0 GB free)")
+    assert v.numbers["fits_shm"] is False
+
+
+def test_storage_fix_names_the_parallel_streams_the_probe_showed() -> None:
+    # 1 reader 40 MB/s, 4 readers 100, 8 readers 130: 110 MB/s needs 8 streams; the loader reads with 2
+    ladder = ((1, 40e6), (2, 70e6), (4, 100e6), (8, 130e6))
+    v = classify(VerdictInputs(**STORAGE_RUN, storage_ladder=ladder))
+    assert v.fixes[-2] == ("needs 8 parallel streams: the storage read 40.0 MB/s with 1 reader(s) and 130.0 MB/s "
+                           "with 8; the loader reads 2 at once (1 rank(s) x 2 worker(s)): num_workers >= 8 per rank")
+    assert (v.numbers["streams_needed"], v.numbers["streams_now"]) == (8, 2)
+    # a ladder that is flat (more readers read no more) or already matched by the loader says nothing of streams
+    flat = classify(VerdictInputs(**STORAGE_RUN, storage_ladder=((1, 100e6), (2, 101e6), (4, 99e6))))
+    assert not any("parallel streams" in f for f in flat.fixes)
+    enough = classify(VerdictInputs(**{**STORAGE_RUN, "num_workers": 8}, storage_ladder=ladder))
+    assert not any("parallel streams" in f for f in enough.fixes)
 
 
 def test_storage_bound_when_workers_idle_while_reading() -> None:

@@ -101,6 +101,10 @@ def test_config_checks() -> None:
         TrainConfig(resume=True)
     with pytest.raises(ConfigError, match="accum_steps"):
         TrainConfig(accum_steps=0)
+    with pytest.raises(ConfigError, match=r"give storage_bytes_per_s \(--storage-rate\) or storage_record, not both"):
+        TrainConfig(storage_bytes_per_s=1e9, storage_record="io/summary.json")
+    with pytest.raises(ConfigError, match="storage_probe_s"):
+        TrainConfig(storage_probe_s=-1)
 
 
 # --------------------------------------------------------------------------- in-process runs

@@ -420,6 +420,7 @@ def test_real_tune_end_to_end_on_tiny_shards(tiny_shards: Path, tmp_path: Path, 
     assert report.best_samples_per_s.median > 0
     assert load_config(report.out).loader == report.best
     assert report.bound in ("decode/CPU", "storage", "copy", "unclear")
+    assert report.storage.source == "probe" and report.storage.bytes_per_s > 0  # probed before the trials
     if report.baseline is not None:
         assert report.ratio_vs_baseline > 0
     assert (Path(report.run_dir) / "tune.png").stat().st_size > 0
@@ -505,6 +506,26 @@ def test_render_shows_trial_errors_and_sample_counters_in_one_line_each(tmp_path
     row = [line for line in text.splitlines() if line.endswith("DataError: shard a.tar: truncated")]
     assert len(row) == 1 and "Traceback" not in text
     assert "skipped samples: #0 3" in text.splitlines() and "repeated samples: #0 2" in text.splitlines()
+
+
+def test_the_storage_line_says_whether_the_best_trial_reads_at_the_storage_limit() -> None:
+    from gpufeed.storage import StorageRate
+    from gpufeed.tune import render
+
+    cfg = LoaderConfig(batch_size=8)
+    report = TuneReport(
+        ok=True, shards="s", run_dir=None, out=None, best=cfg, best_trial=0, best_samples_per_s=None, baseline=None,
+        baseline_samples_per_s=None, ratio_vs_baseline=None, bound=None, bound_evidence="", stop_reason="done",
+        skipped={}, decisions=[], conclusion="best: ...", budget_s=5, elapsed_s=1, target_rate=None,
+        target_met=None, usable_cpus=2, device="cpu", num_trials=1,
+        trials=[trial_record(cfg, [100.0], trial=0, read_bytes_per_s=90e6)],
+        storage=StorageRate(bytes_per_s=100e6, source="probe", readers=4, cache="cold"))
+    assert ("storage: 100.0 MB/s (probe, 4 reader(s), cold); the best trial reads 90.0 MB/s, 90% of it: at the "
+            "storage's limit") in render(report).splitlines()
+    slower = dataclasses.replace(report, trials=[trial_record(cfg, [100.0], trial=0, read_bytes_per_s=70e6)])
+    assert ("storage: 100.0 MB/s (probe, 4 reader(s), cold); the best trial reads 70.0 MB/s, 70% of it: below the "
+            "storage's limit") in render(slower).splitlines()
+    assert not any(line.startswith("storage:") for line in render(dataclasses.replace(report, storage=None)).splitlines())
 
 
 @pytest.mark.usefixtures("four_cpus")

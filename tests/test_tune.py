@@ -128,7 +128,8 @@ def decisions(report: TuneReport, reason: str) -> list[Decision]:
 
 def toy_cfg(tmp_path: Path, **kw: Any) -> TuneConfig:
     base = dict(shards=str(tmp_path / "no-shards-needed"), budget_s=30.0, batch_size=32, max_workers=8,
-                run_dir=str(tmp_path / "run"), out=str(tmp_path / "tuned.toml"), window_s=0.1, repeats=3)
+                run_dir=str(tmp_path / "run"), out=str(tmp_path / "tuned.toml"), window_s=0.1, repeats=3,
+                storage_probe_s=0.0)  # the toy pipelines read no shards: no storage to probe
     base.update(kw)
     return TuneConfig(**base)
 

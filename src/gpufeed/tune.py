@@ -879,7 +879,9 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     ``measure`` has :func:`measure_loader`'s signature; a test passes a fake. ``check_shards`` runs before the
     first trial (default :func:`check_shard_set`: a shard set that cannot be read is a DataError, exit 2, as in
     ``gpufeed train``) and returns the samples per epoch; None skips it (a fake ``measure`` reads no shards).
-    With ``write`` the run folder and ``cfg.out`` are written.
+    With ``write`` the run folder and ``cfg.out`` are written. Unless ``cfg.storage_probe_s`` is 0, the shard set's
+    read rate is probed first (:func:`gpufeed.storage.probe`, outside the budget): the bound and the storage line
+    of the report compare the best trial's read rate with it.
 
     The layout (``cfg.nproc_per_node`` = N ranks per node): every trial measures N rank loaders at once
     (:func:`measure_node` gets a ``world`` of N ranks); the worker ladder is per rank, up to
@@ -923,7 +925,7 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
         base = dataclasses.replace(base, decode="pil-draft")
     epoch_samples = check_shards(shards, base, world) if check_shards is not None else None
     storage = None
-    if check_shards is not None and cfg.storage_probe_s > 0:  # before the budget starts: the trials get all of it
+    if cfg.storage_probe_s > 0:  # before the budget starts: the trials get all of it
         from gpufeed.storage import probe
 
         storage = probe(shards, cfg.storage_probe_s)

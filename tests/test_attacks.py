@@ -564,3 +564,45 @@ def test_verify_max_pixels_option_applies_to_small_images_too(tmp_path):
     assert invoke_json(["verify", root, "--workers", "1", "--no-decode"])["ok"] is True
     res = invoke_json(["verify", root, "--workers", "1", "--no-decode", "--max-pixels", "63"], expect=1)
     assert [p["reason"] for p in res["problems"]] == ["decompression bomb: 8x8 = 64 pixels > max_pixels 63"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_member_declaring_more_data_than_the_file_holds_is_refused_not_waited_on(tmp_path, gz):
+    """A header whose size field says 2**80 bytes, then only end blocks: tarfile (index, verify, the gzip path)
+    would seek over the declared size block by block, forever. Every reader refuses it in one sentence."""
+    import gzip
+
+    from gpufeed.config import LoaderConfig
+    from gpufeed.errors import DataError
+    from gpufeed.loader import build_loader
+    from gpufeed.world import World
+    from tests.conftest import invoke
+    from tests.test_loader import encode, smooth_image
+
+    jpg = encode(smooth_image(16, 12, 0))
+    good = b"".join(_loader_tar_member(f"s{i:05d}.{ext}", data) for i in (0, 1)
+                    for ext, data in (("jpg", jpg), ("cls", b"1")))
+    huge = b"\x80" + (2**80).to_bytes(11, "big")  # GNU base-256 size field
+    raw = good + _loader_tar_header("s00002.txt", huge) + bytes(1024)
+    d = tmp_path / "set"
+    d.mkdir()
+    name = "a.tar.gz" if gz else "a.tar"
+    (d / name).write_bytes(gzip.compress(raw, mtime=0) if gz else raw)
+    res = invoke(["index", d], expect=2)
+    assert "the tar ends" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    import json
+
+    from gpufeed.manifest import FORMAT_NAME
+
+    size = (d / name).stat().st_size
+    (d / "manifest.json").write_text(json.dumps({
+        "format": FORMAT_NAME, "format_version": 1, "prefix": "a", "classes": ["0", "1"], "num_samples": 2,
+        "shards": [{"name": name, "num_samples": 2, "bytes": size, "sha256": None}],
+        "compression": "gzip" if gz else None}))
+    res = invoke(["verify", d], expect=1)
+    assert "the tar ends" in res.stdout or "runs past the end" in res.stdout
+    with pytest.raises(DataError, match="malformed"):
+        for _ in build_loader(d, LoaderConfig(batch_size=1, num_workers=0, image_size=16, decode="pil"),
+                              World.single(), train=False):
+            pass

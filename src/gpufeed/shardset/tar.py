@@ -448,6 +448,12 @@ class _HeaderCheck:
 
     def read(self, size: int = -1) -> bytes:
         b = self.f.read(size)
+        if not b and size != 0 and not self.done and (self.skip or self.buf or self.ext is not None):
+            # the data ends inside a member (or its header): tarfile would seek over a declared size that is not
+            # there block by block, for as long as the header says (2**80 bytes: forever)
+            raise TruncatedMember(f"the tar ends {self.skip} bytes before the end of the member data its last "
+                                  f"header declares" if self.skip else
+                                  f"the tar ends inside a header or an extended header's data (offset {self.pos})")
         i, n = 0, len(b)
         while i < n and not self.done:
             if self.skip:

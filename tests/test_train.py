@@ -490,6 +490,8 @@ def test_resume_checks_the_checkpoint_before_loading_it(checkpoint, tmp_path: Pa
          "not a finite number"),
         ({"loader_position": {"epoch": 0, "batches_consumed": 99}}, "does not match epoch"),
         ({"loader_position": {"epoch": -1, "batches_consumed": 1}}, "epoch must be a non-negative integer"),
+        ({"step_in_epoch": 10**6, "loader_position": {"epoch": 0, "batches_consumed": 10**6}},
+         "beyond this run's"),
     ]
     for change, says in cases:
         torch.save({**good, **change}, ck / "last.pt")

@@ -424,10 +424,14 @@ class Trainer:
         resume = self.checkpointer.load()
         if resume is None:
             return None
+        if resume.step_in_epoch > self.steps_per_epoch:  # another shard set, batch size or world size
+            raise DataError(f"{self.checkpointer.path}: step {resume.step_in_epoch} of its epoch is beyond this "
+                            f"run's {self.steps_per_epoch} steps per epoch (another shard set, batch size or "
+                            f"number of ranks); start without --resume")
         self.scheduler = self._schedule(resume.step)
         self.step = self.start_step = resume.step
         self.epoch, self.step_in_epoch = resume.epoch, resume.step_in_epoch
-        if self.step_in_epoch >= self.steps_per_epoch:  # written at the end of an epoch
+        if self.step_in_epoch == self.steps_per_epoch:  # written at the end of an epoch
             self._next_epoch()
         self.resume_rng = resume.rng
         self.resume_position = resume.position

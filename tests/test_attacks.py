@@ -606,3 +606,36 @@ def test_a_member_declaring_more_data_than_the_file_holds_is_refused_not_waited_
         for _ in build_loader(d, LoaderConfig(batch_size=1, num_workers=0, image_size=16, decode="pil"),
                               World.single(), train=False):
             pass
+
+
+@pytest.mark.parametrize("damage", ["trailing garbage", "bad crc", "cut trailer"])
+def test_loader_checks_a_gzip_shard_to_its_end_as_index_and_verify_do(tmp_path, damage):
+    """The loader stops reading a tar at its end blocks; a gzip shard's CRC, length and anything after the stream
+    are checked only when it reads on to the end of the file, as index and verify do."""
+    import gzip
+    import io
+    import json
+
+    from gpufeed.config import LoaderConfig
+    from gpufeed.errors import DataError
+    from gpufeed.loader import build_loader
+    from gpufeed.manifest import FORMAT_NAME
+    from gpufeed.world import World
+    from tests.conftest import write_tar
+    from tests.test_loader import encode, smooth_image
+
+    jpg = encode(smooth_image(16, 12, 0))
+    buf = io.BytesIO()
+    write_tar(buf, [(f"s{i}.{e}", d) for i in range(4) for e, d in (("jpg", jpg), ("cls", b"1"))])
+    good = gzip.compress(buf.getvalue(), mtime=0)
+    blob = {"trailing garbage": good + b"JUNKJUNK", "bad crc": good[:-8] + bytes([good[-8] ^ 1]) + good[-7:],
+            "cut trailer": good[:-4]}[damage]
+    (tmp_path / "a.tar.gz").write_bytes(blob)
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format": FORMAT_NAME, "format_version": 1, "prefix": "a", "classes": ["0", "1"], "num_samples": 4,
+        "shards": [{"name": "a.tar.gz", "num_samples": 4, "bytes": len(blob), "sha256": None}],
+        "compression": "gzip"}))
+    cfg = LoaderConfig(batch_size=1, num_workers=0, image_size=16, decode="pil")
+    with pytest.raises(DataError, match="a.tar.gz is malformed"):
+        for _ in build_loader(tmp_path, cfg, World.single(), train=False):
+            pass

@@ -357,8 +357,12 @@ class ShardStream(IterableDataset):
                 else:
                     yield sample
         except _READ_ERRORS as exc:
-            self._refuse(f"shard {_text(path)} is malformed ({_reason(exc)}); {planned - got} of its samples "
-                         f"{seg.start}..{seg.stop - 1} cannot be read", planned - got, tally)
+            if total[0] >= 0 and got < planned:  # read to its end, then found malformed there: say what is short
+                self._refuse(f"shard {_text(path)} holds {total[0]} samples, the manifest says {promised} (and "
+                             f"{_reason(exc)})", planned - got, tally)
+            else:
+                self._refuse(f"shard {_text(path)} is malformed ({_reason(exc)}); {planned - got} of its samples "
+                             f"{seg.start}..{seg.stop - 1} cannot be read", planned - got, tally)
         else:
             if got < planned:
                 self._refuse(f"shard {_text(path)} holds {total[0]} samples, the manifest says {promised}",

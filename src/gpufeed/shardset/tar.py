@@ -332,9 +332,10 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
 
     with open(path, "rb", buffering=1 << 20) as f:
         gzip = path.endswith((".tgz", ".tar.gz"))
-        if gzip or stream:
+        tar_pass = TarPass(f, gzip, hash=False) if gzip or stream else None
+        if tar_pass is not None:
             members: Iterator[tuple[str, bytes | None]] = (
-                (name, data) for name, _, data in TarPass(f, gzip, hash=False).members(lambda name, _: want(name)))
+                (name, data) for name, _, data in tar_pass.members(lambda name, _: want(name)))
         else:
             members = iter_members(f, want)
         for name, data in members:
@@ -355,12 +356,17 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
                 has_image = True
             if data is not None and ext in extensions:
                 sample[ext] = data
+        # read to the end: a stream must also end as index and verify demand (end blocks, nothing but zeros after
+        # them, the gzip CRC and length intact); checked before the last sample goes out, raised after it
+        problem = tar_pass.end_problem() if tar_pass is not None else None
         if key is not None and has_image:
             if index >= start and (stop is None or index < stop):
                 yield sample
             index += 1
         if total is not None:
             total[0] = index
+        if problem is not None:
+            raise TarFormatError(f"after member {tar_pass.last!r}: {problem}")
 
 
 def file_problem(path: str | os.PathLike) -> str | None:

@@ -361,8 +361,9 @@ class ShardStream(IterableDataset):
                 self._refuse(f"shard {_text(path)} holds {total[0]} samples, the manifest says {promised} (and "
                              f"{_reason(exc)})", planned - got, tally)
             else:
-                self._refuse(f"shard {_text(path)} is malformed ({_reason(exc)}); {planned - got} of its samples "
-                             f"{seg.start}..{seg.stop - 1} cannot be read", planned - got, tally)
+                lost = planned - got  # a held-back last sample (counted in got) still goes out after this
+                self._refuse(f"shard {_text(path)} is malformed ({_reason(exc)}); {lost} of its samples "
+                             f"{seg.start}..{seg.stop - 1} cannot be read", lost, tally)
         else:
             if got < planned:
                 self._refuse(f"shard {_text(path)} holds {total[0]} samples, the manifest says {promised}",

@@ -88,6 +88,10 @@ def _read_extensions(label: str) -> frozenset[str]:
     return frozenset((*READ_IMAGE_EXTENSIONS, label_member(label)))
 
 
+_READ_EXTENSIONS = _read_extensions(DEFAULT_LABEL_SOURCE)
+"""What the loader reads from a set labelled by ``.cls`` members (the default label source)."""
+
+
 # --------------------------------------------------------------------------- the epoch plan
 
 

@@ -196,7 +196,13 @@ def test_a_manifest_with_a_label_source_it_does_not_know_is_refused(tmp_path, so
 
 
 def test_a_manifest_label_source_is_read_and_defaults_to_cls(tmp_path):
+    from gpufeed.manifest import write_manifest
+
     assert read_manifest(_manifest_json(tmp_path / "a")).label == "cls"
+    m = read_manifest(_manifest_json(tmp_path / "w", label="cls"))
+    write_manifest(tmp_path / "w", m)  # a .cls set's manifest is written as before the field existed
+    assert "label" not in json.loads((tmp_path / "w" / "manifest.json").read_text())
+    assert read_manifest(tmp_path / "w") == m
     assert read_manifest(_manifest_json(tmp_path / "b", label="json:label_id")).label == "json:label_id"
     assert read_manifest(_manifest_json(tmp_path / "c", label="txt")).label == "txt"
 

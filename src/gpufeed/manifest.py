@@ -90,7 +90,8 @@ class Manifest:
     root: str | None = None
     """Folder holding the shards, absolute or relative to the manifest's folder; None = the manifest's folder."""
     label: str = DEFAULT_LABEL_SOURCE
-    """Where each sample's label is (:func:`read_label`): ``cls``, ``txt`` or ``json:FIELD``."""
+    """Where each sample's label is (:func:`read_label`): ``cls``, ``txt`` or ``json:FIELD``; written to the
+    manifest only when it is not ``cls``."""
 
     @property
     def num_classes(self) -> int:
@@ -105,6 +106,8 @@ class Manifest:
 
         d = to_jsonable(self)
         d["num_classes"] = self.num_classes
+        if self.label == DEFAULT_LABEL_SOURCE:  # optional: a .cls set's manifest stays as it was before the field
+            del d["label"]
         return d
 
     @classmethod

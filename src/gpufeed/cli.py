@@ -153,12 +153,20 @@ def cli(verbose: bool) -> None:
 @click.option("--out", type=click.Path(file_okay=False),
               help="Folder for manifest.json  [default: the shard folder].")
 @click.option("--no-hash", is_flag=True, help="Skip the sha256 of each shard (faster; verify then checks sizes only).")
+@click.option("--label", "label", default="cls", show_default=True, metavar="cls|txt|json:FIELD",
+              help="Where each sample's label is: the .cls member, the .txt member, or FIELD of the .json member "
+                   "(an integer is a class index, a string a class name).")
+@click.option("--classes", "classes_file", type=click.Path(dir_okay=False),
+              help="Class names in label order, one per line  [default: classes.txt next to the shards, else the "
+                   "sorted distinct labels].")
 @json_option
-def index_cmd(shards: str, out: str | None, no_hash: bool, as_json: bool) -> None:
+def index_cmd(shards: str, out: str | None, no_hash: bool, label: str, classes_file: str | None,
+              as_json: bool) -> None:
     """Build the manifest for tar shards written by other tools (SHARDS: folder, glob or brace pattern)."""
     from gpufeed.index import index_shards, render
 
-    run_job(lambda: index_shards(shards, out=out, hash=not no_hash), render, as_json)
+    run_job(lambda: index_shards(shards, out=out, hash=not no_hash, label=label, classes_file=classes_file), render,
+            as_json)
 
 
 @cli.command()

@@ -2,8 +2,8 @@
 
 Users often already have WebDataset shards (written by webdataset's ``TarWriter``/``ShardWriter``,
 img2dataset, ...). This scans them the way the loader reads them (webdataset's key grouping, only
-image members and ``.cls`` labels) and writes a :class:`gpufeed.manifest.Manifest` so that the loader,
-``tune`` and ``verify`` work on them.
+image members and label members) and writes a :class:`gpufeed.manifest.Manifest` so that the loader,
+``tune``, ``train`` and ``verify`` work on them.
 
 - SHARDS is a folder (its ``*.tar``, ``*.tgz``, ``*.tar.gz``), a glob, a brace pattern
   (``data-{000..009}.tar``) or one file. All shards must sit in one folder.
@@ -13,14 +13,20 @@ image members and ``.cls`` labels) and writes a :class:`gpufeed.manifest.Manifes
   :class:`gpufeed.shardset.keys.SampleGrouper`, as verify reads it, so index and verify read a shard alike: a
   tar without its end-of-archive blocks (cut short) or with a bad header after a member is refused, not
   indexed in part.
+- Labels are taken where ``--label`` says (the manifest's ``label``, :func:`gpufeed.manifest.read_label`):
+  ``cls`` (default, the ``.cls`` member), ``txt`` (the ``.txt`` member, as img2dataset writes captions or
+  class names) or ``json:FIELD`` (a top-level FIELD of the ``.json`` member: an integer is a class index, a
+  string a class name).
 - A sample is a key with an image member (``shardset.keys.READ_IMAGE_EXTENSIONS``); keys without one are
   not counted (the loader ignores them too). Counted and listed (and the exit status is 1, as verify would
-  fail them): samples without ``.cls`` or with a label :func:`gpufeed.manifest.parse_label` refuses, images
-  no reader sees (behind a dot in the key, or a second image in a sample), members a sample holds twice
-  and keys that come back after other keys.
-- Classes: a ``classes.txt`` (one name per line) next to the shards wins; otherwise decimal labels give
-  ``["0", ..., str(max)]`` (so label == index even with gaps), and text labels give their sorted distinct
-  values (the loader maps each name to its index). A set without any ``.cls`` label is refused.
+  fail them): samples without a label (no label member, or no FIELD in the ``.json``), samples whose label
+  :func:`gpufeed.manifest.read_label` refuses, images no reader sees (behind a dot in the key, or a second
+  image in a sample), members a sample holds twice and keys that come back after other keys. The manifest
+  is written all the same.
+- Classes: ``--classes FILE``, else a ``classes.txt`` next to the shards (one name per line, in label
+  order) wins; otherwise integer labels (decimal text, or JSON integers) give ``["0", ..., str(max)]`` (so
+  label == index even with gaps), and text labels give their sorted distinct values (the loader maps each
+  name to its index). A set without any label and without a class list is refused.
 - The manifest goes to ``--out DIR`` (default: the shard folder). When DIR is not the shard folder, the
   manifest's ``root`` holds the shard folder's absolute path.
 """
@@ -35,15 +41,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufeed.errors import DataError
-from gpufeed.manifest import (MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, SHARD_SUFFIXES, LabelError, Manifest,
-                              ShardInfo, first_duplicate, manifest_path, parse_label, shard_name_problem,
-                              write_manifest)
-from gpufeed.shardset.keys import LABEL_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image, split_member
+from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, SHARD_SUFFIXES,
+                              LabelError, Manifest, MissingLabel, ShardInfo, first_duplicate, label_index,
+                              label_member, label_member_bytes, label_source_problem, label_value, manifest_path,
+                              shard_name_problem, write_manifest)
+from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, TEXT_EXTENSION,
+                                   SampleGrouper, dotted_image, split_member)
 from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
 
 CLASS_MAP_NAME = "classes.txt"
 MAX_CLASS_MAP_BYTES = 256 << 20
-"""A ``classes.txt`` larger than this (256 MiB) is refused before it is read."""
+"""A class list (``classes.txt``, ``--classes FILE``) larger than this (256 MiB) is refused before it is read."""
 MAX_EXAMPLES = 5
 """Examples listed per kind of problem in an index record."""
 
@@ -73,7 +81,7 @@ class IndexReport:
     num_samples: int
     num_classes: int
     num_unlabeled: int
-    """Samples without a .cls member (the loader cannot train on them)."""
+    """Samples without a label (no label member, or no FIELD in the .json): the loader cannot train on them."""
     num_ignored_keys: int
     """Keys without an image member (not samples)."""
     total_bytes: int
@@ -82,9 +90,9 @@ class IndexReport:
     class_source: str
     classes_preview: list[str] = field(default_factory=list)
     unlabeled: list[str] = field(default_factory=list)
-    """The first samples without a .cls member (``shard: key``)."""
+    """The first samples without a label (``shard: key (why)``)."""
     num_bad_labels: int = 0
-    """Samples whose .cls label parse_label refuses (the loader refuses them too)."""
+    """Samples whose label read_label refuses (the loader refuses them too)."""
     bad_labels: list[str] = field(default_factory=list)
     num_dropped_images: int = 0
     """Image members no reader sees: behind a dot in the key (``k.3.jpg``) or a second image in a sample."""
@@ -95,6 +103,8 @@ class IndexReport:
     num_ungrouped_keys: int = 0
     """Keys that come back after other keys in a shard: readers take them as further samples."""
     ungrouped_keys: list[str] = field(default_factory=list)
+    label: str = DEFAULT_LABEL_SOURCE
+    """Where the labels were taken from (``cls``, ``txt``, ``json:FIELD``), as the manifest records it."""
     ok: bool = True
 
 
@@ -163,19 +173,26 @@ class ShardScan:
     """Keys without an image member."""
     sha256: str | None = None
     labels: Counter = field(default_factory=Counter)
-    """Raw .cls bytes -> samples with that label (None for a .cls member too large to be a label)."""
+    """Label value (:func:`gpufeed.manifest.label_value`: a text or a JSON integer) -> samples with it."""
     label_examples: dict = field(default_factory=dict)
-    """Raw .cls bytes -> the first sample carrying it (``shard: key``)."""
+    """Label value -> the first sample carrying it (``shard: key.ext``)."""
     unlabeled: Problems = field(default_factory=Problems)
+    unreadable: Problems = field(default_factory=Problems)
+    """Samples whose label member is not a label (too large, not UTF-8, not JSON, a FIELD of another type)."""
+    label_members: set = field(default_factory=set)
+    """Which of the label members (cls, txt, json) the samples hold: hints when the labels are elsewhere."""
     dropped: Problems = field(default_factory=Problems)
     duplicates: Problems = field(default_factory=Problems)
     ungrouped: Problems = field(default_factory=Problems)
 
 
-def scan_shard(path: Path, hash: bool = True) -> ShardScan:
-    """Read one shard file (opened here, never through a URL opener) in one pass: samples, labels, problems
-    and sha256. A shard that does not read to its end-of-archive blocks raises DataError."""
+def scan_shard(path: Path, hash: bool = True, label: str = DEFAULT_LABEL_SOURCE) -> ShardScan:
+    """Read one shard file (opened here, never through a URL opener) in one pass: samples, labels (where the
+    label source ``label`` says), problems and sha256. A shard that does not read to its end-of-archive blocks
+    raises DataError."""
     scan = ShardScan()
+    member_ext = label_member(label)
+    member_bytes = label_member_bytes(label)
     name = path.name
     kinds = {"duplicate": scan.duplicates, "ungrouped": scan.ungrouped}
 
@@ -185,7 +202,7 @@ def scan_shard(path: Path, hash: bool = True) -> ShardScan:
 
     def want(member: str, size: int) -> bool:  # only labels are read; images are counted, not decoded
         split = split_member(member)
-        return split is not None and split[1] == LABEL_EXTENSION and size <= MAX_LABEL_BYTES
+        return split is not None and split[1] == member_ext and size <= member_bytes
 
     def finish(key: str, parts: dict) -> None:
         images = [e for e in parts if e in READ_IMAGE_EXTENSIONS]
@@ -198,12 +215,20 @@ def scan_shard(path: Path, hash: bool = True) -> ShardScan:
         scan.samples += 1
         for e in images[1:]:
             scan.dropped.add(f"{name}: {key}.{e} (a second image; the loader reads {key}.{images[0]})")
-        if LABEL_EXTENSION not in parts:
-            scan.unlabeled.add(f"{name}: {key}")
-        else:
-            raw = parts[LABEL_EXTENSION]
-            scan.labels[raw] += 1
-            scan.label_examples.setdefault(raw, f"{name}: {key}.cls")
+        scan.label_members.update(e for e in (LABEL_EXTENSION, TEXT_EXTENSION, META_EXTENSION) if e in parts)
+        try:
+            value = label_value(parts, label)
+        except MissingLabel as exc:
+            scan.unlabeled.add(f"{name}: {key} ({exc})")
+            return
+        except LabelError as exc:
+            scan.unreadable.add(f"{name}: {key}.{member_ext} ({exc})")
+            return
+        if value not in scan.labels and len(scan.labels) >= MAX_CLASSES:
+            raise DataError(f"shard {path} holds more than {MAX_CLASSES:,} distinct labels ({label}); a set has at "
+                            f"most {MAX_CLASSES:,} classes - is {label!r} where its labels are?")
+        scan.labels[value] += 1
+        scan.label_examples.setdefault(value, f"{name}: {key}.{member_ext}")
 
     grouper = SampleGrouper(bad)
     tar = None
@@ -227,52 +252,75 @@ def scan_shard(path: Path, hash: bool = True) -> ShardScan:
     return scan
 
 
-def _label_text(raw: bytes | None) -> str | None:
-    """A label's text as parse_label reads it (None when it is not UTF-8 or too long)."""
-    if raw is None or len(raw) > MAX_LABEL_BYTES:
-        return None
+def read_class_list(path: Path) -> list[str]:
+    """Class names in label order from a text file, one per line (blank lines skipped): at most
+    :data:`MAX_CLASS_MAP_BYTES` of UTF-8, each name at most ``MAX_LABEL_BYTES``, no name twice, at most
+    ``MAX_CLASSES``. Raises DataError naming the file."""
     try:
-        return raw.decode("utf-8").strip()
+        if not path.is_file():
+            raise DataError(f"class list {path} is not a regular file")
+        if path.stat().st_size > MAX_CLASS_MAP_BYTES:
+            raise DataError(f"{path} is larger than {MAX_CLASS_MAP_BYTES >> 20} MiB; it is not a class list")
+        with open(path, "rb") as f:
+            text = f.read(MAX_CLASS_MAP_BYTES + 1).decode("utf-8")
     except UnicodeDecodeError:
-        return None
+        raise DataError(f"{path} is not UTF-8 text") from None
+    except OSError as exc:
+        raise DataError(f"cannot read class list {path} ({exc.strerror or exc})") from None
+    if len(text) > MAX_CLASS_MAP_BYTES:
+        raise DataError(f"{path} is larger than {MAX_CLASS_MAP_BYTES >> 20} MiB; it is not a class list")
+    names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not names:
+        raise DataError(f"{path} lists no class name; write one name per line")
+    if len(names) > MAX_CLASSES:
+        raise DataError(f"{path} lists {len(names):,} classes; a set has at most {MAX_CLASSES:,}")
+    long = next((n for n in names if len(n.encode("utf-8")) > MAX_LABEL_BYTES), None)
+    if long is not None:
+        raise DataError(f"{path} names class {long[:40]!r}... longer than {MAX_LABEL_BYTES} bytes")
+    dup = first_duplicate(names)
+    if dup is not None:
+        raise DataError(f"{path} lists class {dup[:80]!r} twice")
+    return names
 
 
-def _classes(folder: Path, labels: set[str]) -> tuple[list[str], str]:
-    class_map = folder / CLASS_MAP_NAME
-    if class_map.is_file():
-        if class_map.stat().st_size > MAX_CLASS_MAP_BYTES:
-            raise DataError(f"{class_map} is larger than {MAX_CLASS_MAP_BYTES >> 20} MiB; it is not a class list")
-        try:
-            text = class_map.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"{class_map} is not UTF-8 text") from None
-        names = [line.strip() for line in text.splitlines() if line.strip()]
-        if not names:
-            raise DataError(f"{class_map} lists no class name; write one name per line")
-        dup = first_duplicate(names)
-        if dup is not None:
-            raise DataError(f"{class_map} lists class {dup[:80]!r} twice")
+def _describe(label: str) -> str:
+    """How messages name a label source: ``.cls``, ``.txt``, ``json:FIELD``."""
+    return label if label.startswith("json:") else f".{label}"
+
+
+def _classes(folder: Path, labels: set, label: str, classes_file: Path | None = None,
+             hint: str = "") -> tuple[list[str], str]:
+    """The class list and where it came from: ``classes_file``, else ``classes.txt`` next to the shards, else
+    derived from the distinct label values (texts and JSON integers). ``hint`` ends the sentence that refuses
+    a set without any label."""
+    what = _describe(label)
+    texts = {x for x in labels if isinstance(x, str)}
+    class_map = classes_file if classes_file is not None else folder / CLASS_MAP_NAME
+    if classes_file is not None or class_map.is_file():
+        names = read_class_list(class_map)
         position = {c: i for i, c in enumerate(names)}
-        for x in sorted(labels):  # parse_label reads digits as an index: a class named "7" must be class 7
+        for x in sorted(texts):  # read_label reads digits as an index: a class named "7" must be class 7
             if x.isascii() and x.isdigit() and x in position and position[x] != int(x):
-                raise DataError(f"{class_map} names class {x!r} at index {position[x]}, but a .cls label {x!r} "
+                raise DataError(f"{class_map} names class {x!r} at index {position[x]}, but a {what} label {x!r} "
                                 f"reads as class index {int(x)}; the label is ambiguous")
-        return names, CLASS_MAP_NAME
-    if not labels:
-        raise DataError(f"no sample in {folder} has a .cls label, so there are no classes to train on; add "
-                        f".cls members or a {CLASS_MAP_NAME} next to the shards")
-    numbers = {x for x in labels if x.isascii() and x.isdigit()}
-    if numbers and len(numbers) < len(labels):
-        name = next(iter(sorted(labels - numbers)))
-        raise DataError(f"the .cls labels in {folder} mix class indices ({min(numbers, key=len)!r}) and class names "
-                        f"({name[:80]!r}), so an index cannot be told from a name; write the class names in order "
-                        f"to {CLASS_MAP_NAME} next to the shards")
+        return names, str(classes_file) if classes_file is not None else CLASS_MAP_NAME
+    numbers = {str(x) for x in labels if isinstance(x, int) and x >= 0} | {
+        x for x in texts if x.isascii() and x.isdigit()}
+    names = texts - numbers
+    if not numbers and not names:
+        raise DataError(f"no sample in {folder} has a {what} label, so there are no classes to train on{hint}")
+    if numbers and names:
+        name = next(iter(sorted(names)))
+        raise DataError(f"the {what} labels in {folder} mix class indices ({min(numbers, key=len)!r}) and class "
+                        f"names ({name[:80]!r}), so an index cannot be told from a name; write the class names in "
+                        f"order to {CLASS_MAP_NAME} next to the shards or pass them with --classes FILE")
     if numbers:
         top = max(numbers, key=lambda x: (len(x.lstrip("0")), x.lstrip("0")))
         if len(top.lstrip("0")) > len(str(MAX_CLASSES)) or int(top) >= MAX_CLASSES:
-            raise DataError(f"a .cls label in {folder} is {top[:40]!r}: class indices must be below {MAX_CLASSES:,}")
-        return [str(i) for i in range(int(top) + 1)], "integer .cls"
-    return sorted(labels), "text .cls"
+            shown = top if len(top) <= 40 else f"{top[:40]}..."
+            raise DataError(f"a {what} label in {folder} is {shown!r}: class indices must be below {MAX_CLASSES:,}")
+        return [str(i) for i in range(int(top) + 1)], f"integer {what}"
+    return sorted(names), f"text {what}"
 
 
 def _prefix_and_pattern(names: list[str]) -> tuple[str, str]:
@@ -288,10 +336,27 @@ def _prefix_and_pattern(names: list[str]) -> tuple[str, str]:
     return stem, names[0] if len(names) == 1 else ""
 
 
-def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: bool = True) -> IndexReport:
-    """Scan foreign shards and write ``manifest.json`` to ``out`` (default: the shard folder)."""
+def _no_label_hint(label: str, members: set, unlabeled: Problems) -> str:
+    """The end of the sentence refusing a set without labels: where its labels may be instead."""
+    if label.startswith("json:") and "json" in members and unlabeled.examples:
+        return f" (e.g. {unlabeled.examples[0]}); name a field it has with --label json:FIELD"
+    others = [f"--label {e}" if e != "json" else "--label json:FIELD" for e in ("cls", "txt", "json")
+              if e in members and e != label_member(label)]
+    if others:
+        return (f"; its samples have {', '.join('.' + e for e in sorted(members))} members: take the labels from "
+                f"them with {' or '.join(others)}")
+    return "; add label members, or take them from another member with --label cls|txt|json:FIELD"
+
+
+def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: bool = True,
+                 label: str = DEFAULT_LABEL_SOURCE, classes_file: str | Path | None = None) -> IndexReport:
+    """Scan foreign shards and write ``manifest.json`` to ``out`` (default: the shard folder), labels taken
+    from ``label`` (``cls``, ``txt``, ``json:FIELD``) and classes from ``classes_file`` when given."""
     from gpufeed import __version__
 
+    why = label_source_problem(label)
+    if why:
+        raise DataError(f"--label {str(label)[:80]!r} is refused: {why}")
     paths = resolve_shards(shards)
     folder = paths[0].resolve().parent
     dest = Path(out).resolve() if out is not None else folder
@@ -311,32 +376,38 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
     infos: list[ShardInfo] = []
     labels: Counter = Counter()
     label_examples: dict = {}
-    unlabeled, dropped, duplicates, ungrouped = Problems(), Problems(), Problems(), Problems()
+    unlabeled, unreadable, dropped, duplicates, ungrouped = Problems(), Problems(), Problems(), Problems(), Problems()
+    members: set = set()
     total = ignored = 0
     for p in paths:
-        scan = scan_shard(p, hash=hash)
+        scan = scan_shard(p, hash=hash, label=label)
         total += scan.samples
         ignored += scan.ignored
         labels.update(scan.labels)
-        for raw, where in scan.label_examples.items():
-            label_examples.setdefault(raw, where)
-        for mine, theirs in ((unlabeled, scan.unlabeled), (dropped, scan.dropped), (duplicates, scan.duplicates),
-                             (ungrouped, scan.ungrouped)):
+        if len(labels) > MAX_CLASSES:
+            raise DataError(f"the shards of {folder} hold more than {MAX_CLASSES:,} distinct labels ({label}); a set "
+                            f"has at most {MAX_CLASSES:,} classes - is {label!r} where its labels are?")
+        members |= scan.label_members
+        for value, where in scan.label_examples.items():
+            label_examples.setdefault(value, where)
+        for mine, theirs in ((unlabeled, scan.unlabeled), (unreadable, scan.unreadable), (dropped, scan.dropped),
+                             (duplicates, scan.duplicates), (ungrouped, scan.ungrouped)):
             mine.merge(theirs)
         infos.append(ShardInfo(name=p.name, num_samples=scan.samples, bytes=p.stat().st_size, sha256=scan.sha256))
     if total == 0:
         raise DataError(f"{shards}: no sample with an image member ({', '.join(READ_IMAGE_EXTENSIONS)}) in "
                         f"{len(paths)} shard(s)")
-    texts = {t for t in map(_label_text, labels) if t is not None}
-    classes, class_source = _classes(folder, texts)
+    classes, class_source = _classes(folder, set(labels), label,
+                                     None if classes_file is None else Path(classes_file),
+                                     hint=_no_label_hint(label, members, unlabeled))
     class_index = {c: i for i, c in enumerate(classes)}
     bad_labels = Problems()
-    for raw, n in labels.items():  # the loader's rule decides which labels the manifest's classes accept
+    for value, n in labels.items():  # the loader's rule decides which labels the manifest's classes accept
         try:
-            parse_label(raw, classes, class_index)
+            label_index(value, classes, class_index)
         except LabelError as exc:
-            why = f"a .cls member over {MAX_LABEL_BYTES} bytes" if raw is None else str(exc)
-            bad_labels.add(f"{label_examples[raw]} ({why})", n)
+            bad_labels.add(f"{label_examples[value]} ({exc})", n)
+    bad_labels.merge(unreadable)
     prefix, pattern = _prefix_and_pattern([p.name for p in paths])
     total_bytes = sum(i.bytes for i in infos)
     manifest = Manifest(
@@ -345,7 +416,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         options={"source": str(shards), "hashed": hash, "class_source": class_source,
                  "num_unlabeled": unlabeled.count, "num_ignored_keys": ignored},
         created_by="gpufeed index", gpufeed_version=__version__, compression=compression,
-        root=None if dest == folder else str(folder),
+        root=None if dest == folder else str(folder), label=label,
     )
     Manifest.from_dict(manifest.to_dict(), where=f"the manifest for {folder}")  # never write what readers refuse
     try:
@@ -363,7 +434,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         unlabeled=unlabeled.examples, num_bad_labels=bad_labels.count, bad_labels=bad_labels.examples,
         num_dropped_images=dropped.count, dropped_images=dropped.examples,
         num_duplicate_members=duplicates.count, duplicate_members=duplicates.examples,
-        num_ungrouped_keys=ungrouped.count, ungrouped_keys=ungrouped.examples,
+        num_ungrouped_keys=ungrouped.count, ungrouped_keys=ungrouped.examples, label=label,
         ok=not (unlabeled.count or bad_labels.count or dropped.count or duplicates.count or ungrouped.count),
     )
 
@@ -378,7 +449,7 @@ def render(report: IndexReport) -> str:
     r = report
     lines = [
         f"indexed {r.num_shards} shard(s) in {r.shard_folder}: {r.num_samples} samples, "
-        f"{r.num_classes} classes ({r.class_source}), {r.total_bytes / 1e6:.1f} MB"
+        f"{r.num_classes} classes ({r.class_source}), labels from {_describe(r.label)}, {r.total_bytes / 1e6:.1f} MB"
         + (f", {r.compression}" if r.compression else "")
         + ("" if r.hashed else ", no sha256 (--no-hash)"),
         f"manifest: {r.manifest_path}",
@@ -386,7 +457,7 @@ def render(report: IndexReport) -> str:
     if r.num_ignored_keys:
         lines.append(f"ignored {r.num_ignored_keys} key(s) without an image member")
     for what, count, examples in (
-        ("sample(s) have no .cls label; the loader will reject them", r.num_unlabeled, r.unlabeled),
+        (f"sample(s) have no {_describe(r.label)} label; the loader will reject them", r.num_unlabeled, r.unlabeled),
         ("sample(s) have a label the loader rejects", r.num_bad_labels, r.bad_labels),
         ("image member(s) that no reader sees", r.num_dropped_images, r.dropped_images),
         ("member(s) a sample holds twice (readers keep only one)", r.num_duplicate_members, r.duplicate_members),

@@ -49,8 +49,9 @@ Security: shards are local files, opened by the loader itself by path; no shard 
 opener (webdataset's ``gopen`` runs ``pipe:`` names as shell commands). Shards, plain ``.tar`` and
 gzip-compressed, are read by :mod:`gpufeed.shardset.tar` (every header size and offset validated, every member
 read capped at ``shardset.tar.MAX_MEMBER_BYTES``); webdataset's readers and decoders are not used. Only image
-members (``shardset.keys.READ_IMAGE_EXTENSIONS``) and ``.cls`` labels are read at all,
-labels follow :func:`gpufeed.manifest.parse_label`, and nothing is unpickled.
+members (``shardset.keys.READ_IMAGE_EXTENSIONS``) and the label member the manifest's label source names
+(``.cls``, ``.txt`` or ``.json``) are read at all, labels follow :func:`gpufeed.manifest.read_label`, and
+nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -73,14 +74,22 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from gpufeed import decode as dec
 from gpufeed.config import LoaderConfig
 from gpufeed.errors import DataError, GpufeedError
-from gpufeed.manifest import Manifest, manifest_path, parse_label, read_manifest
-from gpufeed.shardset.keys import LABEL_EXTENSION, READ_IMAGE_EXTENSIONS
+from gpufeed.manifest import DEFAULT_LABEL_SOURCE, Manifest, label_member, manifest_path, read_label, read_manifest
+from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS
 from gpufeed.shardset.tar import file_problem, iter_samples
 from gpufeed.world import World
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-_READ_EXTENSIONS = frozenset((*READ_IMAGE_EXTENSIONS, LABEL_EXTENSION))
+
+
+def _read_extensions(label: str) -> frozenset[str]:
+    """The member extensions the loader reads for a manifest's label source: the images and the label member."""
+    return frozenset((*READ_IMAGE_EXTENSIONS, label_member(label)))
+
+
+_READ_EXTENSIONS = _read_extensions(DEFAULT_LABEL_SOURCE)
+"""What the loader reads from a set labelled by ``.cls`` members (the default label source)."""
 
 
 # --------------------------------------------------------------------------- the epoch plan
@@ -301,11 +310,14 @@ class ShardStream(IterableDataset):
     """One epoch of one rank: each DataLoader worker reads its planned segments and yields batches."""
 
     def __init__(self, paths: list[str], counts: list[int], classes: list[str], cfg: LoaderConfig, world: World,
-                 train: bool, epoch_value: Any, start_value: Any):
+                 train: bool, epoch_value: Any, start_value: Any, label: str = DEFAULT_LABEL_SOURCE):
         self.paths = paths
         self.counts = counts
         self.classes = list(classes)
         self.class_index = {c: i for i, c in enumerate(classes)}
+        self.label = label
+        """The manifest's label source (``cls``, ``txt``, ``json:FIELD``)."""
+        self.read_extensions = _read_extensions(label)
         self.cfg = cfg
         self.world = world
         self.train = train
@@ -377,7 +389,7 @@ class ShardStream(IterableDataset):
     def _shard_samples(self, path: str, start: int, stop: int | None, total: list[int]) -> Iterator[dict]:
         """Image samples ``[start, stop)`` (``stop`` None: to the end) of the local shard at ``path``, plain or
         gzip-compressed (:func:`gpufeed.shardset.tar.iter_samples`; the file is opened by path)."""
-        yield from iter_samples(path, _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS, start, stop, total,
+        yield from iter_samples(path, self.read_extensions, READ_IMAGE_EXTENSIONS, start, stop, total,
                                 stream=not self.fast_tar)
 
     def _shuffled(self, items: Iterator[dict], rng: random.Random) -> Iterator[dict]:
@@ -397,7 +409,7 @@ class ShardStream(IterableDataset):
         yield from buf
 
     def _label(self, sample: dict) -> int:
-        return parse_label(sample.get(LABEL_EXTENSION), self.classes, self.class_index)
+        return read_label(sample, self.label, self.classes, self.class_index)
 
     # ------------------------------------------------------------------ iteration
 
@@ -609,7 +621,7 @@ class ShardLoader:
         self._start = multiprocessing.get_context().Value("q", 0, lock=False)
         self._consumed = 0
         self._dataset = ShardStream(self.paths, counts, self.manifest.classes, cfg, world, train, self._epoch,
-                                    self._start)
+                                    self._start, label=self.manifest.label)
         nw = cfg.num_workers
         self._pin = bool(cfg.pin_memory and world.is_cuda and torch.cuda.is_available())
         self._loader = DataLoader(

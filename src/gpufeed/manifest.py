@@ -25,6 +25,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.parquet"
 TIMM_INFO_NAME = "_info.json"
+DEFAULT_LABEL_SOURCE = "cls"
+"""The label source of a manifest without ``label``: the ``.cls`` member (:func:`read_label`)."""
 
 INDEX_TYPES = {"key": "string", "shard": "string", "class": "string", "label": "int64", "source": "string",
                "bytes": "int64", "width": "int32", "height": "int32"}
@@ -87,6 +89,9 @@ class Manifest:
     """None for plain tar; 'gzip' for .tgz/.tar.gz shards (foreign sets)."""
     root: str | None = None
     """Folder holding the shards, absolute or relative to the manifest's folder; None = the manifest's folder."""
+    label: str = DEFAULT_LABEL_SOURCE
+    """Where each sample's label is (:func:`read_label`): ``cls``, ``txt`` or ``json:FIELD``; written to the
+    manifest only when it is not ``cls``."""
 
     @property
     def num_classes(self) -> int:
@@ -101,12 +106,14 @@ class Manifest:
 
         d = to_jsonable(self)
         d["num_classes"] = self.num_classes
+        if self.label == DEFAULT_LABEL_SOURCE:  # optional: a .cls set's manifest stays as it was before the field
+            del d["label"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "manifest") -> "Manifest":
         """Build a manifest from untrusted JSON, checking every field: types, bounds, shard names, the root
-        folder, the classes and that the per-shard counts add up. Raises DataError (one sentence)."""
+        folder, the classes, the label source and that the per-shard counts add up. Raises DataError (one sentence)."""
         if not isinstance(d, dict):
             raise DataError(f"{where}: a manifest is a JSON object")
         if d.get("format") != FORMAT_NAME:
@@ -165,6 +172,10 @@ class Manifest:
         compression = d.get("compression")
         if compression not in (None, "gzip"):
             raise DataError(f"{where}: compression is {str(compression)[:20]!r}, expected null or 'gzip'")
+        label = d.get("label", DEFAULT_LABEL_SOURCE)
+        if label_source_problem(label):
+            raise DataError(f"{where}: label source {str(label)[:80]!r} is not one this gpufeed reads (cls, txt or "
+                            f"json:FIELD); upgrade gpufeed, or index the shards again with a --label it reads")
         options = d.get("options", {})
         if not isinstance(options, dict):
             raise DataError(f"{where}: options must be an object")
@@ -183,7 +194,7 @@ class Manifest:
             total_bytes=_count(d, "total_bytes", where, MAX_NUM_SAMPLES * MAX_SHARD_BYTES, default=0),
             mean_sample_bytes=float(mean), url_pattern=strings["url_pattern"], options=options,
             created_by=strings["created_by"], gpufeed_version=strings["gpufeed_version"], format=FORMAT_NAME,
-            format_version=version, compression=compression, root=root,
+            format_version=version, compression=compression, root=root, label=label,
         )
 
 
@@ -255,38 +266,141 @@ def _count(d: dict[str, Any], key: str, where: str, limit: int, default: int | N
 
 
 MAX_LABEL_BYTES = 1024
-"""A ``.cls`` member longer than this is not a label (a class name or a decimal index is short)."""
+"""A label member (``.cls``, ``.txt``) or a JSON label string longer than this is not a label (a class name or a
+decimal index is short)."""
+MAX_LABEL_JSON_BYTES = 64 << 10
+"""A ``.json`` member larger than this (64 KiB) is not read for a label (``--label json:FIELD``)."""
+MAX_LABEL_FIELD_CHARS = 64
+"""Longest FIELD of a ``json:FIELD`` label source."""
+_LABEL_FIELD = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
 
 
 class LabelError(ValueError):
-    """A ``.cls`` member that is not a label of the set."""
+    """A sample without a label of the set: no label member, an unreadable one, or a label the classes refuse."""
+
+
+class MissingLabel(LabelError):
+    """A sample without its label member (or, for ``json:FIELD``, without FIELD in its ``.json`` member)."""
+
+
+def label_source_problem(source: object) -> str | None:
+    """Why ``source`` is not a label source this gpufeed reads (None when it is one): ``"cls"`` (the ``.cls``
+    member), ``"txt"`` (the ``.txt`` member) or ``"json:FIELD"`` (FIELD of the ``.json`` member's object), where
+    FIELD is a plain key (letters, digits, ``_`` and ``-``, not starting with ``-``) of at most
+    :data:`MAX_LABEL_FIELD_CHARS` characters."""
+    if source in ("cls", "txt"):
+        return None
+    if not isinstance(source, str) or not source.startswith("json:"):
+        return "label sources are cls, txt or json:FIELD"
+    name = source[5:]
+    if not name or len(name) > MAX_LABEL_FIELD_CHARS or not _LABEL_FIELD.fullmatch(name):
+        return (f"FIELD of json:FIELD must be 1..{MAX_LABEL_FIELD_CHARS} letters, digits, '_' or '-' (a top-level "
+                f"key of the .json member)")
+    return None
+
+
+def label_member(source: str) -> str:
+    """The member extension a label source reads: ``cls``, ``txt`` or ``json``."""
+    return "json" if source.startswith("json:") else source
+
+
+def label_member_bytes(source: str) -> int:
+    """The largest label member ``source`` reads: :data:`MAX_LABEL_JSON_BYTES` for a ``.json`` member,
+    :data:`MAX_LABEL_BYTES` otherwise."""
+    return MAX_LABEL_JSON_BYTES if source.startswith("json:") else MAX_LABEL_BYTES
+
+
+def _label_text(raw: bytes, member: str) -> str:
+    if len(raw) > MAX_LABEL_BYTES:
+        raise LabelError(f".{member} member is {len(raw)} bytes; a label is at most {MAX_LABEL_BYTES}")
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise LabelError(f".{member} member is not UTF-8 text") from None
+
+
+def label_index(value: str | int, classes: list[str] | tuple[str, ...],
+                class_index: dict[str, int] | None = None) -> int:
+    """A label value's class index: an int, or a text of ASCII digits, is an index in ``0..C-1``; any other
+    text must be one of ``classes``. Raises LabelError."""
+    n = len(classes)
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, int):
+        if not 0 <= value < n:
+            text = str(value) if abs(value) < 10 ** 40 else f"{str(value)[:20]}..."
+            raise LabelError(f"label {text} is outside 0..{n - 1}" if n else f"label {text}: the set has no classes")
+        return value
+    index = class_index if class_index is not None else {c: i for i, c in enumerate(classes)}
+    if value not in index:
+        raise LabelError(f"label {value[:80]!r} is neither a class index nor a class of the manifest")
+    return index[value]
 
 
 def parse_label(raw: bytes | None, classes: list[str] | tuple[str, ...],
-                class_index: dict[str, int] | None = None) -> int:
-    """The one label rule of every reader (loader, verify, index): the ``.cls`` member holds either a decimal
-    class index in ``0..C-1`` or one of the manifest's class names (UTF-8, surrounding white space ignored).
+                class_index: dict[str, int] | None = None, member: str = "cls") -> int:
+    """The one label rule of every reader (loader, verify, index): a label member (``.cls``, or ``.txt`` named by
+    ``member``) holds either a decimal class index in ``0..C-1`` or one of the manifest's class names (UTF-8, at
+    most :data:`MAX_LABEL_BYTES`, surrounding white space ignored).
 
-    ``class_index`` (name -> index) may be passed to avoid rebuilding it per sample. Raises LabelError.
+    ``class_index`` (name -> index) may be passed to avoid rebuilding it per sample. Raises LabelError
+    (MissingLabel when ``raw`` is None).
     """
     if raw is None:
-        raise LabelError("no .cls label member")
-    if len(raw) > MAX_LABEL_BYTES:
-        raise LabelError(f".cls member is {len(raw)} bytes; a label is at most {MAX_LABEL_BYTES}")
+        raise MissingLabel(f"no .{member} label member")
+    return label_index(_label_text(raw, member), classes, class_index)
+
+
+def label_value(members: dict[str, Any], source: str) -> str | int:
+    """The raw label of a sample (``members``: extension -> bytes) as ``source`` names it, not yet mapped to a
+    class: the stripped text of the ``.cls`` or ``.txt`` member, or the FIELD value of the ``.json`` member's
+    object (a stripped string or an int). A member present with None data is one its reader skipped as over
+    :func:`label_member_bytes`. Raises MissingLabel when the member (or FIELD) is absent, LabelError when it is
+    not a label: too large, not UTF-8, not a JSON object, or a FIELD value that is neither a string nor an int.
+    """
+    ext = label_member(source)
+    if ext not in members:
+        raise MissingLabel(f"no .{ext} member" if ext == "json" else f"no .{ext} label member")
+    raw = members[ext]
+    bound = label_member_bytes(source)
+    if raw is None or len(raw) > bound:
+        size = "" if raw is None else f" ({len(raw)} bytes)"
+        raise LabelError(f".{ext} member is over {bound} bytes{size}; it is not read for a label")
+    if ext != "json":
+        return _label_text(raw, ext)
+    name = source[5:]
     try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise LabelError(".cls member is not UTF-8 text") from None
-    n = len(classes)
-    if text.isascii() and text.isdigit():
-        label = int(text)
-        if not 0 <= label < n:
-            raise LabelError(f"label {label} is outside 0..{n - 1}" if n else f"label {label}: the set has no classes")
-        return label
-    index = class_index if class_index is not None else {c: i for i, c in enumerate(classes)}
-    if text not in index:
-        raise LabelError(f"label {text[:80]!r} is neither a class index nor a class of the manifest")
-    return index[text]
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise LabelError(f".json member is not UTF-8 JSON ({str(exc)[:80]})") from None
+    if not isinstance(obj, dict):
+        raise LabelError(f".json member is not a JSON object, so it has no field {name!r}")
+    if name not in obj:
+        fields = [str(k)[:40] for k in list(obj)[:8]]
+        more = ", ..." if len(obj) > 8 else ""
+        raise MissingLabel(f"no field {name!r} in its .json member (its fields: {', '.join(fields) or 'none'}{more})")
+    value = obj[name]
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise LabelError(f"field {name!r} of the .json member is {type(value).__name__} {str(value)[:40]}, not a "
+                         f"class index (an integer) or a class name (a string)")
+    if isinstance(value, str):
+        try:
+            encoded = value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise LabelError(f"field {name!r} of the .json member is not UTF-8 text") from None
+        if len(encoded) > MAX_LABEL_BYTES:
+            raise LabelError(f"field {name!r} of the .json member is {len(encoded)} bytes; a label is at most "
+                             f"{MAX_LABEL_BYTES}")
+        value = value.strip()
+    return value
+
+
+def read_label(members: dict[str, Any], source: str, classes: list[str] | tuple[str, ...],
+               class_index: dict[str, int] | None = None) -> int:
+    """A sample's class index, its label taken where the manifest's label ``source`` says (``cls``, ``txt``,
+    ``json:FIELD``; :func:`label_value`) and mapped to ``classes`` by the rule of :func:`parse_label`
+    (:func:`label_index`). Every reader (loader, verify) labels samples with it. Raises LabelError."""
+    return label_index(label_value(members, source), classes, class_index)
 
 
 def brace_pattern(names: list[str]) -> str:

@@ -5,7 +5,8 @@ match the manifest (sha256 is skipped when the manifest has none, e.g. ``gpufeed
 reads to the end and ends with its end-of-archive blocks (gzip shards of foreign sets included), its sample
 count matches, every member name is ``KEY.ext``, keys are unique across the whole set and each key's members
 are consecutive (grouped), no sample holds a member twice, each sample has exactly one image member and a
-``.cls`` label that :func:`gpufeed.manifest.parse_label` accepts (the loader's rule), every image is at most
+label, where the manifest's label source says (``.cls``, ``.txt`` or a field of ``.json``), that
+:func:`gpufeed.manifest.read_label` accepts (the loader's rule), every image is at most
 ``max_pixels`` (width x height, read from its header before any pixel is decoded) and (``decode``, default on)
 decodes to 3-channel RGB with Pillow. For sets written by ``gpufeed shard``, each sample must have a ``KEY.json``
 that parses, names the class of the label, and carries the sha256 of the image member, which pins a flipped bit
@@ -35,7 +36,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from gpufeed.config import LoaderConfig
-from gpufeed.manifest import SHARD_SUFFIXES, LabelError, parse_label, read_manifest
+from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, SHARD_SUFFIXES, LabelError, MissingLabel, label_member,
+                              read_label, read_manifest)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image,
                                    split_member)
 from gpufeed.shardset.tar import MAX_MEMBER_BYTES, TarFormatError, TarPass, TruncatedMember, file_problem
@@ -118,7 +120,8 @@ def _check_image(member: str, data: bytes, decode: bool, max_pixels: int, bad: C
 
 
 def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[str], gzip: bool, decode: bool,
-                  ours: bool, max_pixels: int = DEFAULT_MAX_PIXELS) -> dict[str, Any]:
+                  ours: bool, max_pixels: int = DEFAULT_MAX_PIXELS, label_source: str = DEFAULT_LABEL_SOURCE
+                  ) -> dict[str, Any]:
     problems: list[tuple[str | None, str]] = []
     count = [0]  # all problems, listed or not
     keys: list[str] = []  # distinct keys of samples, in order (for the set-wide uniqueness check)
@@ -158,13 +161,14 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
         if len(images) != 1:
             bad(key, f"sample has {len(images)} image members ({', '.join(sorted(parts))}); expected exactly one")
         label = None
-        if LABEL_EXTENSION not in parts:
-            bad(key, "sample has no .cls label member")
-        elif parts[LABEL_EXTENSION] is not None:
+        member = label_member(label_source)
+        if parts.get(member, b"") is not None:  # None: a member over MAX_MEMBER_BYTES, reported by want()
             try:
-                label = parse_label(parts[LABEL_EXTENSION], classes, class_index)
+                label = read_label(parts, label_source, classes, class_index)
+            except MissingLabel as exc:
+                bad(key, f"sample has {exc}")
             except LabelError as exc:
-                bad(f"{key}.cls", str(exc))
+                bad(f"{key}.{member}", str(exc))
         image = parts[images[0]] if images else None
         if image is not None and _check_image(f"{key}.{images[0]}", image, decode, max_pixels, bad):
             decoded += 1
@@ -243,7 +247,7 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
     ours = m.created_by.startswith("gpufeed shard")
     gzip = m.compression == "gzip"
     jobs = [(str(root / s.name), s.name, {"bytes": s.bytes, "sha256": s.sha256, "num_samples": s.num_samples},
-             m.classes, gzip or s.name.endswith((".tgz", ".tar.gz")), decode, ours, max_pixels)
+             m.classes, gzip or s.name.endswith((".tgz", ".tar.gz")), decode, ours, max_pixels, m.label)
             for s in m.shards]
     workers = min(workers or usable_cpus(), max(1, len(jobs)))
     if workers > 1:

@@ -16,6 +16,9 @@ from typing import Any, Callable, Iterable, Iterator
 READ_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 """Member extensions readers accept as images (gpufeed writes jpg, png and webp; other tools also .jpeg)."""
 LABEL_EXTENSION = "cls"
+"""The label member gpufeed writes (and readers' default label source)."""
+TEXT_EXTENSION = "txt"
+"""The text member other tools write (img2dataset: the caption); a label source with ``--label txt``."""
 META_EXTENSION = "json"
 
 _META = re.compile(r"__[^/]*__($|/)")

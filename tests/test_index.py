@@ -290,7 +290,7 @@ def test_manifest_with_no_classes_is_refused_in_one_sentence(tmp_path):
      "listed twice"),
     ({"shards": []}, "shards must be a non-empty list"),
     ({"compression": "pipe:zcat"}, "compression"),
-    ({"format_version": 2}, "newer than this gpufeed reads"),
+    ({"format_version": 3}, "newer than this gpufeed reads"),
 ])
 def test_manifest_fields_are_checked(tmp_path, changes, message):
     d = _write_manifest_json(tmp_path / "m", **changes)

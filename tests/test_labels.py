@@ -214,3 +214,16 @@ def test_index_refuses_a_label_option_it_cannot_read(tmp_path, source):
     assert res.stderr.startswith(f"error: --label {source!r} is refused: ")
     assert len(res.stderr.strip().splitlines()) == 1
     assert not (d / "manifest.json").exists()
+
+
+def test_a_set_labelled_from_txt_or_json_is_format_version_2_and_a_cls_set_stays_1():
+    """A reader from before `label` refuses version 2 instead of labelling by .cls members the set may also hold."""
+    from gpufeed.manifest import Manifest, ShardInfo
+
+    def manifest(label: str) -> dict:
+        return Manifest(prefix="a", classes=["cat", "dog"], shards=[ShardInfo("a.tar", 2, 10, None)], num_samples=2,
+                        label=label).to_dict()
+
+    assert manifest("cls")["format_version"] == 1 and "label" not in manifest("cls")
+    assert manifest("txt")["format_version"] == 2 and manifest("json:label")["format_version"] == 2
+    assert Manifest.from_dict(manifest("txt")).label == "txt"

@@ -21,7 +21,10 @@ from gpufeed.errors import DataError
 from gpufeed.records import write_json
 
 FORMAT_NAME = "gpufeed-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest format this gpufeed reads (and refuses anything newer). 2 added ``label``: a manifest whose label
+source is not ``cls`` is written as version 2, so a reader from before the field refuses it instead of labelling
+by ``.cls``; a ``.cls`` set's manifest is still written as version 1, byte for byte as before."""
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.parquet"
 TIMM_INFO_NAME = "_info.json"
@@ -84,7 +87,8 @@ class Manifest:
     created_by: str = "gpufeed shard"
     gpufeed_version: str = ""
     format: str = FORMAT_NAME
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
+    """The version this manifest needs (:meth:`to_dict` writes the lowest one that reads it right)."""
     compression: str | None = None
     """None for plain tar; 'gzip' for .tgz/.tar.gz shards (foreign sets)."""
     root: str | None = None
@@ -108,6 +112,9 @@ class Manifest:
         d["num_classes"] = self.num_classes
         if self.label == DEFAULT_LABEL_SOURCE:  # optional: a .cls set's manifest stays as it was before the field
             del d["label"]
+            d["format_version"] = 1
+        else:  # readers from before `label` must refuse the set, not label it by .cls members it may also hold
+            d["format_version"] = 2
         return d
 
     @classmethod

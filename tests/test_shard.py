@@ -559,6 +559,16 @@ def test_tampered_plan_is_never_used_and_never_crashes(tmp_path: Path) -> None:
         "inner dot-dot path": dict(column="path_blob", at=7, raw=b"a/../1x"),
         "negative enc_off": dict(column="enc_off", raw=np.int64(-1).tobytes()),
         "negative enc_len": dict(column="enc_len", at=8, raw=np.int64(-5).tobytes()),
+        # a repeated order index would write one sample twice and silently lose another
+        "order not a permutation": dict(column="order", raw=np.zeros(4, dtype=np.int64).tobytes()),
+        "duplicate class": dict(edit_meta=lambda m: m.update(classes=["a", "a"], class_counts=[4, 0])),
+        "class not a string": dict(edit_meta=lambda m: m.update(classes=[7])),
+        "class with a newline": dict(edit_meta=lambda m: m.update(classes=["a\nb"])),
+        "duplicate shard name": dict(edit_meta=lambda m: m["shards"][1].update(name=m["shards"][0]["name"])),
+        "class count a float": dict(edit_meta=lambda m: m.update(class_counts=[4.0])),
+        "num_samples as text": dict(edit_meta=lambda m: m.update(num_samples="4")),
+        "est_bytes huge": dict(edit_meta=lambda m: m["shards"][0].update(est_bytes=10**24)),
+        "cache no shard lists": dict(column="enc_cache", raw=np.int64(7).tobytes()),
     }
     for what, kw in refused.items():
         assert plan_with(**kw) is None, what

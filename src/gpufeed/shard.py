@@ -1659,11 +1659,36 @@ def _read_plan(state: str) -> _Plan | None:
                 or arrays["ext"].max() >= len(_EXTS) or arrays["enc_ext"].max() >= len(_EXTS)
                 or arrays["action"].max() >= len(_ACTIONS)
                 or arrays["enc_off"].min() < 0 or arrays["enc_len"].min() < 0
-                or not _paths_inside(blob.tobytes(), offsets)):
+                or not _paths_inside(blob.tobytes(), offsets)
+                or not _plan_fields_sound(meta, arrays, n)):
             return None
         return _Plan(meta, arrays, _Strings(blob.tobytes(), offsets))
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
+
+
+def _plan_fields_sound(meta: dict[str, Any], arrays: dict[str, Any], n: int) -> bool:
+    """The rest of a stored plan's consistency: ``order`` a permutation (a repeated index would write one
+    sample twice and lose another), unique class names and shard names, plain int counts, bounded sizes, and
+    every transcode cache a sample points at listed by a shard."""
+    import numpy as np
+
+    classes, shards, order = meta["classes"], meta["shards"], arrays["order"]
+    caches = arrays["enc_cache"]
+    named = {f"enc-{c:06d}.bin" for c in np.unique(caches[caches >= 0]).tolist()}
+    return (type(meta["num_samples"]) is int and len(order) == n and np.bincount(order, minlength=n).max() == 1
+            and all(type(c) is str and c and c.isprintable() for c in classes) and len(set(classes)) == len(classes)
+            and all(type(c) is int for c in meta["class_counts"])
+            and len({sh["name"] for sh in shards}) == len(shards)
+            and all(sh[k] <= _MAX_PLAN_BYTES for sh in shards for k in ("est_bytes", "cache_bytes"))
+            and all(type(i) is dict and type(i.get("path")) is str and type(i.get("reason")) is str
+                    for i in meta["rejected"])
+            and int(caches.min()) >= -1 and named <= {c for sh in shards for c in sh["caches"]}
+            and int((arrays["enc_off"] + arrays["enc_len"]).max()) <= _MAX_PLAN_BYTES)
+
+
+_MAX_PLAN_BYTES = 2**44
+"""Largest size or offset a stored plan may name (16 TiB, the manifest's shard bound)."""
 
 
 _INDEX_BLOCK = 65536

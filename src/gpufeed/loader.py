@@ -486,6 +486,9 @@ class ShardStream(IterableDataset):
                 row = 0 if self.per_sample else filled
                 ext = sample["__ext__"]
                 try:
+                    if "__duplicate__" in sample:
+                        raise ValueError(f"its .{sample['__duplicate__']} member appears twice (index and verify "
+                                         f"report it; which one is meant is not known)")
                     label = self._label(sample)
                     if ext is None:
                         raise ValueError("no image data")

@@ -308,7 +308,8 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
     """Samples ``[start, stop)`` of a local tar shard, counting only keys with an image member.
 
     Each sample is ``{"__key__", "__url__", ext: bytes}`` for the members whose (lower-case) extension is in
-    ``extensions``. Samples before ``start`` are not read (a plain tar seeks over them). When the reader reaches
+    ``extensions``, plus ``"__duplicate__": ext`` when one of them appears twice in the sample (the caller
+    refuses such a sample: index and verify report it). Samples before ``start`` are not read (a plain tar seeks over them). When the reader reaches
     the end of the shard (before ``stop``), ``total[0]`` is set to the shard's sample count.
 
     A gzip shard (``.tgz``, ``.tar.gz``), or any shard with ``stream``, is read in one pass through
@@ -355,6 +356,8 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
             if ext in image_extensions:
                 has_image = True
             if data is not None and ext in extensions:
+                if ext in sample:  # a member name twice in one sample: which one is meant is not known
+                    sample["__duplicate__"] = ext
                 sample[ext] = data
         # read to the end: a stream must also end as index and verify demand (end blocks, nothing but zeros after
         # them, the gzip CRC and length intact); checked before the last sample goes out, raised after it

@@ -79,7 +79,7 @@ def test_an_io_record_of_the_shard_folder_gives_its_best_cold_rate(shards: Path,
 
 
 @pytest.mark.parametrize("content, says", [
-    (b"not json", "is not a readable gpufeed io summary.json"),
+    (b"not json", "is not readable JSON, so not a gpufeed io summary.json"),
     (b"[1, 2]", "is not a gpufeed io summary.json (no locations)"),
     (b'{"locations": [{"path": "SHARDS", "steps": [{"readers": true, "cache": "cold", "mb_per_s": 5}]}]}',
      "holds no measured steps for"),

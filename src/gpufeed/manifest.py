@@ -11,14 +11,13 @@ rule, extensions, grouping) and the tar layer are :mod:`gpufeed.shardset`.
 from __future__ import annotations
 
 import json
-import stat
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpufeed.errors import DataError
-from gpufeed.records import write_json
+from gpufeed.records import read_json_file, write_json
 
 FORMAT_NAME = "gpufeed-shards"
 FORMAT_VERSION = 2
@@ -449,16 +448,7 @@ def read_manifest(shards: str | Path) -> Manifest:
             f"{path.parent} has no {MANIFEST_NAME}: the shard set is incomplete or was not written by gpufeed "
             f"(for shards written by other tools, run `gpufeed index {path.parent}`)"
         )
-    try:
-        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block open() forever, a device never end
-            raise DataError(f"{path} is not a regular file")
-        with open(path, "rb") as f:
-            text = f.read(MAX_MANIFEST_BYTES + 1)
-        if len(text) > MAX_MANIFEST_BYTES:
-            raise DataError(f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB; it is not a manifest")
-        data = json.loads(text.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DataError(f"{path} is not readable JSON: {exc}") from None
+    data = read_json_file(path, MAX_MANIFEST_BYTES, "a manifest")
     return Manifest.from_dict(data, where=str(path))
 
 

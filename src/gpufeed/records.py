@@ -93,6 +93,27 @@ def _umask() -> int:
     return mask
 
 
+def read_json_file(path: str | Path, max_bytes: int, what: str) -> Any:
+    """The JSON value in ``path``, a file that came with data (a manifest, a run record): it must be a regular
+    file (a FIFO would block ``open`` forever) of at most ``max_bytes``, UTF-8 and valid JSON, else a DataError
+    naming it as ``what`` in one sentence."""
+    import stat
+
+    from gpufeed.errors import DataError, one_line
+
+    p = Path(path)
+    try:
+        if not stat.S_ISREG(p.stat().st_mode):
+            raise DataError(f"{p} is not a regular file, so not {what}")
+        with open(p, "rb") as f:
+            raw = f.read(max_bytes + 1)
+        if len(raw) > max_bytes:
+            raise DataError(f"{p} is larger than {max_bytes >> 20} MiB; it is not {what}")
+        return json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DataError(f"{p} is not readable JSON, so not {what} ({one_line(exc)[:160]})") from None
+
+
 def dumps(obj: Any, *, indent: int | None = 2) -> str:
     return json.dumps(to_jsonable(obj), indent=indent, sort_keys=False, ensure_ascii=False)
 

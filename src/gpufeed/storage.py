@@ -38,7 +38,6 @@ location delivers it (exit 1).
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import mmap
 import os
@@ -51,7 +50,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from gpufeed.config import IoConfig
-from gpufeed.errors import DataError, one_line
+from gpufeed.errors import DataError
+from gpufeed.records import read_json_file
 
 READ_SIZE = 8 << 20
 """Bytes per read of a sequential reader (and of a large image file)."""
@@ -453,14 +453,7 @@ def default_max_readers() -> int:
 def gpu_ceiling(record_path: str) -> float:
     """The synthetic (compute-ceiling) samples/s of a ``train --measure`` summary.json; DataError if absent."""
     p = Path(record_path)
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(MAX_RECORD_BYTES + 1)
-        if len(raw) > MAX_RECORD_BYTES:
-            raise DataError(f"{p} is larger than {MAX_RECORD_BYTES >> 20} MiB; it is not a train summary.json")
-        data = json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DataError(f"{p} is not a readable train summary.json ({exc})") from None
+    data = read_json_file(p, MAX_RECORD_BYTES, "a train summary.json")
     modes = data.get("modes") if isinstance(data, dict) else None
     synthetic = modes.get("synthetic") if isinstance(modes, dict) else None
     rate = synthetic.get("samples_per_s") if isinstance(synthetic, dict) else None
@@ -688,14 +681,7 @@ def io_record_rate(record_path: str | Path, shards: str | Path) -> StorageRate:
     is the shard set's folder, its best cold rate (warm where cold was not measured). DataError (one sentence)
     when the file is not such a record or measured another location."""
     p = Path(record_path)
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(MAX_RECORD_BYTES + 1)
-        if len(raw) > MAX_RECORD_BYTES:
-            raise DataError(f"{p} is larger than {MAX_RECORD_BYTES >> 20} MiB; it is not a gpufeed io summary.json")
-        data = json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DataError(f"{p} is not a readable gpufeed io summary.json ({one_line(exc)})") from None
+    data = read_json_file(p, MAX_RECORD_BYTES, "a gpufeed io summary.json")
     locations = data.get("locations") if isinstance(data, dict) else None
     if not isinstance(locations, list) or not locations:
         raise DataError(f"{p} is not a gpufeed io summary.json (no locations)")

@@ -129,7 +129,6 @@ class RngState:
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """``torch.load(path, weights_only=True)``: tensors and plain values only, nothing is unpickled into
     objects. Anything else (another format, a pickled object, a truncated or junk file) is a DataError."""
-    import pickle
     import zipfile
 
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; the legacy raw-pickle format is refused
@@ -140,10 +139,10 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the refusal below says it all
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise DataError(f"{path} is refused: the safe loader (tensors and plain values only) rejected it, and "
-                        f"loading it in full could run code") from None
-    except Exception as exc:  # noqa: BLE001 - any failure to read an untrusted file is the same refusal
+    except Exception as exc:  # noqa: BLE001 - any failure to read an untrusted file is a refusal
+        if type(exc).__name__ == "UnpicklingError":  # weights_only's refusal of anything but tensors and values
+            raise DataError(f"{path} is refused: the safe loader (tensors and plain values only) rejected it, and "
+                            f"loading it in full could run code") from None
         raise DataError(f"{path} cannot be read: truncated or corrupt ({type(exc).__name__}: "
                         f"{one_line(exc)[:200]})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:

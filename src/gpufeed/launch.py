@@ -178,6 +178,7 @@ def _rank_failed(report_dir: Path, rank: int, message: str, exit_code: int, *, c
     """One sentence on stderr (a traceback first with GPUFEED_VERBOSE=1) and in ``rank-R.error``."""
     _traceback_if_verbose()
     print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
+    # a wall-clock timestamp, not a duration: it orders the failures of ranks in different processes (and nodes)
     report = {"rank": rank, "message": message, "exit_code": exit_code, "cause": cause, "time": time.time()}
     try:
         atomic_write_bytes(report_dir / RANK_ERROR.format(rank=rank), json.dumps(report).encode())

@@ -138,6 +138,7 @@ def cli(verbose: bool) -> None:
     gpufeed train   --shards DEST  AMP + DDP ResNet run with a fed/starved verdict
     gpufeed io      PATH ...       read rate of shard sets / image folders, cold and warm
     gpufeed stage   SRC DEST       copy a shard set to NVMe or /dev/shm, checked and resumable
+    gpufeed doctor  [DATA_PATH ...] check drivers, GPUs, CPUs, /dev/shm and data paths: ok / warn / fail
     """
     if verbose:
         import os
@@ -471,6 +472,37 @@ def stage(src: str, dest: str, jobs: int | None, node_rank: int | None, num_node
         from gpufeed.stage import render_stage
 
         return render_stage(report)
+
+    run_job(job, render, as_json)
+
+
+@cli.command()
+@config_help(LoaderConfig)
+@click.argument("paths", nargs=-1, type=click.Path())
+@click.option("--num-workers", type=int)
+@click.option("--prefetch-factor", type=int)
+@click.option("--batch-size", type=int)
+@click.option("--image-size", type=int)
+@config_option
+@json_option
+def doctor(paths: tuple[str, ...], num_workers: int | None, prefetch_factor: int | None, batch_size: int | None,
+           image_size: int | None, config_path: str | None, as_json: bool) -> None:
+    """Check this machine for training: versions, CUDA driver, GPUs (PCIe link, throttling, ECC), usable cores,
+    RAM, /dev/shm against what the [loader] needs, open-file limit, and each DATA_PATH (filesystem, network or
+    local, whether its shard set fits the page cache). Exit 1 when a check fails; a machine without a GPU is ok.
+    """
+    cfg = load(config_path, "loader", {"num_workers": num_workers, "prefetch_factor": prefetch_factor,
+                                       "batch_size": batch_size, "image_size": image_size})
+
+    def job() -> Any:
+        from gpufeed.doctor import doctor as run_doctor
+
+        return run_doctor(list(paths), cfg)
+
+    def render(report: Any) -> str:
+        from gpufeed.doctor import render as render_doctor
+
+        return render_doctor(report)
 
     run_job(job, render, as_json)
 

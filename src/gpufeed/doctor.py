@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from gpufeed.config import LoaderConfig
 
@@ -112,7 +112,7 @@ class Facts:
 # --------------------------------------------------------------------------- gathering (the real machine)
 
 
-def gather_facts(paths: list[str] = ()) -> Facts:  # type: ignore[assignment]
+def gather_facts(paths: Sequence[str] = ()) -> Facts:
     """Read the machine once. Every probe is guarded: a missing library or file becomes a fact, not an error."""
     import psutil
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 from gpufeed.config import LoaderConfig
+from gpufeed.system import mount_of
+from gpufeed.system import mounts as system_mounts
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -154,7 +156,7 @@ def gather_facts(paths: Sequence[str] = ()) -> Facts:
         nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
     except (ImportError, OSError, ValueError):
         pass
-    mounts = _read_mounts()
+    mounts = system_mounts()
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
     return Facts(
         versions=versions, torch_error=torch_error, driver_cuda=driver_cuda, nvml_error=nvml_error, gpus=gpus,
@@ -239,18 +241,6 @@ def _nvml() -> tuple[str | None, str | None, list[GpuFacts], str | None]:
         get(n.nvmlShutdown)
 
 
-def _read_mounts() -> list[tuple[str, str, str]]:
-    """(source, mount point, filesystem type) of each line of /proc/mounts; empty where it cannot be read."""
-    from gpufeed.storage import _unescape_mount
-
-    try:
-        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
-            lines = f.read(4 << 20).splitlines()
-    except OSError:
-        return []
-    return [(p[0], _unescape_mount(p[1]), p[2]) for p in (line.split() for line in lines) if len(p) >= 3]
-
-
 def _path_facts(path: str, mounts: list[tuple[str, str, str]]) -> PathFacts:
     from gpufeed.errors import GpufeedError
     from gpufeed.manifest import manifest_path, read_manifest
@@ -258,10 +248,7 @@ def _path_facts(path: str, mounts: list[tuple[str, str, str]]) -> PathFacts:
     if not os.path.exists(path):
         return PathFacts(path=path, exists=False)
     real = os.path.realpath(path)
-    source, mount, fs_type = "", "", "unknown"
-    for src, mnt, fs in mounts:  # the longest mount point above the path (the last one mounted wins a tie)
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(mount):
-            source, mount, fs_type = src, mnt, fs
+    source, mount, fs_type = mount_of(real, mounts)
     try:
         st = os.statvfs(real)
         free: int | None = st.f_bavail * st.f_frsize

@@ -360,21 +360,10 @@ def _refuse_other_set(dest: Path, m: Manifest) -> None:
 
 
 def _on_ram_fs(path: Path) -> bool:
-    """Whether ``path`` is on tmpfs or ramfs (its longest mount point in /proc/mounts); False where unknown."""
-    try:
-        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
-            mounts = [line.split() for line in f.read(1 << 20).splitlines()]
-    except OSError:
-        return False
-    target = str(path.resolve())
-    best, kind = "", ""
-    for parts in mounts:
-        if len(parts) < 3:
-            continue
-        point = parts[1].replace("\\040", " ")
-        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, kind = point, parts[2]
-    return kind in _RAM_FS
+    """Whether ``path`` is on tmpfs or ramfs (:func:`gpufeed.system.mount_of`); False where unknown."""
+    from gpufeed.system import mount_of
+
+    return mount_of(path)[2] in _RAM_FS
 
 
 def _lock(path: Path, dest: Path) -> int:

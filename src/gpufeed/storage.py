@@ -230,31 +230,12 @@ def resolve_location(path: str | Path, max_files: int) -> _Location:
 
 
 def filesystem_of(path: str | Path) -> tuple[str, str]:
-    """(filesystem type, mount point) of ``path``: the longest mount point of /proc/mounts above it;
-    ("unknown", "") where /proc/mounts cannot be read."""
-    real = os.path.realpath(path)
-    best = ("unknown", "")
-    try:
-        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
-            lines = f.read(4 << 20).splitlines()
-    except OSError:
-        return best
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount = _unescape_mount(parts[1])
-        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best[1]):
-            best = (parts[2], mount)
-    return best
+    """(filesystem type, mount point) of ``path`` (:func:`gpufeed.system.mount_of`); ("unknown", "") where
+    /proc/mounts cannot be read."""
+    from gpufeed.system import mount_of
 
-
-def _unescape_mount(text: str) -> str:
-    """/proc/mounts writes space, tab, newline and backslash in paths as octal escapes (\\040 ...)."""
-    for code, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        text = text.replace(code, ch)
-    return text
+    _, point, fs_type = mount_of(path)
+    return fs_type, point
 
 
 # --------------------------------------------------------------------------- eviction

@@ -160,3 +160,33 @@ def process_pool(workers: int, *, initializer: Any = None, initargs: tuple = (),
     inherited = tuple(close_fds) if method == "fork" else ()
     return cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method), initializer=_pool_init,
                                   initargs=(os.getpid(), inherited, initializer, tuple(initargs)))
+
+
+def mounts() -> list[tuple[str, str, str]]:
+    """(source, mount point, filesystem type) of each line of /proc/mounts (octal escapes in paths undone);
+    empty where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
+            lines = f.read(4 << 20).splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3:
+            point = parts[1]
+            for code, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+                point = point.replace(code, ch)
+            out.append((parts[0], point, parts[2]))
+    return out
+
+
+def mount_of(path: str | os.PathLike, table: list[tuple[str, str, str]] | None = None) -> tuple[str, str, str]:
+    """(source, mount point, filesystem type) of the file system holding ``path``: the longest mount point above
+    it (the last mounted wins a tie); ("", "", "unknown") where /proc/mounts cannot be read."""
+    real = os.path.realpath(path)
+    best = ("", "", "unknown")
+    for source, point, fs_type in (mounts() if table is None else table):
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[1]):
+            best = (source, point, fs_type)
+    return best

@@ -75,9 +75,11 @@ def test_shm_too_small_fails_with_the_formula_and_docker_fix() -> None:
 def test_cgroup_quota_of_2_on_a_64_core_host(monkeypatch) -> None:
     from gpufeed import system
 
-    monkeypatch.setattr(system, "_cgroup_cpu_quota", lambda: 2.0)
+    import psutil
+
+    monkeypatch.setattr(system, "cgroup_cpu_quota", lambda: 2.0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
-    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 64)
     f = d.gather_facts([])
     assert (f.usable_cpus, f.affinity_cpus, f.host_cpus, f.cgroup_quota) == (2, 64, 64, 2.0)
     c = by_name(d.run_checks(f, LoaderConfig()))["cpu"]

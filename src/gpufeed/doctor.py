@@ -138,10 +138,11 @@ def gather_facts(paths: Sequence[str] = ()) -> Facts:
             versions[mod] = None
     driver, driver_cuda, gpus, nvml_error = _nvml()
     versions["driver"] = driver
+    host = int(psutil.cpu_count(logical=True) or 1)  # host-wide, shown next to what this process may use
     try:
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        affinity = os.cpu_count() or 1
+        affinity = host
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
     shm_total = shm_free = None
     try:
@@ -160,7 +161,7 @@ def gather_facts(paths: Sequence[str] = ()) -> Facts:
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
     return Facts(
         versions=versions, torch_error=torch_error, driver_cuda=driver_cuda, nvml_error=nvml_error, gpus=gpus,
-        host_cpus=os.cpu_count() or 1, affinity_cpus=affinity, cgroup_quota=system._cgroup_cpu_quota(),
+        host_cpus=host, affinity_cpus=affinity, cgroup_quota=system.cgroup_cpu_quota(),
         usable_cpus=system.usable_cpus(), ram_total=int(vm.total), ram_available=int(vm.available),
         swap_total=int(sw.total), swap_used=int(sw.used), shm_total=shm_total, shm_free=shm_free,
         nofile_soft=_limit(nofile[0]), nofile_hard=_limit(nofile[1]),

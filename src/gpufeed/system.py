@@ -18,13 +18,13 @@ def usable_cpus() -> int:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # macOS / Windows
         n = getattr(os, "process_cpu_count", os.cpu_count)() or 1  # Python 3.13+ honours affinity here too
-    quota = _cgroup_cpu_quota()
+    quota = cgroup_cpu_quota()
     if quota is not None:
         n = min(n, max(1, int(quota + 0.999)))
     return max(1, n)
 
 
-def _cgroup_cpu_quota() -> float | None:
+def cgroup_cpu_quota() -> float | None:
     """CPU quota in CPUs from cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``; None when unlimited."""
     try:
         text = Path("/sys/fs/cgroup/cpu.max").read_text().split()

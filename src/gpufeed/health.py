@@ -19,8 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gpufeed.nvml import BENIGN_THROTTLE, HEALTH_FIELDS, SLOWDOWN_LABELS, THROTTLE_BITS, decode_reasons, \
-    open_device, read_health
+from gpufeed.nvml import HEALTH_FIELDS, SLOWDOWN_LABELS, THROTTLE_BITS, decode_reasons, open_device, read_health
 
 HEALTH_NAME = "gpu_health.jsonl"
 """The run folder's time series: one row per sample span and rank."""
@@ -200,8 +199,7 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def slowdowns(h: dict[str, Any]) -> dict[str, float]:
     """{reason: seconds} of a GpuHealth dict's heat/power/board reasons (benign ones left out)."""
-    return {r: float(s) for r, s in (h.get("throttle_s") or {}).items()
-            if r in SLOWDOWN_LABELS and r not in BENIGN_THROTTLE and s}
+    return {r: float(s) for r, s in (h.get("throttle_s") or {}).items() if r in SLOWDOWN_LABELS and s}
 
 
 def throttled(h: dict[str, Any]) -> dict[str, float]:

@@ -117,6 +117,8 @@ def test_synthetic_and_loader_only_produce_their_records(shards, tmp_path: Path)
     assert m.samples_per_s > 0 and m.stall_pct == 0.0 and m.next_wait_s == 0.0 and m.compute_s > 0
     assert rec.verdict is None and rec.ok and rec.num_classes == 1000
     assert (tmp_path / "new" / "dir" / "summary.json").is_file()  # train() makes its run folder
+    assert rec.gpu_health == [] and not (tmp_path / "new" / "dir" / "gpu_health.jsonl").exists()  # CPU: no NVML GPU
+    assert "\nGPU health: not sampled (no NVML GPU)\n" in (tmp_path / "new" / "dir" / "report.md").read_text()
 
     summary = launch(tiny(mode="loader-only", steps=4, shards=str(shards["train"]), run_dir=str(tmp_path / "run")),
                      LOADER)

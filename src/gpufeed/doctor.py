@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 from gpufeed.config import LoaderConfig
+from gpufeed.nvml import BENIGN_THROTTLE, decode_reasons, get, power_limit_w, read_reasons
 from gpufeed.system import mount_of
 from gpufeed.system import mounts as system_mounts
 
@@ -27,11 +28,6 @@ MIN_NOFILE = 4096
 MIN_CORES_PER_GPU = 4
 """Fewer usable cores per GPU than this rarely feed an ImageNet-style ResNet loader (decode is CPU work)."""
 SWAP_WARN_BYTES = 256 << 20
-THROTTLE_BITS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
-                 0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
-                 0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
-"""NVML's clocks-event (throttle) reason bits and their names."""
-BENIGN_THROTTLE = frozenset({"gpu_idle", "applications_clocks_setting", "sync_boost", "display_clock_setting"})
 ENV_PREFIXES = ("NCCL_",)
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 
@@ -200,13 +196,6 @@ def _nvml() -> tuple[str | None, str | None, list[GpuFacts], str | None]:
     except Exception as exc:  # noqa: BLE001 - no driver, no library, no GPU
         return None, None, [], f"{type(exc).__name__}: {exc}".splitlines()[0]
     n = pynvml
-
-    def get(fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except Exception:  # noqa: BLE001 - a query this GPU or driver does not support
-            return None
-
     try:
         driver = get(n.nvmlSystemGetDriverVersion)
         cuda = get(n.nvmlSystemGetCudaDriverVersion_v2) or get(n.nvmlSystemGetCudaDriverVersion)
@@ -216,8 +205,6 @@ def _nvml() -> tuple[str | None, str | None, list[GpuFacts], str | None]:
             h = n.nvmlDeviceGetHandleByIndex(i)
             mem = get(lambda: n.nvmlDeviceGetMemoryInfo(h).total)
             cc = get(lambda: n.nvmlDeviceGetCudaComputeCapability(h))
-            reasons = get(lambda: n.nvmlDeviceGetCurrentClocksThrottleReasons(h)) or 0
-            limit_mw = get(lambda: n.nvmlDeviceGetPowerManagementLimit(h))
             mig = get(lambda: n.nvmlDeviceGetMigMode(h))
             ecc_on = get(lambda: n.nvmlDeviceGetEccMode(h))
             gpus.append(GpuFacts(
@@ -229,10 +216,10 @@ def _nvml() -> tuple[str | None, str | None, list[GpuFacts], str | None]:
                 pcie_width=get(lambda: n.nvmlDeviceGetCurrPcieLinkWidth(h)),
                 pcie_width_max=get(lambda: n.nvmlDeviceGetMaxPcieLinkWidth(h)),
                 temp_c=get(lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
-                power_limit_w=limit_mw / 1000.0 if limit_mw else None,
+                power_limit_w=power_limit_w(n, h),
                 sm_clock_mhz=get(lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
                 sm_clock_max_mhz=get(lambda: n.nvmlDeviceGetMaxClockInfo(h, n.NVML_CLOCK_SM)),
-                throttle_reasons=tuple(name for bit, name in THROTTLE_BITS.items() if reasons & bit),
+                throttle_reasons=decode_reasons(read_reasons(n, h)),
                 ecc_uncorrected=get(lambda: n.nvmlDeviceGetTotalEccErrors(
                     h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC)) if ecc_on and ecc_on[0] else None,
                 persistence=None if (p := get(lambda: n.nvmlDeviceGetPersistenceMode(h))) is None else bool(p),

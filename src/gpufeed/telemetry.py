@@ -26,6 +26,8 @@ from typing import Any
 
 import psutil
 
+from gpufeed.nvml import open_device, read_health
+
 
 @dataclass(frozen=True)
 class TelemetrySummary:
@@ -51,40 +53,24 @@ class TelemetrySummary:
 
 
 class _Nvml:
-    """Thin NVML reader; ``None`` handle when no GPU or no nvidia-ml-py."""
+    """Thin NVML reader (:mod:`gpufeed.nvml`); ``None`` handle when no GPU or no nvidia-ml-py."""
 
     def __init__(self, index: int | None) -> None:
-        self.handle = None
+        self.nvml: Any = None
+        self.handle: Any = None
         self.error: str | None = None
-        if index is None:
-            return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nvml = pynvml
-            self.handle = _handle_by_uuid(pynvml, index) or pynvml.nvmlDeviceGetHandleByIndex(index)
-        except Exception as exc:  # no driver, no GPU, no package
-            self.error = f"{type(exc).__name__}: {exc}"
-            self.handle = None
+        if index is not None:
+            self.nvml, self.handle, self.error = open_device(index)
 
     def read(self) -> dict[str, float] | None:
+        """util_pct, mem_used_bytes, power_w, temp_c, sm_clock_mhz: those this GPU answers; None without one."""
         if self.handle is None:
             return None
-        n, h = self.nvml, self.handle
-        out: dict[str, float] = {}
-        for key, fn in (
-            ("util_pct", lambda: n.nvmlDeviceGetUtilizationRates(h).gpu),
-            ("mem_used_bytes", lambda: n.nvmlDeviceGetMemoryInfo(h).used),
-            ("power_w", lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0),
-            ("temp_c", lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
-            ("sm_clock_mhz", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
-        ):
-            try:
-                out[key] = float(fn())
-            except Exception:
-                pass
-        return out
+        sample = read_health(self.nvml, self.handle)
+        return {k: sample[k] for k in _TELEMETRY_FIELDS if sample[k] is not None}
+
+
+_TELEMETRY_FIELDS = ("util_pct", "mem_used_bytes", "power_w", "temp_c", "sm_clock_mhz")
 
 
 class Telemetry:
@@ -218,20 +204,6 @@ class Telemetry:
             disk_read_bytes=disk,
             gpu=gpu,
         )
-
-
-def _handle_by_uuid(pynvml: Any, torch_index: int) -> Any:
-    """NVML numbers GPUs in PCI order and ignores CUDA_VISIBLE_DEVICES; torch's index does not. Match by UUID."""
-    import sys
-
-    torch = sys.modules.get("torch")  # only when the caller already uses torch (train); never import it here
-    if torch is None:
-        return None
-    try:
-        uuid = str(torch.cuda.get_device_properties(torch_index).uuid)
-        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-    except Exception:  # older torch without .uuid, MIG devices, no CUDA: fall back to the index
-        return None
 
 
 def _disk_read() -> int | None:

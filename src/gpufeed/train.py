@@ -22,6 +22,9 @@ of the timed window. Data stall % = Σ (data wait + copy) / Σ step time.
 At the end of each mode the per-rank numbers, each tagged with its node (torchrun's GROUP_RANK), are
 all-gathered and rank 0 writes the records, per rank and per node (:mod:`gpufeed.train_records`).
 
+Each CUDA rank samples its GPU's health through NVML for the whole run (:mod:`gpufeed.health`); rank 0 writes
+the series (gpu_health.jsonl) and the per-GPU summary (summary.json ``gpu_health``).
+
 Checkpoints (:mod:`gpufeed.checkpoint`) are saved on one cadence rule and checked before ``--resume`` loads them.
 
 Failures: a GpufeedError raised before this rank read data or computed (a bad shard set, a refused checkpoint)
@@ -47,8 +50,9 @@ import torch
 from gpufeed.checkpoint import Checkpointer, Resume, RngState
 from gpufeed.config import LoaderConfig, TrainConfig
 from gpufeed.errors import ConfigError, DataError, GpufeedError, RunError
+from gpufeed.health import HEALTH_NAME, GpuHealth, HealthSampler
 from gpufeed.loader import LoaderPosition
-from gpufeed.records import append_jsonl, utc_now
+from gpufeed.records import append_jsonl, utc_now, write_jsonl
 from gpufeed.storage import StorageRate
 from gpufeed.timing import Clock, CudaClock, HostClock, Meter, StepMarks, resolve
 from gpufeed.train_records import LOG_NAME, ModeRecord, TrainRecord, ValRecord, aggregate
@@ -724,20 +728,28 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     created = _init_distributed(world)
     trainer: Trainer | None = None
+    sampler: HealthSampler | None = None
     try:
         storage = given_storage_rate(cfg) if world.is_main else None
         trainer = Trainer(cfg, loader_cfg, world, run_dir=run_dir)
+        sampler = start_health(world)
         if storage is None and world.is_main:
             storage = probe_storage(cfg)
         modes, vals = trainer.run(on_step)
         checksums = trainer.gather(trainer.param_checksum())
+        if sampler is not None:
+            sampler.stop()
+        health = trainer.gather((sampler.result(), sampler.rows) if sampler is not None else (None, []))
         record = None
         if world.is_main:
+            gpus = sorted((h for h, _ in health if h is not None), key=lambda h: h.rank)
             record = _record(trainer, modes, vals, checksums, run_dir=run_dir, wall_s=time.perf_counter() - t0,
-                             started=started, storage=storage)
+                             started=started, storage=storage, gpu_health=gpus)
             if run_dir is not None:
                 from gpufeed.train_report import write_report
 
+                if gpus:
+                    write_jsonl(Path(run_dir) / HEALTH_NAME, [row for _, rows in health for row in rows])
                 write_report(Path(run_dir), record)
         if created:
             # leave together: a rank that tears gloo down while rank 0 still writes its report can abort at exit
@@ -756,16 +768,29 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
             raise RunError(f"{exc.strerror or exc}{where}") from exc
         raise
     finally:
+        if sampler is not None:
+            sampler.stop()
         if created:
             import torch.distributed as dist
 
             dist.destroy_process_group()
 
 
+def start_health(world: World) -> HealthSampler | None:
+    """This rank's GPU health sampler, started (:mod:`gpufeed.health`); None on the CPU or without NVML."""
+    if not world.is_cuda:
+        return None
+    import socket
+
+    sampler = HealthSampler(torch.device(world.device).index or 0, rank=world.rank, node=world.node_rank,
+                            host=socket.gethostname())
+    return sampler.start() if sampler.available else None
+
+
 def _record(trainer: Trainer, modes: dict[str, ModeRecord], vals: list[ValRecord], checksums: list[float], *,
             run_dir: str | Path | None, wall_s: float, started: str,
-            storage: StorageRate | None = None) -> TrainRecord:
-    """Rank 0's TrainRecord of the run, with the storage rate and the verdict."""
+            storage: StorageRate | None = None, gpu_health: list[GpuHealth] | None = None) -> TrainRecord:
+    """Rank 0's TrainRecord of the run, with the storage rate, the GPUs' health and the verdict."""
     cfg, world, loader = trainer.cfg, trainer.world, trainer.loader
     vin = verdict_inputs(modes, trainer, storage)
     verdict = classify(vin) if vin is not None else None
@@ -781,7 +806,7 @@ def _record(trainer: Trainer, modes: dict[str, ModeRecord], vals: list[ValRecord
         num_repeated=int(getattr(loader, "num_repeated", 0) or 0) if loader is not None else 0,
         checkpoint=str(trainer.checkpointer.path) if trainer.checkpointer.path else None,
         run_dir=str(run_dir) if run_dir else None, wall_s=wall_s, started=started,
-        notes=trainer.notes, rank_param_checksums=checksums, storage=storage,
+        notes=trainer.notes, rank_param_checksums=checksums, storage=storage, gpu_health=gpu_health or [],
     )
 
 

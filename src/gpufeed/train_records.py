@@ -1,4 +1,5 @@
-"""The records of a ``gpufeed train`` run (what ``summary.json`` and ``log.jsonl`` hold; docs/design.md §4, §5)
+"""The records of a ``gpufeed train`` run (what ``summary.json`` and ``log.jsonl`` hold; docs/design.md §4, §5;
+``gpu_health.jsonl`` is :mod:`gpufeed.health`'s)
 and :func:`aggregate`, which turns the ranks' timings of one mode into its record."""
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufeed.health import GpuHealth
 from gpufeed.metrics import Stat
 from gpufeed.storage import StorageRate
 from gpufeed.verdict import Verdict
@@ -150,6 +152,9 @@ class TrainRecord:
     storage: StorageRate | None = None
     """The shard storage's read rate the verdict used, and its source (probe, io record, --storage-rate);
     None = not known (no --measure, or the probe disabled)."""
+    gpu_health: list[GpuHealth] = field(default_factory=list)
+    """Each CUDA rank's GPU over the run (:mod:`gpufeed.health`), by rank; empty when no GPU was sampled through
+    NVML (CPU runs, no driver or no nvidia-ml-py)."""
 
 
 

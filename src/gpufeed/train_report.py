@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gpufeed.health import HEALTH_NAME, INTERVAL_S, THROTTLE_NOTE_FRACTION, THROTTLE_NOTE_S, slowdowns, throttled
+from gpufeed.nvml import SLOWDOWN_LABELS
 from gpufeed.records import to_jsonable, write_json
 from gpufeed.train_records import SUMMARY_NAME, TrainRecord
 from gpufeed.verdict import STALL_FED_PCT, compute_ceiling_name
@@ -86,8 +88,60 @@ def render(s: dict[str, Any]) -> str:
     if v:
         head = f"verdict: {v['status'].upper()}" + (f" ({v['bound']}-bound)" if v.get("bound") else "")
         lines.append(f"{head}: {v['reason']}")
+        lines += [f"  note: {n}" for n in throttle_notes(s)]
         lines += [f"  fix: {f}" for f in v.get("fixes", [])]
+    else:
+        lines += [f"note: {n}" for n in throttle_notes(s)]
     return "\n".join(lines)
+
+
+def _gpu_label(s: dict[str, Any], h: dict[str, Any]) -> str:
+    """"GPU 0", or "GPU 0 on host" for a run over several nodes."""
+    return f"GPU {h['gpu']}" + (f" on {h['host']}" if int(s.get("num_nodes") or 1) > 1 else "")
+
+
+def throttle_notes(s: dict[str, Any]) -> list[str]:
+    """One sentence per GPU of a summary dict that a heat/power/board reason held back beyond the threshold
+    (:func:`gpufeed.health.throttled`): a GPU ceiling measured while it ran faster may overstate what it delivered."""
+    out = []
+    for h in s.get("gpu_health") or []:
+        slow = throttled(h)
+        if slow:
+            if len(slow) == 1:
+                (r, sec), = slow.items()
+                what = f"({SLOWDOWN_LABELS[r]}) for {sec:.0f} s"
+            else:
+                what = "(" + ", ".join(f"{SLOWDOWN_LABELS[r]} {sec:.0f} s" for r, sec in slow.items()) + ")"
+            out.append(f"{_gpu_label(s, h)} throttled {what} of {float(h['duration_s']):.0f} s sampled: the GPU "
+                       f"ceiling measured before the run may overstate what it delivered")
+    return out
+
+
+def _f(x: Any, fmt: str = ".0f") -> str:
+    return "-" if x is None else format(float(x), fmt)
+
+
+def health_markdown(s: dict[str, Any]) -> list[str]:
+    """report.md's "GPU health" section: a row per sampled GPU, or one line when none was sampled."""
+    gpus = s.get("gpu_health") or []
+    if not gpus:
+        return ["GPU health: not sampled (no NVML GPU)"]
+    out = ["## GPU health", "",
+           "| GPU | rank | samples | max temp C | power mean/max W | limit W | util % | SM min/mean MHz | fan % | "
+           "throttled |", "|---|---:|---:|---:|---|---:|---:|---|---:|---|"]
+    for h in gpus:
+        slow = slowdowns(h)
+        thr = ", ".join(f"{SLOWDOWN_LABELS[r]} {sec:.0f} s" for r, sec in slow.items()) or "none"
+        out.append(f"| {_gpu_label(s, h)} | {h['rank']} | {h['num_samples']} | {_f(h.get('temp_max_c'))} | "
+                   f"{_f(h.get('power_mean_w'))}/{_f(h.get('power_max_w'))} | {_f(h.get('power_limit_w'))} | "
+                   f"{_f(h.get('util_mean_pct'))} | {_f(h.get('sm_clock_min_mhz'))}/{_f(h.get('sm_clock_mean_mhz'))} | "
+                   f"{_f(h.get('fan_mean_pct'))} | {thr} |")
+    out += ["", f"Throttled: seconds a heat, power or board reason held the clocks back (NVML clocks-event reasons, "
+                f"sampled every {INTERVAL_S:g} s); the verdict notes a GPU held back more than {THROTTLE_NOTE_S:g} s "
+                f"and {100 * THROTTLE_NOTE_FRACTION:g} % of the time sampled. Series: {HEALTH_NAME}."]
+    if not s.get("verdict"):
+        out += [""] + throttle_notes(s)
+    return out
 
 
 def storage_line(s: dict[str, Any]) -> str:
@@ -238,10 +292,12 @@ def render_markdown(s: dict[str, Any], plot: str | None = None) -> str:
                 for v in s["val"]]
     if s.get("storage"):
         out += ["", storage_line(s).replace("storage: ", "Storage: ", 1)]
+    out += [""] + health_markdown(s)
     v = s.get("verdict")
     if v:
         out += ["", f"**Verdict: {v['status']}**" + (f" ({v['bound']}-bound)" if v.get("bound") else "") +
                 f": {v['reason']}"]
+        out += [f"- **Note:** {n}" for n in throttle_notes(s)]
         out += [f"- {f}" for f in v.get("fixes", [])]
     if plot:
         out += ["", f"![samples/s per mode and data stall per rank]({plot})"]

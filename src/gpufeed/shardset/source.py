@@ -399,7 +399,9 @@ MAX_PATTERN_SHARDS = MAX_SHARDS
 """Most shards a brace pattern may expand to."""
 
 
-def _expand(pattern: str) -> list[str]:
+def expand_pattern(pattern: str) -> list[str]:
+    """The locations a user-typed brace pattern names (braceexpand syntax), in order, at most
+    :data:`MAX_PATTERN_SHARDS`. Raises DataError."""
     import braceexpand
 
     out = list(itertools.islice(braceexpand.braceexpand(pattern), MAX_PATTERN_SHARDS + 1))
@@ -423,7 +425,7 @@ def _remote_root(base: str, root: str | None, where: str) -> str:
     return base + "/" + "/".join(urllib.parse.quote(p, safe="") for p in parts)
 
 
-def _shard_name(location: str) -> str:
+def source_name(location: str) -> str:
     """The file name a pattern element names: the basename of a URL's path, a local path, or a pipe: command's
     last word."""
     if location.startswith(PIPE_PREFIX):
@@ -437,7 +439,7 @@ def _shard_name(location: str) -> str:
 def _check_pattern(manifest: Manifest, urls: list[str], spec: str, where: str) -> None:
     names = [s.name for s in manifest.shards]
     for i, (name, url) in enumerate(zip(names, urls)):
-        got = _shard_name(url)
+        got = source_name(url)
         if got != name:
             raise DataError(f"{spec}: shard {i} of the pattern is {got!r} but {where} lists {name!r}; the pattern "
                             f"and the manifest must name the same shards in the same order")
@@ -459,7 +461,7 @@ def open_set(spec: str | Path, manifest: str | Path | None = None, retry: Retry 
         raise DataError(f"{manifest}: a manifest is a file or URL, not a pipe: command")
     mtext = None if manifest is None else str(manifest)
     if pipe or ("{" in text and "}" in text) or (remote and text.endswith((".tar", ".tgz", ".tar.gz"))):
-        urls = _expand(text)
+        urls = expand_pattern(text)
         if mtext is None:
             if pipe:
                 raise DataError(f"{text}: a pipe: pattern needs --manifest (the set's manifest.json, e.g. from "

@@ -190,3 +190,10 @@ def test_missing_driver_names_the_extra(monkeypatch):
     monkeypatch.setattr(source, "_FS", {})
     with pytest.raises(SourceError, match=r"^gs://b/k: reading gs:// needs gcsfs; install gpufeed\[gs\] \(gcsfs\)$"):
         source.fs_for("gs://b/k")
+
+
+def test_unknown_host_fails_at_once(fast_retry):
+    t = source.Retry(attempts=3, first_wait_s=5.0, max_wait_s=10.0)  # a retry would show as a 5 s wait
+    with pytest.raises(SourceError, match=r"^http://no-such-host\.invalid/set/manifest\.json: cannot resolve the "
+                                          r"host"):
+        open_set("http://no-such-host.invalid/set", retry=t)

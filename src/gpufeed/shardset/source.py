@@ -81,6 +81,7 @@ def is_remote(spec: str | Path) -> bool:
 
 
 def is_pipe(spec: str | Path) -> bool:
+    """Whether ``spec`` is a ``pipe:`` command."""
     return isinstance(spec, str) and spec.startswith(PIPE_PREFIX)
 
 
@@ -150,24 +151,29 @@ def _classify(exc: BaseException) -> tuple[bool, str]:
     """``(transient, reason)`` for an exception raised by a remote read."""
     if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
         return _classify(exc.__cause__)  # fsspec's http info() turns every failure into FileNotFoundError
-    status = getattr(exc, "status", None)
-    if status is None:
-        status = getattr(getattr(exc, "response", None), "get", lambda *_: None)("ResponseMetadata") or None
-        status = status.get("HTTPStatusCode") if isinstance(status, dict) else None
-    if isinstance(exc, FileNotFoundError):
-        return False, "not found (HTTP 404)" if not str(exc).startswith("s3") else "not found"
+    status = getattr(exc, "status", None)  # aiohttp's ClientResponseError
+    response = getattr(exc, "response", None)  # botocore's ClientError (S3)
+    if isinstance(response, dict):
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        if (response.get("Error") or {}).get("Code") in ("NoSuchKey", "NoSuchBucket"):
+            status = 404
+    if isinstance(exc, FileNotFoundError) or status == 404:
+        return False, "not found (HTTP 404)"
     if isinstance(exc, PermissionError):
         return False, f"access denied ({_short(exc)})"
     if isinstance(status, int):
-        if status == 404:
-            return False, "not found (HTTP 404)"
         if status in (401, 403):
             return False, f"access denied (HTTP {status})"
+        if status == 416:
+            return False, "HTTP 416 (the object is shorter than the manifest says)"
         if status in _TRANSIENT_STATUS or status >= 500:
             return True, f"HTTP {status}"
         return False, f"HTTP {status}"
+    import asyncio
     import socket
 
+    if isinstance(exc, asyncio.TimeoutError):  # not a TimeoutError before Python 3.11
+        return True, "timed out"
     name = type(exc).__name__
     os_error = getattr(exc, "os_error", None)
     if isinstance(os_error, socket.gaierror) or isinstance(exc, socket.gaierror) or name == "ClientConnectorDNSError":
@@ -177,13 +183,6 @@ def _classify(exc: BaseException) -> tuple[bool, str]:
             "ClientPayloadError", "ConnectionTimeoutError", "SocketTimeoutError", "EndpointConnectionError",
             "ReadTimeoutError", "ConnectTimeoutError", "ResponseStreamingError", "IncompleteReadError"):
         return True, _short(exc) or name
-    try:
-        import asyncio
-
-        if isinstance(exc, asyncio.TimeoutError):
-            return True, "timed out"
-    except ImportError:  # pragma: no cover
-        pass
     if isinstance(exc, OSError):
         return True, _short(exc) or name
     return False, _short(exc) or name
@@ -224,6 +223,10 @@ class RemoteStream(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+    def tell(self) -> int:
+        """The offset in the object of the next byte this stream returns."""
+        return self.pos
 
     def _ask(self) -> None:
         if self._next < self.size:

@@ -129,7 +129,7 @@ def test_index_a_url_pattern_then_verify_and_load_with_the_manifest(http_server,
     assert "add --out DIR" in r.stderr
     out = tmp_path / "meta"
     report = invoke_json(["index", pattern, "--out", out])
-    assert report["num_shards"] == 2 and report["num_samples"] == 5
+    assert report["num_shards"] == 2 and report["num_samples"] == 5 and report["shard_folder"] == pattern
     m = json.loads((out / "manifest.json").read_text())
     assert "root" not in m or m["root"] is None
     assert [s["bytes"] for s in m["shards"]] == [(folder / f"train-00000{i}.tar").stat().st_size for i in (0, 1)]

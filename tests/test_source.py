@@ -157,7 +157,8 @@ def test_pipe_set_and_failing_command(served):
         assert f.read() == (folder / "train-000001.tar").read_bytes()
     with pytest.raises(DataError, match="needs --manifest"):
         open_set(f"pipe:cat {folder}/train-{{000000..000001}}.tar")
-    with pytest.raises(SourceError, match=r"^pipe:cat /nonexistent/x\.tar 2>/dev/null: the command exited with status 1$"):
+    with pytest.raises(SourceError,
+                       match=r"^pipe:cat /nonexistent/x\.tar 2>/dev/null: the command exited with status 1$"):
         with open_shard("pipe:cat /nonexistent/x.tar 2>/dev/null") as f:
             f.read()
 

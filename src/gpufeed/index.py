@@ -79,6 +79,7 @@ class Problems:
 class IndexReport:
     manifest_path: str
     shard_folder: str
+    """The shards' folder (for a URL or pipe: pattern: the pattern as typed)."""
     num_shards: int
     num_samples: int
     num_classes: int
@@ -464,9 +465,10 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         hint = "" if out is not None else "; write it elsewhere with --out DIR"
         raise DataError(f"cannot write {dest / MANIFEST_NAME} ({exc.strerror or exc}){hint}") from None
     return IndexReport(
-        manifest_path=str(written), shard_folder=str(folder), num_shards=len(paths), num_samples=total,
-        num_classes=len(classes), num_unlabeled=unlabeled.count, num_ignored_keys=ignored, total_bytes=total_bytes,
-        compression=compression, hashed=hash, class_source=class_source, classes_preview=classes[:10],
+        manifest_path=str(written), shard_folder=str(shards) if remote else str(folder), num_shards=len(paths),
+        num_samples=total, num_classes=len(classes), num_unlabeled=unlabeled.count, num_ignored_keys=ignored,
+        total_bytes=total_bytes, compression=compression, hashed=hash, class_source=class_source,
+        classes_preview=classes[:10],
         unlabeled=unlabeled.examples, num_bad_labels=bad_labels.count, bad_labels=bad_labels.examples,
         num_dropped_images=dropped.count, dropped_images=dropped.examples,
         num_duplicate_members=duplicates.count, duplicate_members=duplicates.examples,

@@ -311,7 +311,8 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
     if found != m.num_samples and not any(p.member is None and "samples" in p.reason for p in problems):
         add(VerifyProblem("", None, f"the set holds {found} samples, manifest says {m.num_samples}"))
     return VerifyReport(
-        path=shard_set.location if root is None else str(root), num_shards=len(m.shards), num_samples=found, num_expected=m.num_samples,
+        path=shard_set.location if root is None else str(root), num_shards=len(m.shards), num_samples=found,
+        num_expected=m.num_samples,
         num_decoded=sum(r["decoded"] for r in results), total_bytes=sum(s.bytes for s in m.shards),
         elapsed_s=time.perf_counter() - t0, decode=decode, created_by=m.created_by, problems=problems,
         num_problems=num_problems, max_pixels=max_pixels, warnings=warnings,

@@ -101,3 +101,53 @@ def image_folder(tmp_path: Path):
         return root
 
     return make
+
+
+@pytest.fixture
+def http_server(tmp_path: Path):
+    """A loopback HTTP server (tests/netserver.py) serving ``tmp_path / "www"`` (made empty); set faults through
+    ``server.faults``; shut down after the test."""
+    from tests.netserver import LoopbackServer
+
+    root = tmp_path / "www"
+    root.mkdir(exist_ok=True)
+    server = LoopbackServer(root).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def fast_retry(monkeypatch):
+    """Small retry bounds for remote reads (3 tries, waits of 0.05 s then 0.1 s), so failure tests take no time."""
+    from gpufeed.shardset import source
+
+    retry = source.Retry(attempts=3, first_wait_s=0.05, max_wait_s=0.5)
+    monkeypatch.setattr(source, "RETRY", retry)
+    return retry
+
+
+@pytest.fixture
+def s3_server(monkeypatch):
+    """moto's S3 server on 127.0.0.1 with dummy credentials in the environment (AWS_ENDPOINT_URL points at it);
+    yields ``(boto3 client, endpoint)``. Skipped when moto or boto3 is missing."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    from tests.netserver import closed_port
+
+    port = closed_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_SESSION_TOKEN": "testing"}.items():
+        monkeypatch.setenv(k, v)
+    from gpufeed.shardset import source
+
+    monkeypatch.setattr(source, "_FS", {})  # a filesystem made before the endpoint was set must not be reused
+    try:
+        yield boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1"), endpoint
+    finally:
+        server.stop()

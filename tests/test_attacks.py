@@ -13,6 +13,30 @@ import re
 import pytest
 
 # --------------------------------------------------------------------------- 1. a shard file name runs a shell command
+@pytest.mark.parametrize("name", ["pipe:touch PWNED;cat x.tar", "http://evil.invalid/x.tar"])
+def test_remote_manifest_naming_a_command_or_url_is_refused(http_server, tmp_path, monkeypatch, name):
+    """A manifest served over HTTP whose shard name is a ``pipe:`` command or a URL: refused before any shard is
+    opened; nothing runs and nothing but the manifest is fetched (names are never URLs or commands)."""
+    import json as json_module
+
+    from gpufeed.errors import DataError
+    from gpufeed.shardset.source import open_set
+    from tests.conftest import invoke
+    from tests.train_shards import write_tiny_shards
+
+    folder = write_tiny_shards(http_server.root / "set", [2], image_px=16)
+    m = json_module.loads((folder / "manifest.json").read_text())
+    m["shards"][0]["name"] = name
+    (folder / "manifest.json").write_text(json_module.dumps(m))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=r"shard name .* is refused: it holds"):
+        open_set(f"{http_server.url}/set")
+    r = invoke(["verify", f"{http_server.url}/set"], expect=2)
+    assert "is refused" in r.stderr
+    assert not (tmp_path / "PWNED").exists()
+    assert {p for _, p, _ in http_server.requests} == {"/set/manifest.json"}
+
+
 def _loader_gzip_shard(path, n: int = 4) -> None:
     """A real gzip tar shard of ``n`` labelled 16x12 JPEG samples at ``path`` (any file name)."""
     from tests.conftest import write_image, write_tar

@@ -152,7 +152,7 @@ def cli(verbose: bool) -> None:
 @cli.command("index")
 @click.argument("shards")
 @click.option("--out", type=click.Path(file_okay=False),
-              help="Folder for manifest.json  [default: the shard folder].")
+              help="Folder for manifest.json  [default: the shard folder; required for URL and pipe: patterns].")
 @click.option("--no-hash", is_flag=True, help="Skip the sha256 of each shard (faster; verify then checks sizes only).")
 @click.option("--label", "label", default="cls", show_default=True, metavar="cls|txt|json:FIELD",
               help="Where each sample's label is: the .cls member, the .txt member, or FIELD of the .json member "
@@ -163,7 +163,8 @@ def cli(verbose: bool) -> None:
 @json_option
 def index_cmd(shards: str, out: str | None, no_hash: bool, label: str, classes_file: str | None,
               as_json: bool) -> None:
-    """Build the manifest for tar shards written by other tools (SHARDS: folder, glob or brace pattern)."""
+    """Build the manifest for tar shards written by other tools (SHARDS: folder, glob or brace pattern; or a URL or
+    pipe: brace pattern, with --out)."""
     from gpufeed.index import index_shards, render
 
     run_job(lambda: index_shards(shards, out=out, hash=not no_hash, label=label, classes_file=classes_file), render,
@@ -221,17 +222,21 @@ def shard(src: str, dest: str, workers: int | None, seed: int | None, shard_samp
 @click.option("--decode/--no-decode", default=True, show_default=True, help="Decode every image.")
 @click.option("--workers", type=int, help="Worker processes  [default: the CPUs this process may use].")
 @click.option("--max-pixels", type=int)
+@click.option("--manifest", "manifest", type=str,
+              help="The set's manifest.json (a path or URL) when DEST is a brace pattern or pipe: command  "
+                   "[default: the manifest.json next to DEST].")
 @config_option
 @json_option
-def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None, config_path: str | None,
-           as_json: bool) -> None:
-    """Re-read the shard set DEST against its manifest: sha256, counts, keys, labels, images. Exit 1 on a mismatch."""
+def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None, manifest: str | None,
+           config_path: str | None, as_json: bool) -> None:
+    """Re-read the shard set DEST (a folder, manifest.json, URL, brace pattern or pipe: command) against its
+    manifest: sha256, counts, keys, labels, images. Exit 1 on a mismatch."""
     loader = load(config_path, "loader", {"max_pixels": max_pixels})
 
     def job() -> Any:
         from gpufeed.verify import verify_shards
 
-        return verify_shards(dest, decode=decode, workers=workers, max_pixels=loader.max_pixels)
+        return verify_shards(dest, decode=decode, workers=workers, max_pixels=loader.max_pixels, manifest=manifest)
 
     def render(report: Any) -> str:
         from gpufeed.verify import render_verify
@@ -334,6 +339,7 @@ def synth(dest: str, images: int | None, classes: int | None, seed: int | None, 
 @config_help(TrainConfig, num_workers=LoaderConfig)
 @click.option("--shards", type=click.Path(file_okay=False))
 @click.option("--val-shards", type=click.Path(file_okay=False))
+@click.option("--manifest", type=str)
 @click.option("--arch", type=click.Choice(["resnet18", "resnet34", "resnet50", "resnet101"]))
 @click.option("--epochs", type=int)
 @click.option("--steps", type=int)

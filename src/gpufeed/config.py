@@ -342,7 +342,10 @@ class TrainConfig:
     """``gpufeed train``: AMP + DDP ResNet training that measures data stall."""
 
     shards: str | None = None
-    """Training shard set."""
+    """Training shard set: a folder, manifest.json, URL (http, https, s3, gs) or brace pattern."""
+    manifest: str | None = None
+    """The training set's manifest.json (a path or URL) when ``shards`` is a brace pattern or ``pipe:`` command
+    (e.g. from ``gpufeed index PATTERN --out DIR``); None = the manifest next to ``shards``."""
     val_shards: str | None = None
     """Validation shard set (top-1/top-5 at the end of each epoch)."""
     arch: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = "resnet50"

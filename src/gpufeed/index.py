@@ -39,6 +39,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpufeed.errors import DataError
 from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, SHARD_SUFFIXES,
@@ -47,6 +48,7 @@ from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_CLASSES, 
                               shard_name_problem, write_manifest)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, TEXT_EXTENSION,
                                    SampleGrouper, dotted_image, split_member)
+from gpufeed.shardset.source import SourceError, expand_pattern, is_pipe, is_remote, open_shard, source_name
 from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
 
 CLASS_MAP_NAME = "classes.txt"
@@ -77,6 +79,7 @@ class Problems:
 class IndexReport:
     manifest_path: str
     shard_folder: str
+    """The shards' folder (for a URL or pipe: pattern: the pattern as typed)."""
     num_shards: int
     num_samples: int
     num_classes: int
@@ -157,8 +160,26 @@ def resolve_shards(spec: str | Path) -> list[Path]:
     return paths
 
 
-def _compression(paths: list[Path]) -> str | None:
-    kinds = {("gzip" if q.name.endswith((".tgz", ".tar.gz")) else None) for q in paths}
+def resolve_remote_shards(spec: str) -> list[str]:
+    """A user-typed URL brace pattern or ``pipe:`` command pattern (or one URL) -> its shard locations, in
+    order. The shard names (the basenames) must be plain, distinct shard file names: DataError otherwise."""
+    if not is_pipe(spec) and "{" not in spec and not spec.endswith(SHARD_SUFFIXES):
+        raise DataError(f"{spec}: a remote folder cannot be listed; name its shards with a brace pattern, e.g. "
+                        f"'{spec}/train-{{000000..000127}}.tar'")
+    urls = expand_pattern(spec)
+    names = [source_name(u) for u in urls]
+    for u, n in zip(urls, names):
+        why = shard_name_problem(n)
+        if why:
+            raise DataError(f"refusing shard {u!r}: its name {n[:80]!r} {why}")
+    dup = first_duplicate(names)
+    if dup is not None:
+        raise DataError(f"{spec} names shard {dup!r} twice")
+    return urls
+
+
+def _compression(paths: list[Any]) -> str | None:
+    kinds = {("gzip" if str(q).endswith((".tgz", ".tar.gz")) else None) for q in paths}
     if len(kinds) > 1:
         raise DataError("the shards mix plain .tar and gzip-compressed files; index them separately")
     return kinds.pop()
@@ -184,16 +205,20 @@ class ShardScan:
     dropped: Problems = field(default_factory=Problems)
     duplicates: Problems = field(default_factory=Problems)
     ungrouped: Problems = field(default_factory=Problems)
+    bytes: int = 0
+    """Bytes of the shard file (all of it is read)."""
 
 
-def scan_shard(path: Path, hash: bool = True, label: str = DEFAULT_LABEL_SOURCE) -> ShardScan:
-    """Read one shard file (opened here, never through a URL opener) in one pass: samples, labels (where the
-    label source ``label`` says), problems and sha256. A shard that does not read to its end-of-archive blocks
+def scan_shard(path: Path | str, hash: bool = True, label: str = DEFAULT_LABEL_SOURCE) -> ShardScan:
+    """Read one shard in one pass: samples, labels (where the label source ``label`` says), problems, size and
+    sha256. ``path`` is a local file (opened here, never through a URL opener) or a user-typed URL or ``pipe:``
+    command (:func:`gpufeed.shardset.source.open_shard`). A shard that does not read to its end-of-archive blocks
     raises DataError."""
     scan = ShardScan()
     member_ext = label_member(label)
     member_bytes = label_member_bytes(label)
-    name = path.name
+    remote = is_remote(path)
+    name = source_name(str(path)) if remote else Path(path).name
     kinds = {"duplicate": scan.duplicates, "ungrouped": scan.ungrouped}
 
     def bad(member: str, reason: str, kind: str) -> None:
@@ -233,11 +258,13 @@ def scan_shard(path: Path, hash: bool = True, label: str = DEFAULT_LABEL_SOURCE)
     grouper = SampleGrouper(bad)
     tar = None
     try:
-        with open(path, "rb") as f:
+        with (open_shard(str(path)) if remote else open(path, "rb")) as f:
             tar = TarPass(f, gzip=name.endswith((".tgz", ".tar.gz")), hash=hash)
             for key, parts in grouper.samples((member, data) for member, _, data in tar.members(want)):
                 finish(key, parts)
             end = tar.end_problem()
+    except SourceError:
+        raise
     except TruncatedMember as exc:
         raise DataError(f"shard {path} is truncated ({exc}); index refuses to count part of a shard") from None
     except TarFormatError as exc:
@@ -249,6 +276,7 @@ def scan_shard(path: Path, hash: bool = True, label: str = DEFAULT_LABEL_SOURCE)
         raise DataError(f"shard {path}: {end.replace('this member', f'member {tar.last}')}; index refuses to "
                         f"count part of a shard")
     scan.sha256 = tar.sha256
+    scan.bytes = tar.raw.n
     return scan
 
 
@@ -357,9 +385,17 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
     why = label_source_problem(label)
     if why:
         raise DataError(f"--label {str(label)[:80]!r} is refused: {why}")
-    paths = resolve_shards(shards)
-    folder = paths[0].resolve().parent
-    dest = Path(out).resolve() if out is not None else folder
+    remote = is_remote(shards)
+    if remote:
+        if out is None:
+            raise DataError(f"{shards}: a remote set's manifest is written to a local folder; add --out DIR")
+        paths: list[Any] = resolve_remote_shards(str(shards))
+        dest = Path(out).resolve()
+        folder = dest  # classes.txt is looked up in DIR; the manifest has no root (readers pass the pattern)
+    else:
+        paths = resolve_shards(shards)
+        folder = paths[0].resolve().parent
+        dest = Path(out).resolve() if out is not None else folder
     existing = manifest_path(dest)
     if existing.is_file():
         import json
@@ -393,7 +429,8 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         for mine, theirs in ((unlabeled, scan.unlabeled), (unreadable, scan.unreadable), (dropped, scan.dropped),
                              (duplicates, scan.duplicates), (ungrouped, scan.ungrouped)):
             mine.merge(theirs)
-        infos.append(ShardInfo(name=p.name, num_samples=scan.samples, bytes=p.stat().st_size, sha256=scan.sha256))
+        infos.append(ShardInfo(name=source_name(p) if remote else p.name, num_samples=scan.samples,
+                               bytes=scan.bytes if remote else p.stat().st_size, sha256=scan.sha256))
     if total == 0:
         raise DataError(f"{shards}: no sample with an image member ({', '.join(READ_IMAGE_EXTENSIONS)}) in "
                         f"{len(paths)} shard(s)")
@@ -408,7 +445,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         except LabelError as exc:
             bad_labels.add(f"{label_examples[value]} ({exc})", n)
     bad_labels.merge(unreadable)
-    prefix, pattern = _prefix_and_pattern([p.name for p in paths])
+    prefix, pattern = _prefix_and_pattern([i.name for i in infos])
     total_bytes = sum(i.bytes for i in infos)
     manifest = Manifest(
         prefix=prefix, classes=classes, shards=infos, num_samples=total, total_bytes=total_bytes,
@@ -416,7 +453,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         options={"source": str(shards), "hashed": hash, "class_source": class_source,
                  "num_unlabeled": unlabeled.count, "num_ignored_keys": ignored},
         created_by="gpufeed index", gpufeed_version=__version__, compression=compression,
-        root=None if dest == folder else str(folder), label=label,
+        root=None if remote or dest == folder else str(folder), label=label,
     )
     Manifest.from_dict(manifest.to_dict(), where=f"the manifest for {folder}")  # never write what readers refuse
     try:
@@ -428,9 +465,10 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         hint = "" if out is not None else "; write it elsewhere with --out DIR"
         raise DataError(f"cannot write {dest / MANIFEST_NAME} ({exc.strerror or exc}){hint}") from None
     return IndexReport(
-        manifest_path=str(written), shard_folder=str(folder), num_shards=len(paths), num_samples=total,
-        num_classes=len(classes), num_unlabeled=unlabeled.count, num_ignored_keys=ignored, total_bytes=total_bytes,
-        compression=compression, hashed=hash, class_source=class_source, classes_preview=classes[:10],
+        manifest_path=str(written), shard_folder=str(shards) if remote else str(folder), num_shards=len(paths),
+        num_samples=total, num_classes=len(classes), num_unlabeled=unlabeled.count, num_ignored_keys=ignored,
+        total_bytes=total_bytes, compression=compression, hashed=hash, class_source=class_source,
+        classes_preview=classes[:10],
         unlabeled=unlabeled.examples, num_bad_labels=bad_labels.count, bad_labels=bad_labels.examples,
         num_dropped_images=dropped.count, dropped_images=dropped.examples,
         num_duplicate_members=duplicates.count, duplicate_members=duplicates.examples,

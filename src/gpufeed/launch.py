@@ -50,7 +50,7 @@ def check_data(cfg: TrainConfig, loader_cfg: LoaderConfig, world_size: int) -> N
         raise ConfigError(f"mode {cfg.mode} needs --shards (only --synthetic runs without data)")
     lc = run_loader_config(cfg, loader_cfg)
     world = World(world_size=world_size)
-    loader = open_shards(cfg.shards, lc, world)
+    loader = open_shards(cfg.shards, lc, world, manifest_file=cfg.manifest)
     steps_per_epoch(cfg, loader)
     val = open_shards(cfg.val_shards, lc, world, train=False) if cfg.val_shards and cfg.mode == "real" else None
     check_classes(cfg, loader.manifest, val.manifest if val is not None else None)

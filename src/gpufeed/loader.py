@@ -73,9 +73,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gpufeed import decode as dec
 from gpufeed.config import LoaderConfig
-from gpufeed.errors import DataError, GpufeedError
-from gpufeed.manifest import DEFAULT_LABEL_SOURCE, Manifest, label_member, manifest_path, read_label, read_manifest
+from gpufeed.errors import DataError, GpufeedError, one_line
+from gpufeed.manifest import DEFAULT_LABEL_SOURCE, Manifest, label_member, manifest_path, read_label
 from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS
+from gpufeed.shardset.source import ShardSet, SourceError, is_remote, open_set, open_shard
 from gpufeed.shardset.tar import file_problem, iter_samples
 from gpufeed.world import World
 
@@ -310,9 +311,13 @@ class ShardStream(IterableDataset):
     """One epoch of one rank: each DataLoader worker reads its planned segments and yields batches."""
 
     def __init__(self, paths: list[str], counts: list[int], classes: list[str], cfg: LoaderConfig, world: World,
-                 train: bool, epoch_value: Any, start_value: Any, label: str = DEFAULT_LABEL_SOURCE):
+                 train: bool, epoch_value: Any, start_value: Any, label: str = DEFAULT_LABEL_SOURCE,
+                 sizes: list[int] | None = None):
         self.paths = paths
+        """One per shard: an absolute local path, or a URL / ``pipe:`` command (:mod:`gpufeed.shardset.source`)."""
         self.counts = counts
+        self.sizes = sizes
+        """The manifest's byte size of each shard (a remote shard is read up to it, never past)."""
         self.classes = list(classes)
         self.class_index = {c: i for i, c in enumerate(classes)}
         self.label = label
@@ -357,7 +362,7 @@ class ShardStream(IterableDataset):
         got = surplus = 0
         last = None
         try:
-            for sample in self._shard_samples(path, seg.start, None if to_end else seg.stop, total):
+            for sample in self._shard_samples(seg.shard, seg.start, None if to_end else seg.stop, total):
                 if got >= planned:
                     surplus += 1  # not yielded: read on only to count them
                     continue
@@ -368,6 +373,10 @@ class ShardStream(IterableDataset):
                     last = sample
                 else:
                     yield sample
+        except SourceError as exc:  # a remote shard that cannot be read (after the retries, or not found)
+            lost = planned - got
+            self._refuse(f"{one_line(exc)}; {lost} of its samples {seg.start}..{seg.stop - 1} cannot be read",
+                         lost, tally)
         except _READ_ERRORS as exc:
             if total[0] >= 0 and got < planned:  # read to its end, then found malformed there: say what is short
                 self._refuse(f"shard {_text(path)} holds {total[0]} samples, the manifest says {promised} (and "
@@ -386,9 +395,16 @@ class ShardStream(IterableDataset):
         if last is not None:
             yield last
 
-    def _shard_samples(self, path: str, start: int, stop: int | None, total: list[int]) -> Iterator[dict]:
-        """Image samples ``[start, stop)`` (``stop`` None: to the end) of the local shard at ``path``, plain or
-        gzip-compressed (:func:`gpufeed.shardset.tar.iter_samples`; the file is opened by path)."""
+    def _shard_samples(self, shard: int, start: int, stop: int | None, total: list[int]) -> Iterator[dict]:
+        """Image samples ``[start, stop)`` (``stop`` None: to the end) of shard ``shard``, plain or
+        gzip-compressed (:func:`gpufeed.shardset.tar.iter_samples`): a local file is opened by path; a URL or
+        ``pipe:`` command through :func:`gpufeed.shardset.source.open_shard`, streamed from its start."""
+        path = self.paths[shard]
+        if is_remote(path):
+            fileobj = open_shard(path, size=self.sizes[shard] if self.sizes is not None else None)
+            yield from iter_samples(path, self.read_extensions, READ_IMAGE_EXTENSIONS, start, stop, total,
+                                    fileobj=fileobj)
+            return
         yield from iter_samples(path, self.read_extensions, READ_IMAGE_EXTENSIONS, start, stop, total,
                                 stream=not self.fast_tar)
 
@@ -594,18 +610,22 @@ class ShardLoader:
     """
 
     def __init__(self, shards: str | Path, cfg: LoaderConfig, world: World, *, train: bool = True, epoch: int = 0,
-                 manifest: Manifest | None = None):
+                 manifest: Manifest | None = None, manifest_file: str | Path | None = None):
         self.cfg = cfg
         self.world = world
         self.train = train
-        self.manifest = manifest if manifest is not None else read_manifest(shards)
-        root = manifest_path(shards).parent
-        if self.manifest.root:
-            root = root / self.manifest.root
-        self.root = root
-        # absolute local paths: a name like "pipe:cmd" or "-" must stay a file name wherever it is used
-        self.paths = [str(p.absolute()) for p in self.manifest.shard_paths(root)]
-        unreadable = [(p, why) for p in self.paths if (why := file_problem(p))]
+        if manifest is not None:  # the caller read it already: the shards are where it says, next to `shards`
+            root = manifest_path(shards).parent
+            root = root / manifest.root if manifest.root else root
+            shard_set = ShardSet(manifest, [str(p.absolute()) for p in manifest.shard_paths(root)], str(shards),
+                                 False)
+        else:
+            shard_set = open_set(shards, manifest=manifest_file)
+        self.manifest = shard_set.manifest
+        self.shard_set = shard_set
+        # absolute local paths (a name like "-" stays a file name wherever it is used), or user-typed URLs
+        self.paths = list(shard_set.urls)
+        unreadable = [] if shard_set.remote else [(p, why) for p in self.paths if (why := file_problem(p))]
         if unreadable:
             raise DataError(f"{len(unreadable)} shard(s) of the manifest cannot be read, e.g. {unreadable[0][0]} "
                             f"{unreadable[0][1]}")
@@ -624,7 +644,8 @@ class ShardLoader:
         self._start = multiprocessing.get_context().Value("q", 0, lock=False)
         self._consumed = 0
         self._dataset = ShardStream(self.paths, counts, self.manifest.classes, cfg, world, train, self._epoch,
-                                    self._start, label=self.manifest.label)
+                                    self._start, label=self.manifest.label,
+                                    sizes=[s.bytes for s in self.manifest.shards])
         nw = cfg.num_workers
         self._pin = bool(cfg.pin_memory and world.is_cuda and torch.cuda.is_available())
         self._loader = DataLoader(
@@ -834,9 +855,10 @@ def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bo
 
 
 def build_loader(shards: str | Path, cfg: LoaderConfig, world: World, *, train: bool = True,
-                 epoch: int = 0) -> ShardLoader:
-    """The loader over a shard set (folder or manifest.json) for this rank; see :class:`ShardLoader`."""
-    return ShardLoader(shards, cfg, world, train=train, epoch=epoch)
+                 epoch: int = 0, manifest_file: str | Path | None = None) -> ShardLoader:
+    """The loader over a shard set for this rank (any spec :func:`gpufeed.shardset.source.open_set` takes: a
+    folder, manifest.json, URL or brace pattern, with ``manifest_file`` its manifest); see :class:`ShardLoader`."""
+    return ShardLoader(shards, cfg, world, train=train, epoch=epoch, manifest_file=manifest_file)
 
 
 def normalize(images_uint8: torch.Tensor, *, dtype: torch.dtype = torch.float32,

@@ -133,14 +133,18 @@ def check_classes(cfg: TrainConfig, train: Any, val: Any) -> None:
                         f"first differing at index {differ}: validation labels would not mean the training classes")
 
 
-def open_shards(shards: str | Path, loader_cfg: LoaderConfig, world: World, *, train: bool = True) -> Any:
-    """Build the loader of ``shards`` for rank 0 of ``world`` (no workers start) and open every shard once:
-    the checks that can be made before a run starts (manifest, shard files present and readable, enough
-    samples for one batch per rank). Raises DataError (exit 2); returns the loader."""
+def open_shards(shards: str | Path, loader_cfg: LoaderConfig, world: World, *, train: bool = True,
+                manifest_file: str | Path | None = None) -> Any:
+    """Build the loader of ``shards`` (with ``manifest_file``, its manifest, for a brace pattern) for rank 0 of
+    ``world`` (no workers start) and open every local shard once: the checks that can be made before a run starts
+    (manifest, shard files present and readable, enough samples for one batch per rank). A remote set's shards are
+    not fetched here: one that cannot be read is met mid-run (``on_error``). Raises DataError (exit 2); returns
+    the loader."""
     from gpufeed.loader import build_loader
 
-    loader = build_loader(shards, dataclasses.replace(loader_cfg, num_workers=0), world, train=train)
-    for path in loader.paths:
+    loader = build_loader(shards, dataclasses.replace(loader_cfg, num_workers=0), world, train=train,
+                          manifest_file=manifest_file)
+    for path in [] if loader.shard_set.remote else loader.paths:
         try:
             with open(path, "rb"):
                 pass
@@ -243,7 +247,7 @@ class Trainer:
             raise ConfigError(f"mode {cfg.mode} needs --shards (only --synthetic runs without data)")
         from gpufeed.loader import build_loader
 
-        loader = build_loader(cfg.shards, self.loader_cfg, self.world, train=True, epoch=0)
+        loader = build_loader(cfg.shards, self.loader_cfg, self.world, train=True, epoch=0, manifest_file=cfg.manifest)
         val_loader = None
         if cfg.val_shards and cfg.mode == "real":
             # no persistent workers: they would sit idle (holding memory) through every training epoch

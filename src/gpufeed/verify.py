@@ -36,10 +36,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from gpufeed.config import LoaderConfig
-from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, SHARD_SUFFIXES, LabelError, MissingLabel, label_member,
-                              read_label, read_manifest)
+from gpufeed.errors import one_line
+from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, INDEX_NAME, SHARD_SUFFIXES, LabelError, MissingLabel, label_member,
+                              manifest_path, read_label)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image,
                                    split_member)
+from gpufeed.shardset.source import SourceError, is_pipe, is_remote, open_set, open_shard, remote_size
 from gpufeed.shardset.tar import MAX_MEMBER_BYTES, TarFormatError, TarPass, TruncatedMember, file_problem
 
 _KNOWN = set(READ_IMAGE_EXTENSIONS) | {LABEL_EXTENSION, META_EXTENSION, "txt", "cls2", "pth", "npy", "id"}
@@ -134,12 +136,20 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
         if len(problems) < MAX_SHARD_PROBLEMS:
             problems.append((member, reason))
 
-    why = file_problem(path)
-    if why:
-        return {"name": name, "problems": [(None, f"shard file {why}")], "num_problems": 1, "keys": [],
-                "found": 0, "decoded": 0}
-    size = os.path.getsize(path)
-    if expected.get("bytes") and size != expected["bytes"]:
+    remote = is_remote(path)
+    try:
+        if remote:  # a URL's size from the server; a pipe: command's is known only once it is read
+            size = None if is_pipe(path) else remote_size(path)
+        else:
+            why = file_problem(path)
+            if why:
+                return {"name": name, "problems": [(None, f"shard file {why}")], "num_problems": 1, "keys": [],
+                        "found": 0, "decoded": 0}
+            size = os.path.getsize(path)
+    except SourceError as exc:
+        return {"name": name, "problems": [(None, one_line(exc))], "num_problems": 1, "keys": [], "found": 0,
+                "decoded": 0}
+    if expected.get("bytes") and size is not None and size != expected["bytes"]:
         bad(None, f"size is {size} bytes, manifest says {expected['bytes']}")
     listed: set[str] = set()
 
@@ -208,13 +218,15 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
     tar = None
     grouper = SampleGrouper(bad)
     try:
-        with open(path, "rb") as f:
+        with (open_shard(path, size=size) if remote else open(path, "rb")) as f:
             tar = TarPass(f, gzip, hash=bool(expected.get("sha256")))
             for key, parts in grouper.samples(dotted_keys(tar.members(want))):
                 finish(key, parts)
             end = tar.end_problem()
             if end:
                 bad(tar.last, end)
+    except SourceError as exc:  # a remote shard that stopped answering (after the retries)
+        bad(tar.last if tar else None, one_line(exc))
     except TruncatedMember as exc:
         bad(tar.last if tar else None, f"{exc}; the tar does not read to the end")
     except TarFormatError as exc:
@@ -223,9 +235,11 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
         last = tar.last if tar else None
         where = f"after member {last}" if last else "at the start"
         bad(last, f"tar does not read to the end ({type(exc).__name__}: {exc}) {where}")
+    if size is None and tar is not None and expected.get("bytes") and tar.raw.n != expected["bytes"]:
+        bad(None, f"size is {tar.raw.n} bytes, manifest says {expected['bytes']}")  # a pipe: command's output
     if tar is not None and tar.sha256 is not None:
         got = tar.sha256
-        if tar.raw.n == size and got != expected["sha256"]:
+        if tar.raw.n == (size if size is not None else expected.get("bytes")) and got != expected["sha256"]:
             bad(None, f"sha256 {got[:16]}... does not match the manifest's {expected['sha256'][:16]}...")
     if expected.get("num_samples") is not None and found != expected["num_samples"]:
         bad(None, f"holds {found} samples, manifest says {expected['num_samples']}")
@@ -234,21 +248,27 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
 
 
 def verify_shards(path: str | Path, decode: bool = True, workers: int | None = None,
-                  max_pixels: int = DEFAULT_MAX_PIXELS) -> VerifyReport:
-    """Verify the shard set at ``path`` (folder or manifest.json). Input errors raise DataError."""
-    from gpufeed.manifest import manifest_path
+                  max_pixels: int = DEFAULT_MAX_PIXELS, manifest: str | Path | None = None) -> VerifyReport:
+    """Verify the shard set at ``path``: any spec :func:`gpufeed.shardset.source.open_set` takes (a folder or
+    manifest.json, a URL, a brace pattern or ``pipe:`` command with ``manifest``). Input errors raise DataError."""
     from gpufeed.system import usable_cpus
 
     t0 = time.perf_counter()
-    m = read_manifest(path)
-    root = manifest_path(path).parent
-    if m.root:  # `gpufeed index --out` elsewhere: the shards stay in their folder (as the loader reads them)
-        root = root / m.root
+    shard_set = open_set(path, manifest)
+    m = shard_set.manifest
+    root = index = None  # a local set's shard folder and index.parquet (a remote set's are not listed or read)
+    if not shard_set.remote:
+        here = manifest_path(manifest if manifest is not None else path).parent
+        index = here / INDEX_NAME
+        if manifest is not None:
+            root = Path(shard_set.urls[0]).parent
+        else:  # `gpufeed index --out` elsewhere: the shards stay in their folder (as the loader reads them)
+            root = here / m.root if m.root else here
     ours = m.created_by.startswith("gpufeed shard")
     gzip = m.compression == "gzip"
-    jobs = [(str(root / s.name), s.name, {"bytes": s.bytes, "sha256": s.sha256, "num_samples": s.num_samples},
+    jobs = [(url, s.name, {"bytes": s.bytes, "sha256": s.sha256, "num_samples": s.num_samples},
              m.classes, gzip or s.name.endswith((".tgz", ".tar.gz")), decode, ours, max_pixels, m.label)
-            for s in m.shards]
+            for url, s in zip(shard_set.urls, m.shards)]
     workers = min(workers or usable_cpus(), max(1, len(jobs)))
     if workers > 1:
         from gpufeed.system import process_pool
@@ -279,8 +299,10 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
                 add(VerifyProblem(r["name"], k, f"key {k!r} is also used in {seen[k]}"))
             else:
                 seen[k] = r["name"]
-    index = manifest_path(path).parent / "index.parquet"
-    if ours:
+    warnings = [] if root is None else _extra_files(root, {s.name for s in m.shards})
+    if ours and index is None:
+        warnings.append(f"{INDEX_NAME} of a remote set is not checked (verify a local copy for that)")
+    elif ours:
         if index.exists():
             for p in _check_index(index, seen):
                 add(p)
@@ -289,10 +311,11 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
     if found != m.num_samples and not any(p.member is None and "samples" in p.reason for p in problems):
         add(VerifyProblem("", None, f"the set holds {found} samples, manifest says {m.num_samples}"))
     return VerifyReport(
-        path=str(root), num_shards=len(m.shards), num_samples=found, num_expected=m.num_samples,
+        path=shard_set.location if root is None else str(root), num_shards=len(m.shards), num_samples=found,
+        num_expected=m.num_samples,
         num_decoded=sum(r["decoded"] for r in results), total_bytes=sum(s.bytes for s in m.shards),
         elapsed_s=time.perf_counter() - t0, decode=decode, created_by=m.created_by, problems=problems,
-        num_problems=num_problems, max_pixels=max_pixels, warnings=_extra_files(root, {s.name for s in m.shards}),
+        num_problems=num_problems, max_pixels=max_pixels, warnings=warnings,
     )
 
 

@@ -304,15 +304,18 @@ def check_extended_size(typ: bytes, size: int, where: str) -> None:
 
 
 def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[str, ...], start: int = 0,
-                 stop: int | None = None, total: list[int] | None = None, stream: bool = False) -> Iterator[dict]:
-    """Samples ``[start, stop)`` of a local tar shard, counting only keys with an image member.
+                 stop: int | None = None, total: list[int] | None = None, stream: bool = False,
+                 fileobj: BinaryIO | None = None) -> Iterator[dict]:
+    """Samples ``[start, stop)`` of a tar shard, counting only keys with an image member: the local file at
+    ``path``, or ``fileobj`` (a shard opened by :func:`gpufeed.shardset.source.open_shard`, read in one pass
+    from its start and closed at the end; ``path`` then only names it).
 
     Each sample is ``{"__key__", "__url__", ext: bytes}`` for the members whose (lower-case) extension is in
     ``extensions``, plus ``"__duplicate__": ext`` when one of them appears twice in the sample (the caller
     refuses such a sample: index and verify report it). Samples before ``start`` are not read (a plain tar seeks over them). When the reader reaches
     the end of the shard (before ``stop``), ``total[0]`` is set to the shard's sample count.
 
-    A gzip shard (``.tgz``, ``.tar.gz``), or any shard with ``stream``, is read in one pass through
+    A gzip shard (``.tgz``, ``.tar.gz``), a ``fileobj``, or any shard with ``stream``, is read in one pass through
     :meth:`TarPass.members` (the same header checks, tarfile's reading, the same member cap); a plain one through
     :func:`iter_members`. Both group members with the same key rule, so both yield the same samples. Raises
     TarFormatError on a malformed shard, and what :class:`TarPass` documents on a gzip or stream read.
@@ -331,9 +334,9 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
             return reading
         return index + (1 if key is not None and has_image else 0) >= start
 
-    with open(path, "rb", buffering=1 << 20) as f:
+    with (open(path, "rb", buffering=1 << 20) if fileobj is None else fileobj) as f:
         gzip = path.endswith((".tgz", ".tar.gz"))
-        tar_pass = TarPass(f, gzip, hash=False) if gzip or stream else None
+        tar_pass = TarPass(f, gzip, hash=False) if gzip or stream or fileobj is not None else None
         if tar_pass is not None:
             members: Iterator[tuple[str, bytes | None]] = (
                 (name, data) for name, _, data in tar_pass.members(lambda name, _: want(name)))

@@ -1,0 +1,505 @@
+"""Where a shard set lives: a local folder, a URL (http, https, s3, gs) or a ``pipe:`` command.
+
+:func:`open_set` turns what the user typed into a :class:`ShardSet` (the checked manifest plus one location per
+shard); :func:`open_shard` opens one shard for reading: a local file, a ``pipe:`` command's output, or a remote
+object streamed in ranges through fsspec (never downloaded whole), retried from the byte where it broke.
+
+Trust: only what the user typed (a folder, URL, brace pattern or ``pipe:`` command, and ``manifest=``) is ever
+handed to fsspec or a shell. Shard names and ``root`` come from the manifest, which is data: names are plain file
+names (:func:`gpufeed.manifest.shard_name_problem`), and for a remote set ``root`` must be a relative path without
+``..``; both are URL-quoted and joined to the user's base URL.
+
+Torch-free; fsspec (and aiohttp, s3fs, gcsfs) are imported only when a remote location is opened.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import posixpath
+import subprocess
+import threading
+import time
+import urllib.parse
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gpufeed.errors import DataError
+from gpufeed.manifest import (
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, Manifest, manifest_path, read_manifest, root_problem,
+)
+
+REMOTE_PREFIXES = ("http://", "https://", "s3://", "gs://")
+"""URL schemes read through fsspec."""
+PIPE_PREFIX = "pipe:"
+"""A user-typed shell command whose standard output is a shard (webdataset's convention)."""
+
+CHUNK_BYTES = 8 << 20
+"""Bytes asked for per range request of a remote shard (one more request is kept in flight ahead)."""
+CONNECT_TIMEOUT_S = 10.0
+"""Seconds to wait for a TCP connection to a remote store."""
+READ_TIMEOUT_S = 60.0
+"""Seconds to wait for the next bytes of a response (a first byte included) before the request counts as failed."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """The bound on retrying one range of a remote shard: at most ``attempts`` tries in a row without progress,
+    waiting ``first_wait_s``, then twice as long each time, never more than ``max_wait_s`` in all."""
+
+    attempts: int = 5
+    first_wait_s: float = 1.0
+    max_wait_s: float = 30.0
+
+    def waits(self) -> list[float]:
+        """The waits before tries 2..``attempts``: doubling from ``first_wait_s``, cut so they sum to at most
+        ``max_wait_s``."""
+        out, left = [], self.max_wait_s
+        for i in range(max(self.attempts - 1, 0)):
+            w = min(self.first_wait_s * (2 ** i), left)
+            out.append(w)
+            left -= w
+        return out
+
+
+RETRY = Retry()
+"""The retry bound :func:`open_shard` and :func:`open_set` use when not given one (tests set a small one)."""
+
+
+class SourceError(DataError):
+    """A shard or manifest that cannot be read from where it lives (one sentence naming the location)."""
+
+
+def is_remote(spec: str | Path) -> bool:
+    """Whether ``spec`` is a URL read through fsspec or a ``pipe:`` command (not a local path)."""
+    text = str(spec) if isinstance(spec, str) else ""
+    return text.startswith(REMOTE_PREFIXES) or text.startswith(PIPE_PREFIX)
+
+
+def is_pipe(spec: str | Path) -> bool:
+    """Whether ``spec`` is a ``pipe:`` command."""
+    return isinstance(spec, str) and spec.startswith(PIPE_PREFIX)
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    manifest: Manifest
+    urls: list[str]
+    """One per shard, in manifest order: an absolute local path, a URL, or a ``pipe:`` command."""
+    location: str
+    """What the user typed (for messages)."""
+    remote: bool
+    """True when the shards are URLs or ``pipe:`` commands."""
+
+
+# ---------------------------------------------------------------------------------------------- filesystems
+
+_FS: dict[tuple[int, str], Any] = {}
+_FS_LOCK = threading.Lock()
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0]
+
+
+def fs_for(url: str) -> Any:
+    """The fsspec filesystem for ``url`` (one per protocol and process: a forked DataLoader worker makes its own,
+    as an aiohttp session belongs to the loop of the process that made it). Raises SourceError naming the extra
+    to install when the protocol's driver is missing."""
+    proto = _protocol(url)
+    key = (os.getpid(), proto)
+    with _FS_LOCK:
+        if key in _FS:
+            return _FS[key]
+        extra = {"s3": "s3", "gs": "gs"}.get(proto)
+        try:
+            import fsspec
+
+            if proto in ("http", "https"):
+                import aiohttp
+
+                timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
+                                                sock_read=READ_TIMEOUT_S)
+                fs = fsspec.filesystem(proto, skip_instance_cache=True, client_kwargs={"timeout": timeout})
+            else:
+                fs = fsspec.filesystem(proto, skip_instance_cache=True)
+        except ImportError as exc:
+            pkg = {"s3": "s3fs", "gs": "gcsfs"}.get(proto, str(exc.name or "fsspec"))
+            hint = f"install gpufeed[{extra}] ({pkg})" if extra else f"install {pkg}"
+            raise SourceError(f"{url}: reading {proto}:// needs {pkg}; {hint}") from None
+        except ValueError as exc:  # fsspec: unknown protocol
+            raise SourceError(f"{url}: {proto}:// is not a protocol this gpufeed reads ({exc})") from None
+        _FS[key] = fs
+        return fs
+
+
+def _fs_path(url: str) -> str:
+    """The path fsspec's filesystem takes: the whole URL for http(s), ``bucket/key`` for s3/gs."""
+    return url if url.startswith(("http://", "https://")) else url.split("://", 1)[1]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+_TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+def _classify(exc: BaseException) -> tuple[bool, str]:
+    """``(transient, reason)`` for an exception raised by a remote read."""
+    if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
+        return _classify(exc.__cause__)  # fsspec's http info() turns every failure into FileNotFoundError
+    status = getattr(exc, "status", None)  # aiohttp's ClientResponseError
+    response = getattr(exc, "response", None)  # botocore's ClientError (S3)
+    if isinstance(response, dict):
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        if (response.get("Error") or {}).get("Code") in ("NoSuchKey", "NoSuchBucket"):
+            status = 404
+    if isinstance(exc, FileNotFoundError) or status == 404:
+        return False, "not found (HTTP 404)"
+    if isinstance(exc, PermissionError):
+        return False, f"access denied ({_short(exc)})"
+    if isinstance(status, int):
+        if status in (401, 403):
+            return False, f"access denied (HTTP {status})"
+        if status == 416:
+            return False, "HTTP 416 (the object is shorter than the manifest says)"
+        if status in _TRANSIENT_STATUS or status >= 500:
+            return True, f"HTTP {status}"
+        return False, f"HTTP {status}"
+    import asyncio
+    import socket
+
+    if isinstance(exc, asyncio.TimeoutError):  # not a TimeoutError before Python 3.11
+        return True, "timed out"
+    name = type(exc).__name__
+    os_error = getattr(exc, "os_error", None)
+    if isinstance(os_error, socket.gaierror) or isinstance(exc, socket.gaierror) or name == "ClientConnectorDNSError":
+        return False, f"cannot resolve the host ({_short(os_error or exc)})"
+    if isinstance(exc, (TimeoutError, ConnectionError)) or name in (
+            "ServerTimeoutError", "ClientConnectorError", "ClientOSError", "ServerDisconnectedError",
+            "ClientPayloadError", "ConnectionTimeoutError", "SocketTimeoutError", "EndpointConnectionError",
+            "ReadTimeoutError", "ConnectTimeoutError", "ResponseStreamingError", "IncompleteReadError"):
+        return True, _short(exc) or name
+    if isinstance(exc, OSError):
+        return True, _short(exc) or name
+    return False, _short(exc) or name
+
+
+def _short(exc: BaseException | None) -> str:
+    text = str(exc or "").strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:160]
+
+
+class _ShortRead(Exception):
+    """A range that came back shorter than asked (the stream ended early): retried from where it stopped."""
+
+
+# ---------------------------------------------------------------------------------------------- remote stream
+
+class RemoteStream(io.RawIOBase):
+    """A read-only, forward-only stream over ``[offset, size)`` of a remote object, fetched in ranges of
+    :data:`CHUNK_BYTES` with one range in flight ahead. A failed range is retried from the byte where it broke,
+    within ``retry``; then, or at once for a permanent error (not found, access denied, unknown host), reads
+    raise :class:`SourceError` naming the URL. Never reads past ``size``."""
+
+    def __init__(self, url: str, size: int, offset: int = 0, retry: Retry | None = None,
+                 chunk_bytes: int | None = None) -> None:
+        super().__init__()
+        self.url = url
+        self.size = size
+        self.pos = offset
+        self.retry = retry or RETRY
+        self.chunk = max(int(chunk_bytes or CHUNK_BYTES), 1)
+        self._fs = fs_for(url)
+        self._path = _fs_path(url)
+        self._buf = memoryview(b"")
+        self._next = offset  # the first byte not yet asked for
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufeed-fetch")
+        self._ahead: Future | None = None
+        self._ask()
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        """The offset in the object of the next byte this stream returns."""
+        return self.pos
+
+    def _ask(self) -> None:
+        if self._next < self.size:
+            end = min(self._next + self.chunk, self.size)
+            self._ahead = self._pool.submit(self._fetch, self._next, end)
+            self._next = end
+        else:
+            self._ahead = None
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``, retried within the bound from wherever a try stopped."""
+        parts: list[bytes] = []
+        got = start
+        waits = self.retry.waits()
+        failures = 0
+        while True:
+            try:
+                data = self._fs.cat_file(self._path, start=got, end=end)
+                if len(data) > end - got:
+                    raise SourceError(f"{self.url}: the server sent {len(data)} bytes for a range of {end - got} "
+                                      f"(it does not honour range requests)")
+                parts.append(data)
+                got += len(data)
+                if got >= end:
+                    return b"".join(parts)
+                if data:
+                    failures = 0  # progress: the bound counts tries in a row that bring nothing
+                raise _ShortRead()
+            except SourceError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure is classified below
+                transient, reason = (True, "stream cut short") if isinstance(exc, _ShortRead) else _classify(exc)
+                if not transient:
+                    raise SourceError(f"{self.url}: {reason}") from None
+                failures += 1
+                if failures >= self.retry.attempts:
+                    detail = "" if isinstance(exc, _ShortRead) else f" ({reason})"
+                    raise SourceError(f"{self.url}: stream ended at byte {got} of {self.size}{detail} after "
+                                      f"{failures} attempts") from None
+                time.sleep(waits[failures - 1] if failures - 1 < len(waits) else 0.0)
+
+    def readinto(self, b: Any) -> int:
+        if self.closed:
+            raise ValueError("read from a closed stream")
+        while not self._buf:
+            if self._ahead is None:
+                return 0
+            data = self._ahead.result()
+            self._ask()
+            self._buf = memoryview(data)
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        self.pos += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            if self._ahead is not None:
+                self._ahead.cancel()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._buf = memoryview(b"")
+        super().close()
+
+
+class _PipeStream(io.RawIOBase):
+    """A ``pipe:`` command's standard output; at its end a non-zero exit status raises SourceError naming the
+    command. Closing early ends the command."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__()
+        self.command = command
+        self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        assert self._proc.stdout is not None
+        n = self._proc.stdout.readinto(b)
+        if not n:
+            status = self._proc.wait()
+            if status != 0:
+                raise SourceError(f"{PIPE_PREFIX}{self.command}: the command exited with status {status}")
+        return n or 0
+
+    def close(self) -> None:
+        if not self.closed:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            if self._proc.stdout is not None:
+                self._proc.stdout.close()
+            self._proc.wait()
+        super().close()
+
+
+def remote_size(url: str, retry: Retry | None = None) -> int:
+    """The size in bytes of the remote object at ``url`` (retried within the bound). Raises SourceError."""
+    fs, path = fs_for(url), _fs_path(url)
+    retry = retry or RETRY
+    waits = retry.waits()
+    for attempt in range(1, retry.attempts + 1):
+        try:
+            size = fs.size(path)
+            if not isinstance(size, int) or size < 0:
+                raise SourceError(f"{url}: the server does not report the size")
+            return size
+        except SourceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - classified below
+            transient, reason = _classify(exc)
+            if not transient:
+                raise SourceError(f"{url}: {reason}") from None
+            if attempt >= retry.attempts:
+                raise SourceError(f"{url}: {reason} after {attempt} attempts") from None
+            time.sleep(waits[attempt - 1])
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def open_shard(url: str, *, size: int | None = None, offset: int = 0, retry: Retry | None = None,
+               chunk_bytes: int | None = None) -> BinaryIO:
+    """Open one shard for reading from ``offset``: a local path (a plain file), a ``pipe:`` command (its output;
+    ``offset`` must be 0) or a remote URL (:class:`RemoteStream`, buffered; ``size`` unknown is asked of the
+    server). ``url`` must come from :func:`open_set` or the user, never from data. Raises SourceError (remote,
+    pipe) or OSError (local)."""
+    if url.startswith(PIPE_PREFIX):
+        if offset:
+            raise SourceError(f"{url}: a pipe: command is read from its start only")
+        return io.BufferedReader(_PipeStream(url[len(PIPE_PREFIX):]), 1 << 20)  # type: ignore[return-value]
+    if url.startswith(REMOTE_PREFIXES):
+        if size is None:
+            size = remote_size(url, retry)
+        if not 0 <= offset <= size:
+            raise SourceError(f"{url}: offset {offset} is outside the shard's {size} bytes")
+        return io.BufferedReader(RemoteStream(url, size, offset, retry, chunk_bytes),  # type: ignore[return-value]
+                                 1 << 20)
+    f = open(url, "rb", buffering=1 << 20)
+    if offset:
+        f.seek(offset)
+    return f
+
+
+def read_bytes(url: str, limit: int, what: str = "file", retry: Retry | None = None) -> bytes:
+    """The whole of a small user-named file (a manifest), local or remote, refused when over ``limit`` bytes."""
+    if not url.startswith(REMOTE_PREFIXES):
+        p = Path(url)
+        if not p.is_file():
+            raise SourceError(f"{url}: no such {what}")
+        size = p.stat().st_size
+    else:
+        size = remote_size(url, retry)
+    if size > limit:
+        raise SourceError(f"{url}: the {what} is {size} bytes, more than the {limit} gpufeed reads")
+    with open_shard(url, size=size, retry=retry) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise SourceError(f"{url}: the {what} is more than the {limit} bytes gpufeed reads")
+    return data
+
+
+def _load_manifest(url: str, retry: Retry | None = None) -> Manifest:
+    data = read_bytes(url, MAX_MANIFEST_BYTES, "manifest", retry)
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DataError(f"{url}: the manifest is not UTF-8 JSON ({_short(exc)[:80]})") from None
+    return Manifest.from_dict(obj, where=url)
+
+
+# ---------------------------------------------------------------------------------------------- shard sets
+
+MAX_PATTERN_SHARDS = MAX_SHARDS
+"""Most shards a brace pattern may expand to."""
+
+
+def expand_pattern(pattern: str) -> list[str]:
+    """The locations a user-typed brace pattern names (braceexpand syntax), in order, at most
+    :data:`MAX_PATTERN_SHARDS`. Raises DataError."""
+    import braceexpand
+
+    out = list(itertools.islice(braceexpand.braceexpand(pattern), MAX_PATTERN_SHARDS + 1))
+    if len(out) > MAX_PATTERN_SHARDS:
+        raise DataError(f"{pattern}: the pattern names more than {MAX_PATTERN_SHARDS} shards")
+    return out
+
+
+def _remote_root(base: str, root: str | None, where: str) -> str:
+    """``base`` joined with a manifest's ``root`` (data): a relative path without ``..``, each part quoted."""
+    if not root:
+        return base
+    why = root_problem(root)
+    parts = [p for p in root.replace("\\", "/").split("/") if p not in ("", ".")]
+    if why is None and (root.startswith(("/", "\\")) or ".." in parts):
+        why = "a remote set's root must be a relative path without '..'"
+    if why is None and not parts:
+        return base
+    if why:
+        raise DataError(f"{where}: root {root[:80]!r} is refused: {why}")
+    return base + "/" + "/".join(urllib.parse.quote(p, safe="") for p in parts)
+
+
+def source_name(location: str) -> str:
+    """The file name a pattern element names: the basename of a URL's path, a local path, or a pipe: command's
+    last word."""
+    if location.startswith(PIPE_PREFIX):
+        words = location[len(PIPE_PREFIX):].split()
+        location = words[-1] if words else ""
+    if location.startswith(REMOTE_PREFIXES):
+        location = urllib.parse.unquote(urllib.parse.urlsplit(location).path)
+    return posixpath.basename(location.replace("\\", "/"))
+
+
+def _check_pattern(manifest: Manifest, urls: list[str], spec: str, where: str) -> None:
+    names = [s.name for s in manifest.shards]
+    for i, (name, url) in enumerate(zip(names, urls)):
+        got = source_name(url)
+        if got != name:
+            raise DataError(f"{spec}: shard {i} of the pattern is {got!r} but {where} lists {name!r}; the pattern "
+                            f"and the manifest must name the same shards in the same order")
+    if len(names) != len(urls):
+        raise DataError(f"{spec}: the pattern names {len(urls)} shards but {where} lists {len(names)}")
+
+
+def open_set(spec: str | Path, manifest: str | Path | None = None, retry: Retry | None = None) -> ShardSet:
+    """The shard set the user named: a local folder or ``manifest.json`` (shards under the manifest's ``root``);
+    a URL folder or manifest URL (the manifest fetched; shards = base URL + ``/`` + quoted name); or a brace
+    pattern (local, URL, or ``pipe:CMD``) with ``manifest`` (a local path or URL of a manifest.json; by default
+    the one next to the pattern, required for ``pipe:``), whose shard names must be the pattern's basenames in
+    order. A folder given together with ``manifest`` holds the shards that manifest names (its ``root`` is not
+    used). Raises DataError (one sentence)."""
+    text = str(spec)
+    pipe = text.startswith(PIPE_PREFIX)
+    remote = pipe or text.startswith(REMOTE_PREFIXES)
+    if manifest is not None and str(manifest).startswith(PIPE_PREFIX):
+        raise DataError(f"{manifest}: a manifest is a file or URL, not a pipe: command")
+    mtext = None if manifest is None else str(manifest)
+    if pipe or ("{" in text and "}" in text) or (remote and text.endswith((".tar", ".tgz", ".tar.gz"))):
+        urls = expand_pattern(text)
+        if mtext is None:
+            if pipe:
+                raise DataError(f"{text}: a pipe: pattern needs --manifest (the set's manifest.json, e.g. from "
+                                f"`gpufeed index ... --out DIR`)")
+            mtext = (posixpath.dirname(urls[0]) if remote else str(Path(urls[0]).parent)) + "/" + MANIFEST_NAME
+        m = _read_any_manifest(mtext, retry)
+        if not remote:
+            urls = [str(Path(u).absolute()) for u in urls]
+        _check_pattern(m, urls, text, mtext)
+        return ShardSet(manifest=m, urls=urls, location=text, remote=remote)
+    if not remote:
+        if mtext is not None:  # the folder (or its manifest.json) holds the shards the other manifest names
+            m = read_manifest(mtext)
+            root = Path(text).parent if text.endswith(".json") else Path(text)
+        else:
+            m = read_manifest(text)
+            root = manifest_path(text).parent
+            if m.root:
+                root = root / m.root
+        # absolute local paths: a name like "-" must stay a file name wherever it is used
+        return ShardSet(manifest=m, urls=[str(p.absolute()) for p in m.shard_paths(root)], location=text,
+                        remote=False)
+    base = text.rstrip("/")
+    if base.endswith(".json"):
+        murl, base = base, posixpath.dirname(base)
+    else:
+        murl = base + "/" + MANIFEST_NAME
+    if mtext is not None:  # the URL folder holds the shards the given manifest names
+        m = _read_any_manifest(mtext, retry)
+    else:
+        m = _load_manifest(murl, retry)
+        base = _remote_root(base, m.root, murl)
+    return ShardSet(manifest=m, urls=[base + "/" + urllib.parse.quote(s.name, safe="") for s in m.shards],
+                    location=text, remote=True)
+
+
+def _read_any_manifest(where: str, retry: Retry | None) -> Manifest:
+    return _load_manifest(where, retry) if where.startswith(REMOTE_PREFIXES) else read_manifest(where)

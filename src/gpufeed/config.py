@@ -558,9 +558,11 @@ class PlanConfig:
         check_device(self.device)
         if self.measure_batches is not None:
             mb = self.measure_batches
-            if len(mb) != 2 or not all(isinstance(b, int) and 1 <= b <= MAX_BATCH_SIZE for b in mb) or mb[0] >= mb[1]:
-                raise ConfigError(f"measure_batches must be two batch sizes, smaller first, within 1..{MAX_BATCH_SIZE}, "
-                                  f"got {_show(mb)}")
+            if len(mb) != 2 or not all(isinstance(b, int) and 2 <= b <= MAX_BATCH_SIZE for b in mb) or mb[0] >= mb[1]:
+                raise ConfigError(f"measure_batches must be two batch sizes, smaller first, within 2..{MAX_BATCH_SIZE} "
+                                  f"(BatchNorm trains on 2 samples or more), got {_show(mb)}")
+        if self.check_batch == 1:
+            raise ConfigError("check_batch must be 0 (no check) or at least 2 (BatchNorm trains on 2 samples or more)")
         if self.target_rate is not None and self.record is None:
             raise ConfigError("target_rate needs record (a gpufeed tune or train summary.json that measured the "
                               "loader's samples/s per core)")

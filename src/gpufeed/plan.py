@@ -428,8 +428,9 @@ def plan(cfg: PlanConfig) -> PlanReport:
     cores = plan_cores(cfg, gpus)  # reads the record first: a bad record fails before minutes of measuring
 
     stepper = Stepper(cfg, device, amp)
-    warm_batch = cfg.measure_batches[0] if cfg.measure_batches else min_measure_batch(device.type)
-    warm_activations = stepper.step(warm_batch)  # warm-up: optimizer state created, kernels chosen
+    warm_batch = min(cfg.measure_batches[0], min_measure_batch(device.type)) if cfg.measure_batches \
+        else min_measure_batch(device.type)
+    warm_activations = stepper.step(warm_batch)  # warm-up: optimizer state and gradients created
     weights, grads, opt_state = stepper.state_bytes()
     b1, b2 = cfg.measure_batches or default_measure_batches(device.type, grads, warm_activations / warm_batch)
     check_batch = 2 * b2 if cfg.check_batch is None else cfg.check_batch

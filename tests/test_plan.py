@@ -124,6 +124,7 @@ def test_cores_per_gpu_from_a_tune_record_and_a_target_rate(tmp_path: Path, monk
     monkeypatch.setattr(system, "usable_cpus", lambda: 16)
     c = plan_cores(PlanConfig(record=str(_tune_record(tmp_path)), target_rate=1000.0), gpus=2)
     assert c.samples_per_core_s == 250.0 and c.loader_cores_per_gpu == 4.0
+    assert c.rate_source.endswith("(tune best trial 3, 4 workers)") and c.target_source == "--target-rate"
     assert c.usable_cores_per_gpu == 8.0 and c.enough  # 4 loader + 1 trainer <= 8
     c = plan_cores(PlanConfig(record=str(_tune_record(tmp_path)), target_rate=1900.0), gpus=2)
     assert c.loader_cores_per_gpu == 7.6 and not c.enough  # 7.6 + 1 > 8
@@ -194,3 +195,15 @@ def test_a_bad_record_exits_2_before_measuring(tmp_path: Path) -> None:
     r = invoke(["plan", "--arch", "resnet18", "--device", "cpu", "--record", p, "--target-rate", "10"], expect=2)
     assert r.stderr.strip().splitlines() == [f"error: {p} is not readable JSON, so not a gpufeed tune or train "
                                              f"summary.json (Expecting value: line 1 column 1 (char 0))"]
+
+
+def test_a_plan_section_in_a_config_file(tmp_path: Path) -> None:
+    from gpufeed.config import load_config
+
+    p = tmp_path / "c.toml"
+    p.write_text('[plan]\narch = "resnet18"\nmeasure_batches = [4, 8]\ngpu_memory = "80GiB"\n')
+    cfg = load_config(p).plan
+    assert (cfg.arch, cfg.measure_batches, cfg.gpu_memory) == ("resnet18", (4, 8), 80 * GIB)
+    p.write_text("[plan]\nmeasure_batches = [4]\n")
+    with pytest.raises(ConfigError, match="measure_batches must be two batch sizes"):
+        load_config(p)

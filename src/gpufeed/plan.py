@@ -6,7 +6,8 @@ biases and BatchNorm) or AdamW, and real training steps run - uint8 batch, norma
 label-smoothed cross-entropy, backward, optimizer step - at two small batch sizes. Each step's peak is:
 
 - on a GPU: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (every tensor of the process
-  on that device, workspaces the caching allocator hands out included; not the CUDA context);
+  on that device, workspaces the caching allocator hands out included; not the CUDA context), over the second
+  step at that batch size: cuDNN autotuning (``cudnn.benchmark``, on as in train) tries workspaces on the first;
 - on the CPU, where torch keeps no peak counter: the model and optimizer state (the sum of their tensors' bytes)
   plus the highest point, over the step, of the running sum of the allocation and free events that
   ``torch.profiler`` records with ``profile_memory=True`` (every block torch's CPU allocator hands out; scratch
@@ -46,8 +47,9 @@ GPU_MIN_MEASURE_BATCH = 16
 CPU_METHOD = ("cpu: model and optimizer state (tensor bytes) + the peak of the running sum of torch.profiler "
               "memory events (profile_memory=True, torch's CPU allocator) over one real step; oneDNN's own "
               "scratch memory is not seen")
-GPU_METHOD = ("cuda: torch.cuda.max_memory_allocated over one real step after reset_peak_memory_stats "
-              "(CUDA context not included)")
+GPU_METHOD = ("cuda: torch.cuda.max_memory_allocated over one real step after reset_peak_memory_stats, the "
+              "second at its batch size (cuDNN autotune's first-step trial workspaces and the CUDA context not "
+              "included)")
 ACTIVATION_METHOD = "activations: distinct storages autograd saves for backward (saved_tensors_hooks), parameters excluded"
 
 
@@ -163,6 +165,9 @@ class Stepper:
 
         torch.manual_seed(0)
         self.device, self.channels_last = device, cfg.channels_last
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.backends.cudnn.benchmark = True  # as gpufeed train
         self.num_classes, self.image_size = cfg.num_classes, cfg.image_size
         # as train.Trainer._build_model and _build_optimizer
         module = getattr(torchvision.models, cfg.arch)(weights=None, num_classes=cfg.num_classes,
@@ -230,6 +235,8 @@ class Stepper:
         gc.collect()
         t0 = time.perf_counter()
         if self.device.type == "cuda":
+            self.step(batch_size)  # cuDNN autotunes each new shape on its first step (its trial workspaces)
+            self.optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             activations = self.step(batch_size)
@@ -366,8 +373,8 @@ def loader_rates(path: str) -> tuple[float, str, float | None, str | None]:
         return per_core, where, gpu_rate / ranks, f"{path} (train synthetic: {gpu_rate:.1f} samples/s / {ranks} rank(s))"
     trials, best = data.get("trials"), data.get("best_trial")
     if isinstance(trials, list) and "best_trial" in data:
-        trial = next((t for t in trials if isinstance(t, dict) and t.get("trial") == best
-                      and not isinstance(best, bool) and best is not None), None)
+        valid = isinstance(best, int) and not isinstance(best, bool) and 0 <= best < 1 << 31
+        trial = next((t for t in trials if valid and isinstance(t, dict) and t.get("trial") == best), None)
         if trial is None:
             raise DataError(f"{path} is a tune summary without a successful best trial")
         per_core = _number(trial.get("samples_per_core_s"))
@@ -376,8 +383,8 @@ def loader_rates(path: str) -> tuple[float, str, float | None, str | None]:
             if rate is None or cores is None:
                 raise DataError(f"{path}: the best tune trial recorded no samples/s per core")
             per_core = rate / cores
-        workers = trial.get("num_workers")
-        return per_core, f"{path} (tune best trial {best}, {workers} workers)", None, None
+        workers = _number(trial.get("num_workers"), -1, 1 << 20)
+        return per_core, f"{path} (tune best trial {best}, {workers or 0:g} workers)", None, None
     raise DataError(f"{path} is neither a gpufeed tune nor a train summary.json (no 'modes', no 'trials')")
 
 

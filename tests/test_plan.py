@@ -35,13 +35,18 @@ def _param_bytes(num_classes: int = 10) -> tuple[int, int]:
             sum(b.numel() * b.element_size() for b in m.buffers()))
 
 
+def _estimate(r, b: int) -> float:  # type: ignore[no-untyped-def]
+    """The plan's model: the higher of the measured peaks' line and the floor line."""
+    return max(r.fixed_bytes + r.per_sample_bytes * b, r.floor_fixed_bytes + r.floor_per_sample_bytes * b)
+
+
 def test_the_check_error_is_computed_from_the_measurements_and_small(report) -> None:  # type: ignore[no-untyped-def]
     m1, m2 = report.measurements
     assert (m1.batch_size, m2.batch_size, report.check.batch_size) == (128, 256, 384)
     # the line goes through both measured peaks
     assert report.fixed_bytes + report.per_sample_bytes * 128 == pytest.approx(m1.peak_bytes)
     assert report.fixed_bytes + report.per_sample_bytes * 256 == pytest.approx(m2.peak_bytes)
-    est = round(report.fixed_bytes + report.per_sample_bytes * 384)
+    est = round(_estimate(report, 384))
     assert report.check_estimate_bytes == est
     err = (est - report.check.peak_bytes) / report.check.peak_bytes * 100
     assert report.check_error_pct == pytest.approx(err)
@@ -58,7 +63,10 @@ def test_the_parts_are_the_real_tensors_and_add_up_to_the_peak(report) -> None: 
     assert e.weights_bytes == params + buffers
     assert e.gradients_bytes == params  # fp32 parameters: one fp32 gradient each
     assert e.optimizer_state_bytes == params  # SGD with momentum: one buffer per parameter
-    assert e.peak_bytes == round(report.fixed_bytes + report.per_sample_bytes * 64)
+    assert e.peak_bytes == round(_estimate(report, 64))
+    # the floor line: weights, optimizer state and the activations' line
+    assert report.floor_fixed_bytes == params + buffers + params + report.activation_fixed_bytes
+    assert report.floor_per_sample_bytes == report.activation_per_sample_bytes
     assert e.activations_bytes == round(report.activation_fixed_bytes + report.activation_per_sample_bytes * 64)
     assert e.weights_bytes + e.gradients_bytes + e.optimizer_state_bytes + e.activations_bytes + e.other_bytes \
         == e.peak_bytes
@@ -84,11 +92,24 @@ def test_the_largest_fitting_batch_follows_the_line_and_the_headroom(report) -> 
     from gpufeed.plan import max_fitting_batch
 
     assert report.usable_memory_bytes == int(GIB * 0.9)
-    b, a, k = report.max_batch_size, report.fixed_bytes, report.per_sample_bytes
-    assert a + k * b <= report.usable_memory_bytes < a + k * (b + 1)
+    b = report.max_batch_size
+    assert _estimate(report, b) <= report.usable_memory_bytes < _estimate(report, b + 1)
     assert report.fits is True and report.ok is True and 64 <= b < 65536
     assert max_fitting_batch(100.0, 10.0, 1000.0) == 90
     assert max_fitting_batch(100.0, 10.0, 109.0) == 0
+
+
+def test_the_floor_line_lifts_an_estimate_measured_where_gradients_set_the_peak() -> None:
+    """At 32 px, batches 2 and 4 peak when the gradients are made: that line is nearly flat. The estimate at 64 must
+    still hold the activations, which the floor line carries."""
+    from gpufeed.plan import plan
+
+    r = plan(PlanConfig(arch="resnet18", num_classes=10, batch_size=512, image_size=32, device="cpu",
+                        measure_batches=(2, 4), check_batch=0))
+    e = r.estimate
+    assert r.per_sample_bytes < r.floor_per_sample_bytes
+    assert e.peak_bytes == round(r.floor_fixed_bytes + r.floor_per_sample_bytes * 512)
+    assert e.peak_bytes >= e.weights_bytes + e.optimizer_state_bytes + e.activations_bytes
 
 
 def test_default_measure_batches_start_where_activations_outweigh_gradients() -> None:

@@ -17,7 +17,8 @@ Gradients are set to None before each measured step (as train's ``zero_grad(set_
 part of the step's peak. Activations are the bytes of the distinct tensor storages autograd saves for backward
 (``torch.autograd.graph.saved_tensors_hooks``), parameters left out. Weights (parameters and buffers), gradients
 and optimizer state are the bytes of the real tensors after a step. The peak and the activations are modelled as
-linear in the batch size through the two measurements, then checked against a third measured step.
+linear in the batch size through the two measurements - the estimate is the higher of the peak's line and the
+floor line weights + optimizer state + activations - then checked against a third measured step.
 
 Cores: a tune or train summary.json gives the loader's samples/s per busy core; the target rate over it is the
 loader cores one GPU needs, compared with this machine's usable cores per GPU (:func:`gpufeed.system.usable_cpus`).
@@ -117,10 +118,15 @@ class PlanReport:
     activation_method: str
     measurements: list[StepMeasurement]
     fixed_bytes: float
-    """Intercept of the linear model: peak(b) = fixed_bytes + per_sample_bytes x b."""
+    """Intercept of the line through the two measured peaks: fixed_bytes + per_sample_bytes x b."""
     per_sample_bytes: float
     activation_fixed_bytes: float
     activation_per_sample_bytes: float
+    floor_fixed_bytes: float
+    """weights + optimizer state + activation_fixed_bytes: with floor_per_sample_bytes (= the activations' slope)
+    the floor line, the bytes live at the end of the forward pass. The estimated peak is the higher of the two
+    lines (measured at small batches where the gradients set the peak, the first line is too flat)."""
+    floor_per_sample_bytes: float
     estimate: MemoryParts
     """The parts at batch_size, from the linear model."""
     check: StepMeasurement | None
@@ -184,7 +190,9 @@ class Stepper:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[amp]
         self.autocast = ((lambda: torch.autocast(device_type=device.type, dtype=dtype)) if dtype is not None
                          else contextlib.nullcontext)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+        # fp16: train's GradScaler starts at 2**16 and skips the first steps (inf gradients), which would leave the
+        # optimizer state unmade after the warm-up; memory does not depend on the scale, so start at 1
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=1.0, enabled=amp == "fp16")
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
 
     def step(self, batch_size: int) -> int:
@@ -444,10 +452,11 @@ def plan(cfg: PlanConfig) -> PlanReport:
     m1, m2 = stepper.measure(b1), stepper.measure(b2)
     fixed, per_sample = linear((b1, m1.peak_bytes), (b2, m2.peak_bytes))
     a_fixed, a_per_sample = linear((b1, m1.activation_bytes), (b2, m2.activation_bytes))
+    floor_fixed = weights + opt_state + a_fixed
     check = stepper.measure(check_batch) if check_batch else None
 
     def peak_at(b: int) -> int:
-        return int(round(fixed + per_sample * b))
+        return int(round(max(fixed + per_sample * b, floor_fixed + a_per_sample * b)))
 
     n = cfg.batch_size
     peak = peak_at(n)
@@ -464,7 +473,8 @@ def plan(cfg: PlanConfig) -> PlanReport:
     usable = max_b = fits = None
     if gpu_memory is not None:
         usable = int(gpu_memory * (1 - cfg.headroom))
-        max_b = max_fitting_batch(fixed, per_sample, usable)
+        max_b = min(max_fitting_batch(fixed, per_sample, usable),
+                    max_fitting_batch(floor_fixed, a_per_sample, usable))
         fits = peak <= usable
     if device.type == "cpu":
         notes.append("measured on the CPU: a GPU step adds cuDNN/cuBLAS workspaces and allocator rounding that CPU "
@@ -479,7 +489,8 @@ def plan(cfg: PlanConfig) -> PlanReport:
         channels_last=cfg.channels_last, optimizer=cfg.optimizer, device=str(device), device_name=name,
         method=GPU_METHOD if device.type == "cuda" else CPU_METHOD, activation_method=ACTIVATION_METHOD,
         measurements=[m1, m2], fixed_bytes=fixed, per_sample_bytes=per_sample, activation_fixed_bytes=a_fixed,
-        activation_per_sample_bytes=a_per_sample, estimate=estimate, check=check, check_estimate_bytes=check_est,
+        activation_per_sample_bytes=a_per_sample, floor_fixed_bytes=floor_fixed, floor_per_sample_bytes=a_per_sample,
+        estimate=estimate, check=check, check_estimate_bytes=check_est,
         check_error_pct=check_err, gpu_memory_bytes=gpu_memory, gpu_memory_source=source, headroom=cfg.headroom,
         usable_memory_bytes=usable, max_batch_size=max_b, fits=fits, cores=cores,
         elapsed_s=time.perf_counter() - t0, notes=notes)
@@ -520,7 +531,9 @@ def render(r: PlanReport) -> str:
     for m in r.measurements:
         lines.append(f"  batch {m.batch_size}: peak {_gib(m.peak_bytes)}, activations {_gib(m.activation_bytes)} "
                      f"({m.seconds:.2f} s)")
-    lines.append(f"  linear model: peak(b) = {_gib(r.fixed_bytes)} + {_gib(r.per_sample_bytes)} x b")
+    lines.append(f"  linear model: peak(b) = max({_gib(r.fixed_bytes)} + {_gib(r.per_sample_bytes)} x b, "
+                 f"weights + optimizer state + activations = {_gib(r.floor_fixed_bytes)} + "
+                 f"{_gib(r.floor_per_sample_bytes)} x b)")
     if r.check is not None and r.check_estimate_bytes is not None and r.check_error_pct is not None:
         lines.append(f"  check: estimate at batch {r.check.batch_size}: {_gib(r.check_estimate_bytes)}, measured "
                      f"{_gib(r.check.peak_bytes)}, error {r.check_error_pct:+.1f}%")

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import click
 
 from gpufeed import __version__
-from gpufeed.config import (IoConfig, LoaderConfig, ShardConfig, StageConfig, SynthConfig, TrainConfig, TuneConfig,
-                            field_help)
+from gpufeed.config import (IoConfig, LoaderConfig, PlanConfig, ShardConfig, StageConfig, SynthConfig, TrainConfig,
+                            TuneConfig, field_help)
 from gpufeed.errors import GpufeedError
 
 
@@ -139,6 +139,7 @@ def cli(verbose: bool) -> None:
     gpufeed io      PATH ...       read rate of shard sets / image folders, cold and warm
     gpufeed stage   SRC DEST       copy a shard set to NVMe or /dev/shm, checked and resumable
     gpufeed doctor  [DATA_PATH ...] check drivers, GPUs, CPUs, /dev/shm and data paths: ok / warn / fail
+    gpufeed plan    --arch resnet50 will the batch fit in GPU memory; loader cores per GPU
     """
     if verbose:
         import os
@@ -509,6 +510,59 @@ def doctor(paths: tuple[str, ...], num_workers: int | None, prefetch_factor: int
         from gpufeed.doctor import render as render_doctor
 
         return render_doctor(report)
+
+    run_job(job, render, as_json)
+
+
+@cli.command()
+@config_help(PlanConfig)
+@click.option("--arch", type=click.Choice(["resnet18", "resnet34", "resnet50", "resnet101"]))
+@click.option("--num-classes", type=int)
+@click.option("--batch-size", type=int)
+@click.option("--image-size", type=int)
+@click.option("--amp", type=click.Choice(["auto", "bf16", "fp16", "off"]))
+@click.option("--channels-last/--no-channels-last", default=None)
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]))
+@click.option("--device")
+@click.option("--measure-batches", type=int, nargs=2, default=None, metavar="B1 B2")
+@click.option("--check-batch", type=int)
+@click.option("--gpu-memory", type=str)
+@click.option("--headroom", type=float)
+@click.option("--target-rate", type=float)
+@click.option("--record", type=click.Path(dir_okay=False))
+@click.option("--gpus", type=int)
+@click.option("--trainer-cores", type=int)
+@config_option
+@json_option
+def plan(arch: str | None, num_classes: int | None, batch_size: int | None, image_size: int | None,
+         amp: str | None, channels_last: bool | None, optimizer: str | None, device: str | None,
+         measure_batches: tuple[int, int] | None, check_batch: int | None, gpu_memory: str | None,
+         headroom: float | None, target_rate: float | None, record: str | None, gpus: int | None,
+         trainer_cores: int | None, config_path: str | None, as_json: bool) -> None:
+    """Measure real training steps at small batch sizes, model the peak memory as linear in the batch size, check
+    it at a third batch, and say whether --batch-size fits the GPU memory (largest batch that does) and how many
+    loader cores per GPU the target rate needs (with --record). Exit 1 when the batch does not fit or the cores
+    are too few.
+
+    \b
+    gpufeed plan --arch resnet50 --batch-size 256 --amp bf16 --channels-last --gpu-memory 80GiB
+    """
+    cfg = load(config_path, "plan", {
+        "arch": arch, "num_classes": num_classes, "batch_size": batch_size, "image_size": image_size, "amp": amp,
+        "channels_last": channels_last, "optimizer": optimizer, "device": device,
+        "measure_batches": list(measure_batches) if measure_batches else None, "check_batch": check_batch,
+        "gpu_memory": gpu_memory, "headroom": headroom, "target_rate": target_rate, "record": record,
+        "gpus": gpus, "trainer_cores": trainer_cores})
+
+    def job() -> Any:
+        from gpufeed.plan import plan as run_plan
+
+        return run_plan(cfg)
+
+    def render(report: Any) -> str:
+        from gpufeed.plan import render as render_plan
+
+        return render_plan(report)
 
     run_job(job, render, as_json)
 

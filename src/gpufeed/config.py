@@ -514,6 +514,63 @@ class StageConfig:
             raise ConfigError(f"node_rank ({self.node_rank}) must be below num_nodes ({self.num_nodes or 1})")
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """``gpufeed plan``: peak training memory from real steps (will the batch fit?) and the loader's cores per GPU."""
+
+    arch: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = "resnet50"
+    """torchvision ResNet architecture, built as gpufeed train builds it."""
+    num_classes: int = bounded(1000, 1, MAX_CLASSES)
+    """Classifier outputs."""
+    batch_size: int = bounded(256, 1, MAX_BATCH_SIZE)
+    """Samples per micro-batch per GPU to plan for."""
+    image_size: int = bounded(224, 1, MAX_IMAGE_SIZE)
+    """Training image side in pixels (every step is measured at this size)."""
+    amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
+    """Autocast dtype, as gpufeed train: auto = bf16 on CUDA devices with compute capability 8.0+, fp16 on older
+    ones, off on the CPU."""
+    channels_last: bool = False
+    """Use the channels_last memory format, as gpufeed train --channels-last."""
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    """sgd = gpufeed train's optimizer (SGD, momentum 0.9: one buffer per parameter); adamw = AdamW (two)."""
+    device: str = "auto"
+    """Where the steps are measured: auto (CUDA when present), cpu, cuda or cuda:N."""
+    measure_batches: tuple[int, ...] | None = None
+    """The two batch sizes measured for the linear model; None = b and 2b, b the smallest power of two (at least 2
+    on the CPU, 16 on a GPU) whose activations are twice the gradients."""
+    check_batch: int | None = bounded(None, 0, MAX_BATCH_SIZE)
+    """A third batch size measured to check the model's estimate (0 = no check); None = twice the larger
+    measured one."""
+    gpu_memory: int | None = bounded(None, 1, MAX_RAM_BYTES, size=True)
+    """GPU memory to plan for (bytes or a size such as 80GiB); None = the measuring GPU's total, none on the CPU."""
+    headroom: float = bounded(0.10, 0.0, 0.9)
+    """Fraction of the GPU memory kept free for allocator fragmentation, the CUDA context and workspace spikes."""
+    target_rate: float | None = bounded(None, 0.0, MAX_RATE, min_open=True)
+    """Samples/s ONE GPU consumes (e.g. its train --measure synthetic rate); None = the train record's synthetic
+    rate per rank, when record is a train summary.json."""
+    record: str | None = None
+    """A gpufeed tune or train summary.json: the loader's measured samples/s per core (tune: the best trial;
+    train: the loader-only mode); None = no cores-per-GPU answer."""
+    gpus: int | None = bounded(None, 1, MAX_NPROC_PER_NODE)
+    """GPUs per node sharing this machine's usable cores; None = the CUDA devices here (1 when there are none)."""
+    trainer_cores: int = bounded(1, 0, MAX_WORKERS)
+    """Cores each training process keeps for itself, on top of its loader's."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        check_device(self.device)
+        if self.measure_batches is not None:
+            mb = self.measure_batches
+            if len(mb) != 2 or not all(isinstance(b, int) and 2 <= b <= MAX_BATCH_SIZE for b in mb) or mb[0] >= mb[1]:
+                raise ConfigError(f"measure_batches must be two batch sizes, smaller first, within 2..{MAX_BATCH_SIZE} "
+                                  f"(BatchNorm trains on 2 samples or more), got {_show(mb)}")
+        if self.check_batch == 1:
+            raise ConfigError("check_batch must be 0 (no check) or at least 2 (BatchNorm trains on 2 samples or more)")
+        if self.target_rate is not None and self.record is None:
+            raise ConfigError("target_rate needs record (a gpufeed tune or train summary.json that measured the "
+                              "loader's samples/s per core)")
+
+
 SECTIONS: dict[str, type] = {
     "shard": ShardConfig,
     "loader": LoaderConfig,
@@ -523,6 +580,7 @@ SECTIONS: dict[str, type] = {
     "layout": LayoutConfig,
     "io": IoConfig,
     "stage": StageConfig,
+    "plan": PlanConfig,
 }
 
 
@@ -538,6 +596,7 @@ class Config:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     io: IoConfig = field(default_factory=IoConfig)
     stage: StageConfig = field(default_factory=StageConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 # --------------------------------------------------------------------------- loading

@@ -667,7 +667,7 @@ def probe_storage(cfg: TrainConfig) -> StorageRate | None:
         return None
     from gpufeed.storage import probe
 
-    return probe(cfg.shards, cfg.storage_probe_s)
+    return probe(cfg.shards, cfg.storage_probe_s, manifest=cfg.manifest)
 
 
 def _shm_free_bytes() -> int | None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -166,3 +168,55 @@ def test_stage_from_s3(s3_server, tmp_path: Path) -> None:
     assert (r["src"], r["shards_copied"], r["checked"]) == ("s3://data/set/manifest.json", 3, "sha256")
     assert _files(dest) == _files(folder)
     invoke(["verify", dest, "--no-decode"], expect=0)
+
+
+# ------------------------------------------------------------------------------------------------- the proof
+
+TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--num-workers", "0", "--amp", "off",
+        "--device", "cpu", "--quiet", "--threads", "1", "--measure", "--measure-steps", "3", "--storage-probe-s", "1"]
+
+
+def _verdict(run: Path) -> tuple[dict, dict]:
+    s = json.loads((run / "summary.json").read_text())
+    return s["verdict"], s["storage"]
+
+
+def test_throttled_source_is_storage_bound_and_the_staged_copy_is_not(http_server, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """The issue's proof at tiny scale: a one-shard set served at 60 KB/s a connection (the tiny model computes
+    ~40-80 samples/s of ~4 KB each here, so 60 KB/s, ~15 samples/s, binds it, as 20 MB/s binds a GPU) makes
+    ``train --measure`` starved / storage with a ``gpufeed stage`` fix; staged to /dev/shm, the same run is not
+    storage-bound. One shard and one loader stream (num_workers 0): the probe's ladder has one rung, the stream
+    the loader reads with. The remote reader's range size is scaled down with the set (16 KiB, not 8 MiB: one
+    8 MiB request would fetch the whole tiny shard during the timing warm-up, as no real set's shard would be)
+    and the shuffle buffer is 4 samples, so the timed steps read from the socket."""
+    import gpufeed.shardset.source as source
+    import gpufeed.storage as storage
+
+    monkeypatch.setattr(source, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(storage, "REMOTE_CHUNK_BYTES", 16 << 10)
+    write_tiny_shards(http_server.root / "set", [64], image_px=32)
+    url = f"{http_server.url}/set"
+    http_server.faults.bandwidth = 60_000
+    conf = tmp_path / "loader.toml"
+    conf.write_text("[loader]\nshuffle_buffer = 4\n")
+
+    invoke(["train", "--shards", url, *TINY, "--config", conf, "--run-dir", tmp_path / "remote"], expect=1)
+    before, st = _verdict(tmp_path / "remote")
+    assert (st["source"], st["cache"], st["readers"]) == ("probe", "remote", 1)
+    assert 0 < st["bytes_per_s"] <= 1.3 * 60_000
+    assert (before["status"], before["bound"]) == ("starved", "storage"), before
+    assert any(f"gpufeed stage {url} " in fix for fix in before["fixes"]), before["fixes"]
+
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+    dest = Path(tempfile.mkdtemp(prefix="gpufeed-test-stage-", dir=base))
+    try:
+        http_server.faults.bandwidth = 0
+        invoke(["stage", url, dest, "--quiet"])
+        invoke(["train", "--shards", dest, *TINY, "--config", conf, "--run-dir", tmp_path / "staged"], expect=None)
+        after, st = _verdict(tmp_path / "staged")
+        assert st["source"] == "probe" and st["bytes_per_s"] > 10 * 60_000
+        assert after["bound"] != "storage", after
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)

@@ -36,9 +36,9 @@ With a target rate (``target_rate``, or the synthetic samples/s of a ``train --m
 location gets the bandwidth needed, ``rate x mean sample bytes / 1e6`` MB/s (the manifest's
 ``mean_sample_bytes``; for an image folder the mean size of the listed files), and a verdict: it *delivers* when
 its best rate is at least ``MARGIN`` x that, cold where cold was measured (an epoch over a set larger than the
-page cache reads cold), warm otherwise. It also says whether the set fits in the memory the page cache may use
-(psutil ``available``) and in /dev/shm's free space (the remote verdict uses the remote rate). The record's ``ok`` is false when a target was given and no
-location delivers it (exit 1).
+page cache reads cold), warm otherwise (a remote set: its remote rate). It also says whether the set fits in the
+memory the page cache may use (psutil ``available``) and in /dev/shm's free space. The record's ``ok`` is false
+when a target was given and no location delivers it (exit 1).
 """
 
 from __future__ import annotations

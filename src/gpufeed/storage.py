@@ -30,7 +30,8 @@ manifest's shard sizes, in ``REMOTE_CHUNK_BYTES`` range requests, so each reader
 a time). A remote step has no cold/warm: nothing on this side caches the object store, so each rung is measured
 once (``cache`` "remote"), and the report gives the aggregate and the per-stream MB/s (aggregate / readers). A
 remote stream keeps one range in flight ahead; at a step's end that range is abandoned, so a step may leave up to
-one ``REMOTE_CHUNK_BYTES`` request per reader finishing on the wire (not counted in any step).
+one ``REMOTE_CHUNK_BYTES`` request per reader finishing on the wire (not counted in any step), and a range under
+way at the deadline is waited for, so a remote step may run past ``seconds`` by one range at its stream's rate.
 
 With a target rate (``target_rate``, or the synthetic samples/s of a ``train --measure`` summary.json), each
 location gets the bandwidth needed, ``rate x mean sample bytes / 1e6`` MB/s (the manifest's

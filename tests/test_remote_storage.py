@@ -75,6 +75,23 @@ def test_remote_io_honours_bytes_and_seconds(served) -> None:
 def test_remote_io_of_a_missing_manifest_is_one_sentence_exit_2(http_server) -> None:
     r = invoke(["io", f"{http_server.url}/nothing"], expect=2)
     assert r.stderr.strip() == f"error: {http_server.url}/nothing/manifest.json: not found (HTTP 404)"
+    r = invoke(["io", "pipe:cat x.tar"], expect=2)
+    assert r.stderr.strip() == "error: pipe:cat x.tar: gpufeed io measures folders and URLs, not pipe: commands"
+
+
+def test_an_io_record_of_a_url_gives_the_remote_rate_for_that_url(served, tmp_path: Path) -> None:
+    from gpufeed.config import IoConfig
+    from gpufeed.errors import DataError
+    from gpufeed.storage import io_record_rate, measure_io
+
+    server, folder, url = served
+    report = measure_io([url], IoConfig(seconds=0.3, max_readers=2, run_dir=str(tmp_path / "io")))
+    rec = Path(report.run_dir) / "summary.json"
+    rate = io_record_rate(rec, f"{url}/manifest.json")  # the manifest URL names the same folder
+    assert (rate.cache, rate.path) == ("remote", url)
+    assert rate.bytes_per_s == pytest.approx(report.locations[0].best_warm_mb_per_s * 1e6)
+    with pytest.raises(DataError, match=f"measured {url}, not the shard set's folder {folder}"):
+        io_record_rate(rec, folder)
 
 
 def test_probe_of_a_remote_set_reads_it_over_the_socket(served) -> None:

@@ -742,8 +742,8 @@ def _reachable(files: list[tuple[str, int]], readers: int, limit: int) -> list[t
 
 def io_record_rate(record_path: str | Path, shards: str | Path) -> StorageRate:
     """The storage rate of the shard set ``shards`` from a ``gpufeed io`` summary.json: the location whose folder
-    is the shard set's folder, its best cold rate (warm where cold was not measured). DataError (one sentence)
-    when the file is not such a record or measured another location."""
+    is the shard set's folder (or URL), its best cold rate (warm where cold was not measured; remote for a URL).
+    DataError (one sentence) when the file is not such a record or measured another location."""
     p = Path(record_path)
     data = read_json_file(p, MAX_RECORD_BYTES, "a gpufeed io summary.json")
     locations = data.get("locations") if isinstance(data, dict) else None
@@ -760,7 +760,7 @@ def io_record_rate(record_path: str | Path, shards: str | Path) -> StorageRate:
             continue
         steps = loc.get("steps")
         rungs = [s for s in steps[:10_000] if isinstance(s, dict)] if isinstance(steps, list) else []
-        for cache in ("cold", "warm"):
+        for cache in ("cold", "warm", REMOTE_CACHE):
             ladder = sorted((s["readers"], s["mb_per_s"] * 1e6) for s in rungs
                             if s.get("cache") == cache and _count(s.get("readers")) and _rate(s.get("mb_per_s")))
             if ladder:

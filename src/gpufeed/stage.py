@@ -1,9 +1,12 @@
 """``gpufeed stage SRC DEST``: copy a shard set to fast local storage (NVMe, a RAM disk) before training.
 
-SRC is a shard-set folder or its ``manifest.json``; DEST is a local folder. In order:
+SRC is a shard-set folder or its ``manifest.json``, local or a URL (``http(s)://``, ``s3://``, ``gs://``, read
+through :mod:`gpufeed.shardset.source`); DEST is a local folder. In order:
 
 1. The manifest is read and every source shard is checked to be a regular file of the size the manifest
-   records (a missing or resized shard is an input error, exit 2, before anything is copied).
+   records (a missing or resized shard is an input error, exit 2, before anything is copied). For a remote SRC
+   the sizes are asked of the server (``--jobs`` requests at a time); a shard the server does not have (404),
+   refuses (403) or cannot be reached is named in one sentence, exit 2.
 2. ``DEST/.gpufeed-stage/lock`` is taken (``flock``; a second run into the same DEST is refused, naming the pid;
    the lock dies with the process, so a run killed with -9 leaves nothing the next run must clear). Temporary
    files a killed run left (``DEST/.<shard>.tmp``) are removed.
@@ -20,7 +23,8 @@ SRC is a shard-set folder or its ``manifest.json``; DEST is a local folder. In o
    against the manifest, renames it to its name, fsyncs the folder and writes the sidecar. A shard whose bytes
    differ from the manifest is refused (:class:`RunError`, exit 1, naming it) and its temporary file removed;
    the other copies stop at their next chunk. Ctrl-C stops the same way; complete shards are kept.
-6. ``index.parquet`` and ``_info.json`` next to the SRC manifest are copied (atomically) when present, and last
+6. ``index.parquet`` and ``_info.json`` next to the SRC manifest are copied (atomically) when present (for a
+   remote SRC: when the server has them; a 404 means absent), and last
    the manifest is written to ``DEST/manifest.json`` with ``root`` None (the shards sit next to it), the same
    shards and counts otherwise: ``tune``, ``train`` and ``verify`` use DEST directly. While a run copies, a DEST
    manifest from an earlier run is removed first, so its presence still means the set at DEST is complete.
@@ -31,9 +35,12 @@ order, so across epochs every node reads every shard; no subset of shards is saf
 loader also refuses a manifest whose shards are not all present. A per-node subset would need a loader whose
 shard split is per node and epoch-independent; until then each node stages the whole set.
 
-Sources are opened through :class:`LocalSource` (``open(name)`` gives a binary file object, ``size(name)`` the
-size); the copy (:func:`copy_shard`) only reads from the object it is given, so a remote opener (fsspec) can
-take its place later. Shard names come from the manifest, which checked them to be plain file names.
+Sources are opened through :class:`LocalSource` or :class:`RemoteSource` (``open(name)`` gives a binary file
+object, ``size(name)`` the size, ``path(name)`` the location named in messages); the copy (:func:`copy_shard`)
+only reads from the object it is given. A remote shard is streamed in range requests (``open_shard``: retried
+within its bound, never held whole in memory) and hashed as it is written. A read that fails mid-copy after the
+retries is a RunError (exit 1) naming the URL. Shard names come from the manifest, which checked them to be plain
+file names; a remote shard's URL is the user's URL plus the quoted name (``open_set``).
 
 ``GPUFEED_STAGE_CHUNK_BYTES`` overrides the read size; only the tests use it (to make a copy slow enough to kill).
 """
@@ -75,7 +82,7 @@ _MAX_SIDECAR_BYTES = 4096
 @dataclass(frozen=True)
 class StageReport:
     src: str
-    """The SRC manifest read."""
+    """The SRC manifest read (a path or URL; a brace pattern as given)."""
     dest: str
     num_shards: int
     shards_copied: int
@@ -127,16 +134,53 @@ class LocalSource:
             raise
 
 
+class RemoteSource:
+    """Shards of a remote set (:func:`gpufeed.shardset.source.open_set`): the same interface as LocalSource.
+    ``problem`` asks the server for the size (one request; SourceError reasons such as "not found (HTTP 404)")
+    and remembers it; ``open`` streams the shard with that size, so a copy never reads past it."""
+
+    def __init__(self, names: list[str], urls: list[str]) -> None:
+        self.urls = dict(zip(names, urls))
+        self.sizes: dict[str, int] = {}
+
+    def path(self, name: str) -> str:
+        return self.urls[name]
+
+    def problem(self, name: str) -> str | None:
+        from gpufeed.shardset.source import SourceError, remote_size
+
+        try:
+            self.sizes[name] = remote_size(self.urls[name])
+        except SourceError as exc:
+            return f"cannot be read: {str(exc).removeprefix(self.urls[name] + ': ')}"
+        return None
+
+    def size(self, name: str) -> int:
+        if name not in self.sizes:
+            why = self.problem(name)
+            if why:
+                raise DataError(f"source shard {self.urls[name]} {why}")
+        return self.sizes[name]
+
+    def open(self, name: str) -> BinaryIO:
+        from gpufeed.shardset.source import open_shard
+
+        return open_shard(self.urls[name], size=self.size(name), chunk_bytes=chunk_bytes())
+
+
 def chunk_bytes() -> int:
     raw = os.environ.get("GPUFEED_STAGE_CHUNK_BYTES", "")
     return max(1, min(int(raw), CHUNK_BYTES)) if raw.isdigit() else CHUNK_BYTES
 
 
-def copy_shard(source: LocalSource, info: ShardInfo, dest: Path, *, chunk: int, stop: threading.Event,
+def copy_shard(source: LocalSource | RemoteSource, info: ShardInfo, dest: Path, *, chunk: int, stop: threading.Event,
                progress: Callable[[int], None]) -> str:
     """Copy one shard to ``dest/.<name>.tmp`` (hashing as it reads), fsync, check size and sha256 against
     ``info``, rename it to ``dest/<name>`` and return its sha256. Raises RunError (naming the shard) on a
-    mismatch, with the temporary file removed; stops with RunError when ``stop`` is set."""
+    mismatch or a remote read that failed after its retries, with the temporary file removed; stops with
+    RunError when ``stop`` is set."""
+    from gpufeed.shardset.source import SourceError
+
     tmp = dest / f".{info.name}.tmp"
     final = dest / info.name
     h = hashlib.sha256()
@@ -149,7 +193,10 @@ def copy_shard(source: LocalSource, info: ShardInfo, dest: Path, *, chunk: int, 
                 while got < limit:
                     if stop.is_set():
                         raise RunError(f"copy of {info.name} stopped")
-                    data = src.read(min(chunk, limit - got))
+                    try:
+                        data = src.read(min(chunk, limit - got))
+                    except SourceError as exc:  # found while copying: the run failed (exit 1)
+                        raise RunError(f"{exc}; {info.name} was not staged") from None
                     if not data:
                         break
                     h.update(data)
@@ -186,34 +233,88 @@ def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
     if cfg.num_nodes is not None and cfg.num_nodes > 1:
         raise DataError(f"--num-nodes {cfg.num_nodes} is refused: the loader reads the shards in a seeded order "
                         f"that changes every epoch, so every node reads every shard; stage the whole set on each node")
-    src_manifest = manifest_path(cfg.src)
-    m = read_manifest(cfg.src)
-    src_root = src_manifest.parent / m.root if m.root else src_manifest.parent
-    source = LocalSource(src_root)
+    from gpufeed.shardset.source import REMOTE_PREFIXES
+
     dest = Path(cfg.dest)
     if dest.exists() and not dest.is_dir():
         raise DataError(f"DEST {dest} is not a folder")
+    src_dirs: list[Path] = []
+    if str(cfg.src).startswith(REMOTE_PREFIXES):
+        m, source, src_label, sides = _remote_src(str(cfg.src), cfg.jobs)
+    else:
+        src_manifest = manifest_path(cfg.src)
+        m = read_manifest(cfg.src)
+        src_root = src_manifest.parent / m.root if m.root else src_manifest.parent
+        source = LocalSource(src_root)
+        src_label, src_dirs = str(src_manifest), [src_root, src_manifest.parent]
+        sides = [_Side(n, (src_manifest.parent / n).stat().st_size, _opener(src_manifest.parent / n))
+                 for n in SIDE_FILES if (src_manifest.parent / n).is_file()]
+        for info in m.shards:
+            why = source.problem(info.name)
+            if why:
+                raise DataError(f"source shard {source.path(info.name)} {why}")
     for info in m.shards:
-        why = source.problem(info.name)
-        if why:
-            raise DataError(f"source shard {source.path(info.name)} {why}")
         size = source.size(info.name)
         if size != info.bytes:
             raise DataError(f"source shard {source.path(info.name)} is {size} bytes, the manifest says {info.bytes}")
     dest.mkdir(parents=True, exist_ok=True)
-    if dest.resolve() == src_root.resolve() or dest.resolve() == src_manifest.parent.resolve():
+    if any(dest.resolve() == d.resolve() for d in src_dirs):
         raise DataError(f"DEST {dest} is the SRC folder; choose another folder")
     state = dest / STATE_DIR
     state.mkdir(exist_ok=True)
     lock = _lock(state / LOCK_NAME, dest)
     try:
-        return _run(cfg, m, src_manifest, source, dest, state, progress, t0)
+        return _run(cfg, m, src_label, sides, source, dest, state, progress, t0)
     finally:
         os.close(lock)
 
 
-def _run(cfg: StageConfig, m: Manifest, src_manifest: Path, source: LocalSource, dest: Path, state: Path,
-         progress: bool, t0: float) -> StageReport:
+@dataclass(frozen=True)
+class _Side:
+    """A file next to the SRC manifest that is copied along (index.parquet, _info.json)."""
+
+    name: str
+    size: int
+    open: Callable[[], BinaryIO]
+
+
+def _opener(path: Path) -> Callable[[], BinaryIO]:
+    return lambda: open(path, "rb")
+
+
+def _remote_src(src: str, jobs: int | None) -> tuple[Manifest, RemoteSource, str, list[_Side]]:
+    """A remote SRC: its manifest (open_set), the source with every shard's size asked of the server (``jobs``
+    requests at a time; the first shard that cannot be read is a DataError naming it), the manifest URL, and the
+    side files the server has next to the manifest (none for a brace pattern)."""
+    from gpufeed.shardset.source import SourceError, open_set, open_shard, remote_size
+
+    ss = open_set(src)
+    names = [info.name for info in ss.manifest.shards]
+    source = RemoteSource(names, ss.urls)
+    pattern = ("{" in src and "}" in src) or src.endswith((".tar", ".tgz", ".tar.gz"))
+    base = src.rstrip("/")
+    folder = base.rsplit("/", 1)[0] if base.endswith(".json") else base
+    label = src if pattern else (base if base.endswith(".json") else f"{folder}/{MANIFEST_NAME}")
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs or MAX_JOBS_DEFAULT, len(names))),
+                            thread_name_prefix="gpufeed-stage-size") as pool:
+        for name, why in zip(names, pool.map(source.problem, names)):
+            if why:
+                raise DataError(f"source shard {source.path(name)} {why}")
+    sides = []
+    for name in () if pattern else SIDE_FILES:
+        url = f"{folder}/{name}"
+        try:
+            size = remote_size(url)
+        except SourceError as exc:
+            if str(exc).endswith("not found (HTTP 404)"):
+                continue  # the server has no such file next to the manifest
+            raise
+        sides.append(_Side(name, size, lambda url=url, size=size: open_shard(url, size=size)))
+    return ss.manifest, source, label, sides
+
+
+def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], source: LocalSource | RemoteSource,
+         dest: Path, state: Path, progress: bool, t0: float) -> StageReport:
     _refuse_other_set(dest, m)
     for info in m.shards:  # temporaries of a killed run: this run holds the lock, nobody else writes them
         try:
@@ -223,8 +324,7 @@ def _run(cfg: StageConfig, m: Manifest, src_manifest: Path, source: LocalSource,
     kept = [info for info in m.shards if _complete(dest, state, info)]
     kept_names = {i.name for i in kept}
     todo = [info for info in m.shards if info.name not in kept_names]
-    sides = [n for n in SIDE_FILES if (src_manifest.parent / n).is_file()]
-    need = sum(i.bytes for i in todo) + sum((src_manifest.parent / n).stat().st_size for n in sides)
+    need = sum(i.bytes for i in todo) + sum(side.size for side in sides)
     ram_fs = _on_ram_fs(dest)
     warnings = []
     ram_note = ""
@@ -250,20 +350,20 @@ def _run(cfg: StageConfig, m: Manifest, src_manifest: Path, source: LocalSource,
         except FileNotFoundError:
             pass
         _copy_all(source, todo, dest, state, jobs, progress)
-    for name in sides:
-        with open(src_manifest.parent / name, "rb") as f, atomic_writer(dest / name) as out:
+    for side in sides:
+        with side.open() as f, atomic_writer(dest / side.name) as out:
             shutil.copyfileobj(f, out, CHUNK_BYTES)
     out_manifest = write_manifest(dest, replace(m, root=None))
     elapsed = time.perf_counter() - t0
     copied = sum(i.bytes for i in todo)
     return StageReport(
-        src=str(src_manifest), dest=str(dest), num_shards=len(m.shards), shards_copied=len(todo),
+        src=src_label, dest=str(dest), num_shards=len(m.shards), shards_copied=len(todo),
         shards_kept=len(kept), bytes_copied=copied, bytes_kept=sum(i.bytes for i in kept), elapsed_s=elapsed,
         mb_per_s=copied / 1e6 / elapsed if elapsed > 0 else 0.0, jobs=jobs,
         checked="size" if unhashed else "sha256", ram_fs=ram_fs, manifest=str(out_manifest), warnings=warnings)
 
 
-def _copy_all(source: LocalSource, todo: list[ShardInfo], dest: Path, state: Path, jobs: int,
+def _copy_all(source: LocalSource | RemoteSource, todo: list[ShardInfo], dest: Path, state: Path, jobs: int,
               progress: bool) -> None:
     """Copy ``todo`` with ``jobs`` threads; the first failure (or Ctrl-C) stops the others at their next chunk and
     is raised once they have cleaned up."""

@@ -23,16 +23,23 @@ readers reserve each read from one shared budget, so a step never reads more), o
 - **warm**: the same reader count reads again from the start, up to the bytes the cold step read (the full
   ``bytes`` bound where there is no cold step), so it re-reads what is cached.
 
-Files are opened through an *opener* (``local_open``): a callable from a path to a binary file with ``readinto``.
-Only local paths are measured now; a remote opener can slot in there.
+Files are opened through an *opener*: a callable from a path to a binary file with ``readinto``. Local files use
+``local_open``; a remote shard set (``http(s)://``, ``s3://``, ``gs://`` folder or manifest URL, resolved by
+:func:`gpufeed.shardset.source.open_set`) is read through :func:`gpufeed.shardset.source.open_shard` with the
+manifest's shard sizes, in ``REMOTE_CHUNK_BYTES`` range requests, so each reader is one stream (one connection at
+a time). A remote step has no cold/warm: nothing on this side caches the object store, so each rung is measured
+once (``cache`` "remote"), and the report gives the aggregate and the per-stream MB/s (aggregate / readers). A
+remote stream keeps one range in flight ahead; at a step's end that range is abandoned, so a step may leave up to
+one ``REMOTE_CHUNK_BYTES`` request per reader finishing on the wire (not counted in any step), and a range under
+way at the deadline is waited for, so a remote step may run past ``seconds`` by one range at its stream's rate.
 
 With a target rate (``target_rate``, or the synthetic samples/s of a ``train --measure`` summary.json), each
 location gets the bandwidth needed, ``rate x mean sample bytes / 1e6`` MB/s (the manifest's
 ``mean_sample_bytes``; for an image folder the mean size of the listed files), and a verdict: it *delivers* when
 its best rate is at least ``MARGIN`` x that, cold where cold was measured (an epoch over a set larger than the
-page cache reads cold), warm otherwise. It also says whether the set fits in the memory the page cache may use
-(psutil ``available``) and in /dev/shm's free space. The record's ``ok`` is false when a target was given and no
-location delivers it (exit 1).
+page cache reads cold), warm otherwise (a remote set: its remote rate). It also says whether the set fits in the
+memory the page cache may use (psutil ``available``) and in /dev/shm's free space. The record's ``ok`` is false
+when a target was given and no location delivers it (exit 1).
 """
 
 from __future__ import annotations
@@ -69,6 +76,12 @@ SHORT_STEP_S = 0.5
 """A step that reads the whole location faster than this gives a noisy rate; the report says so."""
 MAX_RECORD_BYTES = 64 << 20
 """Largest train summary.json read for its GPU ceiling."""
+REMOTE_CHUNK_BYTES = 1 << 20
+"""Bytes per range request of a remote reader (small, so a step's seconds bound is kept on a slow source)."""
+REMOTE_CACHE = "remote"
+"""The ``cache`` of a remote step: no page cache on this side, so neither cold nor warm."""
+REMOTE_COLD = "remote: no page cache on this side"
+"""What the report says instead of a cold measurement for a remote set."""
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm")
 """Files of an image folder that are read (case-insensitive); other files are not images and are left out."""
 
@@ -89,9 +102,9 @@ class IoStep:
 
     readers: int
     cache: str
-    """cold or warm."""
+    """cold, warm, or remote (a remote set: no page cache on this side)."""
     mb_per_s: float
-    """bytes / seconds / 1e6."""
+    """bytes / seconds / 1e6: the aggregate of all readers."""
     files_per_s: float
     """Whole files read per second (shards or images)."""
     bytes: int
@@ -103,6 +116,8 @@ class IoStep:
     """seconds, bytes (the bound was reached) or end (all the data was read)."""
     eviction: str | None = None
     """Cold steps: confirmed, not confirmed (X% still cached) or requested (not checkable here)."""
+    per_stream_mb_per_s: float = 0.0
+    """mb_per_s / readers: what one reader (one stream) got on average."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +129,7 @@ class IoNeed:
     """Mean bytes per sample used (manifest mean_sample_bytes, or the mean listed file size)."""
     best_mb_per_s: float
     basis: str
-    """cold or warm: which rate the verdict uses."""
+    """cold, warm or remote: which rate the verdict uses."""
     delivers: bool
     """best_mb_per_s >= MARGIN x need_mb_per_s."""
     fits_page_cache: bool
@@ -129,18 +144,22 @@ class IoLocation:
     kind: str
     """shards or images."""
     fs_type: str
+    """The filesystem type, or the URL scheme (http, https, s3, gs) of a remote set."""
     mount: str
+    """The mount point, or the host (bucket) of a remote set."""
     files: int
     """Files measured (shards of the manifest, or image files listed)."""
     total_bytes: int
     listing_truncated: bool
     """The image-folder walk stopped at max_files."""
     cold: str
-    """measured, or why not (not measurable on tmpfs)."""
+    """measured, or why not (not measurable on tmpfs; REMOTE_COLD for a remote set)."""
     steps: list[IoStep]
     best_cold_mb_per_s: float | None
     best_warm_mb_per_s: float
+    """The best rate of the steps that are not cold (the remote steps of a remote set)."""
     need: IoNeed | None = None
+    remote: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,12 +184,23 @@ class IoReport:
 
 @dataclass(frozen=True)
 class _Location:
-    path: Path
+    path: Path | str
+    """A local path, or the URL the user typed."""
     kind: str
     files: list[tuple[str, int]]
-    """(absolute path, size) in read order."""
+    """(absolute path or URL, size) in read order."""
     sample_bytes: float
     truncated: bool
+    remote: bool = False
+
+
+def remote_opener(files: list[tuple[str, int]]) -> Opener:
+    """The opener of a remote location: :func:`gpufeed.shardset.source.open_shard` with the manifest's size of
+    each URL and ``REMOTE_CHUNK_BYTES`` ranges."""
+    from gpufeed.shardset.source import open_shard
+
+    sizes = dict(files)
+    return lambda url: open_shard(url, size=sizes[url], chunk_bytes=REMOTE_CHUNK_BYTES)
 
 
 def _shard_location(path: Path) -> _Location:
@@ -220,7 +250,13 @@ def _image_location(path: Path, max_files: int) -> _Location:
 
 
 def resolve_location(path: str | Path, max_files: int) -> _Location:
-    """A shard set (folder with manifest.json, or a manifest .json) or an image folder."""
+    """A shard set (folder with manifest.json, or a manifest .json; local or a remote URL) or an image folder."""
+    from gpufeed.shardset.source import REMOTE_PREFIXES, is_pipe
+
+    if isinstance(path, str) and path.startswith(REMOTE_PREFIXES):
+        return _set_location(path, None)
+    if is_pipe(path):
+        raise DataError(f"{path}: gpufeed io measures folders and URLs, not pipe: commands")
     p = Path(path)
     if p.suffix == ".json" or (p / "manifest.json").exists():
         return _shard_location(p)
@@ -231,8 +267,14 @@ def resolve_location(path: str | Path, max_files: int) -> _Location:
 
 def filesystem_of(path: str | Path) -> tuple[str, str]:
     """(filesystem type, mount point) of ``path`` (:func:`gpufeed.system.mount_of`); ("unknown", "") where
-    /proc/mounts cannot be read."""
+    /proc/mounts cannot be read. For a URL: (its scheme, its host or bucket)."""
     from gpufeed.system import mount_of
+
+    if isinstance(path, str) and "://" in path:
+        import urllib.parse
+
+        parts = urllib.parse.urlsplit(path)
+        return parts.scheme, parts.netloc
 
     _, point, fs_type = mount_of(path)
     return fs_type, point
@@ -363,8 +405,9 @@ def _read_file(path: str, size: int, budget: _Budget, buf: bytearray, opener: Op
 
 
 def run_step(loc_files: list[tuple[str, int]], kind: str, readers: int, *, seconds: float, limit: int,
-             opener: Opener = local_open) -> tuple[int, int, float, str]:
-    """One step: ``readers`` threads over ``loc_files`` -> (bytes, whole files, seconds, stopped_by)."""
+             opener: Opener = local_open, read_size: int = READ_SIZE) -> tuple[int, int, float, str]:
+    """One step: ``readers`` threads over ``loc_files``, ``read_size`` bytes a read -> (bytes, whole files,
+    seconds, stopped_by)."""
     errors: list[BaseException] = []
     counts = [[0, 0] for _ in range(readers)]
     next_file = [0]
@@ -385,7 +428,7 @@ def run_step(loc_files: list[tuple[str, int]], kind: str, readers: int, *, secon
             return loc_files[next_file[0] - 1]
 
     def reader(r: int) -> None:
-        buf = bytearray(READ_SIZE)
+        buf = bytearray(read_size)
         own = loc_files[r::readers] if kind == "shards" else []
         pos = [0]
         try:
@@ -409,7 +452,7 @@ def run_step(loc_files: list[tuple[str, int]], kind: str, readers: int, *, secon
         exc = errors[0]
         if isinstance(exc, OSError):
             raise DataError(f"{exc.filename or 'a file'} cannot be read ({exc.strerror or exc})") from None
-        raise exc
+        raise exc  # a remote read's SourceError is already one sentence naming the URL
     return sum(c[0] for c in counts), sum(c[1] for c in counts), elapsed, budget.hit or "end"
 
 
@@ -454,7 +497,10 @@ def _shm_free() -> int | None:
 def _measure_location(loc: _Location, cfg: IoConfig, max_readers: int, opener: Opener,
                       progress: Callable[[str], None] | None) -> tuple[IoLocation, list[str]]:
     fs_type, mount = filesystem_of(loc.path)
-    cold_ok = fs_type not in RAM_FILESYSTEMS and can_evict()
+    cold_ok = not loc.remote and fs_type not in RAM_FILESYSTEMS and can_evict()
+    if loc.remote:
+        opener = remote_opener(loc.files)
+    read_size = REMOTE_CHUNK_BYTES if loc.remote else READ_SIZE
     notes = []
     top = min(max_readers, len(loc.files))
     if top < max_readers:
@@ -464,10 +510,13 @@ def _measure_location(loc: _Location, cfg: IoConfig, max_readers: int, opener: O
     def record(readers: int, cache: str, got: tuple[int, int, float, str], eviction: str | None) -> None:
         nbytes, files, secs, why = got
         secs = max(secs, 1e-9)
-        steps.append(IoStep(readers=readers, cache=cache, mb_per_s=nbytes / secs / 1e6, files_per_s=files / secs,
-                            bytes=nbytes, files=files, seconds=secs, stopped_by=why, eviction=eviction))
+        rate = nbytes / secs / 1e6
+        steps.append(IoStep(readers=readers, cache=cache, mb_per_s=rate, files_per_s=files / secs,
+                            bytes=nbytes, files=files, seconds=secs, stopped_by=why, eviction=eviction,
+                            per_stream_mb_per_s=rate / readers))
         if progress:
-            progress(f"  {loc.path} {readers:>3} reader(s) {cache}: {nbytes / secs / 1e6:,.1f} MB/s "
+            per = f", {rate / readers:,.1f} MB/s per stream" if loc.remote else ""
+            progress(f"  {loc.path} {readers:>3} reader(s) {cache}: {rate:,.1f} MB/s{per} "
                      f"({files / secs:,.1f} files/s, {why})")
 
     for readers in reader_ladder(top):
@@ -480,8 +529,9 @@ def _measure_location(loc: _Location, cfg: IoConfig, max_readers: int, opener: O
             got = run_step(loc.files, loc.kind, readers, seconds=cfg.seconds, limit=cfg.bytes, opener=opener)
             record(readers, "cold", got, eviction)
             limit = max(1, got[0])
-        got = run_step(loc.files, loc.kind, readers, seconds=cfg.seconds, limit=limit, opener=opener)
-        record(readers, "warm", got, None)
+        got = run_step(loc.files, loc.kind, readers, seconds=cfg.seconds, limit=limit, opener=opener,
+                       read_size=read_size)
+        record(readers, REMOTE_CACHE if loc.remote else "warm", got, None)
     if any(s.stopped_by == "end" and s.seconds < SHORT_STEP_S for s in steps):
         notes.append(f"{loc.path}: some steps read all {len(loc.files)} file(s) in under {SHORT_STEP_S:g} s; "
                      f"their rates are noisy (measure a larger set for steady figures)")
@@ -489,10 +539,10 @@ def _measure_location(loc: _Location, cfg: IoConfig, max_readers: int, opener: O
     return IoLocation(
         path=str(loc.path), kind=loc.kind, fs_type=fs_type, mount=mount, files=len(loc.files),
         total_bytes=sum(s for _, s in loc.files), listing_truncated=loc.truncated,
-        cold=("measured" if cold_ok else "not measurable here (no posix_fadvise)" if not can_evict()
-              else f"not measurable on {fs_type} (its files are the page cache)"),
+        cold=(REMOTE_COLD if loc.remote else "measured" if cold_ok else "not measurable here (no posix_fadvise)"
+              if not can_evict() else f"not measurable on {fs_type} (its files are the page cache)"),
         steps=steps, best_cold_mb_per_s=max(cold) if cold else None,
-        best_warm_mb_per_s=max(s.mb_per_s for s in steps if s.cache == "warm")), notes
+        best_warm_mb_per_s=max(s.mb_per_s for s in steps if s.cache != "cold"), remote=loc.remote), notes
 
 
 def measure_io(paths: list[str], cfg: IoConfig, *, opener: Opener = local_open,
@@ -520,8 +570,9 @@ def measure_io(paths: list[str], cfg: IoConfig, *, opener: Opener = local_open,
         notes += more
         if target is not None:
             need = target * loc.sample_bytes / 1e6
-            basis = "cold" if result.best_cold_mb_per_s is not None else "warm"
-            best = result.best_cold_mb_per_s if basis == "cold" else result.best_warm_mb_per_s
+            basis = ("cold" if result.best_cold_mb_per_s is not None else
+                     REMOTE_CACHE if result.remote else "warm")
+            best = result.best_cold_mb_per_s if result.best_cold_mb_per_s is not None else result.best_warm_mb_per_s
             result = dataclasses.replace(result, need=IoNeed(
                 need_mb_per_s=need, sample_bytes=loc.sample_bytes, best_mb_per_s=best, basis=basis,
                 delivers=best >= MARGIN * need, fits_page_cache=result.total_bytes <= available,
@@ -563,13 +614,21 @@ def render(report: IoReport) -> str:
              f"<= {_gb(report.bytes_per_step)} per step, up to {report.max_readers} reader(s)"]
     for loc in report.locations:
         lines.append("")
-        lines.append(f"{loc.path}  ({loc.kind}, {loc.files} files, {_gb(loc.total_bytes)}, {loc.fs_type} on "
-                     f"{loc.mount or '?'}; cold {loc.cold})")
-        lines.append(f"  {'readers':>7}  {'cache':<5}  {'MB/s':>10}  {'files/s':>10}  {'MB read':>9}  "
-                     f"{'seconds':>7}  {'stopped by':<10}  eviction")
-        for s in loc.steps:
-            lines.append(f"  {s.readers:>7}  {s.cache:<5}  {s.mb_per_s:>10,.1f}  {s.files_per_s:>10,.1f}  "
-                         f"{s.bytes / 1e6:>9,.1f}  {s.seconds:>7.2f}  {s.stopped_by:<10}  {s.eviction or '-'}")
+        where = (f"{loc.fs_type} from {loc.mount or '?'}; {loc.cold}" if loc.remote else
+                 f"{loc.fs_type} on {loc.mount or '?'}; cold {loc.cold}")
+        lines.append(f"{loc.path}  ({loc.kind}, {loc.files} files, {_gb(loc.total_bytes)}, {where})")
+        if loc.remote:
+            lines.append(f"  {'streams':>7}  {'MB/s':>10}  {'per stream':>10}  {'files/s':>10}  {'MB read':>9}  "
+                         f"{'seconds':>7}  stopped by")
+            for s in loc.steps:
+                lines.append(f"  {s.readers:>7}  {s.mb_per_s:>10,.1f}  {s.per_stream_mb_per_s:>10,.1f}  "
+                             f"{s.files_per_s:>10,.1f}  {s.bytes / 1e6:>9,.1f}  {s.seconds:>7.2f}  {s.stopped_by}")
+        else:
+            lines.append(f"  {'readers':>7}  {'cache':<5}  {'MB/s':>10}  {'files/s':>10}  {'MB read':>9}  "
+                         f"{'seconds':>7}  {'stopped by':<10}  eviction")
+            for s in loc.steps:
+                lines.append(f"  {s.readers:>7}  {s.cache:<5}  {s.mb_per_s:>10,.1f}  {s.files_per_s:>10,.1f}  "
+                             f"{s.bytes / 1e6:>9,.1f}  {s.seconds:>7.2f}  {s.stopped_by:<10}  {s.eviction or '-'}")
         if loc.need is not None:
             n = loc.need
             verdict = "delivers it" if n.delivers else "does NOT deliver it"
@@ -609,7 +668,7 @@ class StorageRate:
     readers: int | None = None
     """Parallel readers of the best rate (None: --storage-rate)."""
     cache: str | None = None
-    """cold or warm: the page cache state the rate was read in (None: --storage-rate)."""
+    """cold or warm: the page cache state the rate was read in; remote for a remote set (None: --storage-rate)."""
     seconds: float | None = None
     """The probe's reading time, all steps (None: not a probe)."""
     ladder: list[tuple[int, float]] = field(default_factory=list)
@@ -619,15 +678,28 @@ class StorageRate:
 
 
 def probe(location: str | Path, seconds: float = 3.0, *, max_readers: int | None = None,
-          max_bytes: int = PROBE_BYTES, opener: Opener = local_open) -> StorageRate:
+          max_bytes: int = PROBE_BYTES, opener: Opener = local_open, manifest: str | Path | None = None
+          ) -> StorageRate:
     """A bounded ``gpufeed io`` of one location (the shard files the loader reads): the reader ladder 1, 2, 4, ...
     up to ``max_readers`` (default :func:`default_max_readers`, never more than the files), each step given
     ``seconds / steps`` seconds and ``max_bytes / steps`` bytes. Each step is cold where cold is measurable (the
-    files the step may reach are evicted first, as in ``gpufeed io``; eviction time is not counted), else warm.
-    Returns the best rate with its reader count and the ladder."""
-    loc = resolve_location(location, 100_000)
-    fs_type, _ = filesystem_of(loc.path)
-    cold = fs_type not in RAM_FILESYSTEMS and can_evict()
+    files the step may reach are evicted first, as in ``gpufeed io``; eviction time is not counted), else warm;
+    a remote set (a URL, or a brace pattern of URLs or ``pipe:`` commands with ``manifest``) is read through
+    ``open_shard`` as ``gpufeed io`` reads it, and its rate is "remote". ``location`` and ``manifest`` are what
+    the loader is given (:func:`gpufeed.shardset.source.open_set`). Returns the best rate with its reader count
+    and the ladder."""
+    from gpufeed.shardset.source import is_remote
+
+    text = str(location)
+    if manifest is not None or is_remote(text) or ("{" in text and "}" in text):
+        loc = _set_location(location, manifest)
+    else:
+        loc = resolve_location(location, 100_000)
+    if loc.remote:
+        cold, opener, read_size = False, remote_opener(loc.files), REMOTE_CHUNK_BYTES
+    else:
+        fs_type, _ = filesystem_of(loc.path)
+        cold, read_size = fs_type not in RAM_FILESYSTEMS and can_evict(), READ_SIZE
     rungs = reader_ladder(max(1, min(max_readers or default_max_readers(), len(loc.files))))
     step_s, step_bytes = seconds / len(rungs), max(1, max_bytes // len(rungs))
     ladder: list[tuple[int, float]] = []
@@ -635,12 +707,23 @@ def probe(location: str | Path, seconds: float = 3.0, *, max_readers: int | None
     for readers in rungs:
         if cold:
             evict(_reachable(loc.files, readers, step_bytes))
-        nbytes, _, secs, _ = run_step(loc.files, loc.kind, readers, seconds=step_s, limit=step_bytes, opener=opener)
+        nbytes, _, secs, _ = run_step(loc.files, loc.kind, readers, seconds=step_s, limit=step_bytes, opener=opener,
+                                      read_size=read_size)
         total_s += secs
         ladder.append((readers, nbytes / max(secs, 1e-9)))
     readers, rate = max(ladder, key=lambda rung: (rung[1], -rung[0]))
-    return StorageRate(bytes_per_s=rate, source="probe", readers=readers, cache="cold" if cold else "warm",
+    return StorageRate(bytes_per_s=rate, source="probe", readers=readers,
+                       cache=REMOTE_CACHE if loc.remote else "cold" if cold else "warm",
                        seconds=total_s, ladder=ladder, path=str(loc.path))
+
+
+def _set_location(spec: str | Path, manifest: str | Path | None) -> _Location:
+    """The shard set the loader reads (open_set of ``spec`` and ``manifest``), sizes from the manifest."""
+    from gpufeed.shardset.source import open_set
+
+    ss = open_set(spec, manifest)
+    files = [(u, info.bytes) for u, info in zip(ss.urls, ss.manifest.shards)]
+    return _Location(str(spec), "shards", files, ss.manifest.mean_sample_bytes, False, remote=ss.remote)
 
 
 def _reachable(files: list[tuple[str, int]], readers: int, limit: int) -> list[tuple[str, int]]:
@@ -659,8 +742,8 @@ def _reachable(files: list[tuple[str, int]], readers: int, limit: int) -> list[t
 
 def io_record_rate(record_path: str | Path, shards: str | Path) -> StorageRate:
     """The storage rate of the shard set ``shards`` from a ``gpufeed io`` summary.json: the location whose folder
-    is the shard set's folder, its best cold rate (warm where cold was not measured). DataError (one sentence)
-    when the file is not such a record or measured another location."""
+    is the shard set's folder (or URL), its best cold rate (warm where cold was not measured; remote for a URL).
+    DataError (one sentence) when the file is not such a record or measured another location."""
     p = Path(record_path)
     data = read_json_file(p, MAX_RECORD_BYTES, "a gpufeed io summary.json")
     locations = data.get("locations") if isinstance(data, dict) else None
@@ -677,7 +760,7 @@ def io_record_rate(record_path: str | Path, shards: str | Path) -> StorageRate:
             continue
         steps = loc.get("steps")
         rungs = [s for s in steps[:10_000] if isinstance(s, dict)] if isinstance(steps, list) else []
-        for cache in ("cold", "warm"):
+        for cache in ("cold", "warm", REMOTE_CACHE):
             ladder = sorted((s["readers"], s["mb_per_s"] * 1e6) for s in rungs
                             if s.get("cache") == cache and _count(s.get("readers")) and _rate(s.get("mb_per_s")))
             if ladder:
@@ -689,7 +772,12 @@ def io_record_rate(record_path: str | Path, shards: str | Path) -> StorageRate:
 
 
 def _folder(path: str | Path) -> str:
-    """The real folder of a shard set given as its folder or its manifest .json."""
+    """The real folder of a shard set given as its folder or its manifest .json (a URL: the folder URL)."""
+    from gpufeed.shardset.source import REMOTE_PREFIXES
+
+    if isinstance(path, str) and path.startswith(REMOTE_PREFIXES):
+        url = path.rstrip("/")
+        return url.rsplit("/", 1)[0] if url.endswith(".json") else url
     p = Path(path)
     return os.path.realpath(p.parent if p.suffix == ".json" else p)
 

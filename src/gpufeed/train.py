@@ -671,7 +671,7 @@ def probe_storage(cfg: TrainConfig) -> StorageRate | None:
         return None
     from gpufeed.storage import probe
 
-    return probe(cfg.shards, cfg.storage_probe_s)
+    return probe(cfg.shards, cfg.storage_probe_s, manifest=cfg.manifest)
 
 
 def _shm_free_bytes() -> int | None:
@@ -695,6 +695,13 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer,
     from gpufeed.system import usable_cpus
 
     manifest = trainer.manifest
+    read_rate = (lonly or real).read_bytes_per_s
+    from gpufeed.shardset.source import REMOTE_PREFIXES
+
+    if manifest is not None and str(trainer.cfg.shards or "").startswith(REMOTE_PREFIXES):
+        # a remote set is read over sockets, which the storage I/O counters behind read_bytes do not count: the
+        # loader moves the manifest's mean bytes per sample, so it reads its samples/s (per node) times that
+        read_rate = (lonly or real).samples_per_s / max(1, trainer.num_nodes) * manifest.mean_sample_bytes
 
     return VerdictInputs(
         stall_pct=real.stall_pct, end_to_end_rate=real.samples_per_s,
@@ -706,7 +713,7 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer,
         usable_cores=float(usable_cpus()), num_nodes=trainer.num_nodes,
         ranks_per_node=trainer.world.local_world_size,
         num_workers=trainer.loader_cfg.num_workers,
-        read_bytes_per_s=(lonly or real).read_bytes_per_s,
+        read_bytes_per_s=read_rate,
         storage_bytes_per_s=storage.bytes_per_s if storage else None,
         storage_source=storage.source if storage else None,
         storage_ladder=tuple((int(r), float(b)) for r, b in storage.ladder) if storage else (),

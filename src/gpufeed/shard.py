@@ -299,23 +299,30 @@ def _scan(src: str) -> _Scan:
             ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
         else:
             ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
-    # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here.
+    # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here,
+    # column by column.
     blob, ends = bytearray(), array("q")
     labels, sizes, mtimes, devs, inos, via = array("i"), array("q"), array("q"), array("Q"), array("Q"), bytearray()
     for label, name in enumerate(classes):
         found: list[_Found] = []
         _walk_class(src, os.path.join(src, name), found, ignored, rejected)
+        if not found:
+            continue
         found.sort(key=lambda f: f.raw)
-        for f in found:
-            blob += os.fsencode(f.raw)
-            ends.append(len(blob))
-            labels.append(label)
-            sizes.append(f.size)
-            mtimes.append(f.mtime_ns)
-            devs.append(f.dev)
-            inos.append(f.ino)
-            via.append(f.via_link)
+        raw, size, mtime, dev, ino, link = zip(*found)
         del found
+        names = [os.fsencode(r) for r in raw]
+        cum = itertools.accumulate(map(len, names), initial=len(blob))
+        next(cum)  # the initial value: the previous end
+        ends.extend(cum)
+        blob += b"".join(names)
+        labels.extend([label] * len(raw))
+        sizes.extend(size)
+        mtimes.extend(mtime)
+        devs.extend(dev)
+        inos.extend(ino)
+        via.extend(link)
+        del raw, size, mtime, dev, ino, link, names
     paths = _Strings(bytes(blob), np.concatenate(([0], np.frombuffer(ends, np.int64))).astype(np.int64))
     del blob, ends
     lab = np.frombuffer(labels, np.int32).copy()
@@ -386,35 +393,37 @@ def _walk_class(src: str, top: str, out: list[_Found], ignored: list, rejected: 
             ignored.append(FileIssue(_rel(d, src), f"unreadable folder ({exc.strerror})"))
             continue
         subdirs = []
+        base = os.path.relpath(d, src) + os.sep  # + an entry's name = its path relative to SRC, real name
         for e in entries:
-            raw = os.path.relpath(e.path, src)
-            rel = _display(raw)
-            if e.name.startswith("."):
-                ignored.append(FileIssue(rel, "hidden file or folder"))
+            name = e.name
+            if name.startswith("."):
+                ignored.append(FileIssue(_display(base + name), "hidden file or folder"))
                 continue
-            is_image_name = e.name.lower().endswith(CANDIDATE_EXTENSIONS)
+            is_image_name = name.lower().endswith(CANDIDATE_EXTENSIONS)
             try:
                 if e.is_dir():
                     subdirs.append((e.path, via_link or e.is_symlink()))
                     continue
-                if e.is_symlink() and not os.path.exists(e.path):
-                    (rejected if is_image_name else ignored).append(FileIssue(rel, "dangling symlink"))
+                link = e.is_symlink()
+                if link and not os.path.exists(e.path):
+                    (rejected if is_image_name else ignored).append(FileIssue(_display(base + name),
+                                                                              "dangling symlink"))
                     continue
                 if not e.is_file():
-                    ignored.append(FileIssue(rel, "not a regular file"))
+                    ignored.append(FileIssue(_display(base + name), "not a regular file"))
                     continue
                 if not is_image_name:
-                    ext = os.path.splitext(e.name)[1] or "(none)"
-                    ignored.append(FileIssue(rel, f"not an image file extension ({ext})"))
+                    ext = os.path.splitext(name)[1] or "(none)"
+                    ignored.append(FileIssue(_display(base + name), f"not an image file extension ({ext})"))
                     continue
                 st = e.stat()
             except OSError as exc:
-                rejected.append(FileIssue(rel, f"unreadable ({exc.strerror})"))
+                rejected.append(FileIssue(_display(base + name), f"unreadable ({exc.strerror})"))
                 continue
             if st.st_size == 0:
-                rejected.append(FileIssue(rel, "empty file (0 bytes)"))
+                rejected.append(FileIssue(_display(base + name), "empty file (0 bytes)"))
                 continue
-            out.append(_Found(raw, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, via_link or e.is_symlink()))
+            out.append(_Found(base + name, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, via_link or link))
         stack.extend(sd for sd in reversed(subdirs) if not sd[1])
         linked.extend(sd for sd in reversed(subdirs) if sd[1])
 
@@ -524,7 +533,7 @@ def _plain_jpeg_size(data: bytes, max_image_pixels: int) -> tuple[int, int] | No
         return None
     pos = 2
     size = None
-    while pos + 4 <= n:
+    while pos + 4 <= n:  # indices into ``data``, no slices: this runs once a file
         if data[pos] != 0xFF:
             return None
         marker = data[pos + 1]
@@ -537,20 +546,20 @@ def _plain_jpeg_size(data: bytes, max_image_pixels: int) -> tuple[int, int] | No
                 return None
             w, h = size
             return size if 0 < w * h <= max_image_pixels else None
-        seg = data[pos + 4:end]
         if marker == 0xDB:  # DQT: whole tables only
-            k = 0
-            while k < len(seg):
-                qt = 1 + (64 if seg[k] < 16 else 128)
-                if len(seg) - k < qt:
+            k = pos + 4
+            while k < end:
+                qt = 1 + (64 if data[k] < 16 else 128)
+                if end - k < qt:
                     return None
                 k += qt
         elif marker in (0xC0, 0xC1, 0xC2):  # SOF
-            if size is not None or len(seg) < 6 or seg[0] != 8 or seg[5] not in (1, 3) or (len(seg) - 6) % 3:
+            if (size is not None or length < 8 or data[pos + 4] != 8 or data[pos + 9] not in (1, 3)
+                    or (length - 8) % 3):
                 return None
-            size = ((seg[3] << 8) | seg[4], (seg[1] << 8) | seg[2])
+            size = ((data[pos + 7] << 8) | data[pos + 8], (data[pos + 5] << 8) | data[pos + 6])
         elif marker == 0xE0:  # APP0: Pillow reads the JFIF version at bytes 5-6
-            if seg.startswith(b"JFIF") and len(seg) < 7:
+            if data.startswith(b"JFIF", pos + 4, end) and length < 9:
                 return None
         elif marker not in _SKIPPED_SEGMENTS:
             return None
@@ -590,6 +599,24 @@ def _reject(reason: str, fmt: str | None = None, w: int = 0, h: int = 0, orienta
     return _Checked(False, reason, fmt, w, h, orientation)
 
 
+def _read_whole(path: str) -> tuple[bytes, os.stat_result]:
+    """The file's bytes and its ``os.fstat`` once they are read: one read of the size ``fstat`` gives (plus one
+    byte, to see a file that grew), more only when the size changed (then ``fstat`` again, after the reads)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, st.st_size + 1)
+        if len(data) != st.st_size:
+            parts = [data]
+            while chunk := os.read(fd, 1 << 20):
+                parts.append(chunk)
+            data = b"".join(parts)
+            st = os.fstat(fd)
+        return data, st
+    finally:
+        os.close(fd)
+
+
 def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
     """Validate one file.
 
@@ -598,9 +625,7 @@ def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-            st = os.fstat(f.fileno())
+        data, st = _read_whole(path)
     except OSError as exc:
         return _reject(f"unreadable ({exc.strerror or exc})")
     if not data:
@@ -731,14 +756,37 @@ def _changed(rel: str) -> RunError:
                     f"or device differ, or its bytes do); re-run (with --overwrite when asked)")
 
 
-def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> None:
-    """Copy a pass-through source into the shard at ``pos`` (``sendfile``: no user-space copy), after checking
-    that the opened file is the one validated (``os.fstat`` identity)."""
+def _open_source(path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> int:
+    """Open a pass-through source -> its descriptor, after checking that the opened file is the one validated
+    (``os.fstat`` identity)."""
     sfd = os.open(path, os.O_RDONLY)
+    st = os.fstat(sfd)
+    if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != ident or st.st_size != nbytes:
+        os.close(sfd)
+        raise _changed(rel)
+    return sfd
+
+
+def _read_source(path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> bytes:
+    """A small pass-through source's bytes (``_open_source``'s check), for the write task's buffer."""
+    sfd = _open_source(path, rel, nbytes, ident)
     try:
-        st = os.fstat(sfd)
-        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != ident or st.st_size != nbytes:
-            raise _changed(rel)
+        data = os.read(sfd, nbytes)
+        while len(data) < nbytes:
+            more = os.read(sfd, nbytes - len(data))
+            if not more:  # the file shrank after the check
+                raise _changed(rel)
+            data += more
+        return data
+    finally:
+        os.close(sfd)
+
+
+def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> None:
+    """Copy a large pass-through source into the shard at ``pos`` (``sendfile``: no user-space copy), after
+    ``_open_source``'s check."""
+    sfd = _open_source(path, rel, nbytes, ident)
+    try:
         done = 0
         try:
             os.lseek(fd, pos, os.SEEK_SET)
@@ -777,39 +825,62 @@ class _Item(NamedTuple):
     coff: int
 
 
+_INLINE_BYTES = 1 << 20
+"""Image members up to this size are read into the write task's buffer, which goes out in one ``pwrite``; larger
+ones are copied by ``sendfile``."""
+_ZEROS = bytes(512)
+
+
+def _member(name: str, payload: bytes) -> bytes:
+    """A small member: header, bytes, zero padding to the next block."""
+    return b"".join((ustar_header(name, len(payload)), payload, _ZEROS[:-len(payload) % 512]))
+
+
 def _write_range(tmp: str, items: list[_Item]) -> None:
     """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
     the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
-    write disjoint ranges of one shard; padding and the end-of-archive blocks are the file's zeros."""
+    write disjoint ranges of one shard; the end-of-archive blocks (and the padding after an image copied by
+    ``sendfile``) are the file's zeros. Everything else is gathered in one buffer and written at once."""
     fd = os.open(tmp, os.O_WRONLY)
     try:
+        buf: list[bytes] = []
+        start = pos = items[0].offset if items else 0
         for it in items:
-            pos = start = it.offset
-            buf: list[bytes] = []
-            for name, payload in sorted([(it.ext, None), ("cls", it.cls_b), ("json", it.json_b)], key=lambda m: m[0]):
-                size = it.img_len if payload is None else len(payload)
-                buf.append(ustar_header(f"{it.key}.{name}", size))
-                pos += 512
-                if payload is not None:
-                    buf.append(payload)
-                    buf.append(b"\0" * (-size % 512))
-                    pos += _padded(size)
-                    continue
+            if it.offset != pos:
                 _pwrite_all(fd, b"".join(buf), start)
+                buf, start = [], it.offset
+            cls_m = _member(f"{it.key}.cls", it.cls_b)
+            json_m = _member(f"{it.key}.json", it.json_b)
+            # Members in name order: "cls" sorts before every image extension; the image before or after "json".
+            img_first = it.ext < "json"
+            buf.append(cls_m)
+            if not img_first:
+                buf.append(json_m)
+            buf.append(ustar_header(f"{it.key}.{it.ext}", it.img_len))
+            pos = it.offset + len(cls_m) + (0 if img_first else len(json_m)) + 512
+            if it.cache is None and it.img_len > _INLINE_BYTES:
+                assert it.ident is not None
+                _pwrite_all(fd, b"".join(buf), start)
+                _copy_source(fd, pos, it.path, it.rel, it.img_len, it.ident)
+                buf, start = [], pos + _padded(it.img_len)
+            else:
                 if it.cache is None:
                     assert it.ident is not None
-                    _copy_source(fd, pos, it.path, it.rel, it.img_len, it.ident)
+                    data = _read_source(it.path, it.rel, it.img_len, it.ident)
                 else:  # transcoded during validation; read back from the batch cache
                     with open(it.cache, "rb") as f:
                         f.seek(it.coff)
                         data = f.read(it.img_len)
                     if len(data) != it.img_len:
                         raise RunError(f"the transcode cache {it.cache} is incomplete; re-run with --overwrite")
-                    _pwrite_all(fd, data, pos)
-                pos += _padded(size)
-                buf, start = [], pos
-            if buf:
-                _pwrite_all(fd, b"".join(buf), start)
+                buf.append(data)
+                buf.append(_ZEROS[:-len(data) % 512])
+            pos += _padded(it.img_len)
+            if img_first:
+                buf.append(json_m)
+                pos += len(json_m)
+        if buf:
+            _pwrite_all(fd, b"".join(buf), start)
     finally:
         os.close(fd)
 

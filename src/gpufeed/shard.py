@@ -245,7 +245,7 @@ class _Scan:
     """Candidate files (relative to SRC, real names), sorted by (label, path); the arrays below follow them."""
     labels: Any  # numpy int32
     sizes: Any  # numpy int64
-    mtimes: Any  # numpy int64 (st_mtime_ns)
+    mtimes: Any  # numpy int64 (st_mtime_ns); None once the fingerprint is taken (nothing else reads them)
     ignored: list[FileIssue]
     rejected: list[FileIssue]
     class_counts: list[int]
@@ -1159,6 +1159,7 @@ def _lock(dest: str, cfg: ShardConfig) -> int:
 def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str, Any], opts: dict[str, Any],
          progress: bool, t0: float, lock_fd: int) -> ShardReport:
     state = os.path.join(dest, STATE_DIR)
+    _map_large_blocks()
     pool = _make_pool(workers, lock_fd) if workers > 1 else None
     import numpy as np  # after the pool has forked its workers (numpy may start threads)
 
@@ -1172,6 +1173,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         warn: list[str] = []
         _check_empty(cfg, scan.classes, scan.class_counts, warn, duplicates=scan.duplicates)
         fingerprint = _fingerprint(scan, options)
+        scan.mtimes = None  # 8 bytes a sample, not held through validation
 
         plan = _load_plan(dest, fingerprint, cfg)
         done: dict[str, dict[str, Any]] = {}
@@ -1300,6 +1302,19 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         rejected=rejected, ignored=ignored, shards=names, url_pattern=manifest.url_pattern,
         manifest=os.path.join(dest, "manifest.json"),
     )
+
+
+def _map_large_blocks() -> None:
+    """Keep glibc's mmap threshold at its initial 128 KiB (``mallopt(M_MMAP_THRESHOLD)``; nothing on other C
+    libraries): every block above it (the plan's numpy columns, the index's blocks) is then mapped on its own and
+    given back to the OS when freed. glibc otherwise raises the threshold up to 32 MiB the first time such a block
+    is freed, later columns come from the heap, and the RSS keeps the high-water mark of every phase."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _preload_finish_imports() -> None:
@@ -1608,12 +1623,13 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: st
     import numpy as np
 
     ok = results.ok
-    acc = np.nonzero(ok)[0]
+    n = int(ok.sum())
     rejected = list(scan.rejected) + [FileIssue(_display(scan.paths[k]), r) for k, r in results.reasons.items()]
     rejected.sort(key=lambda i: i.path)
-    if not len(acc):
+    if not n:
         raise DataError(f"SRC {cfg.src} holds no valid image ({len(rejected)} rejected)")
-    everything = len(acc) == len(ok)
+    everything = n == len(ok)
+    acc = None if everything else np.nonzero(ok)[0]  # (when all are accepted, no index column is needed)
     cols = {}
     for k in list(results.cols):  # column by column, each dropped from the results once copied: one copy at a time
         v = results.cols.pop(k)
@@ -1622,12 +1638,16 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: st
     cols["label"], cols["bytes"] = (scan.labels, scan.sizes) if everything else (scan.labels[acc], scan.sizes[acc])
     paths = scan.paths if everything else scan.paths.take(acc)
     counts = np.bincount(cols["label"], minlength=len(scan.classes)).tolist()
-    rank = np.cumsum(ok) - 1  # candidate -> position among the accepted
     shuffled = np.asarray(shuffled, dtype=np.int64)
-    order = rank[shuffled[ok[shuffled]]].astype(np.int64)
+    if everything:
+        order = shuffled
+    else:
+        rank = np.cumsum(ok) - 1  # candidate -> position among the accepted
+        order = rank[shuffled[ok[shuffled]]].astype(np.int64)
+        del rank
     encoded = cols["enc_cache"] >= 0
-    est = np.where(encoded, cols["enc_len"], cols["bytes"]) + _TAR_OVERHEAD_PER_SAMPLE
-    n = len(acc)
+    est = np.where(encoded, cols["enc_len"], cols["bytes"])
+    est += _TAR_OVERHEAD_PER_SAMPLE
     n_shards = plan_num_shards(n, int(est.sum()), cfg)
     if n_shards > n:
         raise DataError(
@@ -1763,7 +1783,7 @@ _MAX_PLAN_BYTES = 2**44
 
 
 _INDEX_BLOCK = 65536
-"""Rows of ``index.parquet`` whose key and source strings are built at a time (then kept as Arrow arrays)."""
+"""Rows of ``index.parquet`` built and written at a time (one row group each)."""
 
 
 def _index_keys(plan: _Plan, rows: Any, labels: Any) -> Any:
@@ -1789,14 +1809,23 @@ def _index_keys(plan: _Plan, rows: Any, labels: Any) -> Any:
     return pa.concat_arrays(blocks) if blocks else pa.array([], pa.string())
 
 
-def _index_sources(plan: _Plan, rows: Any) -> Any:
-    """The ``source`` column (``_display`` of each path) as an Arrow string array: straight from the path blob
-    when every name is UTF-8 (then ``_display`` is the name itself), else name by name."""
+def _path_names(plan: _Plan) -> Any:
+    """Every path of the plan as one Arrow binary array over the path blob (no copy of the names), or None when
+    the blob is too large for 32-bit offsets or paths are not '/'-separated."""
     import pyarrow as pa
 
-    if os.sep == "/" and len(plan.paths.blob) < 2**31:
-        names = pa.Array.from_buffers(pa.binary(), len(plan.paths), [
-            None, pa.py_buffer(plan.paths.offsets.astype("int32")), pa.py_buffer(plan.paths.blob)])
+    if os.sep != "/" or len(plan.paths.blob) >= 2**31:
+        return None
+    return pa.Array.from_buffers(pa.binary(), len(plan.paths), [
+        None, pa.py_buffer(plan.paths.offsets.astype("int32")), pa.py_buffer(plan.paths.blob)])
+
+
+def _index_sources(plan: _Plan, rows: Any, names: Any) -> Any:
+    """The ``source`` column (``_display`` of each path) as an Arrow string array: straight from ``names``
+    (``_path_names``) when every name is UTF-8 (then ``_display`` is the name itself), else name by name."""
+    import pyarrow as pa
+
+    if names is not None:
         try:
             return names.take(pa.array(rows)).cast(pa.string())
         except pa.ArrowInvalid:  # a name that is not UTF-8
@@ -1805,36 +1834,63 @@ def _index_sources(plan: _Plan, rows: Any) -> Any:
                                       pa.string()) for b in range(0, len(rows), _INDEX_BLOCK)])
 
 
-def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
-            options: dict[str, Any]) -> Any:
+def _write_index(path: str, plan: _Plan) -> None:
+    """``index.parquet`` in plan order (shard by shard: the shards are consecutive slices of ``order``), built
+    and written a row group of ``_INDEX_BLOCK`` rows at a time, so only one block's columns are held besides
+    the plan."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from gpufeed.manifest import index_table
+    from gpufeed.records import atomic_writer
+
+    order = plan.cols["order"]
+    starts = np.array([s["start"] for s in plan.shards], dtype=np.int64)
+    shard_names = pa.array([s["name"] for s in plan.shards], pa.string())
+    class_names = pa.array(plan.classes, pa.string())
+    names = _path_names(plan)
+    with atomic_writer(path) as f:
+        writer = None
+        for b in range(0, len(order), _INDEX_BLOCK):
+            rows = order[b:b + _INDEX_BLOCK]
+            shard_of = np.searchsorted(starts, np.arange(b, b + len(rows)), side="right") - 1
+            labels = plan.cols["label"][rows]
+            nbytes, width, height = plan.stored(rows)
+            table = index_table({
+                "key": _index_keys(plan, rows, labels),
+                "shard": shard_names.take(pa.array(shard_of)),
+                "class": class_names.take(pa.array(labels)),
+                "label": pa.array(labels.astype(np.int64), pa.int64()),
+                "source": _index_sources(plan, rows, names),
+                "bytes": pa.array(nbytes.astype(np.int64), pa.int64()),
+                "width": pa.array(width.astype(np.int32), pa.int32()),
+                "height": pa.array(height.astype(np.int32), pa.int32()),
+            })
+            if writer is None:
+                writer = pq.ParquetWriter(f, table.schema, memory_pool=pa.default_memory_pool())
+            writer.write_table(table)
+            del table
+        assert writer is not None  # a plan has at least one sample
+        writer.close()
+
+
+def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
+            options: dict[str, Any]) -> Any:
+    import pyarrow as pa
+
     from gpufeed import __version__
-    from gpufeed.manifest import (INDEX_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, brace_pattern, index_table,
-                                  write_manifest)
+    from gpufeed.manifest import INDEX_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
     from gpufeed.records import atomic_write_bytes
 
-    rows = np.concatenate([plan.indices(s) for s in plan.shards])  # plan order: shard by shard
-    shard_of = np.repeat(np.arange(len(plan.shards)), [s["count"] for s in plan.shards])
-    labels = plan.cols["label"][rows]
-    nbytes, width, height = plan.stored(rows)
-    table = index_table({
-        "key": _index_keys(plan, rows, labels),
-        "shard": pa.array([s["name"] for s in plan.shards], pa.string()).take(pa.array(shard_of)),
-        "class": pa.array(plan.classes, pa.string()).take(pa.array(labels)),
-        "label": pa.array(labels.astype(np.int64), pa.int64()),
-        "source": _index_sources(plan, rows),
-        "bytes": pa.array(nbytes.astype(np.int64), pa.int64()),
-        "width": pa.array(width.astype(np.int32), pa.int32()),
-        "height": pa.array(height.astype(np.int32), pa.int32()),
-    })
-    del rows, shard_of, labels, nbytes, width, height
-    buf = pa.BufferOutputStream()
-    pq.write_table(table, buf)
-    del table
-    atomic_write_bytes(os.path.join(dest, INDEX_NAME), buf.getvalue())
+    # The index's arrays come from the system allocator (``_map_large_blocks``: its large blocks go back to the OS
+    # when freed); pyarrow's default pool (mimalloc or jemalloc) keeps what it frees for a while.
+    pool = pa.default_memory_pool()
+    pa.set_memory_pool(pa.system_memory_pool())
+    try:
+        _write_index(os.path.join(dest, INDEX_NAME), plan)
+    finally:
+        pa.set_memory_pool(pool)
 
     names = [i["name"] for i in infos]
     shard_infos = [ShardInfo(name=i["name"], num_samples=i["num_samples"], bytes=i["bytes"], sha256=i["sha256"])

@@ -1603,13 +1603,14 @@ class _Plan:
 def _samples_of(part: dict[str, Any], src: str, state: str) -> list[_Sample]:
     """The records of one shard's samples from ``_Plan.part``."""
     classes, digests = part["classes"], part["sha256"]
+    base = os.path.join(src, "")  # + a relative path: os.path.join's result, without its cost per sample
     out = []
     for k, (raw, n, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
             part["paths"], part["n"], part["label"], part["ext"], part["width"], part["height"],
             part["orig_width"], part["orig_height"], part["orientation"], part["img_len"], part["cache"],
             part["coff"], part["ident"])):
         encoded = j >= 0
-        out.append(_Sample(f"{label:05d}_{n:07d}", os.path.join(src, raw), label, classes[label], _display(raw),
+        out.append(_Sample(f"{label:05d}_{n:07d}", base + raw, label, classes[label], _display(raw),
                            orientation, _EXTS[e], w, h, ow, oh, digests[32 * k:32 * k + 32].hex(), length,
                            None if encoded else idt, os.path.join(state, _cache_name(j)) if encoded else None,
                            coff))

@@ -10,7 +10,8 @@ once (warm page cache), then runs, interleaved, ``tar cf`` of the folder and ``g
 every 20 ms with psutil and records the peak of the summed RSS and of the main process' RSS, per sample. The
 workers are forked, so the summed RSS counts pages they share with the main process more than once: it is an
 upper bound; the summed PSS (shared pages split between the processes, polled every 100 ms) is the tree's real
-footprint. Saves JSON under benchmarks/results/. Never asserts.
+footprint. ``--src DIR`` measures a folder generated earlier instead (kept; N is its file count). Saves JSON
+under benchmarks/results/. Never asserts.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ Writing: with at least two shards a worker, each worker writes and hashes whole 
 columns for that shard. With fewer (a 3,000-image folder plans one shard), writing is parallel within a shard:
 tar blocks are position-independent and every header follows from the plan, so the main process computes each
 member's offset, creates the shard's temporary file at its final size (holes read as the zero padding and
-end-of-archive blocks), and the workers write runs of consecutive samples at their offsets (``pwrite``, image
-bytes by ``sendfile``) while a thread of the main process hashes the file in order as the runs complete. Either
+end-of-archive blocks), and the workers write runs of consecutive samples at their offsets (one ``pwrite`` of the
+run's members, image bytes over 1 MiB by ``sendfile``) while a thread of the main process hashes the file in order
+as the runs complete. Either
 way a file is renamed only once fully written and hashed, and the bytes are the same for any ``--workers``.
 
 The plan is columnar (numpy arrays and one blob of file names, ~140 bytes a sample plus its path), never a

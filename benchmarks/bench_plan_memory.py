@@ -10,7 +10,8 @@ once (warm page cache), then runs, interleaved, ``tar cf`` of the folder and ``g
 every 20 ms with psutil and records the peak of the summed RSS and of the main process' RSS, per sample. The
 workers are forked, so the summed RSS counts pages they share with the main process more than once: it is an
 upper bound; the summed PSS (shared pages split between the processes, polled every 100 ms) is the tree's real
-footprint. Saves JSON under benchmarks/results/. Never asserts.
+footprint. ``--src DIR`` measures a folder generated earlier instead (kept; N is its file count). Saves JSON
+under benchmarks/results/. Never asserts.
 """
 
 from __future__ import annotations
@@ -132,27 +133,36 @@ def main() -> None:
                     help="a src/ folder of other gpufeed code (e.g. `git archive <commit> src`) also run, once per "
                          "size up to --baseline-max, as variant shard_baseline")
     ap.add_argument("--baseline-max", type=int, default=100_000)
+    ap.add_argument("--src", default=None,
+                    help="an existing folder this script generated earlier (N = its file count; kept): "
+                         "replaces --sizes, skips the generation")
     args = ap.parse_args()
     base = args.work_dir or ("/dev/shm" if shutil.disk_usage("/dev/shm").free > 6 << 30 else tempfile.gettempdir())
     results = []
-    for k, n in enumerate(args.sizes):
+    given = Path(args.src).resolve() if args.src else None
+    sizes = [sum(len(files) for _, _, files in os.walk(given))] if given else args.sizes
+    for k, n in enumerate(sizes):
         reps = args.repeats[min(k, len(args.repeats) - 1)]
         work = Path(tempfile.mkdtemp(prefix="gpufeed-planmem-", dir=base))
+        src = given or work / "src"
         try:
             t0 = time.perf_counter()
-            nbytes = generate(work / "src", n)
+            if given:
+                nbytes = sum(p.stat().st_size for p in given.rglob("*") if p.is_file())
+            else:
+                nbytes = generate(src, n)
             gen_s = time.perf_counter() - t0
-            warm(work / "src")
+            warm(src)
             runs = []
             for r in range(reps):
                 for fn in (run_tar, run_shard, "baseline"):
                     if fn == "baseline":
                         if not args.baseline_src or r or n > args.baseline_max:
                             continue
-                        rec = run_shard(work / "src", work / "out", n, Path(args.baseline_src))
+                        rec = run_shard(src, work / "out", n, Path(args.baseline_src))
                         rec["variant"] = "shard_baseline"
                     else:
-                        rec = fn(work / "src", work / "out") if fn is run_tar else fn(work / "src", work / "out", n)
+                        rec = fn(src, work / "out") if fn is run_tar else fn(src, work / "out", n)
                     rec.update({"n": n, "repeat": r, "loadavg_1m": os.getloadavg()[0]})
                     runs.append(rec)
                     print(json.dumps(rec), file=sys.stderr)

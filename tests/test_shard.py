@@ -460,9 +460,12 @@ def test_disk_full_names_dest_and_is_a_run_error_once_writing(image_folder, tmp_
     assert not list((tmp_path / "out2").rglob("enc-*"))
 
 
-def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("inline", [True, False], ids=["read", "sendfile"])
+def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatch, inline: bool) -> None:
     import gpufeed.shard as mod
 
+    if not inline:
+        monkeypatch.setattr(mod, "_INLINE_BYTES", 0)  # the copy of large images
     src = tmp_path / "src"
     for i in range(3):
         write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
@@ -852,3 +855,43 @@ def test_sample_json_is_exactly_json_dumps() -> None:
         if size != (8, 8):
             meta["orig_width"], meta["orig_height"] = size
         assert _sample_json(s) == json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
+
+
+def test_small_and_large_images_are_copied_to_the_same_bytes(image_folder, tmp_path: Path, monkeypatch) -> None:
+    """Write tasks read small images into one buffer and copy large ones by sendfile: the bytes do not depend on
+    which."""
+    import gpufeed.shard as mod
+
+    src = image_folder(classes=2, per_class=6)
+    write_image(src / "class_0" / "cmyk.jpg", mode="CMYK")  # one transcoded sample (from the batch cache)
+    write_image(src / "class_1" / "a.png", fmt="PNG")  # a member after "json" in name order
+    a = shard(src, tmp_path / "a", shard_samples=5, workers=1)
+    monkeypatch.setattr(mod, "_INLINE_BYTES", 0)
+    b = shard(src, tmp_path / "b", shard_samples=5, workers=1)
+    monkeypatch.setattr(mod, "_INLINE_BYTES", 300)  # some of each in one task (the PNG read, the JPEGs sent)
+    c = shard(src, tmp_path / "c", shard_samples=5, workers=1)
+    assert a.num_shards == 3 and a.transforms.get("cmyk_to_rgb_jpeg") == 1
+    assert digests(tmp_path / "a") == digests(tmp_path / "b") == digests(tmp_path / "c")
+
+
+def test_index_is_written_in_row_groups_in_shard_order(image_folder, tmp_path: Path, monkeypatch) -> None:
+    """index.parquet is built and written a block of rows at a time (one row group each), in shard order,
+    whatever the block size."""
+    import pyarrow.parquet as pq
+
+    import gpufeed.shard as mod
+
+    src = image_folder(classes=3, per_class=7)
+    shard(src, tmp_path / "whole", shard_samples=4)
+    monkeypatch.setattr(mod, "_INDEX_BLOCK", 5)  # blocks that straddle shards and classes
+    rep = shard(src, tmp_path / "blocks", shard_samples=4)
+    f = pq.ParquetFile(tmp_path / "blocks" / "index.parquet")
+    assert f.metadata.num_row_groups == 5  # 21 rows
+    table = f.read()
+    assert table.to_pydict() == pq.read_table(tmp_path / "whole" / "index.parquet").to_pydict()
+    in_tars = []
+    for name in rep.shards:
+        with tarfile.open(tmp_path / "blocks" / name) as tf:
+            in_tars += [(m.name.split(".")[0], name) for m in tf.getmembers() if m.name.endswith(".cls")]
+    assert list(zip(table["key"].to_pylist(), table["shard"].to_pylist())) == in_tars
+    assert len(in_tars) == 21

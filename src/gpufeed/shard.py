@@ -8,8 +8,9 @@ Writing: with at least two shards a worker, each worker writes and hashes whole 
 columns for that shard. With fewer (a 3,000-image folder plans one shard), writing is parallel within a shard:
 tar blocks are position-independent and every header follows from the plan, so the main process computes each
 member's offset, creates the shard's temporary file at its final size (holes read as the zero padding and
-end-of-archive blocks), and the workers write runs of consecutive samples at their offsets (``pwrite``, image
-bytes by ``sendfile``) while a thread of the main process hashes the file in order as the runs complete. Either
+end-of-archive blocks), and the workers write runs of consecutive samples at their offsets (one ``pwrite`` of the
+run's members, image bytes over 1 MiB by ``sendfile``) while a thread of the main process hashes the file in order
+as the runs complete. Either
 way a file is renamed only once fully written and hashed, and the bytes are the same for any ``--workers``.
 
 The plan is columnar (numpy arrays and one blob of file names, ~140 bytes a sample plus its path), never a
@@ -245,7 +246,7 @@ class _Scan:
     """Candidate files (relative to SRC, real names), sorted by (label, path); the arrays below follow them."""
     labels: Any  # numpy int32
     sizes: Any  # numpy int64
-    mtimes: Any  # numpy int64 (st_mtime_ns)
+    mtimes: Any  # numpy int64 (st_mtime_ns); None once the fingerprint is taken (nothing else reads them)
     ignored: list[FileIssue]
     rejected: list[FileIssue]
     class_counts: list[int]
@@ -299,23 +300,30 @@ def _scan(src: str) -> _Scan:
             ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
         else:
             ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
-    # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here.
+    # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here,
+    # column by column.
     blob, ends = bytearray(), array("q")
     labels, sizes, mtimes, devs, inos, via = array("i"), array("q"), array("q"), array("Q"), array("Q"), bytearray()
     for label, name in enumerate(classes):
         found: list[_Found] = []
         _walk_class(src, os.path.join(src, name), found, ignored, rejected)
+        if not found:
+            continue
         found.sort(key=lambda f: f.raw)
-        for f in found:
-            blob += os.fsencode(f.raw)
-            ends.append(len(blob))
-            labels.append(label)
-            sizes.append(f.size)
-            mtimes.append(f.mtime_ns)
-            devs.append(f.dev)
-            inos.append(f.ino)
-            via.append(f.via_link)
+        raw, size, mtime, dev, ino, link = zip(*found)
         del found
+        names = [os.fsencode(r) for r in raw]
+        cum = itertools.accumulate(map(len, names), initial=len(blob))
+        next(cum)  # the initial value: the previous end
+        ends.extend(cum)
+        blob += b"".join(names)
+        labels.extend([label] * len(raw))
+        sizes.extend(size)
+        mtimes.extend(mtime)
+        devs.extend(dev)
+        inos.extend(ino)
+        via.extend(link)
+        del raw, size, mtime, dev, ino, link, names
     paths = _Strings(bytes(blob), np.concatenate(([0], np.frombuffer(ends, np.int64))).astype(np.int64))
     del blob, ends
     lab = np.frombuffer(labels, np.int32).copy()
@@ -386,35 +394,37 @@ def _walk_class(src: str, top: str, out: list[_Found], ignored: list, rejected: 
             ignored.append(FileIssue(_rel(d, src), f"unreadable folder ({exc.strerror})"))
             continue
         subdirs = []
+        base = os.path.relpath(d, src) + os.sep  # + an entry's name = its path relative to SRC, real name
         for e in entries:
-            raw = os.path.relpath(e.path, src)
-            rel = _display(raw)
-            if e.name.startswith("."):
-                ignored.append(FileIssue(rel, "hidden file or folder"))
+            name = e.name
+            if name.startswith("."):
+                ignored.append(FileIssue(_display(base + name), "hidden file or folder"))
                 continue
-            is_image_name = e.name.lower().endswith(CANDIDATE_EXTENSIONS)
+            is_image_name = name.lower().endswith(CANDIDATE_EXTENSIONS)
             try:
                 if e.is_dir():
                     subdirs.append((e.path, via_link or e.is_symlink()))
                     continue
-                if e.is_symlink() and not os.path.exists(e.path):
-                    (rejected if is_image_name else ignored).append(FileIssue(rel, "dangling symlink"))
+                link = e.is_symlink()
+                if link and not os.path.exists(e.path):
+                    (rejected if is_image_name else ignored).append(FileIssue(_display(base + name),
+                                                                              "dangling symlink"))
                     continue
                 if not e.is_file():
-                    ignored.append(FileIssue(rel, "not a regular file"))
+                    ignored.append(FileIssue(_display(base + name), "not a regular file"))
                     continue
                 if not is_image_name:
-                    ext = os.path.splitext(e.name)[1] or "(none)"
-                    ignored.append(FileIssue(rel, f"not an image file extension ({ext})"))
+                    ext = os.path.splitext(name)[1] or "(none)"
+                    ignored.append(FileIssue(_display(base + name), f"not an image file extension ({ext})"))
                     continue
                 st = e.stat()
             except OSError as exc:
-                rejected.append(FileIssue(rel, f"unreadable ({exc.strerror})"))
+                rejected.append(FileIssue(_display(base + name), f"unreadable ({exc.strerror})"))
                 continue
             if st.st_size == 0:
-                rejected.append(FileIssue(rel, "empty file (0 bytes)"))
+                rejected.append(FileIssue(_display(base + name), "empty file (0 bytes)"))
                 continue
-            out.append(_Found(raw, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, via_link or e.is_symlink()))
+            out.append(_Found(base + name, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, via_link or link))
         stack.extend(sd for sd in reversed(subdirs) if not sd[1])
         linked.extend(sd for sd in reversed(subdirs) if sd[1])
 
@@ -524,7 +534,7 @@ def _plain_jpeg_size(data: bytes, max_image_pixels: int) -> tuple[int, int] | No
         return None
     pos = 2
     size = None
-    while pos + 4 <= n:
+    while pos + 4 <= n:  # indices into ``data``, no slices: this runs once a file
         if data[pos] != 0xFF:
             return None
         marker = data[pos + 1]
@@ -537,20 +547,20 @@ def _plain_jpeg_size(data: bytes, max_image_pixels: int) -> tuple[int, int] | No
                 return None
             w, h = size
             return size if 0 < w * h <= max_image_pixels else None
-        seg = data[pos + 4:end]
         if marker == 0xDB:  # DQT: whole tables only
-            k = 0
-            while k < len(seg):
-                qt = 1 + (64 if seg[k] < 16 else 128)
-                if len(seg) - k < qt:
+            k = pos + 4
+            while k < end:
+                qt = 1 + (64 if data[k] < 16 else 128)
+                if end - k < qt:
                     return None
                 k += qt
         elif marker in (0xC0, 0xC1, 0xC2):  # SOF
-            if size is not None or len(seg) < 6 or seg[0] != 8 or seg[5] not in (1, 3) or (len(seg) - 6) % 3:
+            if (size is not None or length < 8 or data[pos + 4] != 8 or data[pos + 9] not in (1, 3)
+                    or (length - 8) % 3):
                 return None
-            size = ((seg[3] << 8) | seg[4], (seg[1] << 8) | seg[2])
+            size = ((data[pos + 7] << 8) | data[pos + 8], (data[pos + 5] << 8) | data[pos + 6])
         elif marker == 0xE0:  # APP0: Pillow reads the JFIF version at bytes 5-6
-            if seg.startswith(b"JFIF") and len(seg) < 7:
+            if data.startswith(b"JFIF", pos + 4, end) and length < 9:
                 return None
         elif marker not in _SKIPPED_SEGMENTS:
             return None
@@ -590,6 +600,24 @@ def _reject(reason: str, fmt: str | None = None, w: int = 0, h: int = 0, orienta
     return _Checked(False, reason, fmt, w, h, orientation)
 
 
+def _read_whole(path: str) -> tuple[bytes, os.stat_result]:
+    """The file's bytes and its ``os.fstat`` once they are read: one read of the size ``fstat`` gives (plus one
+    byte, to see a file that grew), more only when the size changed (then ``fstat`` again, after the reads)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, st.st_size + 1)
+        if len(data) != st.st_size:
+            parts = [data]
+            while chunk := os.read(fd, 1 << 20):
+                parts.append(chunk)
+            data = b"".join(parts)
+            st = os.fstat(fd)
+        return data, st
+    finally:
+        os.close(fd)
+
+
 def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
     """Validate one file.
 
@@ -598,9 +626,7 @@ def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-            st = os.fstat(f.fileno())
+        data, st = _read_whole(path)
     except OSError as exc:
         return _reject(f"unreadable ({exc.strerror or exc})")
     if not data:
@@ -731,14 +757,37 @@ def _changed(rel: str) -> RunError:
                     f"or device differ, or its bytes do); re-run (with --overwrite when asked)")
 
 
-def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> None:
-    """Copy a pass-through source into the shard at ``pos`` (``sendfile``: no user-space copy), after checking
-    that the opened file is the one validated (``os.fstat`` identity)."""
+def _open_source(path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> int:
+    """Open a pass-through source -> its descriptor, after checking that the opened file is the one validated
+    (``os.fstat`` identity)."""
     sfd = os.open(path, os.O_RDONLY)
+    st = os.fstat(sfd)
+    if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != ident or st.st_size != nbytes:
+        os.close(sfd)
+        raise _changed(rel)
+    return sfd
+
+
+def _read_source(path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> bytes:
+    """A small pass-through source's bytes (``_open_source``'s check), for the write task's buffer."""
+    sfd = _open_source(path, rel, nbytes, ident)
     try:
-        st = os.fstat(sfd)
-        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != ident or st.st_size != nbytes:
-            raise _changed(rel)
+        data = os.read(sfd, nbytes)
+        while len(data) < nbytes:
+            more = os.read(sfd, nbytes - len(data))
+            if not more:  # the file shrank after the check
+                raise _changed(rel)
+            data += more
+        return data
+    finally:
+        os.close(sfd)
+
+
+def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> None:
+    """Copy a large pass-through source into the shard at ``pos`` (``sendfile``: no user-space copy), after
+    ``_open_source``'s check."""
+    sfd = _open_source(path, rel, nbytes, ident)
+    try:
         done = 0
         try:
             os.lseek(fd, pos, os.SEEK_SET)
@@ -777,39 +826,62 @@ class _Item(NamedTuple):
     coff: int
 
 
+_INLINE_BYTES = 1 << 20
+"""Image members up to this size are read into the write task's buffer, which goes out in one ``pwrite``; larger
+ones are copied by ``sendfile``."""
+_ZEROS = bytes(512)
+
+
+def _member(name: str, payload: bytes) -> bytes:
+    """A small member: header, bytes, zero padding to the next block."""
+    return b"".join((ustar_header(name, len(payload)), payload, _ZEROS[:-len(payload) % 512]))
+
+
 def _write_range(tmp: str, items: list[_Item]) -> None:
     """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
     the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
-    write disjoint ranges of one shard; padding and the end-of-archive blocks are the file's zeros."""
+    write disjoint ranges of one shard; the end-of-archive blocks (and the padding after an image copied by
+    ``sendfile``) are the file's zeros. Everything else is gathered in one buffer and written at once."""
     fd = os.open(tmp, os.O_WRONLY)
     try:
+        buf: list[bytes] = []
+        start = pos = items[0].offset if items else 0
         for it in items:
-            pos = start = it.offset
-            buf: list[bytes] = []
-            for name, payload in sorted([(it.ext, None), ("cls", it.cls_b), ("json", it.json_b)], key=lambda m: m[0]):
-                size = it.img_len if payload is None else len(payload)
-                buf.append(ustar_header(f"{it.key}.{name}", size))
-                pos += 512
-                if payload is not None:
-                    buf.append(payload)
-                    buf.append(b"\0" * (-size % 512))
-                    pos += _padded(size)
-                    continue
+            if it.offset != pos:
                 _pwrite_all(fd, b"".join(buf), start)
+                buf, start = [], it.offset
+            cls_m = _member(f"{it.key}.cls", it.cls_b)
+            json_m = _member(f"{it.key}.json", it.json_b)
+            # Members in name order: "cls" sorts before every image extension; the image before or after "json".
+            img_first = it.ext < "json"
+            buf.append(cls_m)
+            if not img_first:
+                buf.append(json_m)
+            buf.append(ustar_header(f"{it.key}.{it.ext}", it.img_len))
+            pos = it.offset + len(cls_m) + (0 if img_first else len(json_m)) + 512
+            if it.cache is None and it.img_len > _INLINE_BYTES:
+                assert it.ident is not None
+                _pwrite_all(fd, b"".join(buf), start)
+                _copy_source(fd, pos, it.path, it.rel, it.img_len, it.ident)
+                buf, start = [], pos + _padded(it.img_len)
+            else:
                 if it.cache is None:
                     assert it.ident is not None
-                    _copy_source(fd, pos, it.path, it.rel, it.img_len, it.ident)
+                    data = _read_source(it.path, it.rel, it.img_len, it.ident)
                 else:  # transcoded during validation; read back from the batch cache
                     with open(it.cache, "rb") as f:
                         f.seek(it.coff)
                         data = f.read(it.img_len)
                     if len(data) != it.img_len:
                         raise RunError(f"the transcode cache {it.cache} is incomplete; re-run with --overwrite")
-                    _pwrite_all(fd, data, pos)
-                pos += _padded(size)
-                buf, start = [], pos
-            if buf:
-                _pwrite_all(fd, b"".join(buf), start)
+                buf.append(data)
+                buf.append(_ZEROS[:-len(data) % 512])
+            pos += _padded(it.img_len)
+            if img_first:
+                buf.append(json_m)
+                pos += len(json_m)
+        if buf:
+            _pwrite_all(fd, b"".join(buf), start)
     finally:
         os.close(fd)
 
@@ -1089,6 +1161,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
          progress: bool, t0: float, lock_fd: int) -> ShardReport:
     state = os.path.join(dest, STATE_DIR)
     pool = _make_pool(workers, lock_fd) if workers > 1 else None
+    _map_large_blocks()  # this process only: the forked workers keep glibc's default (their write buffers churn)
     import numpy as np  # after the pool has forked its workers (numpy may start threads)
 
     _preload_finish_imports()
@@ -1101,6 +1174,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         warn: list[str] = []
         _check_empty(cfg, scan.classes, scan.class_counts, warn, duplicates=scan.duplicates)
         fingerprint = _fingerprint(scan, options)
+        scan.mtimes = None  # 8 bytes a sample, not held through validation
 
         plan = _load_plan(dest, fingerprint, cfg)
         done: dict[str, dict[str, Any]] = {}
@@ -1229,6 +1303,20 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         rejected=rejected, ignored=ignored, shards=names, url_pattern=manifest.url_pattern,
         manifest=os.path.join(dest, "manifest.json"),
     )
+
+
+def _map_large_blocks() -> None:
+    """Keep glibc's mmap threshold at its initial 128 KiB (``mallopt(M_MMAP_THRESHOLD)``; nothing on other C
+    libraries): every block above it (the plan's numpy columns, the index's blocks) is then mapped on its own and
+    given back to the OS when freed. glibc otherwise raises the threshold up to 32 MiB the first time such a block
+    is freed, later columns come from the heap, and the RSS keeps the high-water mark of every phase. (A write
+    task's buffer is then mapped and unmapped each time too: ~5% more CPU when this process writes, --workers 1.)"""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _preload_finish_imports() -> None:
@@ -1517,13 +1605,14 @@ class _Plan:
 def _samples_of(part: dict[str, Any], src: str, state: str) -> list[_Sample]:
     """The records of one shard's samples from ``_Plan.part``."""
     classes, digests = part["classes"], part["sha256"]
+    base = os.path.join(src, "")  # + a relative path: os.path.join's result, without its cost per sample
     out = []
     for k, (raw, n, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
             part["paths"], part["n"], part["label"], part["ext"], part["width"], part["height"],
             part["orig_width"], part["orig_height"], part["orientation"], part["img_len"], part["cache"],
             part["coff"], part["ident"])):
         encoded = j >= 0
-        out.append(_Sample(f"{label:05d}_{n:07d}", os.path.join(src, raw), label, classes[label], _display(raw),
+        out.append(_Sample(f"{label:05d}_{n:07d}", base + raw, label, classes[label], _display(raw),
                            orientation, _EXTS[e], w, h, ow, oh, digests[32 * k:32 * k + 32].hex(), length,
                            None if encoded else idt, os.path.join(state, _cache_name(j)) if encoded else None,
                            coff))
@@ -1537,12 +1626,13 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: st
     import numpy as np
 
     ok = results.ok
-    acc = np.nonzero(ok)[0]
+    n = int(ok.sum())
     rejected = list(scan.rejected) + [FileIssue(_display(scan.paths[k]), r) for k, r in results.reasons.items()]
     rejected.sort(key=lambda i: i.path)
-    if not len(acc):
+    if not n:
         raise DataError(f"SRC {cfg.src} holds no valid image ({len(rejected)} rejected)")
-    everything = len(acc) == len(ok)
+    everything = n == len(ok)
+    acc = None if everything else np.nonzero(ok)[0]  # (when all are accepted, no index column is needed)
     cols = {}
     for k in list(results.cols):  # column by column, each dropped from the results once copied: one copy at a time
         v = results.cols.pop(k)
@@ -1551,12 +1641,16 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: st
     cols["label"], cols["bytes"] = (scan.labels, scan.sizes) if everything else (scan.labels[acc], scan.sizes[acc])
     paths = scan.paths if everything else scan.paths.take(acc)
     counts = np.bincount(cols["label"], minlength=len(scan.classes)).tolist()
-    rank = np.cumsum(ok) - 1  # candidate -> position among the accepted
     shuffled = np.asarray(shuffled, dtype=np.int64)
-    order = rank[shuffled[ok[shuffled]]].astype(np.int64)
+    if everything:
+        order = shuffled
+    else:
+        rank = np.cumsum(ok) - 1  # candidate -> position among the accepted
+        order = rank[shuffled[ok[shuffled]]].astype(np.int64)
+        del rank
     encoded = cols["enc_cache"] >= 0
-    est = np.where(encoded, cols["enc_len"], cols["bytes"]) + _TAR_OVERHEAD_PER_SAMPLE
-    n = len(acc)
+    est = np.where(encoded, cols["enc_len"], cols["bytes"])
+    est += _TAR_OVERHEAD_PER_SAMPLE
     n_shards = plan_num_shards(n, int(est.sum()), cfg)
     if n_shards > n:
         raise DataError(
@@ -1692,7 +1786,7 @@ _MAX_PLAN_BYTES = 2**44
 
 
 _INDEX_BLOCK = 65536
-"""Rows of ``index.parquet`` whose key and source strings are built at a time (then kept as Arrow arrays)."""
+"""Rows of ``index.parquet`` built and written at a time (one row group each)."""
 
 
 def _index_keys(plan: _Plan, rows: Any, labels: Any) -> Any:
@@ -1718,14 +1812,23 @@ def _index_keys(plan: _Plan, rows: Any, labels: Any) -> Any:
     return pa.concat_arrays(blocks) if blocks else pa.array([], pa.string())
 
 
-def _index_sources(plan: _Plan, rows: Any) -> Any:
-    """The ``source`` column (``_display`` of each path) as an Arrow string array: straight from the path blob
-    when every name is UTF-8 (then ``_display`` is the name itself), else name by name."""
+def _path_names(plan: _Plan) -> Any:
+    """Every path of the plan as one Arrow binary array over the path blob (no copy of the names), or None when
+    the blob is too large for 32-bit offsets or paths are not '/'-separated."""
     import pyarrow as pa
 
-    if os.sep == "/" and len(plan.paths.blob) < 2**31:
-        names = pa.Array.from_buffers(pa.binary(), len(plan.paths), [
-            None, pa.py_buffer(plan.paths.offsets.astype("int32")), pa.py_buffer(plan.paths.blob)])
+    if os.sep != "/" or len(plan.paths.blob) >= 2**31:
+        return None
+    return pa.Array.from_buffers(pa.binary(), len(plan.paths), [
+        None, pa.py_buffer(plan.paths.offsets.astype("int32")), pa.py_buffer(plan.paths.blob)])
+
+
+def _index_sources(plan: _Plan, rows: Any, names: Any) -> Any:
+    """The ``source`` column (``_display`` of each path) as an Arrow string array: straight from ``names``
+    (``_path_names``) when every name is UTF-8 (then ``_display`` is the name itself), else name by name."""
+    import pyarrow as pa
+
+    if names is not None:
         try:
             return names.take(pa.array(rows)).cast(pa.string())
         except pa.ArrowInvalid:  # a name that is not UTF-8
@@ -1734,36 +1837,63 @@ def _index_sources(plan: _Plan, rows: Any) -> Any:
                                       pa.string()) for b in range(0, len(rows), _INDEX_BLOCK)])
 
 
-def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
-            options: dict[str, Any]) -> Any:
+def _write_index(path: str, plan: _Plan) -> None:
+    """``index.parquet`` in plan order (shard by shard: the shards are consecutive slices of ``order``), built
+    and written a row group of ``_INDEX_BLOCK`` rows at a time, so only one block's columns are held besides
+    the plan."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from gpufeed.manifest import index_table
+    from gpufeed.records import atomic_writer
+
+    order = plan.cols["order"]
+    starts = np.array([s["start"] for s in plan.shards], dtype=np.int64)
+    shard_names = pa.array([s["name"] for s in plan.shards], pa.string())
+    class_names = pa.array(plan.classes, pa.string())
+    names = _path_names(plan)
+    with atomic_writer(path) as f:
+        writer = None
+        for b in range(0, len(order), _INDEX_BLOCK):
+            rows = order[b:b + _INDEX_BLOCK]
+            shard_of = np.searchsorted(starts, np.arange(b, b + len(rows)), side="right") - 1
+            labels = plan.cols["label"][rows]
+            nbytes, width, height = plan.stored(rows)
+            table = index_table({
+                "key": _index_keys(plan, rows, labels),
+                "shard": shard_names.take(pa.array(shard_of)),
+                "class": class_names.take(pa.array(labels)),
+                "label": pa.array(labels.astype(np.int64), pa.int64()),
+                "source": _index_sources(plan, rows, names),
+                "bytes": pa.array(nbytes.astype(np.int64), pa.int64()),
+                "width": pa.array(width.astype(np.int32), pa.int32()),
+                "height": pa.array(height.astype(np.int32), pa.int32()),
+            })
+            if writer is None:
+                writer = pq.ParquetWriter(f, table.schema, memory_pool=pa.default_memory_pool())
+            writer.write_table(table)
+            del table
+        assert writer is not None  # a plan has at least one sample
+        writer.close()
+
+
+def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
+            options: dict[str, Any]) -> Any:
+    import pyarrow as pa
+
     from gpufeed import __version__
-    from gpufeed.manifest import (INDEX_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, brace_pattern, index_table,
-                                  write_manifest)
+    from gpufeed.manifest import INDEX_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
     from gpufeed.records import atomic_write_bytes
 
-    rows = np.concatenate([plan.indices(s) for s in plan.shards])  # plan order: shard by shard
-    shard_of = np.repeat(np.arange(len(plan.shards)), [s["count"] for s in plan.shards])
-    labels = plan.cols["label"][rows]
-    nbytes, width, height = plan.stored(rows)
-    table = index_table({
-        "key": _index_keys(plan, rows, labels),
-        "shard": pa.array([s["name"] for s in plan.shards], pa.string()).take(pa.array(shard_of)),
-        "class": pa.array(plan.classes, pa.string()).take(pa.array(labels)),
-        "label": pa.array(labels.astype(np.int64), pa.int64()),
-        "source": _index_sources(plan, rows),
-        "bytes": pa.array(nbytes.astype(np.int64), pa.int64()),
-        "width": pa.array(width.astype(np.int32), pa.int32()),
-        "height": pa.array(height.astype(np.int32), pa.int32()),
-    })
-    del rows, shard_of, labels, nbytes, width, height
-    buf = pa.BufferOutputStream()
-    pq.write_table(table, buf)
-    del table
-    atomic_write_bytes(os.path.join(dest, INDEX_NAME), buf.getvalue())
+    # The index's arrays come from the system allocator (``_map_large_blocks``: its large blocks go back to the OS
+    # when freed); pyarrow's default pool (mimalloc or jemalloc) keeps what it frees for a while.
+    pool = pa.default_memory_pool()
+    pa.set_memory_pool(pa.system_memory_pool())
+    try:
+        _write_index(os.path.join(dest, INDEX_NAME), plan)
+    finally:
+        pa.set_memory_pool(pool)
 
     names = [i["name"] for i in infos]
     shard_infos = [ShardInfo(name=i["name"], num_samples=i["num_samples"], bytes=i["bytes"], sha256=i["sha256"])
@@ -1860,10 +1990,11 @@ def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any
     cheap = opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None
     chunk = _HEADER_CHUNK if cheap else _CHUNK
     starts = iter(enumerate(range(0, n, chunk)))
+    base = os.path.join(src, "")  # + a relative path: os.path.join's result, without its cost per file
 
     def batch(i: int) -> tuple[Any, list[str]]:
         ks = order[i:i + chunk]
-        return ks, [os.path.join(src, scan.paths[k]) for k in ks.tolist()]
+        return ks, [base + scan.paths[k] for k in ks.tolist()]
 
     def stored(ks: Any, j: int, res: dict[str, Any]) -> None:
         results.put(ks, res, j)

@@ -48,9 +48,9 @@ the workers directly into a shared-memory ``[B, S, S, 3]`` uint8 tensor and hand
 Remote shards. A set named by a URL (http, https, s3, gs) or a ``pipe:`` command is read through
 :func:`gpufeed.shardset.source.open_shard`: a URL shard is streamed in byte ranges, ``remote_streams`` requests in
 flight per worker, never downloaded whole and never read past the manifest's byte size. A worker whose segment
-starts mid-shard still streams that shard from byte 0 and passes over the samples before its segment , so with many workers or ranks per shard each reads the
-prefix it skips (neither the manifest nor index.parquet records member byte offsets); shards in multiples of
-ranks x workers avoid it.
+starts mid-shard still streams that shard from byte 0 and passes over the samples before its segment, so with
+many workers or ranks per shard each reads the prefix it skips (neither the manifest nor index.parquet records
+member byte offsets); shards in multiples of ranks x workers avoid it.
 
 Security: local shards are opened by the loader itself by path. Only what the user typed is ever a URL or a shell
 command: the set's location (a folder URL, manifest URL, brace pattern or ``pipe:`` command) and ``manifest_file``.

@@ -48,6 +48,23 @@ def test_loader_over_http_yields_what_the_local_folder_yields(served, workers):
     assert server.gets("/set/train-000003.tar") >= 1  # the shards came over the socket
 
 
+def test_remote_streams_overlap_requests_and_keep_samples_and_order(served, monkeypatch):
+    """[loader] remote_streams = 4 keeps four range requests in flight on a slow-first-byte server (the server sees
+    them at once) and yields exactly the samples, in the same order, of one stream and of the local folder."""
+    from gpufeed.shardset import source
+
+    server, folder, url = served
+    monkeypatch.setattr(source, "CHUNK_BYTES", 2048)  # tiny shards: several ranges per shard
+    server.faults.first_byte_delay = 0.1
+    _, local = batches(folder, 0)
+    seen = {}
+    for streams in (1, 4):
+        server.max_in_flight = 0
+        _, seen[streams] = batches(url, 0, remote_streams=streams)
+        assert server.max_in_flight == streams
+    assert same(seen[1], seen[4]) and same(local, seen[4]) and len(local) == 22 // 4
+
+
 def test_loader_over_s3_yields_what_the_local_folder_yields(s3_server, tmp_path):
     client, _ = s3_server
     folder = write_set(tmp_path / "set", SIZES, num_classes=22)

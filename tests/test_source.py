@@ -71,6 +71,16 @@ def test_parallel_streams_keep_that_many_range_requests_in_flight(served, stream
         f"bytes={a}-{min(a + 1000, len(data)) - 1}" for a in range(0, len(data), 1000)]
 
 
+def test_streams_share_the_chunk_down_to_the_minimum(served):
+    server, folder = served
+    url = f"{server.url}/set/train-000000.tar"
+    chunks = {}
+    for n in (1, 4, 16):
+        with source.RemoteStream(url, 100, streams=n) as stream:
+            chunks[n] = stream.chunk
+    assert chunks == {1: 8 << 20, 4: 2 << 20, 16: 1 << 20}
+
+
 def test_reset_mid_stream_is_retried_from_the_byte_it_broke(served, fast_retry):
     server, folder = served
     data = (folder / "train-000000.tar").read_bytes()

@@ -87,7 +87,7 @@ MAX_BATCH_SIZE = 65_536
 MAX_PREFETCH_FACTOR = 64
 """Batches prefetched per DataLoader worker; beyond a few, prefetching only costs RAM."""
 MAX_REMOTE_STREAMS = 64
-"""Range requests in flight per worker on a remote shard (each holds up to 8 MiB)."""
+"""Range requests in flight per worker on a remote shard (each of at least 1 MiB)."""
 MAX_SHUFFLE_BUFFER = 10_000_000
 """Samples held in the shuffle buffer: 10 M encoded ImageNet samples are ~1 TB of RAM."""
 MAX_IMAGE_SIZE = 8192
@@ -256,10 +256,11 @@ class LoaderConfig:
     max_pixels: int = bounded(89_478_485, 1, MAX_PIXELS_LIMIT)
     """Decompression-bomb limit (width x height, from the image header) for a stored image, as in ``shard``: a
     larger image is refused before it is decoded (the loader treats it as a corrupt sample, per on_error)."""
-    remote_streams: int = bounded(2, 1, MAX_REMOTE_STREAMS)
+    remote_streams: int = bounded(4, 1, MAX_REMOTE_STREAMS)
     """Range requests each worker keeps in flight on a remote (http, https, s3, gs) shard, each on its own
-    connection: more hide a slow first byte and add up per-connection throttles. Memory: up to (remote_streams +
-    1) x 8 MiB per worker. Ignored for local shards and pipe: commands; tune searches it for a remote set."""
+    connection: more hide a slow first byte and add up per-connection throttles. Each asks for 8 MiB / remote_streams
+    (at least 1 MiB), so a worker holds about 8 MiB in flight plus the range it reads (more above 8 streams:
+    remote_streams x 1 MiB). Ignored for local shards and pipe: commands; tune searches it for a remote set."""
 
     def __post_init__(self) -> None:
         check_bounds(self)

@@ -40,7 +40,10 @@ PIPE_PREFIX = "pipe:"
 """A user-typed shell command whose standard output is a shard (webdataset's convention)."""
 
 CHUNK_BYTES = 8 << 20
-"""Bytes asked for per range request of a remote shard."""
+"""Bytes a remote shard's range requests ask for together: one stream asks for this much per request, N streams
+for a 1/N share each (no less than :data:`MIN_CHUNK_BYTES`), so N streams hold about as much in flight as one."""
+MIN_CHUNK_BYTES = 1 << 20
+"""The smallest range a stream asks for by default (smaller ranges pay a request's latency for too few bytes)."""
 STREAMS = 1
 """Range requests :class:`RemoteStream` keeps in flight when not told (the loader passes ``[loader]
 remote_streams``)."""
@@ -207,10 +210,11 @@ class _ShortRead(Exception):
 
 class RemoteStream(io.RawIOBase):
     """A read-only, forward-only stream over ``[offset, size)`` of a remote object, fetched in consecutive ranges
-    of ``chunk_bytes`` (:data:`CHUNK_BYTES`) with ``streams`` range requests in flight at once (each on its own
-    thread and connection; a server or store that throttles each connection then delivers ``streams`` times as
-    much). The ranges are handed out in order, so the bytes are those of one sequential read; at most
-    ``streams + 1`` ranges are held in memory (the one being read and those in flight). A failed range is retried
+    with ``streams`` range requests in flight at once, each on its own thread and connection (a slow first byte is
+    waited for N at a time, and a store that throttles each connection delivers up to N times as much). A range is
+    ``chunk_bytes``, by default :data:`CHUNK_BYTES` / ``streams`` but at least :data:`MIN_CHUNK_BYTES`. The ranges
+    are handed out in order, so the bytes are those of one sequential read; at most ``streams + 1`` ranges are
+    held in memory (the one being read and those in flight). A failed range is retried
     from the byte where it broke, within ``retry``; then, or at once for a permanent error (not found, access
     denied, unknown host), reads raise :class:`SourceError` naming the URL. Never reads past ``size``."""
 
@@ -221,8 +225,8 @@ class RemoteStream(io.RawIOBase):
         self.size = size
         self.pos = offset
         self.retry = retry or RETRY
-        self.chunk = max(int(chunk_bytes or CHUNK_BYTES), 1)
         self.streams = min(max(int(streams or STREAMS), 1), MAX_STREAMS)
+        self.chunk = max(int(chunk_bytes or max(CHUNK_BYTES // self.streams, min(MIN_CHUNK_BYTES, CHUNK_BYTES))), 1)
         self._fs = fs_for(url)
         self._path = _fs_path(url)
         self._buf = memoryview(b"")

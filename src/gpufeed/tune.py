@@ -753,7 +753,7 @@ _SENTENCES: dict[str, str] = {
                          "(machine >= {busy_pct:.0f}% busy, loader < {saturated:.0%} of its cores): their samples/s "
                          "are lower bounds; rerun on a quiet machine to trust the worker count",
     "chart-failed": "chart not written: {error}",
-    "streams-io-bound": "remote set and the best trial is {bound} ({evidence}): more range requests in flight per "
+    "streams-io-bound": "remote set whose loader waits on reads ({evidence}): more range requests in flight per "
                         "worker may help; trying {ladder}",
     "streams-stopped-budget": "stopped before {streams} streams (budget)",
     "streams-flattened": "gain flattened at {streams} streams ({rate:.0f} vs {best_rate:.0f} samples/s at "
@@ -1069,7 +1069,8 @@ def climb_workers(s: Search, ladder: list[int]) -> list[Decision]:
 
 def climb_streams(s: Search) -> list[Decision]:
     """Phase 2, for a set read over the network: when the search point's trial waits on reads (storage-bound, or
-    neither CPU- nor copy-bound), climb ``remote_streams`` up :data:`STREAMS_LADDER` at the chosen worker count
+    neither CPU- nor copy-bound, or "CPU-bound" only through other processes' load while the loader's own processes
+    sat idle), climb ``remote_streams`` up :data:`STREAMS_LADDER` at the chosen worker count
     with the worker climb's rules: stop when a count gains less than min_gain over the best one below it, or when
     the budget is spent or a count exceeds the RAM budget (another failed count is passed over). The best count of
     the climb becomes the search point (the starting count stays when the climb did not beat it by min_gain). A
@@ -1081,13 +1082,18 @@ def climb_streams(s: Search) -> list[Decision]:
         s.skipped["remote_streams"] = "local shards: remote_streams only applies to a set read over the network"
         return []
     bound, evidence = classify_bound(ref, s.usable, s.storage_bytes_per_s)
-    if bound not in (bounds.STORAGE, bounds.UNCLEAR):
-        s.skipped["remote_streams"] = (f"not measured: the best trial is {bounds.label(bound)} ({evidence}); more "
-                                       f"range requests only help a loader that waits on reads")
+    possible = _possible_cores(ref, s.usable)
+    if bound == bounds.DECODE_CPU and not bounds.cpu_saturated(ref.tree_cores_used, possible):
+        # "CPU" only because other processes kept the machine busy: the loader's own processes sat waiting
+        evidence = (f"its processes kept {ref.tree_cores_used or 0.0:.2f} of {possible} cores busy; the machine's "
+                    f"{ref.cpu_percent_mean or 0.0:.0f}% load was other work")
+    elif bound not in (bounds.STORAGE, bounds.UNCLEAR):
+        s.skipped["remote_streams"] = (f"not measured: the best trial's bound is {bound} ({evidence}); more range "
+                                       f"requests only help a loader that waits on reads")
         return []
     cfg = s.cfg
     out = [Decision("remote_streams", "streams-io-bound", chosen=s.point.remote_streams, candidates=(ref.trial,),
-                    detail={"bound": bounds.label(bound), "evidence": evidence,
+                    detail={"bound": bound, "evidence": evidence,
                             "ladder": ", ".join(map(str, STREAMS_LADDER))})]
     climb_best: TrialRecord | None = None
     for n in STREAMS_LADDER:

@@ -316,12 +316,11 @@ REMOTE = "http://127.0.0.1:9/set/train-{000000..000003}.tar"
 """A remote pattern for fake measures: nothing is fetched (no shard-set check, no probe)."""
 
 
-def io_bound_toy(cap: int, calls: list[LoaderConfig], machine_pct: float = 5.0) -> Any:
+def io_bound_toy(cap: int, machine_pct: float = 5.0) -> Any:
     """A fake remote set that waits on reads: each stream brings 100 samples/s up to ``cap`` streams, whatever the
     workers; the loader's CPU stays idle (0.1 core) while the machine is ``machine_pct`` busy."""
 
     def measure(shards: Any, cfg: LoaderConfig, world: World, **kw: Any) -> TrialRecord:
-        calls.append(cfg)
         r = 100.0 * min(cfg.remote_streams, cap)
         return trial_record(cfg, [r, r, r], tree_cores_used=0.1, cpu_percent_mean=machine_pct,
                             measure_s=0.0)
@@ -333,11 +332,10 @@ def io_bound_toy(cap: int, calls: list[LoaderConfig], machine_pct: float = 5.0) 
 @pytest.mark.parametrize("machine_pct", [5.0, 100.0])  # 100: "CPU-bound" only through other processes' load
 def test_remote_set_waiting_on_reads_climbs_remote_streams_and_writes_the_winner(tmp_path: Path,
                                                                                 machine_pct: float) -> None:
-    calls: list[LoaderConfig] = []
     report = tune(toy_cfg(tmp_path, shards=REMOTE, max_workers=1), LoaderConfig(decode="pil", remote_streams=2),
-                  measure=io_bound_toy(8, calls, machine_pct), **FAKE)
+                  measure=io_bound_toy(8, machine_pct), **FAKE)
     assert report.best.remote_streams == 8 and load_config(report.out).loader.remote_streams == 8
-    assert [c.remote_streams for c in calls if c.num_workers == 1][:5] == [2, 1, 4, 8, 16]
+    assert [t.remote_streams for t in report.trials if t.phase == "remote_streams"] == [1, 4, 8, 16]  # 2: measured
     [start] = decisions(report, "streams-io-bound")
     assert start.knob == "remote_streams" and start.chosen == 2
     assert start.detail["bound"] == ("unclear" if machine_pct < 90 else "decode/CPU")
@@ -351,13 +349,12 @@ def test_remote_set_waiting_on_reads_climbs_remote_streams_and_writes_the_winner
 
 @pytest.mark.usefixtures("four_cpus")
 def test_remote_streams_stay_when_more_do_not_win_or_the_set_is_local_or_cpu_bound(tmp_path: Path) -> None:
-    calls: list[LoaderConfig] = []
     report = tune(toy_cfg(tmp_path, shards=REMOTE, max_workers=1), LoaderConfig(decode="pil", remote_streams=2),
-                  measure=io_bound_toy(1, calls), **FAKE)  # one stream already gets all there is
+                  measure=io_bound_toy(1), **FAKE)  # one stream already gets all there is
     [flat] = decisions(report, "streams-flattened")
     assert flat.detail["streams"] == 2 and report.best.remote_streams == 1  # the climb's best: the fewest streams
     local = tune(toy_cfg(tmp_path / "local", max_workers=1), LoaderConfig(decode="pil", remote_streams=2),
-                 measure=io_bound_toy(8, []), **FAKE)
+                 measure=io_bound_toy(8), **FAKE)
     assert local.best.remote_streams == 2 and local.skipped["remote_streams"].startswith("local shards")
     assert not [d for d in local.decisions if d.knob == "remote_streams"]
     cpu = tune(toy_cfg(tmp_path / "cpu", shards=REMOTE), LoaderConfig(decode="pil", remote_streams=2),

@@ -975,7 +975,10 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     ladder = [w for w in WORKER_LADDER if w <= ceiling]
     if ceiling not in ladder:
         ladder.append(ceiling)
-    n_expected = len(ladder) + 3 + (2 if cfg.baseline_imagefolder else 0)
+    from gpufeed.shardset.source import REMOTE_PREFIXES
+
+    streams_trials = len(STREAMS_LADDER) - 1 if shards.startswith(REMOTE_PREFIXES) else 0  # one is the point's
+    n_expected = len(ladder) + 3 + streams_trials + (2 if cfg.baseline_imagefolder else 0)
     window_s = cfg.window_s or min(10.0, max(0.3, cfg.budget_s / (n_expected * (cfg.repeats + 1.5))))
 
     s = Search(cfg, shards, base, world, measure, window_s=window_s, ram_budget=ram_budget, usable=usable,

@@ -65,7 +65,8 @@ class TrialRecord:
 
     trial: int
     phase: str
-    """workers | decode | worker_batching | prefetch_factor | pin_memory | baseline | exhaustive | ..."""
+    """workers | remote_streams | decode | worker_batching | prefetch_factor | pin_memory | baseline | exhaustive
+    | ..."""
     pipeline: str
     """gpufeed | imagefolder | any name a caller gives (benchmarks)."""
     batch_size: int

@@ -9,7 +9,8 @@ Knobs (attributes of :class:`Faults`, changed by a test while the server runs):
   ``after_bytes`` of the body (``times`` < 0: every GET);
 - ``first_byte_delay``: seconds to sleep before the headers of every GET.
 
-``requests`` records ``(method, path, range header)`` of each request.
+``requests`` records ``(method, path, range header)`` of each request; ``max_in_flight`` is the most GETs the
+server was answering at once (each on its own connection).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class LoopbackServer:
         self.faults = Faults()
         self.requests: list[tuple[str, str, str | None]] = []
         self._gets: dict[str, int] = {}
+        self.in_flight = 0
+        self.max_in_flight = 0
         self._lock = threading.Lock()
         server = self
 
@@ -54,7 +57,14 @@ class LoopbackServer:
                 self._serve(body=False)
 
             def do_GET(self):
-                self._serve(body=True)
+                with server._lock:
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    self._serve(body=True)
+                finally:
+                    with server._lock:
+                        server.in_flight -= 1
 
             def _serve(self, body: bool) -> None:
                 path = self.path.split("?", 1)[0]

@@ -48,6 +48,51 @@ def test_loader_over_http_yields_what_the_local_folder_yields(served, workers):
     assert server.gets("/set/train-000003.tar") >= 1  # the shards came over the socket
 
 
+def test_remote_streams_overlap_requests_and_keep_samples_and_order(served, monkeypatch):
+    """[loader] remote_streams = 4 keeps four range requests in flight on a slow-first-byte server (the server sees
+    them at once) and yields exactly the samples, in the same order, of one stream and of the local folder."""
+    from gpufeed.shardset import source
+
+    server, folder, url = served
+    monkeypatch.setattr(source, "CHUNK_BYTES", 2048)  # tiny shards: several ranges per shard
+    server.faults.first_byte_delay = 0.1
+    _, local = batches(folder, 0)
+    seen = {}
+    for streams in (1, 4):
+        server.max_in_flight = 0
+        _, seen[streams] = batches(url, 0, remote_streams=streams)
+        assert server.max_in_flight == streams
+    assert same(seen[1], seen[4]) and same(local, seen[4]) and len(local) == 22 // 4
+
+
+def test_tune_on_a_slow_first_byte_pattern_with_its_own_manifest_climbs_remote_streams(served, monkeypatch,
+                                                                                       tmp_path):
+    """`tune PATTERN --manifest FILE` on a server whose every response waits 50 ms: the trials read the pattern with
+    that manifest (none is served next to it), the loader waits on reads, and more streams win clearly."""
+    from gpufeed.config import load_config
+    from gpufeed.shardset import source
+
+    server, folder, url = served
+    monkeypatch.setattr(source, "CHUNK_BYTES", 4096)  # ~25 KB shards: several ranges per shard
+    manifest = tmp_path / "m" / "manifest.json"
+    manifest.parent.mkdir()
+    (folder / "manifest.json").rename(manifest)
+    server.faults.first_byte_delay = 0.05
+    config = tmp_path / "cfg.toml"
+    config.write_text('[loader]\ndecode = "pil"\nremote_streams = 1\nshuffle_buffer = 0\n')
+    out = tmp_path / "tuned.toml"
+    obj = invoke_json(["tune", f"{url}/train-{{000000..000003}}.tar", "--manifest", manifest, "--config", config,
+                       "--max-workers", "0", "--batch-size", "4", "--image-size", "16", "--repeats", "1",
+                       "--window", "0.5", "--budget", "90", "--storage-probe-s", "0", "--device", "cpu",
+                       "--run-dir", tmp_path / "run", "--out", out])
+    assert not [t["error"] for t in obj["trials"] if t["error"]]
+    reasons = [d["reason"] for d in obj["decisions"] if d["knob"] == "remote_streams"]
+    assert reasons[0] == "streams-io-bound" and reasons[-1] == "streams-chosen"
+    chosen = obj["decisions"][[d["reason"] for d in obj["decisions"]].index("streams-chosen")]["chosen"]
+    assert chosen >= 4 and obj["best"]["remote_streams"] == chosen == load_config(out).loader.remote_streams
+    assert server.max_in_flight >= 4 and server.gets("/set/manifest.json") == 0
+
+
 def test_loader_over_s3_yields_what_the_local_folder_yields(s3_server, tmp_path):
     client, _ = s3_server
     folder = write_set(tmp_path / "set", SIZES, num_classes=22)

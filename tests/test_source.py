@@ -55,6 +55,32 @@ def test_remote_stream_reads_the_exact_bytes_in_small_ranges(served):
         assert f.read() == data[1536:]
 
 
+@pytest.mark.parametrize("streams", [1, 4])
+def test_parallel_streams_keep_that_many_range_requests_in_flight(served, streams):
+    """A slow first byte on every response: with N streams the server answers N ranges at once, and the bytes
+    come back whole and in order."""
+    server, folder = served
+    server.faults.first_byte_delay = 0.3
+    data = (folder / "train-000000.tar").read_bytes()
+    url = f"{server.url}/set/train-000000.tar"
+    with open_shard(url, size=len(data), chunk_bytes=1000, streams=streams) as f:
+        assert f.read() == data
+    assert server.max_in_flight == streams
+    ranges = [r for m, p, r in server.requests if m == "GET" and p == "/set/train-000000.tar"]
+    assert sorted(ranges, key=lambda r: int(r[6:].split("-")[0])) == [
+        f"bytes={a}-{min(a + 1000, len(data)) - 1}" for a in range(0, len(data), 1000)]
+
+
+def test_streams_share_the_chunk_down_to_the_minimum(served):
+    server, folder = served
+    url = f"{server.url}/set/train-000000.tar"
+    chunks = {}
+    for n in (1, 4, 16):
+        with source.RemoteStream(url, 100, streams=n) as stream:
+            chunks[n] = stream.chunk
+    assert chunks == {1: 8 << 20, 4: 2 << 20, 16: 1 << 20}
+
+
 def test_reset_mid_stream_is_retried_from_the_byte_it_broke(served, fast_retry):
     server, folder = served
     data = (folder / "train-000000.tar").read_bytes()

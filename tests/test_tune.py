@@ -312,6 +312,57 @@ def test_written_config_loads_back_into_the_same_loader_config(tmp_path: Path) -
     load_config(run / "config.toml")  # the resolved config is itself a valid config file
 
 
+REMOTE = "http://127.0.0.1:9/set/train-{000000..000003}.tar"
+"""A remote pattern for fake measures: nothing is fetched (no shard-set check, no probe)."""
+
+
+def io_bound_toy(cap: int, machine_pct: float = 5.0) -> Any:
+    """A fake remote set that waits on reads: each stream brings 100 samples/s up to ``cap`` streams, whatever the
+    workers; the loader's CPU stays idle (0.1 core) while the machine is ``machine_pct`` busy."""
+
+    def measure(shards: Any, cfg: LoaderConfig, world: World, **kw: Any) -> TrialRecord:
+        r = 100.0 * min(cfg.remote_streams, cap)
+        return trial_record(cfg, [r, r, r], tree_cores_used=0.1, cpu_percent_mean=machine_pct,
+                            measure_s=0.0)
+
+    return measure
+
+
+@pytest.mark.usefixtures("four_cpus")
+@pytest.mark.parametrize("machine_pct", [5.0, 100.0])  # 100: "CPU-bound" only through other processes' load
+def test_remote_set_waiting_on_reads_climbs_remote_streams_and_writes_the_winner(tmp_path: Path,
+                                                                                machine_pct: float) -> None:
+    report = tune(toy_cfg(tmp_path, shards=REMOTE, max_workers=1), LoaderConfig(decode="pil", remote_streams=2),
+                  measure=io_bound_toy(8, machine_pct), **FAKE)
+    assert report.best.remote_streams == 8 and load_config(report.out).loader.remote_streams == 8
+    assert [t.remote_streams for t in report.trials if t.phase == "remote_streams"] == [1, 4, 8, 16]  # 2: measured
+    [start] = decisions(report, "streams-io-bound")
+    assert start.knob == "remote_streams" and start.chosen == 2
+    assert start.detail["bound"] == ("unclear" if machine_pct < 90 else "decode/CPU")
+    [flat] = decisions(report, "streams-flattened")
+    assert (flat.detail["streams"], flat.detail["best_streams"]) == (16, 8)
+    assert flat.sentence == "remote_streams: gain flattened at 16 streams (800 vs 800 samples/s at 8, < 5%)"
+    [chosen] = decisions(report, "streams-chosen")
+    assert chosen.chosen == 8 and [report.trials[i].remote_streams for i in chosen.candidates] == [1, 4, 8, 16]
+    assert "remote_streams" not in report.skipped and "streams=8" in report.conclusion
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_remote_streams_stay_when_more_do_not_win_or_the_set_is_local_or_cpu_bound(tmp_path: Path) -> None:
+    report = tune(toy_cfg(tmp_path, shards=REMOTE, max_workers=1), LoaderConfig(decode="pil", remote_streams=2),
+                  measure=io_bound_toy(1), **FAKE)  # one stream already gets all there is
+    [flat] = decisions(report, "streams-flattened")
+    assert flat.detail["streams"] == 2 and report.best.remote_streams == 1  # the climb's best: the fewest streams
+    local = tune(toy_cfg(tmp_path / "local", max_workers=1), LoaderConfig(decode="pil", remote_streams=2),
+                 measure=io_bound_toy(8), **FAKE)
+    assert local.best.remote_streams == 2 and local.skipped["remote_streams"].startswith("local shards")
+    assert not [d for d in local.decisions if d.knob == "remote_streams"]
+    cpu = tune(toy_cfg(tmp_path / "cpu", shards=REMOTE), LoaderConfig(decode="pil", remote_streams=2),
+               measure=ToyPipeline(), **FAKE)  # decode keeps every core busy: streams cannot help
+    assert cpu.best.remote_streams == 2 and cpu.bound == "decode/CPU"
+    assert cpu.skipped["remote_streams"].startswith("not measured: the best trial's bound is decode/CPU (")
+
+
 @pytest.mark.usefixtures("four_cpus")
 def test_trials_take_batch_and_image_size_from_the_loader_section_unless_tune_sets_them(tmp_path: Path) -> None:
     """As in train: [tune] batch_size/image_size default to the [loader] values, they do not override them."""

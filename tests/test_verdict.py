@@ -115,6 +115,16 @@ def test_storage_fix_names_the_parallel_streams_the_probe_showed() -> None:
     assert not any("parallel streams" in f for f in enough.fixes)
 
 
+def test_storage_fix_for_a_remote_set_names_remote_streams() -> None:
+    ladder = ((1, 40e6), (2, 70e6), (4, 100e6), (8, 130e6))
+    v = classify(VerdictInputs(**STORAGE_RUN, storage_ladder=ladder, remote_streams=1))
+    assert v.fixes[-2] == ("needs 8 parallel streams: the storage read 40.0 MB/s with 1 reader(s) and 130.0 MB/s "
+                           "with 8; the loader reads 2 at once (1 rank(s) x 2 worker(s) x 1 range request(s)): set "
+                           "[loader] remote_streams = 4 (requests in flight per worker; or more workers)")
+    enough = classify(VerdictInputs(**STORAGE_RUN, storage_ladder=ladder, remote_streams=4))  # 2 x 4 = 8 at once
+    assert not any("parallel streams" in f for f in enough.fixes)
+
+
 def test_storage_bound_when_workers_idle_while_reading() -> None:
     v = classify(VerdictInputs(stall_pct=50.0, end_to_end_rate=300, gpu_ceiling=1000, loader_ceiling=300,
                                loader_cores_used=1.0, usable_cores=16, num_workers=8, read_bytes_per_s=30e6))

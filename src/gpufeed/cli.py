@@ -250,6 +250,7 @@ def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None,
 @cli.command()
 @config_help(TuneConfig)
 @click.argument("shards", type=click.Path())
+@click.option("--manifest", type=str)
 @click.option("--budget", "budget_s", type=float)
 @click.option("--batch-size", type=int)
 @click.option("--image-size", type=int)
@@ -268,11 +269,11 @@ def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None,
 @click.option("--storage-probe-s", type=float)
 @config_option
 @json_option
-def tune(shards: str, budget_s: float | None, batch_size: int | None, image_size: int | None,
-         max_workers: int | None, cpu_budget: float | None, ram_budget: str | None, target_rate: float | None,
-         baseline_imagefolder: str | None, out: str | None, run_dir: str | None, repeats: int | None,
-         window_s: float | None, device: str | None, nproc_per_node: int | None, trainer_cores: int | None,
-         storage_probe_s: float | None, config_path: str | None, as_json: bool) -> None:
+def tune(shards: str, manifest: str | None, budget_s: float | None, batch_size: int | None,
+         image_size: int | None, max_workers: int | None, cpu_budget: float | None, ram_budget: str | None,
+         target_rate: float | None, baseline_imagefolder: str | None, out: str | None, run_dir: str | None,
+         repeats: int | None, window_s: float | None, device: str | None, nproc_per_node: int | None,
+         trainer_cores: int | None, storage_probe_s: float | None, config_path: str | None, as_json: bool) -> None:
     """Measured, budget-aware DataLoader sweep over SHARDS -> the fastest per-rank [loader] config for this node.
 
     \b
@@ -281,11 +282,11 @@ def tune(shards: str, budget_s: float | None, batch_size: int | None, image_size
     [loader] (per rank) and [layout] (the layout it was tuned for, which gpufeed train checks).
     """
     cfg = load(config_path, "tune", {
-        "shards": shards, "budget_s": budget_s, "batch_size": batch_size, "image_size": image_size,
-        "max_workers": max_workers, "cpu_budget": cpu_budget, "ram_budget": ram_budget, "target_rate": target_rate,
-        "baseline_imagefolder": baseline_imagefolder, "out": out, "run_dir": run_dir, "repeats": repeats,
-        "window_s": window_s, "device": device, "nproc_per_node": nproc_per_node, "trainer_cores": trainer_cores,
-        "storage_probe_s": storage_probe_s})
+        "shards": shards, "manifest": manifest, "budget_s": budget_s, "batch_size": batch_size,
+        "image_size": image_size, "max_workers": max_workers, "cpu_budget": cpu_budget, "ram_budget": ram_budget,
+        "target_rate": target_rate, "baseline_imagefolder": baseline_imagefolder, "out": out, "run_dir": run_dir,
+        "repeats": repeats, "window_s": window_s, "device": device, "nproc_per_node": nproc_per_node,
+        "trainer_cores": trainer_cores, "storage_probe_s": storage_probe_s})
     if cfg.nproc_per_node is None:  # the layout training will run: [train] nproc_per_node
         cfg = dataclasses.replace(cfg, nproc_per_node=load(config_path, "train", {}).nproc_per_node)
     base = load(config_path, "loader", {})

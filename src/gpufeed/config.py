@@ -86,6 +86,8 @@ MAX_BATCH_SIZE = 65_536
 """Samples per batch: 64 Ki 224-px images are already ~10 GB of uint8 per batch."""
 MAX_PREFETCH_FACTOR = 64
 """Batches prefetched per DataLoader worker; beyond a few, prefetching only costs RAM."""
+MAX_REMOTE_STREAMS = 64
+"""Range requests in flight per worker on a remote shard (each of at least 1 MiB)."""
 MAX_SHUFFLE_BUFFER = 10_000_000
 """Samples held in the shuffle buffer: 10 M encoded ImageNet samples are ~1 TB of RAM."""
 MAX_IMAGE_SIZE = 8192
@@ -254,6 +256,11 @@ class LoaderConfig:
     max_pixels: int = bounded(89_478_485, 1, MAX_PIXELS_LIMIT)
     """Decompression-bomb limit (width x height, from the image header) for a stored image, as in ``shard``: a
     larger image is refused before it is decoded (the loader treats it as a corrupt sample, per on_error)."""
+    remote_streams: int = bounded(4, 1, MAX_REMOTE_STREAMS)
+    """Range requests each worker keeps in flight on a remote (http, https, s3, gs) shard, each on its own
+    connection: more hide a slow first byte and add up per-connection throttles. Each asks for 8 MiB / remote_streams
+    (at least 1 MiB), so a worker holds about 8 MiB in flight plus the range it reads (more above 8 streams:
+    remote_streams x 1 MiB). Ignored for local shards and pipe: commands; tune searches it for a remote set."""
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -264,7 +271,10 @@ class TuneConfig:
     """``gpufeed tune SHARDS``: a measured, budget-aware sweep of LoaderConfig knobs."""
 
     shards: str | None = None
-    """The shard set to read."""
+    """The shard set to read: a folder, manifest.json, URL (http, https, s3, gs) or brace pattern."""
+    manifest: str | None = None
+    """The set's manifest.json (a path or URL) when ``shards`` is a brace pattern or ``pipe:`` command (e.g. from
+    ``gpufeed index PATTERN --out DIR``); None = the manifest next to ``shards``."""
     budget_s: float = bounded(300.0, 0.0, MAX_DURATION_S, min_open=True)
     """Wall-clock budget of the whole sweep in seconds."""
     batch_size: int | None = bounded(None, 1, MAX_BATCH_SIZE)

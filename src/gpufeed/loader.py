@@ -45,8 +45,19 @@ The per-sample work (decode, crop, resize, flip) is in :mod:`gpufeed.decode`. Ba
 the workers directly into a shared-memory ``[B, S, S, 3]`` uint8 tensor and handed out as the
 ``[B, 3, S, S]`` view (channels-last memory) with one IPC message per batch.
 
-Security: shards are local files, opened by the loader itself by path; no shard name ever reaches a URL
-opener (webdataset's ``gopen`` runs ``pipe:`` names as shell commands). Shards, plain ``.tar`` and
+Remote shards. A set named by a URL (http, https, s3, gs) or a ``pipe:`` command is read through
+:func:`gpufeed.shardset.source.open_shard`: a URL shard is streamed in byte ranges, ``remote_streams`` requests in
+flight per worker, never downloaded whole and never read past the manifest's byte size. A worker whose segment
+starts mid-shard still streams that shard from byte 0 and passes over the samples before its segment, so with
+many workers or ranks per shard each reads the prefix it skips (neither the manifest nor index.parquet records
+member byte offsets); shards in multiples of ranks x workers avoid it.
+
+Security: local shards are opened by the loader itself by path. Only what the user typed is ever a URL or a shell
+command: the set's location (a folder URL, manifest URL, brace pattern or ``pipe:`` command) and ``manifest_file``.
+A shard name or ``root`` from a manifest (data) is only ever a URL-quoted path component joined under the user's
+base URL (:func:`gpufeed.shardset.source.open_set`); it never becomes a URL scheme or a command (webdataset's
+``gopen`` runs ``pipe:`` names as shell commands); a ``pipe:`` pattern's commands are the user's own (each one's
+last word must be the manifest's shard name, in order). Shards, plain ``.tar`` and
 gzip-compressed, are read by :mod:`gpufeed.shardset.tar` (every header size and offset validated, every member
 read capped at ``shardset.tar.MAX_MEMBER_BYTES``); webdataset's readers and decoders are not used. Only image
 members (``shardset.keys.READ_IMAGE_EXTENSIONS``) and the label member the manifest's label source names
@@ -398,10 +409,12 @@ class ShardStream(IterableDataset):
     def _shard_samples(self, shard: int, start: int, stop: int | None, total: list[int]) -> Iterator[dict]:
         """Image samples ``[start, stop)`` (``stop`` None: to the end) of shard ``shard``, plain or
         gzip-compressed (:func:`gpufeed.shardset.tar.iter_samples`): a local file is opened by path; a URL or
-        ``pipe:`` command through :func:`gpufeed.shardset.source.open_shard`, streamed from its start."""
+        ``pipe:`` command through :func:`gpufeed.shardset.source.open_shard`, streamed from its start (a URL with
+        ``cfg.remote_streams`` range requests in flight)."""
         path = self.paths[shard]
         if is_remote(path):
-            fileobj = open_shard(path, size=self.sizes[shard] if self.sizes is not None else None)
+            fileobj = open_shard(path, size=self.sizes[shard] if self.sizes is not None else None,
+                                 streams=self.cfg.remote_streams)
             yield from iter_samples(path, self.read_extensions, READ_IMAGE_EXTENSIONS, start, stop, total,
                                     fileobj=fileobj)
             return

@@ -14,8 +14,9 @@ Two layers, kept apart so tests and other jobs can reuse them:
 - **Search.** :func:`tune` runs phase functions over one explicit :class:`Search` state, each returning
   :class:`Decision` records (knob, chosen value, trials compared, a :data:`Reason` code and the sentence
   rendered from them). :func:`climb_workers` climbs ``num_workers`` until the gain flattens or the CPU/RAM
-  budget is hit; :func:`refine_decode`, :func:`refine_batching`, :func:`refine_prefetch` and
-  :func:`refine_pinning` then try one knob at a time at that point (a change is kept only when it wins by
+  budget is hit; for a set read over the network whose best trial waits on reads, :func:`climb_streams` climbs
+  ``remote_streams`` (range requests in flight per worker) the same way; :func:`refine_decode`,
+  :func:`refine_batching`, :func:`refine_prefetch` and :func:`refine_pinning` then try one knob at a time at that point (a change is kept only when it wins by
   ``min_gain``; on a CPU-bound loader the win is judged on samples per CPU-second, which a noisy shared
   machine moves far less than samples/s). Knobs that cannot matter on this machine are skipped with the
   reason in the report. The whole sweep, worker start-up included, stays inside ``budget_s``;
@@ -48,10 +49,12 @@ from gpufeed.storage import StorageRate
 from gpufeed.world import World
 
 KNOBS = ("num_workers", "decode", "worker_batching", "prefetch_factor", "pin_memory", "persistent_workers",
-         "shuffle_buffer")
+         "shuffle_buffer", "remote_streams")
 """LoaderConfig fields the tuner may move (batch_size and image_size are fixed by the caller)."""
 
 WORKER_LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+STREAMS_LADDER = (1, 2, 4, 8, 16)
+"""The remote_streams values :func:`climb_streams` may try, in order (a remote set's range requests per worker)."""
 
 # --------------------------------------------------------------------------- records
 
@@ -62,7 +65,8 @@ class TrialRecord:
 
     trial: int
     phase: str
-    """workers | decode | worker_batching | prefetch_factor | pin_memory | baseline | exhaustive | ..."""
+    """workers | remote_streams | decode | worker_batching | prefetch_factor | pin_memory | baseline | exhaustive
+    | ..."""
     pipeline: str
     """gpufeed | imagefolder | any name a caller gives (benchmarks)."""
     batch_size: int
@@ -124,6 +128,8 @@ class TrialRecord:
     """Each rank's median samples/s, by rank (empty for a one-rank trial)."""
     slowest_rank_samples_per_s: float | None = None
     """The slowest rank's median samples/s (None for a one-rank trial): DDP steps at this rank's pace."""
+    remote_streams: int = LoaderConfig.remote_streams
+    """Range requests in flight per worker on a remote shard (no effect on a local set)."""
     note: str = ""
     error: str | None = None
     """Why the trial failed, one sentence."""
@@ -150,7 +156,7 @@ def trial_record(cfg: LoaderConfig, rates: list[float] | None = None, *, pipelin
         batch_size=cfg.batch_size, num_workers=cfg.num_workers, decode=cfg.decode,
         worker_batching=cfg.worker_batching, prefetch_factor=cfg.prefetch_factor, pin_memory=cfg.pin_memory,
         persistent_workers=cfg.persistent_workers, shuffle_buffer=cfg.shuffle_buffer, image_size=cfg.image_size,
-        samples_per_s=None if error or stat is None else stat.median,
+        remote_streams=cfg.remote_streams, samples_per_s=None if error or stat is None else stat.median,
         samples_per_s_min=None if stat is None else stat.min,
         samples_per_s_max=None if stat is None else stat.max,
         samples_per_s_runs=rates, error=error, **extra,
@@ -197,6 +203,8 @@ class TuneReport:
     """The best trial's slowest rank (None with one rank)."""
     storage: StorageRate | None = None
     """The shard set's read rate from the probe before the trials (None: probe off, or no shard set read)."""
+    remote: bool = False
+    """The shard set is read over the network (a URL): remote_streams applies and is shown."""
 
 
 # --------------------------------------------------------------------------- measurement
@@ -382,8 +390,10 @@ class _LoaderFailed(_TrialError):
 def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = None, *, warmup_batches: int = 2,
                    window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
                    deadline: float | None = None, ram_budget_bytes: int | None = None,
-                   start_barrier: Callable[[], None] | None = None) -> TrialRecord:
-    """The loader ceiling (docs/design.md §4) of ``build_loader(shards, cfg, world)``: never raises for a bad trial.
+                   start_barrier: Callable[[], None] | None = None,
+                   manifest_file: str | Path | None = None) -> TrialRecord:
+    """The loader ceiling (docs/design.md §4) of ``build_loader(shards, cfg, world, manifest_file=...)``: never
+    raises for a bad trial.
 
     Batches go to ``world.device`` (synchronised on CUDA; on CPU they are touched) and are dropped.
     Returns a TrialRecord with median/min/max samples/s over ``repeats`` windows of ``window_s``
@@ -399,7 +409,7 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
         from gpufeed.loader import build_loader
 
         if "loader" not in holder:
-            holder["loader"] = build_loader(shards, cfg, world, train=True, epoch=epoch)
+            holder["loader"] = build_loader(shards, cfg, world, train=True, epoch=epoch, manifest_file=manifest_file)
         loader = holder["loader"]
         if epoch and hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
@@ -449,7 +459,8 @@ deadline; with a deadline the ranks get until it and this much again for teardow
 
 def measure_ranks(shards: str | Path, cfg: LoaderConfig, world: World, *, warmup_batches: int = 2,
                   window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
-                  deadline: float | None = None, ram_budget_bytes: int | None = None) -> TrialRecord:
+                  deadline: float | None = None, ram_budget_bytes: int | None = None,
+                  manifest_file: str | Path | None = None) -> TrialRecord:
     """``world.world_size`` rank loaders at once, as ``gpufeed train --nproc-per-node N`` runs them on one node.
 
     One spawned process per rank builds ``build_loader(shards, cfg, rank_world(world, r))`` (its own slice of the
@@ -471,7 +482,8 @@ def measure_ranks(shards: str | Path, cfg: LoaderConfig, world: World, *, warmup
     barrier = ctx.Barrier(n)
     results = ctx.Queue()
     kw = dict(warmup_batches=warmup_batches, window_s=window_s, window_batches=window_batches, repeats=repeats,
-              deadline=deadline, ram_budget_bytes=None if ram_budget_bytes is None else max(1, ram_budget_bytes // n))
+              deadline=deadline, ram_budget_bytes=None if ram_budget_bytes is None else max(1, ram_budget_bytes // n),
+              manifest_file=None if manifest_file is None else str(manifest_file))
     wait_s = RANK_START_S if deadline is None else max(0.0, deadline - time.monotonic()) + RANK_START_S / 4
     # rank processes start DataLoader workers of their own, so they cannot be daemons
     procs = [ctx.Process(target=_rank_main, args=(str(shards), cfg, rank_world(world, r), kw, barrier, results,
@@ -711,6 +723,10 @@ Reason = Literal[
     "no-gain",                   # a candidate did not win by min_gain: the knob stayed
     "candidate-failed",          # the candidate's trial failed: the knob stayed
     "contended-warning",         # some trials ran while other processes held the CPU
+    "streams-io-bound",          # a remote set whose best trial waits on reads: the streams climb starts
+    "streams-stopped-budget",    # the streams climb stopped: no time left for the next count
+    "streams-flattened",         # the streams climb stopped: more streams gained less than min_gain
+    "streams-chosen",            # the range requests per worker kept for a remote set
     "chart-failed",              # tune.png could not be written (the records stand)
 ]
 """Why the search took a step: the code tests and tools read; :attr:`Decision.sentence` is its English."""
@@ -738,6 +754,12 @@ _SENTENCES: dict[str, str] = {
                          "(machine >= {busy_pct:.0f}% busy, loader < {saturated:.0%} of its cores): their samples/s "
                          "are lower bounds; rerun on a quiet machine to trust the worker count",
     "chart-failed": "chart not written: {error}",
+    "streams-io-bound": "remote set whose loader waits on reads ({evidence}): more range requests in flight per "
+                        "worker may help; trying {ladder}",
+    "streams-stopped-budget": "stopped before {streams} streams (budget)",
+    "streams-flattened": "gain flattened at {streams} streams ({rate:.0f} vs {best_rate:.0f} samples/s at "
+                         "{best_streams}, < {min_gain:.0%})",
+    "streams-chosen": "keep {chosen} streams per worker ({rate:.0f} samples/s)",
 }
 
 
@@ -767,18 +789,20 @@ class Decision:
 
 
 MeasureFn = Callable[..., TrialRecord]
-CheckFn = Callable[[str, LoaderConfig, World], int]
+CheckFn = Callable[..., int]
+"""``(shards, base, world[, manifest_file=...]) -> samples per epoch`` (:func:`check_shard_set`)."""
 
 BUDGET_SATURATED = 0.9
 """The worker climb stops once the loader processes use this fraction of the CPU budget's cores."""
 
 
-def check_shard_set(shards: str, base: LoaderConfig, world: World) -> int:
+def check_shard_set(shards: str, base: LoaderConfig, world: World, manifest_file: str | None = None) -> int:
     """The checks ``gpufeed train`` makes before it starts, with the same exit code 2 (manifest, shard files present
     and readable, one batch per rank of ``world``); returns the samples per epoch."""
     from gpufeed.train import open_shards
 
-    return int(open_shards(shards, base, World(world_size=world.world_size)).manifest.num_samples)
+    return int(open_shards(shards, base, World(world_size=world.world_size),
+                           manifest_file=manifest_file).manifest.num_samples)
 
 
 class Search:
@@ -809,6 +833,12 @@ class Search:
         self.stop_reason = ""
         self.layout: LayoutConfig | None = None
         """The layout the trials run in (set by :func:`tune`)."""
+        from gpufeed.shardset.source import REMOTE_PREFIXES
+
+        self.remote = shards.startswith(REMOTE_PREFIXES)
+        """The set is read over the network in range requests, where remote_streams applies."""
+        self.storage_bytes_per_s: float | None = None
+        """The probed storage rate (set by :func:`tune`), for :func:`classify_bound`."""
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -836,11 +866,12 @@ class Search:
             self.stop_reason = self.stop_reason or f"budget: {self.cfg.budget_s:g} s spent or too little left for a trial"
             return None
         fn = measure or self.measure
+        extra = {"manifest_file": self.cfg.manifest} if self.cfg.manifest and source is None else {}
         t_start = time.perf_counter()
         try:
             rec = fn(source or self.shards, lc, self.world, warmup_batches=self.cfg.warmup_batches,
                      window_s=self.window_s, repeats=self.cfg.repeats, deadline=deadline,
-                     ram_budget_bytes=self.ram_budget)
+                     ram_budget_bytes=self.ram_budget, **extra)
         except Exception as exc:  # injected measures may raise; the sweep goes on
             rec = trial_record(lc, error=error_sentence(exc))
         if not rec.wall_s:
@@ -854,7 +885,7 @@ class Search:
         self.trials.append(rec)
         self.cache[key] = rec
         result = f"{rec.samples_per_s:8.1f} samples/s" if rec.ok else f"ERROR {one_line(rec.error or 'no rate')}"
-        self.progress(f"trial {rec.trial:2d} {phase:16s} {describe(rec, self.world.is_cuda):60s} {result}")
+        self.progress(f"trial {rec.trial:2d} {phase:16s} {describe(rec, self.world.is_cuda, self.remote):60s} {result}")
         return rec
 
     def target_reached(self) -> bool:
@@ -890,9 +921,9 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     budget are the node's aggregate. On CUDA rank r uses ``cuda:r``, so N GPUs are needed.
 
     The phases, each a function of the :class:`Search` state returning its :class:`Decision` records:
-    :func:`climb_workers`, then at that point :func:`refine_decode`, :func:`refine_batching`,
-    :func:`refine_prefetch` and :func:`refine_pinning`; :func:`settle_unmeasured` fixes the knobs not worth a
-    trial, and :func:`measure_baseline_imagefolder` the ImageFolder baseline.
+    :func:`climb_workers`, :func:`climb_streams` (a remote set only), then at that point :func:`refine_decode`,
+    :func:`refine_batching`, :func:`refine_prefetch` and :func:`refine_pinning`; :func:`settle_unmeasured` fixes
+    the knobs not worth a trial, and :func:`measure_baseline_imagefolder` the ImageFolder baseline.
     """
     from gpufeed.system import total_ram_bytes, usable_cpus
 
@@ -923,7 +954,11 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
                                image_size=base.image_size if cfg.image_size is None else cfg.image_size)
     if (base.decode == "gpu" and not world.is_cuda) or (base.decode == "simplejpeg" and not _has_module("simplejpeg")):
         base = dataclasses.replace(base, decode="pil-draft")
-    epoch_samples = check_shards(shards, base, world) if check_shards is not None else None
+    if check_shards is None:
+        epoch_samples = None
+    else:
+        epoch_samples = (check_shards(shards, base, world, manifest_file=cfg.manifest) if cfg.manifest
+                         else check_shards(shards, base, world))
     storage = None
     if cfg.storage_probe_s > 0:  # before the budget starts: the trials get all of it
         from gpufeed.storage import probe
@@ -941,11 +976,15 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     ladder = [w for w in WORKER_LADDER if w <= ceiling]
     if ceiling not in ladder:
         ladder.append(ceiling)
-    n_expected = len(ladder) + 3 + (2 if cfg.baseline_imagefolder else 0)
+    from gpufeed.shardset.source import REMOTE_PREFIXES
+
+    streams_trials = len(STREAMS_LADDER) - 1 if shards.startswith(REMOTE_PREFIXES) else 0  # one is the point's
+    n_expected = len(ladder) + 3 + streams_trials + (2 if cfg.baseline_imagefolder else 0)
     window_s = cfg.window_s or min(10.0, max(0.3, cfg.budget_s / (n_expected * (cfg.repeats + 1.5))))
 
     s = Search(cfg, shards, base, world, measure, window_s=window_s, ram_budget=ram_budget, usable=usable,
                ceiling=ceiling, progress=progress)
+    s.storage_bytes_per_s = storage.bytes_per_s if storage else None
     s.layout = LayoutConfig(ranks_per_node=ranks, usable_cores=usable, trainer_cores=cfg.trainer_cores,
                             device=device_type(world.device))
     s.decisions.append(Decision("search", "setup", detail={
@@ -954,7 +993,7 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
         "ceiling": ceiling, "ram_budget": _mb(ram_budget), "repeats": cfg.repeats, "window_s": window_s}))
     s.decisions += climb_workers(s, ladder)
     if s.point_rec is not None and not s.target_reached():
-        for phase in (refine_decode, refine_batching, refine_prefetch, refine_pinning):
+        for phase in (climb_streams, refine_decode, refine_batching, refine_prefetch, refine_pinning):
             s.decisions += phase(s)
     best = s.point_rec  # the search path's point: a knob moved only when it won by min_gain
     chosen = settle_unmeasured(s, best, epoch_samples) if best is not None else None
@@ -1029,6 +1068,65 @@ def climb_workers(s: Search, ladder: list[int]) -> list[Decision]:
         climb = tuple(t.trial for t in s.trials if t.phase in ("workers", "workers-retry"))
         out.append(Decision("num_workers", "workers-chosen", chosen=chosen.num_workers, candidates=climb,
                             detail={"rate": chosen.samples_per_s}))
+    return out
+
+
+def climb_streams(s: Search) -> list[Decision]:
+    """Phase 2, for a set read over the network: when the search point's trial waits on reads (storage-bound, or
+    neither CPU- nor copy-bound, or "CPU-bound" only through other processes' load while the loader's own processes
+    sat idle), climb ``remote_streams`` up :data:`STREAMS_LADDER` at the chosen worker count
+    with the worker climb's rules: stop when a count gains less than min_gain over the best one below it, or when
+    the budget is spent or a count exceeds the RAM budget (another failed count is passed over). The best count of
+    the climb becomes the search point (the starting count stays when the climb did not beat it by min_gain). A
+    local set or a CPU/copy-bound point skips the phase, with the reason in ``skipped``."""
+    ref = s.point_rec
+    if ref is None:
+        return []
+    if not s.remote:
+        s.skipped["remote_streams"] = "local shards: remote_streams only applies to a set read over the network"
+        return []
+    bound, evidence = classify_bound(ref, s.usable, s.storage_bytes_per_s)
+    possible = _possible_cores(ref, s.usable)
+    if bound == bounds.DECODE_CPU and not bounds.cpu_saturated(ref.tree_cores_used, possible):
+        # "CPU" only because other processes kept the machine busy: the loader's own processes sat waiting
+        evidence = (f"its processes kept {ref.tree_cores_used or 0.0:.2f} of {possible} cores busy; the machine's "
+                    f"{ref.cpu_percent_mean or 0.0:.0f}% load was other work")
+    elif bound not in (bounds.STORAGE, bounds.UNCLEAR):
+        s.skipped["remote_streams"] = (f"not measured: the best trial's bound is {bound} ({evidence}); more range "
+                                       f"requests only help a loader that waits on reads")
+        return []
+    cfg = s.cfg
+    out = [Decision("remote_streams", "streams-io-bound", chosen=s.point.remote_streams, candidates=(ref.trial,),
+                    detail={"bound": bound, "evidence": evidence,
+                            "ladder": ", ".join(map(str, STREAMS_LADDER))})]
+    climb_best: TrialRecord | None = None
+    for n in STREAMS_LADDER:
+        if s.target_reached():
+            break
+        rec = s.run(dataclasses.replace(s.point, remote_streams=n), "remote_streams", deadline=s.search_deadline)
+        if rec is None:
+            out.append(Decision("remote_streams", "streams-stopped-budget", detail={"streams": n}))
+            break
+        if not rec.ok:
+            out.append(Decision("remote_streams", "candidate-failed", chosen=s.point.remote_streams,
+                                candidates=(ref.trial, rec.trial),
+                                detail={"candidate": n, "error": one_line(rec.error or "no rate")}))
+            if rec.over_ram_budget:
+                break  # more streams only hold more
+            continue
+        if climb_best is not None and rec.samples_per_s < climb_best.samples_per_s * (1 + cfg.min_gain):
+            out.append(Decision("remote_streams", "streams-flattened", candidates=(climb_best.trial, rec.trial),
+                                detail={"streams": n, "rate": rec.samples_per_s, "best_rate": climb_best.samples_per_s,
+                                        "best_streams": climb_best.remote_streams, "min_gain": cfg.min_gain}))
+            break
+        climb_best = rec
+    chosen = climb_best
+    if chosen is None or (ref.ok and ref.samples_per_s > chosen.samples_per_s * (1 + cfg.min_gain)):
+        chosen = ref
+    s.point, s.point_rec = chosen.loader_config(s.base), chosen
+    climb = tuple(t.trial for t in s.trials if t.phase == "remote_streams")
+    out.append(Decision("remote_streams", "streams-chosen", chosen=chosen.remote_streams, candidates=climb,
+                        detail={"rate": chosen.samples_per_s}))
     return out
 
 
@@ -1180,7 +1278,8 @@ def _finish(s: Search, chosen: LoaderConfig | None, best: TrialRecord | None,
         per_rank = (f" per rank; node aggregate of {best.ranks} ranks" if best.ranks > 1 else "")
         slowest = (f", slowest rank {best.slowest_rank_samples_per_s:.0f}"
                    if best.slowest_rank_samples_per_s is not None else "")
-        conclusion = (f"best: {describe(best, s.world.is_cuda)}{per_rank} -> {best.samples_per_s:.0f} samples/s "
+        conclusion = (f"best: {describe(best, s.world.is_cuda, s.remote)}{per_rank} -> "
+                      f"{best.samples_per_s:.0f} samples/s "
                       f"({best_stat.fmt() if best_stat else ''}{slowest})"
                       + (f", {ratio:.2f}x ImageFolder ({baseline.samples_per_s:.0f} samples/s)" if ratio else "")
                       + f"; {bounds.label(bound)}"
@@ -1193,6 +1292,7 @@ def _finish(s: Search, chosen: LoaderConfig | None, best: TrialRecord | None,
         budget_s=cfg.budget_s, elapsed_s=s.elapsed(), target_rate=cfg.target_rate, target_met=target_met,
         usable_cpus=s.usable, device=s.world.device, num_trials=len(s.trials), trials=s.trials, layout=s.layout,
         slowest_rank_samples_per_s=None if best is None else best.slowest_rank_samples_per_s, storage=storage,
+        remote=s.remote,
     )
 
 
@@ -1241,9 +1341,10 @@ def _possible_cores(t: TrialRecord, usable_cpus: int) -> int:
 # --------------------------------------------------------------------------- outputs
 
 
-def describe(t: TrialRecord | LoaderConfig, cuda: bool) -> str:
-    """``w=2 simplejpeg wb pf=2`` (+ persist flag, + pin on CUDA): the knobs that apply. Worker knobs need
-    workers; pinning only matters for host-to-GPU copies, so it is not shown without CUDA."""
+def describe(t: TrialRecord | LoaderConfig, cuda: bool, remote: bool = False) -> str:
+    """``w=2 simplejpeg wb pf=2`` (+ persist flag, + pin on CUDA, + ``streams=N`` for a remote set): the knobs that
+    apply. Worker knobs need workers; pinning only matters for host-to-GPU copies, so it is not shown without
+    CUDA; remote_streams only for a set read in range requests."""
     parts = [f"w={t.num_workers}", t.decode]
     if t.num_workers:
         parts += ["wb" if t.worker_batching else "nowb", f"pf={t.prefetch_factor}"]
@@ -1251,6 +1352,8 @@ def describe(t: TrialRecord | LoaderConfig, cuda: bool) -> str:
             parts.append("persist")
     if t.pin_memory and cuda:
         parts.append("pin")
+    if remote:
+        parts.append(f"streams={t.remote_streams}")
     if isinstance(t, TrialRecord) and t.pipeline != "gpufeed":
         parts.insert(0, t.pipeline)
     return " ".join(parts)
@@ -1270,7 +1373,7 @@ def render(report: TuneReport) -> str:
             rate = "error"
         mark = "*" if t.trial == report.best_trial else " "
         lines.append(
-            f"{rank:>4}{mark}{t.trial:>3} {t.phase:15} {describe(t, cuda)[:42]:42} {rate:>24} "
+            f"{rank:>4}{mark}{t.trial:>3} {t.phase:15} {describe(t, cuda, report.remote)[:42]:42} {rate:>24} "
             f"{_f(t.startup_s, 2):>7} {_f(t.tree_cores_used, 2):>5} "
             f"{_f(None if t.rss_max_bytes is None else t.rss_max_bytes / 1e6, 0):>7} "
             f"{_f(None if t.read_bytes_per_s is None else t.read_bytes_per_s / 1e6, 1):>9}"
@@ -1390,7 +1493,7 @@ def plot_trials(report: TuneReport, path: str | Path) -> Path:
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     ranked = sorted(ok, key=lambda t: t.samples_per_s)
-    labels = [f"#{t.trial} {t.phase}: {describe(t, _is_cuda(report.device))}" for t in ranked]
+    labels = [f"#{t.trial} {t.phase}: {describe(t, _is_cuda(report.device), report.remote)}" for t in ranked]
     vals = [t.samples_per_s for t in ranked]
     lo = [v - t.samples_per_s_min for v, t in zip(vals, ranked)]
     hi = [t.samples_per_s_max - v for v, t in zip(vals, ranked)]

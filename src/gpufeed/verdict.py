@@ -71,6 +71,9 @@ class VerdictInputs:
     """Where storage_bytes_per_s came from: probe, io record or --storage-rate."""
     storage_ladder: tuple[tuple[int, float], ...] = ()
     """(parallel readers, bytes/s) of each step of the probe or io record, readers ascending; () = not measured."""
+    remote_streams: int | None = None
+    """Range requests each worker keeps in flight on a remote set (``[loader] remote_streams``); None = a local set
+    (one read per worker)."""
     shards: str | None = None
     """The shard set the loader reads (the stage fix names it)."""
     set_bytes: int | None = None
@@ -311,8 +314,10 @@ def _stage_fix(v: VerdictInputs, nums: dict[str, Any]) -> str:
 
 
 def _streams_fix(v: VerdictInputs, need: float | None, nums: dict[str, Any]) -> str | None:
-    """"needs N parallel streams" when the ladder read more with more readers than the loader reads with now:
-    N = the fewest readers that delivered ``need`` bytes/s (the best rung when none did)."""
+    """"needs N parallel streams" when the ladder read more with more readers than the loader reads with now
+    (ranks x workers, x ``remote_streams`` on a remote set): N = the fewest readers that delivered ``need`` bytes/s
+    (the best rung when none did). The knob named is num_workers for a local set and ``[loader] remote_streams``
+    (range requests per worker) for a remote one."""
     ladder = sorted((r, b) for r, b in v.storage_ladder if r >= 1 and _known(b))
     if len(ladder) < 2:
         return None
@@ -321,11 +326,17 @@ def _streams_fix(v: VerdictInputs, need: float | None, nums: dict[str, Any]) -> 
     if best_readers <= one_readers or best < STREAM_GAIN * one:
         return None
     readers, rate = next(((r, b) for r, b in ladder if need is not None and b >= need), (best_readers, best))
-    now = v.ranks_per_node * max(1, v.num_workers or 0)
+    workers = max(1, v.num_workers or 0)
+    now = v.ranks_per_node * workers * (v.remote_streams or 1)
     if readers <= now:
         return None
     nums.update(streams_needed=readers, streams_now=now)
-    per_rank = math.ceil(readers / max(1, v.ranks_per_node))
-    return (f"needs {readers} parallel streams: the storage read {one / 1e6:.1f} MB/s with {one_readers} reader(s) "
+    head = (f"needs {readers} parallel streams: the storage read {one / 1e6:.1f} MB/s with {one_readers} reader(s) "
             f"and {rate / 1e6:.1f} MB/s with {readers}; the loader reads {now} at once ({v.ranks_per_node} rank(s) x "
-            f"{max(1, v.num_workers or 0)} worker(s)): num_workers >= {per_rank} per rank")
+            f"{workers} worker(s)")
+    if v.remote_streams is not None:
+        per_worker = math.ceil(readers / (v.ranks_per_node * workers))
+        return (f"{head} x {v.remote_streams} range request(s)): set [loader] remote_streams = {per_worker} "
+                f"(requests in flight per worker; or more workers)")
+    per_rank = math.ceil(readers / max(1, v.ranks_per_node))
+    return f"{head}): num_workers >= {per_rank} per rank"

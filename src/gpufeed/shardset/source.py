@@ -14,6 +14,7 @@ Torch-free; fsspec (and aiohttp, s3fs, gcsfs) are imported only when a remote lo
 
 from __future__ import annotations
 
+import collections
 import io
 import itertools
 import json
@@ -39,7 +40,15 @@ PIPE_PREFIX = "pipe:"
 """A user-typed shell command whose standard output is a shard (webdataset's convention)."""
 
 CHUNK_BYTES = 8 << 20
-"""Bytes asked for per range request of a remote shard (one more request is kept in flight ahead)."""
+"""Bytes a remote shard's range requests ask for together: one stream asks for this much per request, N streams
+for a 1/N share each (no less than :data:`MIN_CHUNK_BYTES`), so N streams hold about as much in flight as one."""
+MIN_CHUNK_BYTES = 1 << 20
+"""The smallest range a stream asks for by default (smaller ranges pay a request's latency for too few bytes)."""
+STREAMS = 1
+"""Range requests :class:`RemoteStream` keeps in flight when not told (the loader passes ``[loader]
+remote_streams``)."""
+MAX_STREAMS = 64
+"""Most range requests one :class:`RemoteStream` keeps in flight."""
 CONNECT_TIMEOUT_S = 10.0
 """Seconds to wait for a TCP connection to a remote store."""
 READ_TIMEOUT_S = 60.0
@@ -200,25 +209,30 @@ class _ShortRead(Exception):
 # ---------------------------------------------------------------------------------------------- remote stream
 
 class RemoteStream(io.RawIOBase):
-    """A read-only, forward-only stream over ``[offset, size)`` of a remote object, fetched in ranges of
-    :data:`CHUNK_BYTES` with one range in flight ahead. A failed range is retried from the byte where it broke,
-    within ``retry``; then, or at once for a permanent error (not found, access denied, unknown host), reads
-    raise :class:`SourceError` naming the URL. Never reads past ``size``."""
+    """A read-only, forward-only stream over ``[offset, size)`` of a remote object, fetched in consecutive ranges
+    with ``streams`` range requests in flight at once, each on its own thread and connection (a slow first byte is
+    waited for N at a time, and a store that throttles each connection delivers up to N times as much). A range is
+    ``chunk_bytes``, by default :data:`CHUNK_BYTES` / ``streams`` but at least :data:`MIN_CHUNK_BYTES`. The ranges
+    are handed out in order, so the bytes are those of one sequential read; at most ``streams + 1`` ranges are
+    held in memory (the one being read and those in flight). A failed range is retried
+    from the byte where it broke, within ``retry``; then, or at once for a permanent error (not found, access
+    denied, unknown host), reads raise :class:`SourceError` naming the URL. Never reads past ``size``."""
 
     def __init__(self, url: str, size: int, offset: int = 0, retry: Retry | None = None,
-                 chunk_bytes: int | None = None) -> None:
+                 chunk_bytes: int | None = None, streams: int | None = None) -> None:
         super().__init__()
         self.url = url
         self.size = size
         self.pos = offset
         self.retry = retry or RETRY
-        self.chunk = max(int(chunk_bytes or CHUNK_BYTES), 1)
+        self.streams = min(max(int(streams or STREAMS), 1), MAX_STREAMS)
+        self.chunk = max(int(chunk_bytes or max(CHUNK_BYTES // self.streams, min(MIN_CHUNK_BYTES, CHUNK_BYTES))), 1)
         self._fs = fs_for(url)
         self._path = _fs_path(url)
         self._buf = memoryview(b"")
         self._next = offset  # the first byte not yet asked for
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufeed-fetch")
-        self._ahead: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="gpufeed-fetch")
+        self._ahead: collections.deque[Future] = collections.deque()
         self._ask()
 
     def readable(self) -> bool:
@@ -229,12 +243,11 @@ class RemoteStream(io.RawIOBase):
         return self.pos
 
     def _ask(self) -> None:
-        if self._next < self.size:
+        """Keep ``streams`` ranges in flight (fewer near the end of the object)."""
+        while len(self._ahead) < self.streams and self._next < self.size:
             end = min(self._next + self.chunk, self.size)
-            self._ahead = self._pool.submit(self._fetch, self._next, end)
+            self._ahead.append(self._pool.submit(self._fetch, self._next, end))
             self._next = end
-        else:
-            self._ahead = None
 
     def _fetch(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``, retried within the bound from wherever a try stopped."""
@@ -272,9 +285,9 @@ class RemoteStream(io.RawIOBase):
         if self.closed:
             raise ValueError("read from a closed stream")
         while not self._buf:
-            if self._ahead is None:
+            if not self._ahead:
                 return 0
-            data = self._ahead.result()
+            data = self._ahead.popleft().result()
             self._ask()
             self._buf = memoryview(data)
         n = min(len(b), len(self._buf))
@@ -285,8 +298,9 @@ class RemoteStream(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
-            if self._ahead is not None:
-                self._ahead.cancel()
+            for fut in self._ahead:
+                fut.cancel()
+            self._ahead.clear()
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._buf = memoryview(b"")
         super().close()
@@ -347,11 +361,12 @@ def remote_size(url: str, retry: Retry | None = None) -> int:
 
 
 def open_shard(url: str, *, size: int | None = None, offset: int = 0, retry: Retry | None = None,
-               chunk_bytes: int | None = None) -> BinaryIO:
+               chunk_bytes: int | None = None, streams: int | None = None) -> BinaryIO:
     """Open one shard for reading from ``offset``: a local path (a plain file), a ``pipe:`` command (its output;
-    ``offset`` must be 0) or a remote URL (:class:`RemoteStream`, buffered; ``size`` unknown is asked of the
-    server). ``url`` must come from :func:`open_set` or the user, never from data. Raises SourceError (remote,
-    pipe) or OSError (local)."""
+    ``offset`` must be 0) or a remote URL (:class:`RemoteStream` with ``streams`` range requests in flight,
+    buffered; ``size`` unknown is asked of the server); ``streams`` is ignored for a local path or a command.
+    ``url`` must come from :func:`open_set` or the user, never from data. Raises SourceError (remote, pipe) or
+    OSError (local)."""
     if url.startswith(PIPE_PREFIX):
         if offset:
             raise SourceError(f"{url}: a pipe: command is read from its start only")
@@ -361,8 +376,8 @@ def open_shard(url: str, *, size: int | None = None, offset: int = 0, retry: Ret
             size = remote_size(url, retry)
         if not 0 <= offset <= size:
             raise SourceError(f"{url}: offset {offset} is outside the shard's {size} bytes")
-        return io.BufferedReader(RemoteStream(url, size, offset, retry, chunk_bytes),  # type: ignore[return-value]
-                                 1 << 20)
+        stream = RemoteStream(url, size, offset, retry, chunk_bytes, streams)
+        return io.BufferedReader(stream, 1 << 20)  # type: ignore[return-value]
     f = open(url, "rb", buffering=1 << 20)
     if offset:
         f.seek(offset)

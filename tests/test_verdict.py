@@ -125,6 +125,27 @@ def test_storage_fix_for_a_remote_set_names_remote_streams() -> None:
     assert not any("parallel streams" in f for f in enough.fixes)
 
 
+def test_storage_bound_at_the_loaders_own_concurrency_on_a_per_connection_limited_store() -> None:
+    # an object store that gives each connection 10 MB/s: the probe's ladder reaches 80 MB/s with 8 readers, but
+    # a loader with 1 rank x 1 worker x 1 range request reads 9.5 MB/s: at the storage's limit for ONE reader
+    ladder = ((1, 10e6), (2, 20e6), (4, 40e6), (8, 80e6))
+    run = {**STORAGE_RUN, "num_workers": 1, "read_bytes_per_s": 9.5e6, "storage_bytes_per_s": 80e6,
+           "shards": "https://data.example/train"}
+    v = classify(VerdictInputs(**run, storage_ladder=ladder, remote_streams=1))
+    assert v.bound == "storage"
+    assert v.reason.endswith("the loader reads at the storage's limit: 9.5 MB/s, 95% of the 10.0 MB/s the storage "
+                             "delivers to 1 reader(s) at once, as the loader reads (up to 80.0 MB/s with more, probe)")
+    assert v.numbers["storage_bytes_per_s_at_loader"] == 10e6
+    assert any(f.endswith("set [loader] remote_streams = 8 (requests in flight per worker; or more workers)")
+               for f in v.fixes)
+    # the same loader with 8 requests in flight reads at the ladder's 8-reader rate: judged against 80 MB/s
+    wide = classify(VerdictInputs(**{**run, "read_bytes_per_s": 76e6}, storage_ladder=ladder, remote_streams=8))
+    assert wide.bound == "storage" and "95% of the 80.0 MB/s the storage delivers, probe" in wide.reason
+    # without a ladder (an explicit --storage-rate) the one rate is the limit: 9.5 of 80 MB/s is not storage-bound
+    flat = classify(VerdictInputs(**run, remote_streams=1))
+    assert flat.bound != "storage"
+
+
 def test_storage_bound_when_workers_idle_while_reading() -> None:
     v = classify(VerdictInputs(stall_pct=50.0, end_to_end_rate=300, gpu_ceiling=1000, loader_ceiling=300,
                                loader_cores_used=1.0, usable_cores=16, num_workers=8, read_bytes_per_s=30e6))

@@ -698,7 +698,8 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer,
     read_rate = (lonly or real).read_bytes_per_s
     from gpufeed.shardset.source import REMOTE_PREFIXES
 
-    if manifest is not None and str(trainer.cfg.shards or "").startswith(REMOTE_PREFIXES):
+    remote = str(trainer.cfg.shards or "").startswith(REMOTE_PREFIXES)
+    if manifest is not None and remote:
         # a remote set is read over sockets, which the storage I/O counters behind read_bytes do not count: the
         # loader moves the manifest's mean bytes per sample, so it reads its samples/s (per node) times that
         read_rate = (lonly or real).samples_per_s / max(1, trainer.num_nodes) * manifest.mean_sample_bytes
@@ -713,6 +714,7 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer,
         usable_cores=float(usable_cpus()), num_nodes=trainer.num_nodes,
         ranks_per_node=trainer.world.local_world_size,
         num_workers=trainer.loader_cfg.num_workers,
+        remote_streams=trainer.loader_cfg.remote_streams if remote else None,
         read_bytes_per_s=read_rate,
         storage_bytes_per_s=storage.bytes_per_s if storage else None,
         storage_source=storage.source if storage else None,

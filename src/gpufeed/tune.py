@@ -963,7 +963,7 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     if cfg.storage_probe_s > 0:  # before the budget starts: the trials get all of it
         from gpufeed.storage import probe
 
-        storage = probe(shards, cfg.storage_probe_s)
+        storage = probe(shards, cfg.storage_probe_s, manifest=cfg.manifest)
         if progress:
             progress(f"storage probe: {storage.bytes_per_s / 1e6:,.1f} MB/s with {storage.readers} reader(s), "
                      f"{storage.cache}")

@@ -204,9 +204,12 @@ def classify(v: VerdictInputs) -> Verdict:
 
     per_node_target = target / v.num_nodes if target else None
     fixes: list[str] = []
-    # 3. storage-bound: reads at the storage's rate, or workers idle while reading
-    if bounds.storage_limited(v.read_bytes_per_s, v.storage_bytes_per_s):
+    # 3. storage-bound: reads at the storage's rate (at the loader's own concurrency), or workers idle while reading
+    storage_now, readers_now = _storage_at_loader(v)
+    if bounds.storage_limited(v.read_bytes_per_s, storage_now):
         nums.update(read_bytes_per_s=v.read_bytes_per_s, storage_bytes_per_s=v.storage_bytes_per_s)
+        if storage_now != v.storage_bytes_per_s:
+            nums["storage_bytes_per_s_at_loader"] = storage_now
         need = None
         if per_node_target and _known(v.mean_sample_bytes):
             need = per_node_target * v.mean_sample_bytes
@@ -223,10 +226,14 @@ def classify(v: VerdictInputs) -> Verdict:
             fixes.append(f"store images at <= 512 px (gpufeed shard --max-size 512): now "
                          f"{v.mean_sample_bytes / 1e3:.0f} KB per sample")
         src = f", {v.storage_source}" if v.storage_source else ""
+        if storage_now != v.storage_bytes_per_s:  # the ladder read more with more readers than the loader uses
+            limit = (f"{storage_now / 1e6:.1f} MB/s the storage delivers to {readers_now} reader(s) at once, as the "
+                     f"loader reads (up to {v.storage_bytes_per_s / 1e6:.1f} MB/s with more{src})")
+        else:
+            limit = f"{v.storage_bytes_per_s / 1e6:.1f} MB/s the storage delivers{src}"
         return Verdict("starved", bounds.STORAGE,
                        f"{why}; the loader reads at the storage's limit: {v.read_bytes_per_s / 1e6:.1f} MB/s, "
-                       f"{100 * v.read_bytes_per_s / v.storage_bytes_per_s:.0f}% of the "
-                       f"{v.storage_bytes_per_s / 1e6:.1f} MB/s the storage delivers{src}", fixes, nums)
+                       f"{100 * v.read_bytes_per_s / storage_now:.0f}% of the {limit}", fixes, nums)
 
     busy_slots = None
     if v.num_workers is not None:
@@ -313,6 +320,26 @@ def _stage_fix(v: VerdictInputs, nums: dict[str, Any]) -> str:
             f"({_size(v.set_bytes)}, {_size(v.shm_free_bytes)} free)")
 
 
+def _readers_now(v: VerdictInputs) -> int:
+    """Reads the loader of one node has in flight at once: ranks x workers (the main process when 0), x
+    ``remote_streams`` on a remote set."""
+    return v.ranks_per_node * max(1, v.num_workers or 0) * (v.remote_streams or 1)
+
+
+def _storage_at_loader(v: VerdictInputs) -> tuple[float | None, int | None]:
+    """What the storage delivers at the loader's own concurrency, and that concurrency: the ladder's rate at its
+    largest rung not above :func:`_readers_now` (a per-connection limit, as object stores have, caps a loader
+    with fewer streams below the ladder's best), never more than ``storage_bytes_per_s``. Without a ladder (an
+    explicit --storage-rate) or when the loader reads with fewer readers than the lowest rung: the best rate."""
+    best = v.storage_bytes_per_s
+    ladder = sorted((r, b) for r, b in v.storage_ladder if r >= 1 and _known(b))
+    now = _readers_now(v)
+    below = [b for r, b in ladder if r <= now]
+    if not _known(best) or not below:
+        return best, None
+    return min(best, max(below)), now
+
+
 def _streams_fix(v: VerdictInputs, need: float | None, nums: dict[str, Any]) -> str | None:
     """"needs N parallel streams" when the ladder read more with more readers than the loader reads with now
     (ranks x workers, x ``remote_streams`` on a remote set): N = the fewest readers that delivered ``need`` bytes/s
@@ -327,7 +354,7 @@ def _streams_fix(v: VerdictInputs, need: float | None, nums: dict[str, Any]) -> 
         return None
     readers, rate = next(((r, b) for r, b in ladder if need is not None and b >= need), (best_readers, best))
     workers = max(1, v.num_workers or 0)
-    now = v.ranks_per_node * workers * (v.remote_streams or 1)
+    now = _readers_now(v)
     if readers <= now:
         return None
     nums.update(streams_needed=readers, streams_now=now)

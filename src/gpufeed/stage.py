@@ -134,8 +134,11 @@ def staged_node(m: Manifest, where: str = "manifest") -> tuple[int, int] | None:
 
 def node_of(cfg: StageConfig, environ: dict[str, str] | None = None) -> tuple[int, int]:
     """``(node_rank, num_nodes)`` to stage for: the command line's, each missing one from the launcher's environment
-    (:func:`gpufeed.world.node_from_env`), else node 0 of 1. Refuses a rank outside 0..num_nodes-1."""
+    (:func:`gpufeed.world.node_from_env`; ignored when its node count differs from the command line's), else node 0
+    of 1. Refuses a rank outside 0..num_nodes-1."""
     env_rank, env_nodes = node_from_env(environ)
+    if cfg.num_nodes is not None and env_nodes != cfg.num_nodes:
+        env_rank = env_nodes = None
     num_nodes = cfg.num_nodes if cfg.num_nodes is not None else (env_nodes or 1)
     node_rank = cfg.node_rank if cfg.node_rank is not None else (env_rank or 0)
     if not 1 <= num_nodes <= MAX_NODES or not 0 <= node_rank < num_nodes:

@@ -142,12 +142,17 @@ def test_unbalanced_nodes_warn_once(tmp_path, capsys):
     shards = write_set(tmp_path / "set", [20, 2])  # node 0 holds 20 samples, node 1 two
     loader = build_loader(shards, cfg(batch_size=1, shard_split="node"), node_world(0, 2))
     assert len(loader) == 2  # global would give 11
+    assert capsys.readouterr().err == ""  # built (as the launcher's check builds it): nothing said yet
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        assert len(list(loader)) == 2
     err = capsys.readouterr().err
-    assert err.count("warning:") == 1 and "18 samples (81.8% of the set)" in err
-    build_loader(shards, cfg(batch_size=1, shard_split="node"), node_world(0, 2, local_rank=1, local_world_size=2))
-    assert "warning" not in capsys.readouterr().err  # only local rank 0 prints it
-    build_loader(write_set(tmp_path / "even", [5, 5]), cfg(batch_size=1, shard_split="node"), node_world(0, 2))
-    assert capsys.readouterr().err == ""
+    assert err.count("warning:") == 1 and "18 samples (81.8% of the set)" in err  # once, at the first epoch
+    other = build_loader(shards, cfg(batch_size=1, shard_split="node"),
+                         node_world(0, 2, local_rank=1, local_world_size=2))
+    assert len(list(other)) == 1 and other.warnings and "warning" not in capsys.readouterr().err  # local rank 0 only
+    even = build_loader(write_set(tmp_path / "even", [5, 5]), cfg(batch_size=1, shard_split="node"), node_world(0, 2))
+    assert len(list(even)) == 5 and even.warnings == [] and capsys.readouterr().err == ""
 
 
 def test_node_split_refuses_worlds_it_cannot_serve(tmp_path):

@@ -11,6 +11,14 @@ yields a fixed share of them and stops, so DDP never waits on an uneven tail. Sa
 (fewer than ``W x batch_size`` plus the per-worker rounding) are dropped, randomly for training since
 they are the last ones out of the shuffle buffer. Corrupt samples skipped under ``on_error = "skip"``
 are replaced by reading on (a worker re-reads its range if it must), never by a short rank.
+That is ``shard_split = "global"``: over the epochs every node reads every shard. With ``shard_split = "node"``
+node ``n`` of ``M`` owns the fixed shards ``i % M == n`` (:func:`gpufeed.world.node_shards`, also what ``gpufeed
+stage --num-nodes`` copies); each epoch only those are put in a seeded order (seed, epoch, node) and split among
+the node's ``L`` local ranks and their workers as above (``r`` is the local rank). Every rank of every node
+yields ``min over nodes of (node samples // L) // batch_size`` batches (from the manifest's counts, the same on
+every node); nodes holding more samples drop the rest, and local rank 0 warns once when that is more than
+:data:`NODE_IMBALANCE_WARN` of the set beyond what the global split drops. Only the node's own shards must be
+present; a set staged for one node is refused under the global split.
 
 What is read is checked against the manifest: a shard that ends before its promised sample count
 (a 0-byte shard, a shard cut at a member boundary, a manifest count too high) or holds more samples than
@@ -39,7 +47,7 @@ batch count stays right, but that sample is missing from ``num_skipped`` and the
 bit-identical. Losses the checks do find in the skipped part are counted in ``num_skipped`` of the resumed
 loader (the first ``start_batch`` batches' losses, as the uninterrupted loader counted them).
 :class:`LoaderPosition` is what a checkpoint stores; it is only valid for the same shard set, seed,
-batch size, shuffle buffer, number of workers and world size.
+batch size, shuffle buffer, number of workers, world size and shard split (and node count).
 
 The per-sample work (decode, crop, resize, flip) is in :mod:`gpufeed.decode`. Batches are built inside
 the workers directly into a shared-memory ``[B, S, S, 3]`` uint8 tensor and handed out as the
@@ -666,8 +674,9 @@ class ShardLoader:
         self.paths = list(shard_set.urls)
         counts = [s.num_samples for s in self.manifest.shards]
         split = split_of(cfg, world)
-        mine = _own_shards(str(shards), self.manifest, world, split)  # the shards this rank's node reads
-        unreadable = [] if shard_set.remote else [(self.paths[i], why) for i in mine
+        self.shards_here = _own_shards(str(shards), self.manifest, world, split)
+        """Indices of the shards this rank's node reads: all of them under the global split."""
+        unreadable = [] if shard_set.remote else [(self.paths[i], why) for i in self.shards_here
                                                   if (why := file_problem(self.paths[i]))]
         if unreadable:
             whose = "" if split.get("node_rank") is None else f" owned by node {world.node_rank}"
@@ -675,7 +684,9 @@ class ShardLoader:
                             f"{unreadable[0][0]} {unreadable[0][1]}")
         self.num_batches = split_batches(counts, cfg.batch_size, **split)
         self.warnings: list[str] = []
-        """Findings that do not stop the loader (printed once to stderr by local rank 0)."""
+        """Findings that do not stop the loader: local rank 0 prints them to stderr when it is first iterated (a
+        loader built only to check the set, as the launcher does, prints nothing)."""
+        self._warned = False
         if self.num_batches == 0:
             if split.get("node_rank") is None:
                 raise DataError(
@@ -691,9 +702,6 @@ class ShardLoader:
             )
         if split.get("node_rank") is not None:
             self.warnings += _imbalance(counts, world, cfg.batch_size, self.num_batches)
-            if world.local_rank == 0:
-                for w in self.warnings:
-                    print(f"warning: {w}", file=sys.stderr)
         if cfg.decode == "simplejpeg":
             dec._import_simplejpeg()
         self.num_skipped = 0
@@ -751,6 +759,10 @@ class ShardLoader:
             self.set_epoch(position.epoch, position.batches_consumed)
 
     def __iter__(self):
+        if not self._warned and self.world.local_rank == 0:
+            for w in self.warnings:
+                print(f"warning: {w}", file=sys.stderr)
+        self._warned = True
         start = int(self._start.value)
         self._consumed = start
         batches = self._loader_batches()

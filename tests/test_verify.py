@@ -319,3 +319,19 @@ def test_verify_refuses_a_malformed_node_record(tmp_path):
         (dest / "manifest.json").write_text(json.dumps(m))
         result = invoke(["verify", dest], expect=2)
         assert "options.staged_node" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_verify_of_a_node_staged_gpufeed_set_compares_its_shards_index_rows(shard_set, tmp_path):
+    dest = tmp_path / "node0"
+    invoke(["stage", shard_set, dest, "--num-nodes", "2", "--node-rank", "0", "--quiet"])
+    assert sorted(p.name for p in dest.glob("*.tar")) == ["train-000000.tar", "train-000002.tar"]
+    r = invoke_json(["verify", dest])  # index.parquet lists node 1's samples too: not a problem here
+    assert (r["ok"], r["num_shards"], r["num_samples"]) == (True, 2, 8)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(dest / "index.parquet")
+    keep = [i for i, s in enumerate(table.column("shard").to_pylist()) if s != "train-000002.tar"]
+    pq.write_table(table.take(pa.array(keep)), dest / "index.parquet")  # node 0's shard 2 loses its rows
+    result = invoke(["verify", dest], expect=1)
+    assert "train-000002.tar has no row" in result.stdout

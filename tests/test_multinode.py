@@ -92,3 +92,44 @@ def test_two_nodes_over_a_loopback_rendezvous(tmp_path: Path) -> None:
     assert note["notes"][0].startswith("this node ran its ranks; the summary and verdict are in the run folder "
                                        "of node 0")
     assert not (runs[other] / "summary.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_node_split_over_node_staged_copies_keeps_every_rank_in_step(tmp_path: Path) -> None:
+    """``gpufeed stage --num-nodes 2`` gives each node its own shards (node 0: shards 0 and 2, 32 samples; node 1:
+    shard 1, 8), then ``train`` with ``shard_split = "node"`` over a static rendezvous: each node reads only its
+    copy, and both ranks stop at node 1's 2 batches an epoch, so two epochs are 4 DDP steps on both nodes."""
+    from tests.conftest import invoke
+
+    shards = write_tiny_shards(tmp_path / "shards", [16, 8, 16])
+    copies = [tmp_path / "node0-nvme", tmp_path / "node1-nvme"]
+    for node, dest in enumerate(copies):
+        invoke(["stage", shards, dest, "--num-nodes", "2", "--node-rank", node, "--quiet"])
+    assert sorted(p.name for p in copies[1].glob("*.tar")) == ["train-000001.tar"]
+    config = tmp_path / "gpufeed.toml"
+    config.write_text('[loader]\nshard_split = "node"\n')
+    port = free_port()
+    args = ["--config", str(config), "--arch", "resnet18", "--image-size", "32", "--batch-size", "4",
+            "--num-workers", "0", "--amp", "off", "--epochs", "2", "--device", "cpu", "--threads", "1", "--quiet",
+            "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+            "--json"]
+    runs = [tmp_path / "node-a", tmp_path / "node-b"]
+    procs = [subprocess.Popen([sys.executable, "-m", "gpufeed.cli", "train", *args, "--shards", str(copies[node]),
+                               "--node-rank", str(node), "--run-dir", str(run)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for node, run in enumerate(runs)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=150))
+    finally:
+        for p in procs:
+            kill_tree(p)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    s = json.loads((runs[0] / "summary.json").read_text())
+    assert (s["num_nodes"], s["world_size"], s["step"]) == (2, 2, 4)
+    per_rank = s["modes"]["real"]["per_rank"]
+    assert [r["node"] for r in per_rank] == [0, 1] and per_rank[0]["num_samples"] == per_rank[1]["num_samples"]
+    for _, err in outs:  # each node's local rank 0 says, once, that the smaller node sets the pace
+        assert err.count('warning: shard_split = "node": the 2 nodes hold 8 to 32 samples') == 1, err

@@ -1,5 +1,5 @@
 """``gpufeed stage SRC DEST``: checked copies, the DEST set is usable, corrupt sources refused, resume after a
-partial or killed run, the free-space check, and node subsets refused."""
+partial or killed run, the free-space check, and per-node subsets (``--num-nodes``/``--node-rank``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpufeed.errors import DataError
 from tests.conftest import invoke, invoke_json
 from tests.train_shards import write_tiny_shards
 
@@ -159,9 +160,85 @@ def test_dest_holding_another_set_is_refused(src: Path, tmp_path: Path) -> None:
     assert "holds another shard set" in result.stderr
 
 
-def test_node_subsets_are_refused(src: Path, tmp_path: Path) -> None:
+def test_two_nodes_each_stage_their_own_shards_and_read_them(tmp_path: Path) -> None:
+    src = write_tiny_shards(tmp_path / "src", [6, 5, 7, 6, 4])
+    names = sorted(_files(src))
+    src_manifest = json.loads((src / "manifest.json").read_text())
+    for node, mine in [(0, [0, 2, 4]), (1, [1, 3])]:
+        dest = tmp_path / f"node{node}"
+        r = invoke_json(["stage", src, dest, "--num-nodes", "2", "--node-rank", node, "--quiet"])
+        assert (r["num_shards"], r["set_shards"], r["shards_copied"], r["node_rank"]) == (len(mine), 5, len(mine), node)
+        assert r["bytes_copied"] == sum(len(_files(src)[names[i]]) for i in mine)
+        assert sorted(_files(dest)) == [names[i] for i in mine]
+        written = json.loads((dest / "manifest.json").read_text())
+        assert written["shards"] == src_manifest["shards"]  # every shard listed: counts, sizes, sha256 unchanged
+        assert written["options"]["staged_node"] == {"node_rank": node, "num_nodes": 2, "num_shards": len(mine)}
+        out = invoke(["verify", dest], expect=0).stdout
+        assert f"node {node} of 2: {len(mine)} of 5 shards staged here" in out
+
+        from gpufeed.config import LoaderConfig
+        from gpufeed.loader import build_loader
+        from gpufeed.world import World
+
+        world = World(rank=node, world_size=2, node_rank=node, num_nodes=2)
+        c = LoaderConfig(batch_size=2, num_workers=0, decode="pil", image_size=16, shard_split="node")
+        assert len(build_loader(dest, c, world)) == min(17 // 2, 11 // 2)
+        with pytest.raises(DataError, match='other nodes\' shards are missing here.*shard_split = "node"'):
+            build_loader(dest, LoaderConfig(batch_size=2, num_workers=0), world)  # the global split refuses
+        other = World(rank=1 - node, world_size=2, node_rank=1 - node, num_nodes=2)
+        with pytest.raises(DataError, match=f"staged for node {node} of 2"):
+            build_loader(dest, c, other)
+    text = invoke(["stage", src, tmp_path / "node1", "--num-nodes", "2", "--node-rank", "1", "--quiet"]).stdout
+    assert "staged 2 shards (node 1 of 2: 2 of 5) to" in text and "2 kept" in text  # resume
+    assert 'note: train with [loader] shard_split = "node"' in text
+
+
+def test_a_node_stage_needs_only_its_own_source_shards(src: Path, tmp_path: Path) -> None:
+    (src / "train-000001.tar").unlink()  # node 1's: node 0 of 2 neither checks nor copies it
+    r = invoke_json(["stage", src, tmp_path / "dest", "--num-nodes", "2", "--node-rank", "0", "--quiet"])
+    assert r["shards_copied"] == 2
+    result = invoke(["stage", src, tmp_path / "dest1", "--num-nodes", "2", "--node-rank", "1", "--quiet"], expect=2)
+    assert "train-000001.tar is missing" in result.stderr
+
+
+def test_a_node_stage_from_http_asks_and_copies_only_its_shards(http_server, tmp_path: Path) -> None:
+    folder = write_tiny_shards(http_server.root / "set", [6, 5, 7, 6])
+    url = f"{http_server.url}/set"
+    http_server.faults.missing.add("/set/train-000001.tar")  # node 1's shard: node 0 never asks for it
+    dest = tmp_path / "dest"
+    r = invoke_json(["stage", url, dest, "--num-nodes", "2", "--node-rank", "0", "--quiet"])
+    assert (r["shards_copied"], r["set_shards"]) == (2, 4)
+    assert _files(dest) == {n: b for n, b in _files(folder).items() if n in ("train-000000.tar", "train-000002.tar")}
+    invoke(["verify", dest], expect=0)
+    r = invoke(["stage", url, tmp_path / "dest1", "--num-nodes", "2", "--node-rank", "1", "--quiet"], expect=2)
+    assert "train-000001.tar cannot be read: not found (HTTP 404)" in r.stderr
+
+
+def test_whole_set_after_a_node_stage_drops_the_node_record(src: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    invoke_json(["stage", src, dest, "--num-nodes", "2", "--node-rank", "1", "--quiet"])
+    r = invoke_json(["stage", src, dest, "--quiet"])
+    assert (r["shards_kept"], r["shards_copied"], r["node_rank"]) == (2, 2, None)
+    assert "staged_node" not in json.loads((dest / "manifest.json").read_text())["options"]
+    invoke(["verify", dest], expect=0)
+
+
+def test_node_from_the_launchers_environment_and_the_command_line_wins(src: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    r = invoke_json(["stage", src, tmp_path / "a", "--quiet"])
+    assert (r["node_rank"], r["num_nodes"]) == (1, 2) and sorted(_files(tmp_path / "a")) == [
+        "train-000001.tar", "train-000003.tar"]
+    r = invoke_json(["stage", src, tmp_path / "b", "--node-rank", "0", "--quiet"])
+    assert (r["node_rank"], r["num_nodes"]) == (0, 2)
+    r = invoke_json(["stage", src, tmp_path / "c", "--num-nodes", "1", "--quiet"])
+    assert (r["node_rank"], r["num_shards"]) == (None, 4)  # the whole set
+
+
+def test_node_subsets_that_cannot_work_are_refused(src: Path, tmp_path: Path) -> None:
     result = invoke(["stage", src, tmp_path / "dest", "--num-nodes", "8", "--node-rank", "3"], expect=2)
-    assert "every node reads every shard" in result.stderr
+    assert "--num-nodes 8 is more than the set's 4 shard(s)" in result.stderr
     assert not (tmp_path / "dest").exists()
     result = invoke(["stage", src, tmp_path / "dest", "--num-nodes", "2", "--node-rank", "2"], expect=2)
     assert "node_rank (2) must be below num_nodes (2)" in result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -285,3 +286,52 @@ def test_verify_finds_a_tar_cut_at_a_member_boundary(tmp_path: Path, gzip: bool)
     assert rep.num_samples == rep.num_expected == 1  # the count alone cannot tell
     assert ("a.cls", "tar is truncated after this member") in [(p.member, p.reason.split(":")[0])
                                                                for p in rep.problems]
+
+
+# --------------------------------------------------------------------------- a set staged for one node
+
+
+def _node_staged(tmp_path):
+    from tests.train_shards import write_tiny_shards
+
+    src = write_tiny_shards(tmp_path / "src", [6, 5, 7, 6, 4])
+    dest = tmp_path / "node1"
+    invoke(["stage", src, dest, "--num-nodes", "2", "--node-rank", "1", "--quiet"])
+    return dest
+
+
+def test_verify_of_a_node_staged_set_checks_the_shards_staged_there(tmp_path):
+    dest = _node_staged(tmp_path)
+    r = invoke_json(["verify", dest])
+    assert (r["ok"], r["num_shards"], r["num_samples"], r["num_expected"]) == (True, 2, 11, 11)
+    assert r["node"] == "node 1 of 2: 2 of 5 shards staged here"
+    (dest / "train-000003.tar").unlink()  # one of node 1's own shards: a failure
+    result = invoke(["verify", dest], expect=1)
+    assert "train-000003.tar" in result.stdout and "shard file is missing" in result.stdout
+
+
+def test_verify_refuses_a_malformed_node_record(tmp_path):
+    dest = _node_staged(tmp_path)
+    m = json.loads((dest / "manifest.json").read_text())
+    for bad in ({"node_rank": 1, "num_nodes": 2, "num_shards": 3}, {"node_rank": 2, "num_nodes": 2, "num_shards": 2},
+                {"node_rank": "1", "num_nodes": 2, "num_shards": 2}, [1, 2]):
+        m["options"]["staged_node"] = bad
+        (dest / "manifest.json").write_text(json.dumps(m))
+        result = invoke(["verify", dest], expect=2)
+        assert "options.staged_node" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_verify_of_a_node_staged_gpufeed_set_compares_its_shards_index_rows(shard_set, tmp_path):
+    dest = tmp_path / "node0"
+    invoke(["stage", shard_set, dest, "--num-nodes", "2", "--node-rank", "0", "--quiet"])
+    assert sorted(p.name for p in dest.glob("*.tar")) == ["train-000000.tar", "train-000002.tar"]
+    r = invoke_json(["verify", dest])  # index.parquet lists node 1's samples too: not a problem here
+    assert (r["ok"], r["num_shards"], r["num_samples"]) == (True, 2, 8)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(dest / "index.parquet")
+    keep = [i for i, s in enumerate(table.column("shard").to_pylist()) if s != "train-000002.tar"]
+    pq.write_table(table.take(pa.array(keep)), dest / "index.parquet")  # node 0's shard 2 loses its rows
+    result = invoke(["verify", dest], expect=1)
+    assert "train-000002.tar has no row" in result.stdout

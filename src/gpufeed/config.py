@@ -261,6 +261,10 @@ class LoaderConfig:
     connection: more hide a slow first byte and add up per-connection throttles. Each asks for 8 MiB / remote_streams
     (at least 1 MiB), so a worker holds about 8 MiB in flight plus the range it reads (more above 8 streams:
     remote_streams x 1 MiB). Ignored for local shards and pipe: commands; tune searches it for a remote set."""
+    shard_split: Literal["global", "node"] = "global"
+    """How an epoch's shards are split: global = every rank takes a range of all shards in a seeded per-epoch order
+    (every node reads every shard over the epochs); node = node n of N reads only the shards i with i % N == n, the
+    ones ``gpufeed stage --num-nodes N --node-rank n`` copies (required for a set staged per node)."""
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -514,9 +518,10 @@ class StageConfig:
     jobs: int | None = bounded(None, 1, MAX_WORKERS)
     """Concurrent shard copies (threads); None = min(8, shards to copy)."""
     node_rank: int | None = bounded(None, 0, MAX_NODES - 1)
-    """This node's rank; only a whole set can be staged, so with num_nodes > 1 staging is refused."""
+    """This node's rank (0..num_nodes-1); None = the launcher's (torchrun GROUP_RANK, SLURM_NODEID), else 0."""
     num_nodes: int | None = bounded(None, 1, MAX_NODES)
-    """Nodes of the job; more than 1 is refused (every node reads every shard across epochs)."""
+    """Nodes of the job; above 1 only this node's shards (i % num_nodes == node_rank) are copied, for
+    [loader] shard_split = "node"; None = the launcher's (GROUP_WORLD_SIZE, SLURM_JOB_NUM_NODES), else 1."""
 
     def __post_init__(self) -> None:
         check_bounds(self)

@@ -11,6 +11,14 @@ yields a fixed share of them and stops, so DDP never waits on an uneven tail. Sa
 (fewer than ``W x batch_size`` plus the per-worker rounding) are dropped, randomly for training since
 they are the last ones out of the shuffle buffer. Corrupt samples skipped under ``on_error = "skip"``
 are replaced by reading on (a worker re-reads its range if it must), never by a short rank.
+That is ``shard_split = "global"``: over the epochs every node reads every shard. With ``shard_split = "node"``
+node ``n`` of ``M`` owns the fixed shards ``i % M == n`` (:func:`gpufeed.world.node_shards`, also what ``gpufeed
+stage --num-nodes`` copies); each epoch only those are put in a seeded order (seed, epoch, node) and split among
+the node's ``L`` local ranks and their workers as above (``r`` is the local rank). Every rank of every node
+yields ``min over nodes of (node samples // L) // batch_size`` batches (from the manifest's counts, the same on
+every node); nodes holding more samples drop the rest, and local rank 0 warns once when that is more than
+:data:`NODE_IMBALANCE_WARN` of the set beyond what the global split drops. Only the node's own shards must be
+present; a set staged for one node is refused under the global split.
 
 What is read is checked against the manifest: a shard that ends before its promised sample count
 (a 0-byte shard, a shard cut at a member boundary, a manifest count too high) or holds more samples than
@@ -39,7 +47,7 @@ batch count stays right, but that sample is missing from ``num_skipped`` and the
 bit-identical. Losses the checks do find in the skipped part are counted in ``num_skipped`` of the resumed
 loader (the first ``start_batch`` batches' losses, as the uninterrupted loader counted them).
 :class:`LoaderPosition` is what a checkpoint stores; it is only valid for the same shard set, seed,
-batch size, shuffle buffer, number of workers and world size.
+batch size, shuffle buffer, number of workers, world size and shard split (and node count).
 
 The per-sample work (decode, crop, resize, flip) is in :mod:`gpufeed.decode`. Batches are built inside
 the workers directly into a shared-memory ``[B, S, S, 3]`` uint8 tensor and handed out as the
@@ -71,6 +79,7 @@ import hashlib
 import math
 import multiprocessing
 import random
+import sys
 import tarfile
 import zlib
 from contextlib import contextmanager
@@ -89,7 +98,7 @@ from gpufeed.manifest import DEFAULT_LABEL_SOURCE, Manifest, label_member, manif
 from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS
 from gpufeed.shardset.source import ShardSet, SourceError, is_remote, open_set, open_shard
 from gpufeed.shardset.tar import file_problem, iter_samples
-from gpufeed.world import World
+from gpufeed.world import World, node_shards
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -132,10 +141,43 @@ def batches_per_rank(num_samples: int, world_size: int, batch_size: int) -> int:
     return (num_samples // world_size) // batch_size
 
 
-def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    order = list(range(num_shards))
+def node_batches_per_rank(counts: list[int], num_nodes: int, local_world_size: int, batch_size: int) -> int:
+    """Batches per rank under the node split: the fewest any node's ranks can all make from that node's shards
+    (:func:`gpufeed.world.node_shards`), so every rank of every node yields the same number."""
+    return min(batches_per_rank(sum(counts[i] for i in node_shards(len(counts), n, num_nodes)), local_world_size,
+                                batch_size) for n in range(num_nodes))
+
+
+def split_batches(counts: list[int], batch_size: int, *, world_size: int, node_rank: int | None = None,
+                  num_nodes: int = 1, rank: int = 0) -> int:
+    """Batches per rank of the split ``split_of`` describes (``rank`` is accepted and unused, so a split's
+    keywords can be passed whole)."""
+    if node_rank is None:
+        return batches_per_rank(sum(counts), world_size, batch_size)
+    return node_batches_per_rank(counts, num_nodes, world_size, batch_size)
+
+
+def split_of(cfg: LoaderConfig, world: World) -> dict[str, Any]:
+    """The keywords of :func:`plan_slot` that place this rank: its rank of all ranks (``shard_split = "global"``),
+    or its local rank of the node's ranks plus the node (``"node"``)."""
+    if getattr(cfg, "shard_split", "global") == "node":
+        return {"rank": world.local_rank, "world_size": world.local_world_size, "node_rank": world.node_rank,
+                "num_nodes": world.num_nodes}
+    return {"rank": world.rank, "world_size": world.world_size}
+
+
+def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool, node_rank: int | None = None,
+                num_nodes: int = 1) -> list[int]:
+    """The epoch's shards in reading order: all of them (``node_rank`` None), or node ``node_rank``'s own
+    (:func:`gpufeed.world.node_shards`), shuffled by (seed, epoch[, node]) when ``shuffle``."""
+    if node_rank is None:
+        order = list(range(num_shards))
+        if shuffle:
+            random.Random(f"gpufeed-shards-{seed}-{epoch}").shuffle(order)
+        return order
+    order = node_shards(num_shards, node_rank, num_nodes)
     if shuffle:
-        random.Random(f"gpufeed-shards-{seed}-{epoch}").shuffle(order)
+        random.Random(f"gpufeed-node-shards-{seed}-{epoch}-{node_rank}-{num_nodes}").shuffle(order)
     return order
 
 
@@ -176,11 +218,17 @@ def items_taken(counts: list[int], m: int) -> list[int]:
 
 
 def plan_slot(counts: list[int], *, rank: int, world_size: int, worker: int, num_workers: int,
-              batch_size: int, seed: int = 0, epoch: int = 0, shuffle: bool = False) -> SlotPlan:
-    """The shard segments and batch count of one (rank, worker) for one epoch (pure, deterministic)."""
+              batch_size: int, seed: int = 0, epoch: int = 0, shuffle: bool = False, node_rank: int | None = None,
+              num_nodes: int = 1) -> SlotPlan:
+    """The shard segments and batch count of one (rank, worker) for one epoch (pure, deterministic).
+
+    ``node_rank`` None: the global split, ``rank`` of ``world_size`` over all shards. Given: the node split,
+    ``rank`` of ``world_size`` is the local rank of the node's ranks, over node ``node_rank``'s shards only, and
+    the batch count is :func:`node_batches_per_rank`."""
     num_workers = max(1, num_workers)
-    total = sum(counts)
-    nb = batches_per_rank(total, world_size, batch_size)
+    order = shard_order(len(counts), seed, epoch, shuffle, node_rank, num_nodes)
+    total = sum(counts[i] for i in order)
+    nb = split_batches(counts, batch_size, world_size=world_size, node_rank=node_rank, num_nodes=num_nodes)
     lo, hi = rank * total // world_size, (rank + 1) * total // world_size
     # worker w yields nb_w batches; the rank's spare samples are spread evenly for the shuffle to drop
     nbw = worker_batches(nb, num_workers)
@@ -190,7 +238,7 @@ def plan_slot(counts: list[int], *, rank: int, world_size: int, worker: int, num
     stop = start + sizes[worker]
     segments = []
     pos = 0
-    for shard in shard_order(len(counts), seed, epoch, shuffle):
+    for shard in order:
         n = counts[shard]
         a, b = max(start, pos), min(stop, pos + n)
         if a < b:
@@ -462,7 +510,7 @@ class ShardStream(IterableDataset):
         and the passes over the workers then follow that order exactly (:func:`items_taken`).
         """
         B = self.cfg.batch_size
-        nbw = worker_batches(batches_per_rank(sum(self.counts), self.world.world_size, B), num_workers)
+        nbw = worker_batches(split_batches(self.counts, B, **split_of(self.cfg, self.world)), num_workers)
         if self.per_sample:  # one item per sample; the main process makes batches of B consecutive items
             counts, per_item, taken = [n * B for n in nbw], 1, items_taken([n * B for n in nbw], start_batch * B)
         else:
@@ -487,9 +535,8 @@ class ShardStream(IterableDataset):
         slot, skip = self.resume_slot(int(self.start_value.value), info.id if info is not None else 0, num_workers)
         epoch = int(self.epoch_value.value)
         cfg = self.cfg
-        plan = plan_slot(self.counts, rank=self.world.rank, world_size=self.world.world_size, worker=slot,
-                         num_workers=num_workers, batch_size=cfg.batch_size, seed=cfg.seed, epoch=epoch,
-                         shuffle=self.train)
+        plan = plan_slot(self.counts, **split_of(cfg, self.world), worker=slot, num_workers=num_workers,
+                         batch_size=cfg.batch_size, seed=cfg.seed, epoch=epoch, shuffle=self.train)
         quota = plan.num_batches * cfg.batch_size
         if quota == 0 or skip >= quota:
             return
@@ -638,17 +685,36 @@ class ShardLoader:
         self.shard_set = shard_set
         # absolute local paths (a name like "-" stays a file name wherever it is used), or user-typed URLs
         self.paths = list(shard_set.urls)
-        unreadable = [] if shard_set.remote else [(p, why) for p in self.paths if (why := file_problem(p))]
-        if unreadable:
-            raise DataError(f"{len(unreadable)} shard(s) of the manifest cannot be read, e.g. {unreadable[0][0]} "
-                            f"{unreadable[0][1]}")
         counts = [s.num_samples for s in self.manifest.shards]
-        self.num_batches = batches_per_rank(sum(counts), world.world_size, cfg.batch_size)
+        split = split_of(cfg, world)
+        self.shards_here = _own_shards(str(shards), self.manifest, world, split)
+        """Indices of the shards this rank's node reads: all of them under the global split."""
+        unreadable = [] if shard_set.remote else [(self.paths[i], why) for i in self.shards_here
+                                                  if (why := file_problem(self.paths[i]))]
+        if unreadable:
+            whose = "" if split.get("node_rank") is None else f" owned by node {world.node_rank}"
+            raise DataError(f"{len(unreadable)} shard(s){whose} of the manifest cannot be read, e.g. "
+                            f"{unreadable[0][0]} {unreadable[0][1]}")
+        self.num_batches = split_batches(counts, cfg.batch_size, **split)
+        self.warnings: list[str] = []
+        """Findings that do not stop the loader: local rank 0 prints them to stderr when it is first iterated (a
+        loader built only to check the set, as the launcher does, prints nothing)."""
+        self._warned = False
         if self.num_batches == 0:
+            if split.get("node_rank") is None:
+                raise DataError(
+                    f"{sum(counts)} samples are not enough for one batch of {cfg.batch_size} on each of "
+                    f"{world.world_size} rank(s); lower batch_size"
+                )
+            least = min(range(world.num_nodes), key=lambda n: sum(counts[i] for i in node_shards(len(counts), n,
+                                                                                                   world.num_nodes)))
             raise DataError(
-                f"{sum(counts)} samples are not enough for one batch of {cfg.batch_size} on each of "
-                f"{world.world_size} rank(s); lower batch_size"
+                f"node {least}'s {sum(counts[i] for i in node_shards(len(counts), least, world.num_nodes))} samples "
+                f"(shard_split = \"node\") are not enough for one batch of {cfg.batch_size} on each of its "
+                f"{world.local_world_size} rank(s); lower batch_size"
             )
+        if split.get("node_rank") is not None:
+            self.warnings += _imbalance(counts, world, cfg.batch_size, self.num_batches)
         if cfg.decode == "simplejpeg":
             dec._import_simplejpeg()
         self.num_skipped = 0
@@ -706,6 +772,10 @@ class ShardLoader:
             self.set_epoch(position.epoch, position.batches_consumed)
 
     def __iter__(self):
+        if not self._warned and self.world.local_rank == 0:
+            for w in self.warnings:
+                print(f"warning: {w}", file=sys.stderr)
+        self._warned = True
         start = int(self._start.value)
         self._consumed = start
         batches = self._loader_batches()
@@ -865,6 +935,53 @@ def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bo
     crops = crops.round_().clamp_(0, 255).to(torch.uint8)
     out[torch.tensor(batch.index, dtype=torch.long).to(device)] = crops
     return out
+
+
+NODE_IMBALANCE_WARN = 0.02
+"""Under ``shard_split = "node"``: warn when stopping every rank at the smallest node's batch count leaves more
+than this fraction of the set unread each epoch, beyond what the global split drops."""
+
+
+def _own_shards(where: str, manifest: Manifest, world: World, split: dict[str, Any]) -> list[int]:
+    """The shards this rank's node reads: all under the global split, else its :func:`node_shards`. Refuses (one
+    sentence, DataError) a world the node split cannot serve, a set staged per node (``gpufeed stage
+    --num-nodes``) read with the global split, and a set staged for another node or node count."""
+    from gpufeed.stage import staged_node
+
+    num_shards = len(manifest.shards)
+    staged = staged_node(manifest, where)
+    if split.get("node_rank") is None:
+        if staged is not None:
+            raise DataError(f"{where} holds only node {staged[0]} of {staged[1]}'s shards (gpufeed stage --num-nodes "
+                            f"{staged[1]}) and the other nodes' shards are missing here, so shard_split = \"global\" "
+                            f"cannot read it: set [loader] shard_split = \"node\"")
+        return list(range(num_shards))
+    n, N = world.node_rank, world.num_nodes
+    if not (0 <= n < N and 0 <= world.local_rank < world.local_world_size
+            and N * world.local_world_size == world.world_size):
+        raise DataError(f"shard_split = \"node\" needs the same number of ranks on every node; this world has "
+                        f"{world.world_size} rank(s) on {N} node(s), {world.local_world_size} on node {n}")
+    if N > num_shards:
+        raise DataError(f"shard_split = \"node\" cannot split {num_shards} shard(s) of {where} over {N} nodes: every "
+                        f"node needs at least one")
+    if staged is not None and staged != (n, N):
+        raise DataError(f"{where} was staged for node {staged[0]} of {staged[1]}, but this rank runs on node {n} of "
+                        f"{N}; stage it again with --node-rank {n} --num-nodes {N}")
+    return node_shards(num_shards, n, N)
+
+
+def _imbalance(counts: list[int], world: World, batch_size: int, num_batches: int) -> list[str]:
+    """One warning when the node split's common batch count drops more than :data:`NODE_IMBALANCE_WARN` of the
+    samples beyond what the global split would drop (the nodes hold unequal numbers of samples); else none."""
+    total = sum(counts)
+    held = [sum(counts[i] for i in node_shards(len(counts), n, world.num_nodes)) for n in range(world.num_nodes)]
+    extra = (batches_per_rank(total, world.world_size, batch_size) - num_batches) * world.world_size * batch_size
+    if extra <= NODE_IMBALANCE_WARN * total:
+        return []
+    return [f"shard_split = \"node\": the {world.num_nodes} nodes hold {min(held)} to {max(held)} samples and every "
+            f"rank stops at the smallest node's {num_batches} batches, so {extra} samples ({100 * extra / total:.1f}% "
+            f"of the set) more than the global split drops are not read each epoch; make the shards even in size and "
+            f"their number a multiple of the nodes"]
 
 
 def build_loader(shards: str | Path, cfg: LoaderConfig, world: World, *, train: bool = True,

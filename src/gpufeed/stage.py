@@ -3,10 +3,10 @@
 SRC is a shard-set folder or its ``manifest.json``, local or a URL (``http(s)://``, ``s3://``, ``gs://``, read
 through :mod:`gpufeed.shardset.source`); DEST is a local folder. In order:
 
-1. The manifest is read and every source shard is checked to be a regular file of the size the manifest
-   records (a missing or resized shard is an input error, exit 2, before anything is copied). For a remote SRC
-   the sizes are asked of the server (``--jobs`` requests at a time); a shard the server does not have (404),
-   refuses (403) or cannot be reached is named in one sentence, exit 2.
+1. The manifest is read and every source shard (of this node: see Node subsets) is checked to be a regular file of
+   the size the manifest records (a missing or resized shard is an input error, exit 2, before anything is
+   copied). For a remote SRC the sizes are asked of the server (``--jobs`` requests at a time); a shard the
+   server does not have (404), refuses (403) or cannot be reached is named in one sentence, exit 2.
 2. ``DEST/.gpufeed-stage/lock`` is taken (``flock``; a second run into the same DEST is refused, naming the pid;
    the lock dies with the process, so a run killed with -9 leaves nothing the next run must clear). Temporary
    files a killed run left (``DEST/.<shard>.tmp``) are removed.
@@ -29,11 +29,14 @@ through :mod:`gpufeed.shardset.source`); DEST is a local folder. In order:
    shards and counts otherwise: ``tune``, ``train`` and ``verify`` use DEST directly. While a run copies, a DEST
    manifest from an earlier run is removed first, so its presence still means the set at DEST is complete.
 
-Node subsets (``--node-rank``/``--num-nodes``) are refused for more than one node. The loader (docs/design.md
-§3) puts the manifest's shards in a seeded per-epoch permutation and gives each rank a contiguous range of that
-order, so across epochs every node reads every shard; no subset of shards is safe to stage per node, and the
-loader also refuses a manifest whose shards are not all present. A per-node subset would need a loader whose
-shard split is per node and epoch-independent; until then each node stages the whole set.
+Node subsets: with ``--num-nodes N`` (N > 1) and ``--node-rank n`` (each taken from the launcher's environment
+when not given: torchrun's GROUP_RANK / GROUP_WORLD_SIZE, else SLURM's SLURM_NODEID / SLURM_JOB_NUM_NODES; the
+command line wins) only node n's shards are checked, counted for free space and copied: the shards ``i`` with
+``i % N == n`` (:func:`gpufeed.world.node_shards`, the rule the loader's ``shard_split = "node"`` reads by). DEST's
+manifest still lists every shard of the set (counts, sizes and sha256 unchanged, so every node's loader computes
+the same batch count) and records the node in ``options["staged_node"]`` (``{"node_rank", "num_nodes",
+"num_shards"}``, read back by :func:`staged_node`, which validates it). The loader refuses such a set under
+``shard_split = "global"``; ``gpufeed verify`` checks only the shards staged here. N must not exceed the shards.
 
 Sources are opened through :class:`LocalSource` or :class:`RemoteSource` (``open(name)`` gives a binary file
 object, ``size(name)`` the size, ``path(name)`` the location named in messages); the copy (:func:`copy_shard`)
@@ -59,11 +62,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from gpufeed.config import StageConfig
+from gpufeed.config import MAX_NODES, StageConfig
 from gpufeed.errors import DataError, RunError
 from gpufeed.manifest import INDEX_NAME, MANIFEST_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, manifest_path, \
     read_manifest, write_manifest
 from gpufeed.records import atomic_writer, fsync_dir, write_json
+from gpufeed.world import node_from_env, node_shards
 
 STATE_DIR = ".gpufeed-stage"
 LOCK_NAME = "lock"
@@ -77,6 +81,10 @@ SIDE_FILES = (INDEX_NAME, TIMM_INFO_NAME)
 """Files next to the SRC manifest that are copied along when present."""
 _RAM_FS = ("tmpfs", "ramfs")
 _MAX_SIDECAR_BYTES = 4096
+STAGED_NODE = "staged_node"
+"""The key of a node-staged DEST manifest's ``options`` that records the node (:func:`staged_node`)."""
+NODE_REMINDER = ('train with [loader] shard_split = "node" (the global split refuses this set: the other nodes\' '
+                 'shards are not here)')
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,42 @@ class StageReport:
     manifest: str
     warnings: list[str] = field(default_factory=list)
     ok: bool = True
+    node_rank: int | None = None
+    """The node staged for (``--num-nodes`` > 1); None = the whole set."""
+    num_nodes: int = 1
+    set_shards: int = 0
+    """Shards of the whole set (``num_shards`` counts those staged here)."""
+
+
+def staged_node(m: Manifest, where: str = "manifest") -> tuple[int, int] | None:
+    """``(node_rank, num_nodes)`` of a DEST staged for one node (its manifest's ``options["staged_node"]``), None
+    for a whole set. The record is untrusted: a malformed one is a DataError (one sentence naming ``where``)."""
+    rec = m.options.get(STAGED_NODE) if isinstance(m.options, dict) else None
+    if rec is None:
+        return None
+    keys = ("node_rank", "num_nodes", "num_shards")
+    if not isinstance(rec, dict) or set(rec) != set(keys) or any(type(rec[k]) is not int for k in keys):
+        raise DataError(f"{where}: options.{STAGED_NODE} must be an object of the integers {', '.join(keys)}")
+    n, N, k = rec["node_rank"], rec["num_nodes"], rec["num_shards"]
+    if not (2 <= N <= len(m.shards) and 0 <= n < N) or k != len(node_shards(len(m.shards), n, N)):
+        raise DataError(f"{where}: options.{STAGED_NODE} (node {n} of {N}, {k} shards) does not fit the manifest's "
+                        f"{len(m.shards)} shards")
+    return n, N
+
+
+def node_of(cfg: StageConfig, environ: dict[str, str] | None = None) -> tuple[int, int]:
+    """``(node_rank, num_nodes)`` to stage for: the command line's, each missing one from the launcher's environment
+    (:func:`gpufeed.world.node_from_env`; ignored when its node count differs from the command line's), else node 0
+    of 1. Refuses a rank outside 0..num_nodes-1."""
+    env_rank, env_nodes = node_from_env(environ)
+    if cfg.num_nodes is not None and env_nodes != cfg.num_nodes:
+        env_rank = env_nodes = None
+    num_nodes = cfg.num_nodes if cfg.num_nodes is not None else (env_nodes or 1)
+    node_rank = cfg.node_rank if cfg.node_rank is not None else (env_rank or 0)
+    if not 1 <= num_nodes <= MAX_NODES or not 0 <= node_rank < num_nodes:
+        raise DataError(f"node rank {node_rank} of {num_nodes} node(s) (from the command line or the launcher's "
+                        f"environment) must be in 0..num_nodes-1")
+    return node_rank, num_nodes
 
 
 class LocalSource:
@@ -230,9 +274,7 @@ def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
     t0 = time.perf_counter()
     if cfg.src is None or cfg.dest is None:
         raise DataError("stage needs SRC (a shard set) and DEST (a folder)")
-    if cfg.num_nodes is not None and cfg.num_nodes > 1:
-        raise DataError(f"--num-nodes {cfg.num_nodes} is refused: the loader reads the shards in a seeded order "
-                        f"that changes every epoch, so every node reads every shard; stage the whole set on each node")
+    node_rank, num_nodes = node_of(cfg)
     from gpufeed.shardset.source import REMOTE_PREFIXES
 
     dest = Path(cfg.dest)
@@ -240,20 +282,22 @@ def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
         raise DataError(f"DEST {dest} is not a folder")
     src_dirs: list[Path] = []
     if str(cfg.src).startswith(REMOTE_PREFIXES):
-        m, source, src_label, sides = _remote_src(str(cfg.src), cfg.jobs)
+        m, source, src_label, sides = _remote_src(str(cfg.src), cfg.jobs, node_rank, num_nodes)
+        mine = _node_subset(m, node_rank, num_nodes)
     else:
         src_manifest = manifest_path(cfg.src)
         m = read_manifest(cfg.src)
+        mine = _node_subset(m, node_rank, num_nodes)
         src_root = src_manifest.parent / m.root if m.root else src_manifest.parent
         source = LocalSource(src_root)
         src_label, src_dirs = str(src_manifest), [src_root, src_manifest.parent]
         sides = [_Side(n, (src_manifest.parent / n).stat().st_size, _opener(src_manifest.parent / n))
                  for n in SIDE_FILES if (src_manifest.parent / n).is_file()]
-        for info in m.shards:
+        for info in mine:
             why = source.problem(info.name)
             if why:
                 raise DataError(f"source shard {source.path(info.name)} {why}")
-    for info in m.shards:
+    for info in mine:
         size = source.size(info.name)
         if size != info.bytes:
             raise DataError(f"source shard {source.path(info.name)} is {size} bytes, the manifest says {info.bytes}")
@@ -264,7 +308,8 @@ def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
     state.mkdir(exist_ok=True)
     lock = _lock(state / LOCK_NAME, dest)
     try:
-        return _run(cfg, m, src_label, sides, source, dest, state, progress, t0)
+        return _run(cfg, m, src_label, sides, source, dest, state, progress, t0, mine,
+                    node_rank if num_nodes > 1 else None, num_nodes)
     finally:
         os.close(lock)
 
@@ -282,15 +327,25 @@ def _opener(path: Path) -> Callable[[], BinaryIO]:
     return lambda: open(path, "rb")
 
 
-def _remote_src(src: str, jobs: int | None) -> tuple[Manifest, RemoteSource, str, list[_Side]]:
-    """A remote SRC: its manifest (open_set), the source with every shard's size asked of the server (``jobs``
-    requests at a time; the first shard that cannot be read is a DataError naming it), the manifest URL, and the
-    side files the server has next to the manifest (none for a brace pattern)."""
+def _node_subset(m: Manifest, node_rank: int, num_nodes: int) -> list[ShardInfo]:
+    """The shards node ``node_rank`` of ``num_nodes`` stages (all of them for one node)."""
+    if num_nodes > len(m.shards):
+        raise DataError(f"--num-nodes {num_nodes} is more than the set's {len(m.shards)} shard(s): every node needs at "
+                        f"least one")
+    return [m.shards[i] for i in node_shards(len(m.shards), node_rank, num_nodes)]
+
+
+def _remote_src(src: str, jobs: int | None, node_rank: int = 0, num_nodes: int = 1
+                ) -> tuple[Manifest, RemoteSource, str, list[_Side]]:
+    """A remote SRC: its manifest (open_set), the source with the size of every shard node ``node_rank`` of
+    ``num_nodes`` stages asked of the server (``jobs`` requests at a time; the first shard that cannot be read is
+    a DataError naming it), the manifest URL, and the side files the server has next to the manifest (none for a
+    brace pattern)."""
     from gpufeed.shardset.source import SourceError, open_set, open_shard, remote_size
 
     ss = open_set(src)
-    names = [info.name for info in ss.manifest.shards]
-    source = RemoteSource(names, ss.urls)
+    source = RemoteSource([info.name for info in ss.manifest.shards], ss.urls)
+    names = [info.name for info in _node_subset(ss.manifest, node_rank, num_nodes)]
     pattern = ("{" in src and "}" in src) or src.endswith((".tar", ".tgz", ".tar.gz"))
     base = src.rstrip("/")
     folder = base.rsplit("/", 1)[0] if base.endswith(".json") else base
@@ -314,16 +369,19 @@ def _remote_src(src: str, jobs: int | None) -> tuple[Manifest, RemoteSource, str
 
 
 def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], source: LocalSource | RemoteSource,
-         dest: Path, state: Path, progress: bool, t0: float) -> StageReport:
+         dest: Path, state: Path, progress: bool, t0: float, mine: list[ShardInfo], node_rank: int | None,
+         num_nodes: int) -> StageReport:
+    """Stage the shards ``mine`` (node ``node_rank`` of ``num_nodes``'s, or all of ``m``'s with ``node_rank``
+    None) and write DEST's manifest, listing every shard of ``m``."""
     _refuse_other_set(dest, m)
     for info in m.shards:  # temporaries of a killed run: this run holds the lock, nobody else writes them
         try:
             os.unlink(dest / f".{info.name}.tmp")
         except FileNotFoundError:
             pass
-    kept = [info for info in m.shards if _complete(dest, state, info)]
+    kept = [info for info in mine if _complete(dest, state, info)]
     kept_names = {i.name for i in kept}
-    todo = [info for info in m.shards if info.name not in kept_names]
+    todo = [info for info in mine if info.name not in kept_names]
     need = sum(i.bytes for i in todo) + sum(side.size for side in sides)
     ram_fs = _on_ram_fs(dest)
     warnings = []
@@ -331,7 +389,7 @@ def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], sour
     if ram_fs:
         import psutil
 
-        staged = sum(i.bytes for i in m.shards)
+        staged = sum(i.bytes for i in mine)
         ram_note = (f"DEST {dest} is on a RAM file system: the staged set holds {_mb(staged)} of RAM, out of the page "
                     f"cache ({_mb(psutil.virtual_memory().available)} available now)")
         warnings.append(ram_note)
@@ -339,7 +397,7 @@ def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], sour
     if need + int(need * SPACE_MARGIN) > free:
         raise DataError(f"DEST {dest} has {_mb(free)} free, staging needs {_mb(need)} plus a 1% margin"
                         + (f"; {ram_note}" if ram_note else ""))
-    unhashed = sum(i.sha256 is None for i in m.shards)
+    unhashed = sum(i.sha256 is None for i in mine)
     if unhashed:
         warnings.append(f"the manifest has no sha256 for {unhashed} shard(s) (indexed with --no-hash): their copies "
                         f"were checked by size only")
@@ -353,14 +411,18 @@ def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], sour
     for side in sides:
         with side.open() as f, atomic_writer(dest / side.name) as out:
             shutil.copyfileobj(f, out, CHUNK_BYTES)
-    out_manifest = write_manifest(dest, replace(m, root=None))
+    options = {k: v for k, v in m.options.items() if k != STAGED_NODE}  # a record of SRC's own staging is not ours
+    if node_rank is not None:
+        options[STAGED_NODE] = {"node_rank": node_rank, "num_nodes": num_nodes, "num_shards": len(mine)}
+    out_manifest = write_manifest(dest, replace(m, root=None, options=options))
     elapsed = time.perf_counter() - t0
     copied = sum(i.bytes for i in todo)
     return StageReport(
-        src=src_label, dest=str(dest), num_shards=len(m.shards), shards_copied=len(todo),
+        src=src_label, dest=str(dest), num_shards=len(mine), shards_copied=len(todo),
         shards_kept=len(kept), bytes_copied=copied, bytes_kept=sum(i.bytes for i in kept), elapsed_s=elapsed,
         mb_per_s=copied / 1e6 / elapsed if elapsed > 0 else 0.0, jobs=jobs,
-        checked="size" if unhashed else "sha256", ram_fs=ram_fs, manifest=str(out_manifest), warnings=warnings)
+        checked="size" if unhashed else "sha256", ram_fs=ram_fs, manifest=str(out_manifest), warnings=warnings,
+        node_rank=node_rank, num_nodes=num_nodes, set_shards=len(m.shards))
 
 
 def _copy_all(source: LocalSource | RemoteSource, todo: list[ShardInfo], dest: Path, state: Path, jobs: int,
@@ -491,6 +553,8 @@ def _mb(n: int) -> str:
 def render_stage(r: StageReport) -> str:
     """One line for the summary, then one per warning."""
     rate = f"{r.mb_per_s:.1f} MB/s, {r.jobs} jobs" if r.shards_copied else "nothing to copy"
-    line = (f"staged {r.num_shards} shards to {r.dest}: {r.shards_copied} copied ({_mb(r.bytes_copied)}), "
+    node = "" if r.node_rank is None else f" (node {r.node_rank} of {r.num_nodes}: {r.num_shards} of {r.set_shards})"
+    line = (f"staged {r.num_shards} shards{node} to {r.dest}: {r.shards_copied} copied ({_mb(r.bytes_copied)}), "
             f"{r.shards_kept} kept ({_mb(r.bytes_kept)}), {r.elapsed_s:.1f} s, {rate}, checked by {r.checked}")
-    return "\n".join([line, *(f"warning: {w}" for w in r.warnings)])
+    note = [] if r.node_rank is None else [f"note: {NODE_REMINDER}"]
+    return "\n".join([line, *note, *(f"warning: {w}" for w in r.warnings)])

@@ -144,7 +144,7 @@ def open_shards(shards: str | Path, loader_cfg: LoaderConfig, world: World, *, t
 
     loader = build_loader(shards, dataclasses.replace(loader_cfg, num_workers=0), world, train=train,
                           manifest_file=manifest_file)
-    for path in [] if loader.shard_set.remote else loader.paths:
+    for path in [] if loader.shard_set.remote else [loader.paths[i] for i in loader.shards_here]:
         try:
             with open(path, "rb"):
                 pass

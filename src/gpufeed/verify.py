@@ -15,7 +15,10 @@ to its member, and ``index.parquet`` must exist and list exactly the (key, shard
 ``x.seg.png`` is a member of sample ``x``, not a key with a dot) and keys without an image member are not
 samples. The shards are looked up in the manifest's ``root`` when it has one. Every failure is a problem naming
 shard, member and reason; ``ok`` is True when there is none. Shard-like files in the set's folder that the
-manifest does not list are a warning (the loader never reads them), not a failure.
+manifest does not list are a warning (the loader never reads them), not a failure. A set staged for one node
+(``gpufeed stage --num-nodes N --node-rank n``; its manifest's ``options["staged_node"]``) is checked for the
+shards staged there only (:func:`gpufeed.world.node_shards`): the other nodes' shards are absent by design, and
+index.parquet's rows and the sample count are compared for those shards only.
 
 Shards are read with :class:`gpufeed.shardset.tar.TarPass` and grouped with
 :class:`gpufeed.shardset.keys.SampleGrouper`, as ``gpufeed index`` reads them.
@@ -43,6 +46,8 @@ from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_E
                                    split_member)
 from gpufeed.shardset.source import SourceError, is_pipe, is_remote, open_set, open_shard, remote_size
 from gpufeed.shardset.tar import MAX_MEMBER_BYTES, TarFormatError, TarPass, TruncatedMember, file_problem
+from gpufeed.stage import staged_node
+from gpufeed.world import node_shards
 
 _KNOWN = set(READ_IMAGE_EXTENSIONS) | {LABEL_EXTENSION, META_EXTENSION, "txt", "cls2", "pth", "npy", "id"}
 
@@ -86,6 +91,8 @@ class VerifyReport:
     max_pixels: int = DEFAULT_MAX_PIXELS
     warnings: list[str] = field(default_factory=list)
     """Findings that do not fail the set (shard-like files the manifest does not list)."""
+    node: str | None = None
+    """For a set staged per node: "node n of N: k of M shards staged here" (only those k are verified)."""
     ok: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -266,9 +273,15 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
             root = here / m.root if m.root else here
     ours = m.created_by.startswith("gpufeed shard")
     gzip = m.compression == "gzip"
-    jobs = [(url, s.name, {"bytes": s.bytes, "sha256": s.sha256, "num_samples": s.num_samples},
-             m.classes, gzip or s.name.endswith((".tgz", ".tar.gz")), decode, ours, max_pixels, m.label)
-            for url, s in zip(shard_set.urls, m.shards)]
+    staged = staged_node(m, shard_set.location)
+    here = range(len(m.shards)) if staged is None else node_shards(len(m.shards), *staged)
+    node = (None if staged is None
+            else f"node {staged[0]} of {staged[1]}: {len(here)} of {len(m.shards)} shards staged here")
+    shards = [m.shards[i] for i in here]
+    jobs = [(shard_set.urls[i], m.shards[i].name, {"bytes": m.shards[i].bytes, "sha256": m.shards[i].sha256,
+                                                   "num_samples": m.shards[i].num_samples},
+             m.classes, gzip or m.shards[i].name.endswith((".tgz", ".tar.gz")), decode, ours, max_pixels, m.label)
+            for i in here]
     workers = min(workers or usable_cpus(), max(1, len(jobs)))
     if workers > 1:
         from gpufeed.system import process_pool
@@ -304,18 +317,20 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
         warnings.append(f"{INDEX_NAME} of a remote set is not checked (verify a local copy for that)")
     elif ours:
         if index.exists():
-            for p in _check_index(index, seen):
+            for p in _check_index(index, seen, None if staged is None else {s.name for s in shards}):
                 add(p)
         else:
             add(VerifyProblem("index.parquet", None, "missing (every gpufeed shard set has one)"))
-    if found != m.num_samples and not any(p.member is None and "samples" in p.reason for p in problems):
-        add(VerifyProblem("", None, f"the set holds {found} samples, manifest says {m.num_samples}"))
+    expected = sum(s.num_samples for s in shards)
+    if found != expected and not any(p.member is None and "samples" in p.reason for p in problems):
+        what = "the set holds" if staged is None else "the shards staged here hold"
+        add(VerifyProblem("", None, f"{what} {found} samples, manifest says {expected}"))
     return VerifyReport(
-        path=shard_set.location if root is None else str(root), num_shards=len(m.shards), num_samples=found,
-        num_expected=m.num_samples,
-        num_decoded=sum(r["decoded"] for r in results), total_bytes=sum(s.bytes for s in m.shards),
+        path=shard_set.location if root is None else str(root), num_shards=len(shards), num_samples=found,
+        num_expected=expected,
+        num_decoded=sum(r["decoded"] for r in results), total_bytes=sum(s.bytes for s in shards),
         elapsed_s=time.perf_counter() - t0, decode=decode, created_by=m.created_by, problems=problems,
-        num_problems=num_problems, max_pixels=max_pixels, warnings=warnings,
+        num_problems=num_problems, max_pixels=max_pixels, warnings=warnings, node=node,
     )
 
 
@@ -333,23 +348,28 @@ def _extra_files(root: Path, listed: set[str]) -> list[str]:
             f"{', '.join(extra[:MAX_LISTED])}{more}"]
 
 
-def _check_index(index: Path, seen: dict[str, str]) -> list[VerifyProblem]:
-    """index.parquet of a gpufeed set lists exactly the (key, shard) pairs found in the shards."""
+def _check_index(index: Path, seen: dict[str, str], only: set[str] | None = None) -> list[VerifyProblem]:
+    """index.parquet of a gpufeed set lists exactly the (key, shard) pairs found in the shards (``only``: of the
+    rows, only those of these shards are compared: the shards a node-staged folder holds)."""
     try:
         import pyarrow.parquet as pq
 
         table = pq.read_table(index, columns=["key", "shard"])
     except Exception as exc:  # noqa: BLE001 - unreadable index is a problem record
         return [VerifyProblem("index.parquet", None, f"unreadable ({type(exc).__name__}: {exc})")]
-    rows = set(zip(table.column("key").to_pylist(), table.column("shard").to_pylist()))
+    pairs = list(zip(table.column("key").to_pylist(), table.column("shard").to_pylist()))
+    if only is not None:
+        pairs = [p for p in pairs if p[1] in only]
+    rows = set(pairs)
+    num_rows = len(pairs)
     want = set(seen.items())
     out = []
     for key, shard in sorted(rows - want)[:20]:
         out.append(VerifyProblem("index.parquet", key, f"row says {shard}, but no such sample is there"))
     for key, shard in sorted(want - rows)[:20]:
         out.append(VerifyProblem("index.parquet", key, f"sample in {shard} has no row"))
-    if table.num_rows != len(rows):
-        out.append(VerifyProblem("index.parquet", None, f"{table.num_rows - len(rows)} duplicate row(s)"))
+    if num_rows != len(rows):
+        out.append(VerifyProblem("index.parquet", None, f"{num_rows - len(rows)} duplicate row(s)"))
     return out
 
 
@@ -368,7 +388,7 @@ def render_verify(report: VerifyReport, max_items: int = 30) -> str:
     r = report
     head = (f"{r.num_shards} shards, {r.num_samples}/{r.num_expected} samples, "
             f"{r.num_decoded} images decoded, {r.total_bytes / 1e6:.1f} MB in {r.elapsed_s:.1f} s")
-    warn = [f"warning: {w}" for w in r.warnings]
+    warn = ([r.node] if r.node else []) + [f"warning: {w}" for w in r.warnings]
     if r.ok:
         return "\n".join([f"OK {r.path}: {head}", *warn])
     lines = [f"FAILED {r.path}: {r.num_problems} problem(s); {head}"]

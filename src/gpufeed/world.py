@@ -64,3 +64,27 @@ class World:
         """A one-process world (tune, benchmarks, tests)."""
         backend = "nccl" if device.startswith("cuda") else "gloo"
         return cls(device=device, backend=backend)
+
+
+def node_shards(num_shards: int, node_rank: int, num_nodes: int) -> list[int]:
+    """The shards node ``node_rank`` of ``num_nodes`` owns under ``[loader] shard_split = "node"``: every shard
+    index ``i`` with ``i % num_nodes == node_rank``, in index order. THE ownership rule: the loader reads only
+    these and ``gpufeed stage --num-nodes`` copies only these."""
+    if not 0 <= node_rank < num_nodes:
+        raise ValueError(f"node_rank {node_rank} is not in 0..{num_nodes - 1}")
+    return list(range(node_rank, num_shards, num_nodes))
+
+
+NODE_ENV = (("GROUP_RANK", "GROUP_WORLD_SIZE"), ("SLURM_NODEID", "SLURM_JOB_NUM_NODES"))
+"""Launcher variables that name this node and the node count, in order of preference: torchrun's, then SLURM's."""
+
+
+def node_from_env(environ: dict[str, str] | None = None) -> tuple[int | None, int | None]:
+    """``(node_rank, num_nodes)`` from the first launcher pair of :data:`NODE_ENV` whose two variables are both set
+    to decimal numbers (at most 6 digits); ``(None, None)`` when none is."""
+    env = os.environ if environ is None else environ
+    for rank_var, count_var in NODE_ENV:
+        rank, count = env.get(rank_var, ""), env.get(count_var, "")
+        if rank.isdecimal() and count.isdecimal() and len(rank) <= 6 and len(count) <= 6:
+            return int(rank), int(count)
+    return None, None

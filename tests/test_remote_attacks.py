@@ -252,3 +252,45 @@ def test_json_records_do_not_hold_a_password(tmp_path):
     record = {"shards": "https://alice:s3cr3t@h/set/", "other": "x://y", "at": "c@d"}
     out = write_json(tmp_path / "summary.json", record)
     assert json.loads(out.read_text()) == {"shards": "https://alice:***@h/set/", "other": "x://y", "at": "c@d"}
+
+
+# Finding I: closing a pipe: stream early killed only the shell; a process the command started (here the sleep
+# of a command list) lived on, one per abandoned shard.
+def test_closing_a_pipe_stream_early_ends_every_process_of_the_command(tmp_path):
+    import os
+
+    (tmp_path / "a.tar").write_bytes(b"\0" * 4096)
+    marker = "7.123457"  # a sleep no other process runs
+
+    def sleeping() -> list[str]:
+        out = []
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as c:
+                    if c.read() == b"sleep\0" + marker.encode() + b"\0":
+                        out.append(pid)
+            except OSError:
+                pass
+        return out
+
+    f = source.open_shard(f"pipe:cat {tmp_path / 'a.tar'}; sleep {marker}; true")
+    assert f.raw.readinto(bytearray(10)) == 10
+    for _ in range(100):  # until the command has started its sleep
+        if sleeping():
+            break
+        time.sleep(0.02)
+    f.close()
+    for _ in range(50):  # SIGKILL is delivered at once; the loop only waits for the kernel to reap
+        if not sleeping():
+            break
+        time.sleep(0.05)
+    assert sleeping() == []
+
+
+# Finding J: a pipe: command's output was read through a second 1 MiB buffer that waits to be full: a read of
+# the first bytes waited for 1 MiB or the command's end (a slow producer stalled the loader that long).
+def test_a_pipe_read_returns_what_the_command_has_written(tmp_path):
+    (tmp_path / "a.tar").write_bytes(b"\1" * 4096)
+    with source.open_shard(f"pipe:cat {tmp_path / 'a.tar'}; sleep 30; true") as f:
+        assert f.read(10) == b"\1" * 10
+        assert f.raw._proc.poll() is None  # the command still runs: the read did not wait for its end

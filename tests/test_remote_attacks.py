@@ -294,3 +294,22 @@ def test_a_pipe_read_returns_what_the_command_has_written(tmp_path):
     with source.open_shard(f"pipe:cat {tmp_path / 'a.tar'}; sleep 30; true") as f:
         assert f.read(10) == b"\1" * 10
         assert f.raw._proc.poll() is None  # the command still runs: the read did not wait for its end
+
+
+# Finding D (size queries): the HEAD that asks a shard's or manifest's size had no total bound either: a server
+# trickling its headers held it as long as it liked.
+def test_a_size_query_answered_by_trickled_headers_times_out(hostile, monkeypatch):
+    monkeypatch.setattr(source, "READ_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(source, "CONNECT_TIMEOUT_S", 1.0)
+
+    def handler(req):
+        req.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 30\r\n")
+        for _ in range(30):
+            req.wfile.write(b"X: y\r\n")
+            req.wfile.flush()
+            time.sleep(0.2)
+        req.wfile.write(b"\r\n")
+
+    hostile.handler = handler
+    with pytest.raises(source.SourceError, match="timed out"):
+        source.remote_size(f"{hostile.url}/a.tar", source.Retry(attempts=1))

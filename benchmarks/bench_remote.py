@@ -4,7 +4,8 @@
     HTTP server (no throttle), same seed and config, one epoch per run, the two variants interleaved round by round
     (the machine drifts). Reports samples/s (median and min-max over rounds), the HTTP/local ratio, and whether
     the two delivered the same samples in the same order (every batch's labels and a sha256 of its image bytes).
-(b) **throttled source, then staged**: a one-shard set served at ``--bandwidth`` bytes/s per connection;
+(b) **throttled source, then staged**: a one-shard set served at ``--bandwidth`` bytes/s per connection, read by
+    one stream (``remote_streams = 1``, no workers);
     ``gpufeed train --measure`` (tiny CPU model) on the URL, ``gpufeed stage URL /dev/shm/...``, and the same run
     on the staged copy. Reports the probed storage MB/s, the loader's read MB/s (loader-only samples/s x the
     manifest's mean sample bytes), the stall and the verdict of each, and the stage MB/s. As in the proof test
@@ -113,7 +114,7 @@ def part_b(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     folder = write_tiny_shards(www / "set", [64], image_px=32)
     mean_bytes = json.loads((folder / "manifest.json").read_text())["mean_sample_bytes"]
     conf = work / "loader.toml"
-    conf.write_text("[loader]\nshuffle_buffer = 4\n")
+    conf.write_text("[loader]\nshuffle_buffer = 4\nremote_streams = 1\n")  # one stream, as the proof test
     server = LoopbackServer(www).start()
     shm = Path("/dev/shm")
     dest = Path(tempfile.mkdtemp(prefix="gpufeed-bench-stage-", dir=shm if shm.is_dir() else work))

@@ -203,8 +203,8 @@ def test_throttled_source_is_storage_bound_and_the_staged_copy_is_not(http_serve
     """The issue's proof at tiny scale: a one-shard set served at 60 KB/s a connection (the tiny model computes
     ~40-80 samples/s of ~4 KB each here, so 60 KB/s, ~15 samples/s, binds it, as 20 MB/s binds a GPU) makes
     ``train --measure`` starved / storage with a ``gpufeed stage`` fix; staged to /dev/shm, the same run is not
-    storage-bound. One shard and one loader stream (num_workers 0): the probe's ladder has one rung, the stream
-    the loader reads with. The remote reader's range size is scaled down with the set (16 KiB, not 8 MiB: one
+    storage-bound. One shard and one loader stream (num_workers 0, remote_streams 1): the probe's ladder has one
+    rung, the stream the loader reads with (the default 4 streams would add up four per-connection throttles). The remote reader's range size is scaled down with the set (16 KiB, not 8 MiB: one
     8 MiB request would fetch the whole tiny shard during the timing warm-up, as no real set's shard would be)
     and the shuffle buffer is 4 samples, so the timed steps read from the socket."""
     import gpufeed.shardset.source as source
@@ -216,7 +216,7 @@ def test_throttled_source_is_storage_bound_and_the_staged_copy_is_not(http_serve
     url = f"{http_server.url}/set"
     http_server.faults.bandwidth = 60_000
     conf = tmp_path / "loader.toml"
-    conf.write_text("[loader]\nshuffle_buffer = 4\n")
+    conf.write_text("[loader]\nshuffle_buffer = 4\nremote_streams = 1\n")
 
     invoke(["train", "--shards", url, *TINY, "--config", conf, "--run-dir", tmp_path / "remote"], expect=1)
     before, st = _verdict(tmp_path / "remote")

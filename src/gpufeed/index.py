@@ -48,6 +48,7 @@ from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_CLASSES, 
                               shard_name_problem, write_manifest)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, TEXT_EXTENSION,
                                    SampleGrouper, dotted_image, split_member)
+from gpufeed.redact import redact
 from gpufeed.shardset.source import SourceError, expand_pattern, is_pipe, is_remote, open_shard, source_name
 from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
 
@@ -450,7 +451,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
     manifest = Manifest(
         prefix=prefix, classes=classes, shards=infos, num_samples=total, total_bytes=total_bytes,
         mean_sample_bytes=total_bytes / total, url_pattern=pattern,
-        options={"source": str(shards), "hashed": hash, "class_source": class_source,
+        options={"source": redact(str(shards)), "hashed": hash, "class_source": class_source,
                  "num_unlabeled": unlabeled.count, "num_ignored_keys": ignored},
         created_by="gpufeed index", gpufeed_version=__version__, compression=compression,
         root=None if remote or dest == folder else str(folder), label=label,
@@ -465,7 +466,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         hint = "" if out is not None else "; write it elsewhere with --out DIR"
         raise DataError(f"cannot write {dest / MANIFEST_NAME} ({exc.strerror or exc}){hint}") from None
     return IndexReport(
-        manifest_path=str(written), shard_folder=str(shards) if remote else str(folder), num_shards=len(paths),
+        manifest_path=str(written), shard_folder=redact(str(shards)) if remote else str(folder), num_shards=len(paths),
         num_samples=total, num_classes=len(classes), num_unlabeled=unlabeled.count, num_ignored_keys=ignored,
         total_bytes=total_bytes, compression=compression, hashed=hash, class_source=class_source,
         classes_preview=classes[:10],

@@ -115,7 +115,10 @@ def read_json_file(path: str | Path, max_bytes: int, what: str) -> Any:
 
 
 def dumps(obj: Any, *, indent: int | None = 2) -> str:
-    return json.dumps(to_jsonable(obj), indent=indent, sort_keys=False, ensure_ascii=False)
+    """``obj`` as JSON text for a record or ``--json`` output, passwords in URLs replaced by ``***``."""
+    from gpufeed.redact import redact
+
+    return redact(json.dumps(to_jsonable(obj), indent=indent, sort_keys=False, ensure_ascii=False))
 
 
 def write_json(path: str | Path, obj: Any) -> Path:

@@ -44,6 +44,7 @@ from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, INDEX_NAME, SHARD_SUFFIXES, 
                               manifest_path, read_label)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image,
                                    split_member)
+from gpufeed.redact import redact
 from gpufeed.shardset.source import SourceError, is_pipe, is_remote, open_set, open_shard, remote_size
 from gpufeed.shardset.tar import MAX_MEMBER_BYTES, TarFormatError, TarPass, TruncatedMember, file_problem
 from gpufeed.stage import staged_node
@@ -154,7 +155,7 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
                         "found": 0, "decoded": 0}
             size = os.path.getsize(path)
     except SourceError as exc:
-        return {"name": name, "problems": [(None, one_line(exc))], "num_problems": 1, "keys": [], "found": 0,
+        return {"name": name, "problems": [(None, redact(one_line(exc)))], "num_problems": 1, "keys": [], "found": 0,
                 "decoded": 0}
     if expected.get("bytes") and size is not None and size != expected["bytes"]:
         bad(None, f"size is {size} bytes, manifest says {expected['bytes']}")
@@ -233,7 +234,7 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
             if end:
                 bad(tar.last, end)
     except SourceError as exc:  # a remote shard that stopped answering (after the retries)
-        bad(tar.last if tar else None, one_line(exc))
+        bad(tar.last if tar else None, redact(one_line(exc)))
     except TruncatedMember as exc:
         bad(tar.last if tar else None, f"{exc}; the tar does not read to the end")
     except TarFormatError as exc:
@@ -326,7 +327,7 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
         what = "the set holds" if staged is None else "the shards staged here hold"
         add(VerifyProblem("", None, f"{what} {found} samples, manifest says {expected}"))
     return VerifyReport(
-        path=shard_set.location if root is None else str(root), num_shards=len(shards), num_samples=found,
+        path=redact(shard_set.location) if root is None else str(root), num_shards=len(shards), num_samples=found,
         num_expected=expected,
         num_decoded=sum(r["decoded"] for r in results), total_bytes=sum(s.bytes for s in shards),
         elapsed_s=time.perf_counter() - t0, decode=decode, created_by=m.created_by, problems=problems,

@@ -7,7 +7,7 @@ object streamed in ranges through fsspec (never downloaded whole), retried from 
 Trust: only what the user typed (a folder, URL, brace pattern or ``pipe:`` command, and ``manifest=``) is ever
 handed to fsspec or a shell. Shard names and ``root`` come from the manifest, which is data: names are plain file
 names (:func:`gpufeed.manifest.shard_name_problem`), and for a remote set ``root`` must be a relative path without
-``..``; both are URL-quoted and joined to the user's base URL.
+``..``; both are joined to the user's base URL (URL-quoted for http and https; s3 and gs keys are literal).
 
 Torch-free; fsspec (and aiohttp, s3fs, gcsfs) are imported only when a remote location is opened.
 """
@@ -20,6 +20,8 @@ import itertools
 import json
 import os
 import posixpath
+import re
+import signal
 import subprocess
 import threading
 import time
@@ -53,6 +55,12 @@ CONNECT_TIMEOUT_S = 10.0
 """Seconds to wait for a TCP connection to a remote store."""
 READ_TIMEOUT_S = 60.0
 """Seconds to wait for the next bytes of a response (a first byte included) before the request counts as failed."""
+MIN_BYTES_PER_S = 64 << 10
+"""The slowest rate a range request may run at: one that takes longer than ``READ_TIMEOUT_S`` plus its size at
+this rate counts as failed (timed out), so a server trickling bytes cannot hold a read forever."""
+MIN_PROGRESS_BYTES = 1 << 20
+"""Bytes a cut-short try must bring for the retry bound to count from zero again (a try bringing fewer, or a
+range's last bytes, is a failure): a server sending one byte per request ends within the bound."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +139,9 @@ def fs_for(url: str) -> Any:
             if proto in ("http", "https"):
                 import aiohttp
 
-                timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
-                                                sock_read=READ_TIMEOUT_S)
+                # a size query (HEAD) ends within this total; a range request sets its own (_read_range)
+                timeout = aiohttp.ClientTimeout(total=CONNECT_TIMEOUT_S + READ_TIMEOUT_S,
+                                                sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
                 fs = fsspec.filesystem(proto, skip_instance_cache=True, client_kwargs={"timeout": timeout})
             else:
                 fs = fsspec.filesystem(proto, skip_instance_cache=True)
@@ -160,6 +169,8 @@ def _classify(exc: BaseException) -> tuple[bool, str]:
     """``(transient, reason)`` for an exception raised by a remote read."""
     if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
         return _classify(exc.__cause__)  # fsspec's http info() turns every failure into FileNotFoundError
+    if type(exc).__name__ == "TooManyRedirects":  # aiohttp's, with status 0
+        return False, "too many redirects"
     status = getattr(exc, "status", None)  # aiohttp's ClientResponseError
     response = getattr(exc, "response", None)  # botocore's ClientError (S3)
     if isinstance(response, dict):
@@ -257,16 +268,13 @@ class RemoteStream(io.RawIOBase):
         failures = 0
         while True:
             try:
-                data = self._fs.cat_file(self._path, start=got, end=end)
-                if len(data) > end - got:
-                    raise SourceError(f"{self.url}: the server sent {len(data)} bytes for a range of {end - got} "
-                                      f"(it does not honour range requests)")
+                data = _read_range(self._fs, self.url, self._path, got, end)
                 parts.append(data)
                 got += len(data)
                 if got >= end:
                     return b"".join(parts)
-                if data:
-                    failures = 0  # progress: the bound counts tries in a row that bring nothing
+                if len(data) >= MIN_PROGRESS_BYTES:
+                    failures = 0  # progress: the bound counts tries in a row that bring (almost) nothing
                 raise _ShortRead()
             except SourceError:
                 raise
@@ -306,14 +314,55 @@ class RemoteStream(io.RawIOBase):
         super().close()
 
 
+def _read_range(fs: Any, url: str, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a remote object, or fewer when the response ends early. An http(s) range is read
+    here as it arrives (raw bytes: no content encoding is accepted; at most one byte past the range is read before
+    a server that ignores the range is refused; the request is bounded in time by :data:`MIN_BYTES_PER_S`);
+    s3 and gs through their fsspec driver. Raises SourceError, or what the driver raises."""
+    if not url.startswith(("http://", "https://")):
+        return fs.cat_file(path, start=start, end=end)
+    import aiohttp
+    from fsspec.asyn import sync
+
+    want = end - start
+    timeout = aiohttp.ClientTimeout(total=READ_TIMEOUT_S + want / MIN_BYTES_PER_S, sock_connect=CONNECT_TIMEOUT_S,
+                                    sock_read=READ_TIMEOUT_S)
+
+    async def get() -> bytes:
+        session = await fs.set_session()
+        headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+        async with session.get(fs.encode_url(path), headers=headers, timeout=timeout) as r:
+            if r.status >= 400:
+                r.raise_for_status()  # ClientResponseError: its status is classified
+            if r.headers.get("Content-Encoding", "identity").lower() not in ("", "identity"):
+                raise SourceError(f"{url}: the server sent the shard {r.headers['Content-Encoding'][:40]}-encoded; "
+                                  f"gpufeed reads shards as stored")
+            if r.status != 206 and start > 0:
+                raise SourceError(f"{url}: the server answered a range request with HTTP {r.status} (it does not "
+                                  f"honour range requests)")
+            data = bytearray()
+            while len(data) <= want:
+                more = await r.content.read(want + 1 - len(data))
+                if not more:
+                    break
+                data += more
+        if len(data) > want:
+            raise SourceError(f"{url}: the server sent more than the {want} bytes of a range (it does not honour "
+                              f"range requests)")
+        return bytes(data)
+
+    return sync(fs.loop, get)
+
+
 class _PipeStream(io.RawIOBase):
     """A ``pipe:`` command's standard output; at its end a non-zero exit status raises SourceError naming the
-    command. Closing early ends the command."""
+    command. Closing early ends the command and every process it started (it runs in a session of its own)."""
 
     def __init__(self, command: str) -> None:
         super().__init__()
         self.command = command
-        self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                      bufsize=0, start_new_session=True)  # unbuffered: a read returns what is there
 
     def readable(self) -> bool:
         return True
@@ -329,8 +378,10 @@ class _PipeStream(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
-            if self._proc.poll() is None:
-                self._proc.kill()
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)  # the shell and what it started, still running or not
+            except (ProcessLookupError, PermissionError):
+                pass
             if self._proc.stdout is not None:
                 self._proc.stdout.close()
             self._proc.wait()
@@ -422,14 +473,38 @@ def expand_pattern(pattern: str) -> list[str]:
     :data:`MAX_PATTERN_SHARDS`. Raises DataError."""
     import braceexpand
 
+    if _pattern_bound(pattern) > MAX_PATTERN_SHARDS:  # braceexpand holds a whole numeric range in memory
+        raise DataError(f"{pattern}: the pattern names more than {MAX_PATTERN_SHARDS} shards")
     out = list(itertools.islice(braceexpand.braceexpand(pattern), MAX_PATTERN_SHARDS + 1))
     if len(out) > MAX_PATTERN_SHARDS:
         raise DataError(f"{pattern}: the pattern names more than {MAX_PATTERN_SHARDS} shards")
     return out
 
 
+_INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?\}")
+
+
+def _pattern_bound(pattern: str) -> int:
+    """At least the number of names a brace pattern expands to: the product of the lengths of its numeric
+    ranges (``{a..b}``, ``{a..b..step}``), counted without building them; sequences and letter ranges are
+    bounded by the pattern's length."""
+    n = 1
+    for a, b, step in _INT_RANGE.findall(pattern):
+        n *= abs(int(b) - int(a)) // (int(step or 1) or 1) + 1
+        if n > MAX_PATTERN_SHARDS:
+            break
+    return n
+
+
+def _url_part(base: str, part: str) -> str:
+    """One path part (data) as it goes after ``base``: URL-quoted for http(s); as is for s3 and gs, whose
+    drivers take the key literally."""
+    return urllib.parse.quote(part, safe="") if base.startswith(("http://", "https://")) else part
+
+
 def _remote_root(base: str, root: str | None, where: str) -> str:
-    """``base`` joined with a manifest's ``root`` (data): a relative path without ``..``, each part quoted."""
+    """``base`` joined with a manifest's ``root`` (data): a relative path without ``..``, each part quoted
+    (:func:`_url_part`)."""
     if not root:
         return base
     why = root_problem(root)
@@ -440,7 +515,7 @@ def _remote_root(base: str, root: str | None, where: str) -> str:
         return base
     if why:
         raise DataError(f"{where}: root {root[:80]!r} is refused: {why}")
-    return base + "/" + "/".join(urllib.parse.quote(p, safe="") for p in parts)
+    return base + "/" + "/".join(_url_part(base, p) for p in parts)
 
 
 def source_name(location: str) -> str:
@@ -512,7 +587,7 @@ def open_set(spec: str | Path, manifest: str | Path | None = None, retry: Retry 
     else:
         m = _load_manifest(murl, retry)
         base = _remote_root(base, m.root, murl)
-    return ShardSet(manifest=m, urls=[base + "/" + urllib.parse.quote(s.name, safe="") for s in m.shards],
+    return ShardSet(manifest=m, urls=[base + "/" + _url_part(base, s.name) for s in m.shards],
                     location=text, remote=True)
 
 

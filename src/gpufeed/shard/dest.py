@@ -12,9 +12,7 @@ from gpufeed.config import ShardConfig
 from gpufeed.errors import DataError, GpufeedError, RunError
 from gpufeed.shard.shardplan import _SHARD_RE, PLAN_NAME, _Plan, _read_plan
 
-
 STATE_DIR = ".gpufeed"
-
 LOCK_NAME = "lock"
 
 _LOCK_PID_BYTES = 32

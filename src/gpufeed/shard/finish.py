@@ -11,7 +11,6 @@ from gpufeed.config import ShardConfig
 from gpufeed.shard.scan import _display
 from gpufeed.shard.shardplan import _Plan
 
-
 _INDEX_BLOCK = 65536
 """Rows of ``index.parquet`` built and written at a time (one row group each)."""
 

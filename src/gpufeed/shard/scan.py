@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 from gpufeed.errors import DataError
 from gpufeed.shard.report import FileIssue
 
-
 CANDIDATE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 """torchvision ImageFolder's IMG_EXTENSIONS: the files considered images (matched case-insensitively)."""
 

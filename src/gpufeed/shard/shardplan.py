@@ -22,15 +22,10 @@ from gpufeed.shard.report import FileIssue
 from gpufeed.shard.scan import _display, _Scan, _Strings
 from gpufeed.shard.validate import _ACTIONS, _CACHE_RE, _COLUMNS, _EXTS, _cache_name, _Results
 
-
 PLAN_NAME = "plan.json"
-
 PLAN_VERSION = 3  # 2: validation and shards follow one seeded order; per-shard transcode caches; 3: columnar
-
 PLAN_ARRAYS_NAME = "plan.bin"
-
 _SHARD_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.tar$")
-
 _TAR_OVERHEAD_PER_SAMPLE = 3 * 1024 + 300  # 3 headers + padding + json member, roughly
 
 _PLAN_COLUMNS = {**_COLUMNS, "label": ("<i4", ()), "bytes": ("<i8", ()), "order": ("<i8", ()),

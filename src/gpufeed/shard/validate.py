@@ -20,17 +20,11 @@ from typing import Any, NamedTuple
 from gpufeed.shard.report import _Bar
 from gpufeed.shard.scan import _Scan
 
-
 DEFAULT_REENCODE_QUALITY = 90
-
 CMYK_QUALITY = 95
-
 _CHUNK = 32  # files per validation task: amortises IPC, small enough for a smooth bar and balance
-
 _HEADER_CHUNK = 512  # the same for --check header without re-encoding options (no decode: ~20 us a file)
-
 _ACTIONS = ("copy", "reencode", "cmyk_to_rgb_jpeg", "16bit_to_png8", "to_png")
-
 _EXTS = ("", "jpg", "png", "webp")
 
 _COLUMNS = {  # per-sample columns of validation results and of the plan: numpy dtype, trailing shape

@@ -1,12 +1,13 @@
 """Phase 4, write: the shards' bytes (tar layout: docs/design.md §2; how the work is split: the package
 docstring).
 
-Worker side: ``_samples_of`` builds a shard's records from its plan columns, ``_write_range`` writes a run of
-samples at their offsets (one ``pwrite`` of the members, image bytes over ``_INLINE_BYTES`` by ``sendfile``),
-after checking each pass-through source against its validated identity; ``_write_shard`` writes and hashes a
-whole shard. Main side: ``_ShardJob`` lays a shard out and hashes it in order as its ranges complete;
-``_write_all`` picks whole shards per worker or ranges of one shard. ``_finish_shard`` renames a finished shard
-into place and leaves its ``.done.json`` sidecar, which ``_shard_complete`` checks on resume."""
+Records: ``_samples_of`` builds a shard's ``_Sample`` records from its plan columns (``_Plan.part``). Write tasks
+(in the workers): ``_write_range`` writes a run of samples at their offsets (one ``pwrite`` of the members, image
+bytes over ``_INLINE_BYTES`` by ``sendfile``), after checking each pass-through source against its validated
+identity; ``_write_shard`` writes and hashes a whole shard. Main side: ``_ShardJob`` lays a shard out and hashes
+it in order as its ranges complete; ``_write_all`` gives each worker whole shards or ranges of one shard.
+``_finish_shard`` renames a finished shard into place and leaves its ``.done.json`` sidecar, which
+``_shard_complete`` checks on resume."""
 
 from __future__ import annotations
 
@@ -22,12 +23,75 @@ from gpufeed.errors import RunError
 from gpufeed.shard.dest import STATE_DIR
 from gpufeed.shard.report import _Bar
 from gpufeed.shard.scan import _display
-from gpufeed.shardset.tar import ustar_header
 from gpufeed.shard.validate import _EXTS, _cache_name
+from gpufeed.shardset.tar import ustar_header
 
 
-# --------------------------------------------------------------------------- worker side
+# --------------------------------------------------------------------------- the records of a shard's samples
 
+
+class _Sample(NamedTuple):
+    """One planned sample, as the writer needs it (built from the plan's columns one shard at a time)."""
+
+    key: str
+    path: str
+    """Absolute path of the source."""
+    label: int
+    cname: str
+    source: str
+    """Path relative to SRC as recorded."""
+    orientation: int
+    ext: str
+    width: int
+    """Stored width (after any re-encoding)."""
+    height: int
+    orig_width: int
+    orig_height: int
+    sha256: str
+    img_len: int
+    """Bytes of the stored image member."""
+    ident: tuple[int, int, int, int] | None
+    """Pass-through: the validated source's identity; transcoded: None."""
+    cache: str | None
+    """Transcoded: the cache file holding the bytes, at ``coff``."""
+    coff: int
+
+
+def _sample_json(s: _Sample) -> bytes:
+    """``KEY.json``: exactly ``json.dumps(meta, sort_keys=True, ensure_ascii=False)`` of the sample's metadata
+    (``source``, ``class``, ``label``, stored ``width``/``height``, ``format``, ``sha256``, ``exif_orientation``
+    when not 1, ``orig_width``/``orig_height`` when resized), written out directly: the generic encoder costs more
+    than the rest of the sample."""
+    from json.encoder import encode_basestring
+
+    parts = [f'{{"class": {encode_basestring(s.cname)}, ']
+    if s.orientation != 1:
+        parts.append(f'"exif_orientation": {s.orientation}, ')
+    parts.append(f'"format": {encode_basestring(s.ext)}, "height": {s.height}, "label": {s.label}, ')
+    if (s.orig_width, s.orig_height) != (s.width, s.height):
+        parts.append(f'"orig_height": {s.orig_height}, "orig_width": {s.orig_width}, ')
+    parts.append(f'"sha256": "{s.sha256}", "source": {encode_basestring(s.source)}, "width": {s.width}}}')
+    return "".join(parts).encode("utf-8")
+
+
+def _samples_of(part: dict[str, Any], src: str, state: str) -> list[_Sample]:
+    """The records of one shard's samples from ``_Plan.part``."""
+    classes, digests = part["classes"], part["sha256"]
+    base = os.path.join(src, "")  # + a relative path: os.path.join's result, without its cost per sample
+    out = []
+    for k, (raw, n, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
+            part["paths"], part["n"], part["label"], part["ext"], part["width"], part["height"],
+            part["orig_width"], part["orig_height"], part["orientation"], part["img_len"], part["cache"],
+            part["coff"], part["ident"])):
+        encoded = j >= 0
+        out.append(_Sample(f"{label:05d}_{n:07d}", base + raw, label, classes[label], _display(raw),
+                           orientation, _EXTS[e], w, h, ow, oh, digests[32 * k:32 * k + 32].hex(), length,
+                           None if encoded else idt, os.path.join(state, _cache_name(j)) if encoded else None,
+                           coff))
+    return out
+
+
+# --------------------------------------------------------------------------- write tasks (run in the workers)
 
 _RANGE_BYTES = 8 << 20
 """Target bytes of one write task (a run of consecutive samples of one shard): small enough that hashing the
@@ -181,67 +245,6 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
             _pwrite_all(fd, b"".join(buf), start)
     finally:
         os.close(fd)
-
-
-class _Sample(NamedTuple):
-    """One planned sample, as the writer needs it (built from the plan's columns one shard at a time)."""
-
-    key: str
-    path: str
-    """Absolute path of the source."""
-    label: int
-    cname: str
-    source: str
-    """Path relative to SRC as recorded."""
-    orientation: int
-    ext: str
-    width: int
-    """Stored width (after any re-encoding)."""
-    height: int
-    orig_width: int
-    orig_height: int
-    sha256: str
-    img_len: int
-    """Bytes of the stored image member."""
-    ident: tuple[int, int, int, int] | None
-    """Pass-through: the validated source's identity; transcoded: None."""
-    cache: str | None
-    """Transcoded: the cache file holding the bytes, at ``coff``."""
-    coff: int
-
-
-def _sample_json(s: _Sample) -> bytes:
-    """``KEY.json``: exactly ``json.dumps(meta, sort_keys=True, ensure_ascii=False)`` of the sample's metadata
-    (``source``, ``class``, ``label``, stored ``width``/``height``, ``format``, ``sha256``, ``exif_orientation``
-    when not 1, ``orig_width``/``orig_height`` when resized), written out directly: the generic encoder costs more
-    than the rest of the sample."""
-    from json.encoder import encode_basestring
-
-    parts = [f'{{"class": {encode_basestring(s.cname)}, ']
-    if s.orientation != 1:
-        parts.append(f'"exif_orientation": {s.orientation}, ')
-    parts.append(f'"format": {encode_basestring(s.ext)}, "height": {s.height}, "label": {s.label}, ')
-    if (s.orig_width, s.orig_height) != (s.width, s.height):
-        parts.append(f'"orig_height": {s.orig_height}, "orig_width": {s.orig_width}, ')
-    parts.append(f'"sha256": "{s.sha256}", "source": {encode_basestring(s.source)}, "width": {s.width}}}')
-    return "".join(parts).encode("utf-8")
-
-
-def _samples_of(part: dict[str, Any], src: str, state: str) -> list[_Sample]:
-    """The records of one shard's samples from ``_Plan.part``."""
-    classes, digests = part["classes"], part["sha256"]
-    base = os.path.join(src, "")  # + a relative path: os.path.join's result, without its cost per sample
-    out = []
-    for k, (raw, n, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
-            part["paths"], part["n"], part["label"], part["ext"], part["width"], part["height"],
-            part["orig_width"], part["orig_height"], part["orientation"], part["img_len"], part["cache"],
-            part["coff"], part["ident"])):
-        encoded = j >= 0
-        out.append(_Sample(f"{label:05d}_{n:07d}", base + raw, label, classes[label], _display(raw),
-                           orientation, _EXTS[e], w, h, ow, oh, digests[32 * k:32 * k + 32].hex(), length,
-                           None if encoded else idt, os.path.join(state, _cache_name(j)) if encoded else None,
-                           coff))
-    return out
 
 
 def _write_shard(dest: str, src: str, name: str, part: dict[str, Any]) -> tuple[int, str, int]:

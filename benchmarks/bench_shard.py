@@ -90,9 +90,9 @@ def code_version() -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for rel in ("src/gpufeed/shard.py", "src/gpufeed/cli.py"):
+    for path in [*sorted((ROOT / "src/gpufeed/shard").glob("*.py")), ROOT / "src/gpufeed/cli.py"]:
         try:
-            h.update((ROOT / rel).read_bytes())
+            h.update(path.read_bytes())
         except OSError:
             pass
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)

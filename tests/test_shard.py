@@ -147,7 +147,7 @@ def test_deterministic_across_workers_and_runs(image_folder, tmp_path: Path) -> 
 
 def test_one_shard_written_by_two_workers_is_byte_identical(image_folder, tmp_path: Path, monkeypatch) -> None:
     """A one-shard plan is split into ranges written by several processes at their offsets: same bytes."""
-    import gpufeed.shard as mod
+    import gpufeed.shard.write as mod
 
     src = image_folder(classes=3, per_class=12)
     write_image(src / "class_0" / "cmyk.jpg", mode="CMYK")  # one transcoded sample (from the batch cache)
@@ -195,11 +195,11 @@ def test_resume_after_kill_9(image_folder, tmp_path: Path) -> None:
     shard(src, ref, shard_samples=4)
     dest = tmp_path / "out"
     code = (
-        "import time, gpufeed.shard as s\n"
-        "orig = s._finish_shard\n"
+        "import time, gpufeed.shard as s, gpufeed.shard.write as w\n"
+        "orig = w._finish_shard\n"
         "def slow(*a, **k):\n"
         "    r = orig(*a, **k); time.sleep(0.3); return r\n"
-        "s._finish_shard = slow\n"
+        "w._finish_shard = slow\n"
         "from gpufeed.config import ShardConfig\n"
         f"s.write_shards(ShardConfig(src={str(src)!r}, dest={str(dest)!r}, shard_samples=4, workers=1),"
         " progress=False)\n"
@@ -245,10 +245,8 @@ def test_refuses_foreign_set_in_dest(image_folder, tmp_path: Path) -> None:
 def test_free_space_is_checked(image_folder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
-    import gpufeed.shard as mod
-
     real = shutil.disk_usage
-    monkeypatch.setattr(mod.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     dest = tmp_path / "out"
     with pytest.raises(DataError) as err:
         shard(image_folder(), dest)
@@ -335,7 +333,7 @@ def test_cli_config_file(tmp_path: Path, image_folder) -> None:
 
 
 def test_ustar_header_matches_tarfile() -> None:
-    from gpufeed.shard import ustar_header
+    from gpufeed.shard.write import ustar_header
 
     for name, size in [("00000_0000000.jpg", 0), ("00012_0001234.json", 511), ("k" * 100, 8**11 - 1)]:
         ti = tarfile.TarInfo(name)
@@ -398,11 +396,9 @@ def noise_folder(root: Path, classes: int = 2, per_class: int = 48, size: tuple[
 def test_free_space_is_checked_before_the_transcode_cache_is_written(tmp_path: Path, monkeypatch) -> None:
     import shutil
 
-    import gpufeed.shard as mod
-
     src = noise_folder(tmp_path / "src", per_class=4)
     real = shutil.disk_usage
-    monkeypatch.setattr(mod.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     dest = tmp_path / "out"
     with pytest.raises(DataError, match="1000 bytes free"):
         shard(src, dest, max_size=16)
@@ -410,7 +406,8 @@ def test_free_space_is_checked_before_the_transcode_cache_is_written(tmp_path: P
 
 
 def test_reencode_peak_dest_use_stays_near_the_output_size(tmp_path: Path, monkeypatch) -> None:
-    import gpufeed.shard as mod
+    import gpufeed.shard.job as job
+    import gpufeed.shard.write as write
 
     src = noise_folder(tmp_path / "src")  # 96 images: 3 validation batches, 6 shards
     dest = tmp_path / "out"
@@ -423,9 +420,9 @@ def test_reencode_peak_dest_use_stays_near_the_output_size(tmp_path: Path, monke
         return sum(used), cache
 
     seen = []
-    real_write, real_finish = mod._write_range, mod._finish
-    monkeypatch.setattr(mod, "_write_range", lambda *a, **k: (seen.append(usage()), real_write(*a, **k))[1])
-    monkeypatch.setattr(mod, "_finish", lambda *a, **k: (seen.append(usage()), real_finish(*a, **k))[1])
+    real_write, real_finish = write._write_range, job._finish
+    monkeypatch.setattr(write, "_write_range", lambda *a, **k: (seen.append(usage()), real_write(*a, **k))[1])
+    monkeypatch.setattr(job, "_finish", lambda *a, **k: (seen.append(usage()), real_finish(*a, **k))[1])
     rep = shard(src, dest, max_size=24, shard_samples=16)
     assert rep.num_shards == 6 and rep.transforms == {"reencode": 96}
     full_cache = seen[0][1]
@@ -439,21 +436,22 @@ def test_disk_full_names_dest_and_is_a_run_error_once_writing(image_folder, tmp_
     transcode cache), before any shard is written: DataError (exit 2)."""
     import errno
 
-    import gpufeed.shard as mod
+    import gpufeed.shard.validate as validate
+    import gpufeed.shard.write as write
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     src = noise_folder(tmp_path / "src", per_class=3)
     dest = tmp_path / "out"
-    monkeypatch.setattr(mod, "_write_range", full)
+    monkeypatch.setattr(write, "_write_range", full)
     with pytest.raises(RunError) as err:
         shard(src, dest)
     assert err.value.exit_code == 1
     assert f"DEST {dest} is full" in str(err.value) and "bytes needed" in str(err.value)
     assert not list(dest.glob("*.tar*")) and not list(dest.glob(".*.tmp"))
     monkeypatch.undo()
-    monkeypatch.setattr(mod, "_inspect", full)  # while the transcode cache is written
+    monkeypatch.setattr(validate, "_inspect", full)  # while the transcode cache is written
     with pytest.raises(DataError, match="is full") as err:
         shard(src, tmp_path / "out2", quality=80)
     assert not isinstance(err.value, RunError) and err.value.exit_code == 2
@@ -462,15 +460,16 @@ def test_disk_full_names_dest_and_is_a_run_error_once_writing(image_folder, tmp_
 
 @pytest.mark.parametrize("inline", [True, False], ids=["read", "sendfile"])
 def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatch, inline: bool) -> None:
-    import gpufeed.shard as mod
+    import gpufeed.shard.job as job
+    import gpufeed.shard.write as write
 
     if not inline:
-        monkeypatch.setattr(mod, "_INLINE_BYTES", 0)  # the copy of large images
+        monkeypatch.setattr(write, "_INLINE_BYTES", 0)  # the copy of large images
     src = tmp_path / "src"
     for i in range(3):
         write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
     victim = src / "a" / "1.jpg"
-    real = mod._make_plan
+    real = job._make_plan
 
     def plan_then_swap(*a, **k):
         plan = real(*a, **k)
@@ -481,7 +480,7 @@ def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatc
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         return plan
 
-    monkeypatch.setattr(mod, "_make_plan", plan_then_swap)
+    monkeypatch.setattr(job, "_make_plan", plan_then_swap)
     with pytest.raises(RunError, match=r"a/1\.jpg changed while sharding.*re-run"):
         shard(src, tmp_path / "out")
     assert not (tmp_path / "out" / "manifest.json").exists()
@@ -525,7 +524,7 @@ def test_tampered_plan_is_never_used_and_never_crashes(tmp_path: Path) -> None:
 
     import numpy as np
 
-    import gpufeed.shard as mod
+    import gpufeed.shard.shardplan as mod
 
     src = tmp_path / "src"
     for i in range(4):
@@ -658,14 +657,14 @@ def test_leftovers_of_killed_atomic_writes_are_cleaned(image_folder, tmp_path: P
 def test_disk_full_at_finish_names_no_made_up_need(image_folder, tmp_path: Path, monkeypatch) -> None:
     import errno
 
-    import gpufeed.shard as mod
+    import gpufeed.shard.job as job
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     src = image_folder(classes=2, per_class=3)
     dest = tmp_path / "out"
-    monkeypatch.setattr(mod, "_finish", full)  # the index/manifest write after every shard is complete
+    monkeypatch.setattr(job, "_finish", full)  # the index/manifest write after every shard is complete
     with pytest.raises(RunError) as err:
         shard(src, dest, shard_samples=3)
     msg = str(err.value)
@@ -706,13 +705,11 @@ def test_disk_full_while_reencoding_names_gpufeeds_own_cache(tmp_path: Path, mon
 def test_free_space_check_after_reencoding_names_the_cache(tmp_path: Path, monkeypatch) -> None:
     import shutil
 
-    import gpufeed.shard as mod
-
     src = noise_folder(tmp_path / "src", per_class=4)
     real = shutil.disk_usage
     calls = []
     # The first check (before validation) passes; the exact one after it finds the disk full.
-    monkeypatch.setattr(mod.shutil, "disk_usage",
+    monkeypatch.setattr(shutil, "disk_usage",
                         lambda p: (calls.append(p), real(p) if len(calls) == 1 else real(p)._replace(free=1000))[1])
     dest = tmp_path / "out"
     with pytest.raises(DataError) as err:
@@ -802,7 +799,7 @@ def test_output_bytes_match_the_pre_columnar_plan(tmp_path: Path, case: str) -> 
 def test_plain_jpeg_fast_path_agrees_with_pillow_on_damaged_headers(tmp_path: Path, monkeypatch) -> None:
     """--check header reads plain JPEG headers itself; for every truncation and many one-byte corruptions of the
     header its verdict (accept with size, or let Pillow decide) equals Pillow's."""
-    import gpufeed.shard as mod
+    import gpufeed.shard.validate as mod
 
     opts = {"check": "header", "max_pixels": 178_956_970, "max_size": None, "quality": None}
     exif = Image.Exif()
@@ -841,7 +838,7 @@ def test_plain_jpeg_fast_path_agrees_with_pillow_on_damaged_headers(tmp_path: Pa
 
 
 def test_sample_json_is_exactly_json_dumps() -> None:
-    from gpufeed.shard import _Sample, _sample_json
+    from gpufeed.shard.write import _Sample, _sample_json
 
     for cname, source, orientation, size in [("cat", "cat/1.jpg", 1, (8, 8)),
                                              ('q"\\\n\t\x01é\u2028', 'd/"x"\\é\x7f.jpg', 6, (30, 20)),
@@ -860,7 +857,7 @@ def test_sample_json_is_exactly_json_dumps() -> None:
 def test_small_and_large_images_are_copied_to_the_same_bytes(image_folder, tmp_path: Path, monkeypatch) -> None:
     """Write tasks read small images into one buffer and copy large ones by sendfile: the bytes do not depend on
     which."""
-    import gpufeed.shard as mod
+    import gpufeed.shard.write as mod
 
     src = image_folder(classes=2, per_class=6)
     write_image(src / "class_0" / "cmyk.jpg", mode="CMYK")  # one transcoded sample (from the batch cache)
@@ -879,7 +876,7 @@ def test_index_is_written_in_row_groups_in_shard_order(image_folder, tmp_path: P
     whatever the block size."""
     import pyarrow.parquet as pq
 
-    import gpufeed.shard as mod
+    import gpufeed.shard.finish as mod
 
     src = image_folder(classes=3, per_class=7)
     shard(src, tmp_path / "whole", shard_samples=4)

@@ -103,7 +103,7 @@ CASES = [("00000_0000000.jpg", 0), ("00012_0001234.json", 511), ("00012_0001234.
 
 
 def test_ustar_header_is_shards_and_reads_back_with_both_readers(tmp_path: Path):
-    from gpufeed.shard import ustar_header as shard_header
+    from gpufeed.shard.write import ustar_header as shard_header
 
     for name, size in CASES:
         hdr = ustar_header(name, size)

@@ -1,0 +1,279 @@
+"""The job: ``write_shards`` checks SRC and DEST, takes the DEST lock and runs the phases in order (``_run``):
+scan -> validate -> plan (or the stored plan, on resume) -> write -> finish, then returns the ``ShardReport``.
+Also the process set-up of the run: the worker pool, glibc's mmap threshold, pyarrow preloaded while the
+workers validate."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any
+
+from gpufeed.config import ShardConfig
+from gpufeed.errors import DataError
+from gpufeed.shard.dest import (LOCK_NAME, STATE_DIR, _atomic_leftover, _cache_bytes, _check_free_space,
+                                _clear_cache, _load_plan, _lock, _os_error)
+from gpufeed.shard.finish import _finish
+from gpufeed.shard.report import ShardReport, _Bar
+from gpufeed.shard.scan import _scan
+from gpufeed.shard.shardplan import _TAR_OVERHEAD_PER_SAMPLE, _fingerprint, _make_plan, _options, _save_plan
+from gpufeed.shard.validate import _ACTIONS, _validate
+from gpufeed.shard.write import _shard_complete, _write_all
+
+
+def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
+    """Convert ``cfg.src`` (an ImageFolder) into a deterministic WebDataset shard set at ``cfg.dest``."""
+    t0 = time.perf_counter()
+    if not cfg.src or not cfg.dest:
+        raise DataError("shard needs SRC (an image folder) and DEST (the output folder)")
+    src = os.path.abspath(cfg.src)
+    dest = os.path.abspath(cfg.dest)
+    if not os.path.isdir(src):
+        raise DataError(f"SRC {cfg.src} is not a folder" if os.path.exists(src) else f"SRC {cfg.src} does not exist")
+    if os.path.commonpath([src, dest]) == src:
+        raise DataError(f"DEST {cfg.dest} is inside SRC {cfg.src}; choose a folder outside the input")
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise DataError(f"DEST {cfg.dest} exists and is not a folder")
+    from gpufeed.system import usable_cpus
+
+    workers = cfg.workers or usable_cpus()
+    options = _options(cfg)
+    opts = {"check": cfg.check, "max_pixels": cfg.max_pixels, "max_size": cfg.max_size, "quality": cfg.quality}
+    state = os.path.join(dest, STATE_DIR)
+    created = []  # the folders this run creates, innermost first: DEST/.gpufeed, DEST, missing parents of DEST
+    d = state
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        created.append(d)
+        d = os.path.dirname(d)
+    try:
+        os.makedirs(state, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"DEST {cfg.dest} cannot be created ({exc.strerror or exc})") from None
+    lock = _lock(dest, cfg)
+    try:
+        return _run(cfg, src, dest, workers, options, opts, progress, t0, lock)
+    except DataError:
+        if created and os.listdir(state) == [LOCK_NAME]:  # refused before writing: leave DEST as it was
+            os.unlink(os.path.join(state, LOCK_NAME))
+            for folder in created:
+                try:
+                    os.rmdir(folder)  # only while empty
+                except OSError:
+                    break
+        raise
+    finally:
+        os.close(lock)
+
+
+def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str, Any], opts: dict[str, Any],
+         progress: bool, t0: float, lock_fd: int) -> ShardReport:
+    state = os.path.join(dest, STATE_DIR)
+    pool = _make_pool(workers, lock_fd) if workers > 1 else None
+    _map_large_blocks()  # this process only: the forked workers keep glibc's default (their write buffers churn)
+    import numpy as np  # after the pool has forked its workers (numpy may start threads)
+
+    _preload_finish_imports()
+    bar = _Bar(progress)
+    try:
+        scan = _scan(src)
+        if not scan.classes:
+            raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder "
+                            f"reads)")
+        warn: list[str] = []
+        _check_empty(cfg, scan.classes, scan.class_counts, warn, duplicates=scan.duplicates)
+        fingerprint = _fingerprint(scan, options)
+        scan.mtimes = None  # 8 bytes a sample, not held through validation
+
+        plan = _load_plan(dest, fingerprint, cfg)
+        done: dict[str, dict[str, Any]] = {}
+        if plan is not None:
+            for s in plan.shards:
+                info = _shard_complete(dest, s["name"])
+                if info is not None:
+                    done[s["name"]] = info
+            lost = [c for s in plan.shards if s["name"] not in done for c in s["caches"]
+                    if not os.path.exists(os.path.join(state, c))]
+            if lost:  # transcoded bytes are gone (cleared after use): redo the deterministic validation
+                plan = None
+        resumed = plan is not None  # the earlier run's plan is used as it is (validation skipped)
+
+        t_val = time.perf_counter()
+        if plan is None:
+            # Before anything is written: the input size is the estimate (pass-through bytes are the output;
+            # re-encodes to --max-size/--quality are rarely larger). The exact check follows validation.
+            kept = sum(i["bytes"] for i in done.values())
+            est = int(scan.sizes.sum()) + _TAR_OVERHEAD_PER_SAMPLE * len(scan) - kept
+            _check_free_space(dest, est, cfg)
+            shuffled = list(range(len(scan)))
+            random.Random(cfg.seed).shuffle(shuffled)
+            order = np.array(shuffled, dtype=np.int64)
+            del shuffled
+            try:
+                results = _validate(scan, src, state, opts, pool, bar, order, workers)
+            except OSError as exc:
+                cached = _cache_bytes(state)
+                _clear_cache(state)  # useless without a plan: give the space back
+                raise _os_error(exc, cfg, est, cache_deleted=cached) from None
+            plan = _make_plan(cfg, scan, results, fingerprint, options, order)
+            del results, order
+            _check_empty(cfg, plan.classes, plan.meta["class_counts"], warn, after_validation=True)
+            try:
+                _save_plan(state, plan)
+            except OSError as exc:
+                raise _os_error(exc, cfg, None, cache_kept=_cache_bytes(state)) from None
+        else:
+            bar.note("resume: the plan matches; validation skipped")
+            _check_empty(cfg, plan.classes, plan.meta["class_counts"], warn, after_validation=True)
+        validate_s = time.perf_counter() - t_val
+        ignored = scan.ignored
+        del scan  # the plan holds what the rest needs
+
+        # ---- write
+        t_w = time.perf_counter()
+        names = [s["name"] for s in plan.shards]
+        if not resumed or not done:
+            for name in names:
+                info = _shard_complete(dest, name)
+                if info is not None:
+                    done[name] = info
+        todo = [s for s in plan.shards if s["name"] not in done]
+        # Each transcode cache file is deleted once every shard that reads it is written, so DEST peaks near
+        # the output size: the cache turns into shards as they are written.
+        users: dict[str, int] = {}
+        for s in todo:
+            for c in s["caches"]:
+                users[c] = users.get(c, 0) + 1
+        for name in os.listdir(state):
+            if name.startswith("enc-") and name.endswith(".bin") and name not in users:
+                os.unlink(os.path.join(state, name))
+        cached = sum(os.path.getsize(os.path.join(state, c)) for c in users)
+        in_flight = sum(sorted((s["cache_bytes"] for s in todo), reverse=True)[:workers])
+        need = max(0, sum(s["est_bytes"] for s in todo) - cached) + in_flight
+        _check_free_space(dest, need, cfg, cached)
+        for leftover in os.listdir(dest):
+            if leftover.startswith(".") and leftover.endswith(".tar.tmp") or _atomic_leftover(leftover):
+                os.unlink(os.path.join(dest, leftover))
+        tasks = [(s["name"], s["count"], (lambda s=s: plan.part(plan.indices(s)))) for s in todo]
+        caches_of = {s["name"]: s["caches"] for s in todo}
+
+        def shard_done(name: str) -> None:
+            for c in caches_of[name]:
+                users[c] -= 1
+                if users[c] == 0:
+                    try:
+                        os.unlink(os.path.join(state, c))
+                    except FileNotFoundError:
+                        pass
+
+        try:
+            written = _write_all(dest, src, tasks, pool, bar, shard_done, workers=workers)
+        except OSError as exc:
+            raise _os_error(exc, cfg, need, cache_kept=_cache_bytes(state), writing=True) from None
+        done.update(written)
+        write_s = time.perf_counter() - t_w
+    finally:
+        bar.close()
+        if pool is not None:
+            pool[0].shutdown(wait=True, cancel_futures=True)
+
+    per_action = np.bincount(plan.cols["action"], minlength=len(_ACTIONS)).tolist()
+    transforms = {a: k for a, k in sorted(zip(_ACTIONS, per_action)) if k}
+    num_exif_oriented = int((plan.cols["orientation"] != 1).sum())
+    plan.release_write_columns()
+
+    # ---- index, timm info, manifest (last)
+    infos = [done[n] for n in names]
+    try:
+        manifest = _finish(dest, cfg, plan, infos, options)
+    except OSError as exc:
+        raise _os_error(exc, cfg, None, shards_done=len(infos), writing=True) from None
+    _clear_cache(state)  # the transcode cache is only needed until every shard is complete
+    input_bytes = int(plan.cols["bytes"].sum())
+    elapsed = time.perf_counter() - t0
+    # Rates count what this run wrote (a resume that keeps every shard converts nothing).
+    n_written = sum(i["num_samples"] for i in written.values())
+    in_written = sum(int(plan.cols["bytes"][plan.indices(s)].sum()) for s in todo if s["name"] in written)
+    rejected = plan.rejected
+    if rejected:
+        warn.append(f"{len(rejected)} file(s) rejected")
+    return ShardReport(
+        src=src, dest=dest, prefix=cfg.prefix, num_classes=len(plan.classes),
+        num_samples=len(plan), num_rejected=len(rejected), num_ignored=len(ignored),
+        num_shards=len(names), num_shards_written=len(written), num_shards_skipped=len(names) - len(written),
+        total_bytes=manifest.total_bytes, input_bytes=input_bytes,
+        written_samples=n_written, written_bytes=sum(i["bytes"] for i in written.values()),
+        written_input_bytes=in_written, elapsed_s=elapsed, validate_s=validate_s,
+        write_s=write_s, samples_per_s=n_written / elapsed if elapsed > 0 else 0.0,
+        mb_per_s=in_written / 1e6 / elapsed if elapsed > 0 else 0.0, workers=workers, strict=cfg.strict,
+        resumed=resumed, transforms=transforms,
+        num_exif_oriented=num_exif_oriented,
+        classes=list(plan.classes), empty_classes=list(plan.meta["empty_classes"]), warnings=warn,
+        rejected=rejected, ignored=ignored, shards=names, url_pattern=manifest.url_pattern,
+        manifest=os.path.join(dest, "manifest.json"),
+    )
+
+
+def _check_empty(cfg: ShardConfig, classes: list[str], counts: list[int], warn: list[str],
+                 after_validation: bool = False, duplicates: list[int] | None = None) -> None:
+    """Refuse empty classes (or keep them with a warning). ``duplicates``: per class, the files rejected as the
+    same file as one stored under another path (an empty class of only those is a symlink to another class)."""
+    empty = [c for c, n in zip(classes, counts) if n == 0]
+    if not empty:
+        return
+    what = "has no valid image after validation" if after_validation else "holds no image file"
+    shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+    dup = [f"{c} ({duplicates[classes.index(c)]})" for c in empty if duplicates and duplicates[classes.index(c)]]
+    why = (f" of its own (only files already stored under another path, symlinks or hard links: "
+           f"{', '.join(dup[:5])})" if dup else "")
+    if not cfg.allow_empty_classes:
+        raise DataError(
+            f"class folder(s) {shown} {what}{why}; remove them or pass --allow-empty-classes to keep their labels"
+        )
+    for c in empty:
+        msg = f"class {c!r} (label {classes.index(c)}) is empty; its label is kept (no renumbering)"
+        if msg not in warn:
+            warn.append(msg)
+
+
+def _map_large_blocks() -> None:
+    """Keep glibc's mmap threshold at its initial 128 KiB (``mallopt(M_MMAP_THRESHOLD)``; nothing on other C
+    libraries): every block above it (the plan's numpy columns, the index's blocks) is then mapped on its own and
+    given back to the OS when freed. glibc otherwise raises the threshold up to 32 MiB the first time such a block
+    is freed, later columns come from the heap, and the RSS keeps the high-water mark of every phase. (A write
+    task's buffer is then mapped and unmapped each time too: ~5% more CPU when this process writes, --workers 1.)"""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _preload_finish_imports() -> None:
+    """Import pyarrow (~0.15 s with numpy) in a thread while the workers validate, instead of on the serial tail
+    before ``index.parquet`` (after the pool is started: it forks only while this process has one thread)."""
+    import threading
+
+    def load() -> None:
+        try:
+            import pyarrow.parquet  # noqa: F401
+        except Exception:  # noqa: BLE001 - _finish imports it again and reports the error there
+            pass
+
+    threading.Thread(target=load, name="gpufeed-preload", daemon=True).start()
+
+
+def _make_pool(workers: int, lock_fd: int) -> tuple[Any, Any]:
+    """The job's process pool (:func:`gpufeed.system.process_pool`: fork where safe, else spawn; workers die with
+    this process and a forked one closes its copy of the DEST lock), started at once so that its start-up
+    overlaps the scan."""
+    from gpufeed.system import process_pool
+
+    ex = process_pool(workers, close_fds=(lock_fd,))
+    ex.submit(_noop)  # start the workers now (spawn: their start-up overlaps the scan)
+    return ex, None
+
+
+def _noop() -> None:
+    return None

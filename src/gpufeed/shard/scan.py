@@ -1,0 +1,232 @@
+"""Phase 1, scan: walk SRC into the candidate files as columns (``_Scan``), main process only.
+
+The input rules it applies (classes, walked sub-folders, candidate extensions, each file stored once, what is
+ignored or rejected before any file is opened) are in the package docstring (``gpufeed.shard``), "Input rules"
+and "Names"."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from gpufeed.errors import DataError
+from gpufeed.shard.report import FileIssue
+
+CANDIDATE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+"""torchvision ImageFolder's IMG_EXTENSIONS: the files considered images (matched case-insensitively)."""
+
+
+class _Strings:
+    """A column of file names kept as one bytes blob plus offsets (``os.fsencode``d, so names that are not UTF-8
+    round-trip): ~N + 8 bytes a name instead of a Python ``str`` object each."""
+
+    def __init__(self, blob: bytes, offsets: Any) -> None:
+        self.blob = blob
+        self.offsets = offsets  # numpy int64, len(self) + 1, non-decreasing, from 0 to len(blob)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> str:
+        return os.fsdecode(self.blob[self.offsets[i]:self.offsets[i + 1]])
+
+    def take(self, idx: Any) -> _Strings:
+        import numpy as np
+
+        o = self.offsets
+        parts = [self.blob[o[i]:o[i + 1]] for i in idx]
+        lengths = np.fromiter((len(b) for b in parts), np.int64, len(parts))
+        return _Strings(b"".join(parts), np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
+
+
+@dataclass
+class _Scan:
+    classes: list[str]
+    """Class names as recorded (``_display``: non-UTF-8 bytes become U+FFFD), in label order."""
+    paths: _Strings
+    """Candidate files (relative to SRC, real names), sorted by (label, path); the arrays below follow them."""
+    labels: Any  # numpy int32
+    sizes: Any  # numpy int64
+    mtimes: Any  # numpy int64 (st_mtime_ns); None once the fingerprint is taken (nothing else reads them)
+    ignored: list[FileIssue]
+    rejected: list[FileIssue]
+    class_counts: list[int]
+    dirs: list[str] = field(default_factory=list)
+    """The class folders' real names (file system access), in label order."""
+    duplicates: list[int] = field(default_factory=list)
+    """Per class: files rejected because the same file (device, inode) is already stored under another path."""
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def _rel(path: str, root: str) -> str:
+    return _display(os.path.relpath(path, root))
+
+
+def _display(rel: str) -> str:
+    """Relative path as recorded: '/' separators; bytes that are not UTF-8 become U+FFFD (the file is still read
+    under its real name, which the plan keeps)."""
+    return rel.replace(os.sep, "/").encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+class _Found(NamedTuple):
+    """A candidate file as the walk finds it."""
+
+    raw: str
+    """Path relative to SRC, real name."""
+    size: int
+    mtime_ns: int
+    dev: int
+    ino: int
+    via_link: bool
+    """Reached through a symlink (file or folder)."""
+
+
+def _scan(src: str) -> _Scan:
+    import numpy as np
+    from array import array
+
+    classes: list[str] = []
+    ignored: list[FileIssue] = []
+    rejected: list[FileIssue] = []
+    with os.scandir(src) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if e.name.startswith("."):
+            ignored.append(FileIssue(_rel(e.path, src), "hidden (never a class)"))
+        elif e.is_dir():
+            classes.append(e.name)
+        elif e.is_symlink() and not os.path.exists(e.path):
+            ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
+        else:
+            ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
+    # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here,
+    # column by column.
+    blob, ends = bytearray(), array("q")
+    labels, sizes, mtimes, devs, inos, via = array("i"), array("q"), array("q"), array("Q"), array("Q"), bytearray()
+    for label, name in enumerate(classes):
+        found: list[_Found] = []
+        _walk_class(src, os.path.join(src, name), found, ignored, rejected)
+        if not found:
+            continue
+        found.sort(key=lambda f: f.raw)
+        raw, size, mtime, dev, ino, link = zip(*found)
+        del found
+        names = [os.fsencode(r) for r in raw]
+        cum = itertools.accumulate(map(len, names), initial=len(blob))
+        next(cum)  # the initial value: the previous end
+        ends.extend(cum)
+        blob += b"".join(names)
+        labels.extend([label] * len(raw))
+        sizes.extend(size)
+        mtimes.extend(mtime)
+        devs.extend(dev)
+        inos.extend(ino)
+        via.extend(link)
+        del raw, size, mtime, dev, ino, link, names
+    paths = _Strings(bytes(blob), np.concatenate(([0], np.frombuffer(ends, np.int64))).astype(np.int64))
+    del blob, ends
+    lab = np.frombuffer(labels, np.int32).copy()
+    keep, duplicates = _store_once(paths, lab, np.frombuffer(devs, np.uint64), np.frombuffer(inos, np.uint64),
+                                   np.frombuffer(via, np.uint8), rejected, len(classes))
+    siz, mt = np.frombuffer(sizes, np.int64).copy(), np.frombuffer(mtimes, np.int64).copy()
+    if keep is not None:
+        paths, lab, siz, mt = paths.take(keep), lab[keep], siz[keep], mt[keep]
+    counts = np.bincount(lab, minlength=len(classes)).tolist()
+    ignored.sort(key=lambda i: i.path)
+    shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them
+    if len(set(shown)) != len(shown):
+        dup = sorted({c for c in shown if shown.count(c) > 1})
+        raise DataError(f"class folders whose names are not valid UTF-8 read the same once shown ({', '.join(dup)}); "
+                        f"rename them")
+    return _Scan(shown, paths, lab, siz, mt, ignored, rejected, counts, dirs=classes, duplicates=duplicates)
+
+
+def _store_once(paths: _Strings, labels: Any, devs: Any, inos: Any, via: Any, rejected: list[FileIssue],
+                num_classes: int) -> tuple[Any, list[int]]:
+    """Every file once: paths that reach the same file (device, inode) through symlinks or hard links, in one
+    class or several, keep one path (one reached without a symlink first, then the lowest label, then the path);
+    the others are rejected naming it. The candidates are in (label, path) order, so the rule is the lowest
+    (via_link, position). -> (indices to keep, or None when all are kept; duplicates per class)."""
+    import numpy as np
+
+    n = len(labels)
+    pos = np.arange(n, dtype=np.int64)
+    order = np.lexsort((pos, via, inos, devs))  # by device, inode, then the keeping rule
+    first = np.ones(n, dtype=bool)
+    first[1:] = (devs[order][1:] != devs[order][:-1]) | (inos[order][1:] != inos[order][:-1])
+    kept = np.empty(n, dtype=np.int64)
+    kept[order] = order[first][np.cumsum(first) - 1]
+    dup = np.nonzero(kept != pos)[0]
+    duplicates = np.bincount(labels[dup], minlength=num_classes).tolist()
+    if not len(dup):
+        return None, duplicates
+    for i in dup.tolist():
+        k = int(kept[i])
+        where = "" if labels[k] == labels[i] else " in another class"
+        rejected.append(FileIssue(_display(paths[i]), f"same file as {_display(paths[k])}{where} (symlink or hard "
+                                                      f"link); stored once"))
+    return np.nonzero(kept == pos)[0], duplicates
+
+
+def _walk_class(src: str, top: str, out: list[_Found], ignored: list, rejected: list) -> None:
+    """Collect a class' candidate files into ``out``. Sub-folders are followed through symlinks, each folder (device, inode) once, so
+    loops end; folders reached without a symlink are walked first, so a folder also linked from elsewhere in the
+    class is listed under its own path."""
+    seen: set[tuple[int, int]] = set()
+    stack = [(top, os.path.islink(top))]  # real folders: walked first
+    linked: list[tuple[str, bool]] = []  # folders reached through a symlink: walked once ``stack`` is empty
+    while stack or linked:
+        d, via_link = stack.pop() if stack else linked.pop()
+        try:
+            st = os.stat(d)
+        except OSError as exc:
+            ignored.append(FileIssue(_rel(d, src), f"unreadable folder ({exc.strerror})"))
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            ignored.append(FileIssue(_rel(d, src), "folder already walked in this class (symlink loop or second link)"))
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        try:
+            with os.scandir(d) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            ignored.append(FileIssue(_rel(d, src), f"unreadable folder ({exc.strerror})"))
+            continue
+        subdirs = []
+        base = os.path.relpath(d, src) + os.sep  # + an entry's name = its path relative to SRC, real name
+        for e in entries:
+            name = e.name
+            if name.startswith("."):
+                ignored.append(FileIssue(_display(base + name), "hidden file or folder"))
+                continue
+            is_image_name = name.lower().endswith(CANDIDATE_EXTENSIONS)
+            try:
+                if e.is_dir():
+                    subdirs.append((e.path, via_link or e.is_symlink()))
+                    continue
+                link = e.is_symlink()
+                if link and not os.path.exists(e.path):
+                    (rejected if is_image_name else ignored).append(FileIssue(_display(base + name),
+                                                                              "dangling symlink"))
+                    continue
+                if not e.is_file():
+                    ignored.append(FileIssue(_display(base + name), "not a regular file"))
+                    continue
+                if not is_image_name:
+                    ext = os.path.splitext(name)[1] or "(none)"
+                    ignored.append(FileIssue(_display(base + name), f"not an image file extension ({ext})"))
+                    continue
+                st = e.stat()
+            except OSError as exc:
+                rejected.append(FileIssue(_display(base + name), f"unreadable ({exc.strerror})"))
+                continue
+            if st.st_size == 0:
+                rejected.append(FileIssue(_display(base + name), "empty file (0 bytes)"))
+                continue
+            out.append(_Found(base + name, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, via_link or link))
+        stack.extend(sd for sd in reversed(subdirs) if not sd[1])
+        linked.extend(sd for sd in reversed(subdirs) if sd[1])

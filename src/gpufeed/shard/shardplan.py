@@ -1,0 +1,303 @@
+"""Phase 3, plan: the fingerprint of the scan and options, the shard plan built from the validation results
+(``_make_plan``: seeded order, N equal shards) and its storage in ``DEST/.gpufeed`` (``plan.json`` + ``plan.bin``,
+``PLAN_VERSION``), read back and checked in full on resume (``_read_plan``: the state folder is data too).
+
+(``gpufeed/plan.py`` is another thing: ``gpufeed plan``, the memory planner.) The plan's columns and what resume
+does with them: the package docstring, "Resume"."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from gpufeed.config import ShardConfig
+from gpufeed.errors import DataError
+from gpufeed.shard.report import FileIssue
+from gpufeed.shard.scan import _display, _Scan, _Strings
+from gpufeed.shard.validate import _ACTIONS, _CACHE_RE, _COLUMNS, _EXTS, _cache_name, _Results
+
+PLAN_NAME = "plan.json"
+PLAN_VERSION = 3  # 2: validation and shards follow one seeded order; per-shard transcode caches; 3: columnar
+PLAN_ARRAYS_NAME = "plan.bin"
+_SHARD_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.tar$")
+_TAR_OVERHEAD_PER_SAMPLE = 3 * 1024 + 300  # 3 headers + padding + json member, roughly
+
+_PLAN_COLUMNS = {**_COLUMNS, "label": ("<i4", ()), "bytes": ("<i8", ()), "order": ("<i8", ()),
+                 "path_offsets": ("<i8", ()), "path_blob": ("u1", ())}
+
+
+def _options(cfg: ShardConfig) -> dict[str, Any]:
+    return {"seed": cfg.seed, "shard_samples": cfg.shard_samples, "shard_bytes": cfg.shard_bytes,
+            "multiple_of": cfg.multiple_of, "prefix": cfg.prefix, "max_size": cfg.max_size,
+            "quality": cfg.quality, "check": cfg.check, "max_pixels": cfg.max_pixels,
+            "allow_empty_classes": cfg.allow_empty_classes}
+
+
+def _fingerprint(scan: _Scan, options: dict[str, Any]) -> str:
+    from gpufeed import __version__
+
+    h = hashlib.sha256()
+    h.update(json.dumps({"plan_version": PLAN_VERSION, "gpufeed": __version__, "options": options,
+                         "classes": scan.classes}, sort_keys=True).encode())
+    for column in (scan.paths.offsets, scan.labels, scan.sizes, scan.mtimes):
+        h.update(column.tobytes())
+    h.update(scan.paths.blob)
+    for issue in scan.rejected:
+        h.update(f"r\0{issue.path}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def plan_num_shards(num_samples: int, num_bytes: int, cfg: ShardConfig) -> int:
+    """max(ceil(n / shard_samples), ceil(bytes / shard_bytes)), at least 1, rounded up to multiple_of."""
+    n = max(1, math.ceil(num_samples / cfg.shard_samples), math.ceil(num_bytes / cfg.shard_bytes))
+    return math.ceil(n / cfg.multiple_of) * cfg.multiple_of
+
+
+def split_sizes(num_samples: int, num_shards: int) -> list[int]:
+    """Shard sizes that differ by at most one, larger ones first."""
+    q, r = divmod(num_samples, num_shards)
+    return [q + 1 if i < r else q for i in range(num_shards)]
+
+
+def _shard_names(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}-{i:06d}.tar" for i in range(n)]
+
+
+class _Plan:
+    """The plan, columnar: ``meta`` (JSON: fingerprint, options, classes, rejected files, shards as slices of
+    ``order``) and per-sample numpy columns (``_PLAN_COLUMNS``) for the accepted samples in key order, i.e.
+    sorted by (label, path); ``order`` is their seeded shard order. ~150 bytes a sample plus its path."""
+
+    def __init__(self, meta: dict[str, Any], cols: dict[str, Any], paths: _Strings) -> None:
+        import numpy as np
+
+        self.meta = meta
+        self.cols = cols
+        self.paths = paths
+        self.classes: list[str] = meta["classes"]
+        self.shards: list[dict[str, Any]] = meta["shards"]
+        self.rejected = [FileIssue(i["path"], i["reason"]) for i in meta["rejected"]]
+        counts = np.asarray(meta["class_counts"], dtype=np.int64)
+        self.class_start = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+
+    def stored(self, idx: Any) -> tuple[Any, Any, Any]:
+        """(bytes, width, height) of the stored image members of the samples at ``idx`` (after any transcoding)."""
+        import numpy as np
+
+        c = self.cols
+        encoded = c["enc_cache"][idx] >= 0
+        return (np.where(encoded, c["enc_len"][idx], c["bytes"][idx]),
+                np.where(encoded, c["enc_w"][idx], c["width"][idx]),
+                np.where(encoded, c["enc_h"][idx], c["height"][idx]))
+
+    def release_write_columns(self) -> None:
+        """Drop the columns only the writer needs (digests, source identities, cache offsets, ...) before the
+        index is built, so their memory is not held at the same time. A resumed plan's columns share one
+        buffer, which stays."""
+        for name in ("sha256", "id_size", "id_mtime", "id_ino", "id_dev", "enc_off", "enc_ext", "action", "ext",
+                     "orientation"):
+            self.cols.pop(name, None)
+
+    def __len__(self) -> int:
+        return len(self.cols["label"])
+
+    def indices(self, shard: dict[str, Any]) -> Any:
+        return self.cols["order"][shard["start"]:shard["start"] + shard["count"]]
+
+    def key(self, i: int) -> str:
+        label = int(self.cols["label"][i])
+        return f"{label:05d}_{i - int(self.class_start[label]):07d}"
+
+    def part(self, idx: Any) -> dict[str, Any]:
+        """What the writer needs of the samples at plan positions ``idx`` (one shard), as columns: small to send
+        to a worker process, which builds the records (``_samples_of``)."""
+        import numpy as np
+
+        c = self.cols
+        labels = c["label"][idx]
+        caches = c["enc_cache"][idx]
+        stored_len, stored_w, stored_h = self.stored(idx)
+        return {"n": (idx - self.class_start[labels]).tolist(), "label": labels.tolist(),
+                "ext": np.where(caches >= 0, c["enc_ext"][idx], c["ext"][idx]).tolist(),
+                "width": stored_w.tolist(), "height": stored_h.tolist(), "orig_width": c["width"][idx].tolist(),
+                "orig_height": c["height"][idx].tolist(), "orientation": c["orientation"][idx].tolist(),
+                "img_len": stored_len.tolist(), "cache": caches.tolist(), "coff": c["enc_off"][idx].tolist(),
+                "ident": list(zip(c["id_size"][idx].tolist(), c["id_mtime"][idx].tolist(),
+                                  c["id_ino"][idx].tolist(), c["id_dev"][idx].tolist())),
+                "sha256": c["sha256"][idx].tobytes(), "paths": [self.paths[i] for i in idx.tolist()],
+                "classes": self.classes}
+
+
+def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: str,
+               options: dict[str, Any], shuffled: Any) -> _Plan:
+    """The plan: accepted samples (keys in sorted order), split into shards following ``shuffled`` (the seeded
+    permutation of the candidates; the accepted ones in that order are a seeded shuffle of the accepted list)."""
+    import numpy as np
+
+    ok = results.ok
+    n = int(ok.sum())
+    rejected = list(scan.rejected) + [FileIssue(_display(scan.paths[k]), r) for k, r in results.reasons.items()]
+    rejected.sort(key=lambda i: i.path)
+    if not n:
+        raise DataError(f"SRC {cfg.src} holds no valid image ({len(rejected)} rejected)")
+    everything = n == len(ok)
+    acc = None if everything else np.nonzero(ok)[0]  # (when all are accepted, no index column is needed)
+    cols = {}
+    for k in list(results.cols):  # column by column, each dropped from the results once copied: one copy at a time
+        v = results.cols.pop(k)
+        cols[k] = v if everything else v[acc]
+        del v
+    cols["label"], cols["bytes"] = (scan.labels, scan.sizes) if everything else (scan.labels[acc], scan.sizes[acc])
+    paths = scan.paths if everything else scan.paths.take(acc)
+    counts = np.bincount(cols["label"], minlength=len(scan.classes)).tolist()
+    shuffled = np.asarray(shuffled, dtype=np.int64)
+    if everything:
+        order = shuffled
+    else:
+        rank = np.cumsum(ok) - 1  # candidate -> position among the accepted
+        order = rank[shuffled[ok[shuffled]]].astype(np.int64)
+        del rank
+    encoded = cols["enc_cache"] >= 0
+    est = np.where(encoded, cols["enc_len"], cols["bytes"])
+    est += _TAR_OVERHEAD_PER_SAMPLE
+    n_shards = plan_num_shards(n, int(est.sum()), cfg)
+    if n_shards > n:
+        raise DataError(
+            f"{n_shards} shards (a multiple of --multiple-of {cfg.multiple_of}) need at least {n_shards} images, "
+            f"but only {n} were accepted; lower --multiple-of"
+        )
+    shards = []
+    pos = 0
+    for name, k in zip(_shard_names(cfg.prefix, n_shards), split_sizes(n, n_shards)):
+        idx = order[pos:pos + k]
+        enc_idx = idx[encoded[idx]]
+        shards.append({"name": name, "start": pos, "count": k, "est_bytes": int(est[idx].sum()),
+                       "caches": [_cache_name(j) for j in np.unique(cols["enc_cache"][enc_idx]).tolist()],
+                       "cache_bytes": int(cols["enc_len"][enc_idx].sum())})
+        pos += k
+    cols["order"] = order
+    meta = {"plan_version": PLAN_VERSION, "fingerprint": fingerprint, "options": options,
+            "classes": scan.classes, "class_counts": counts,
+            "empty_classes": [c for c, m in zip(scan.classes, counts) if m == 0],
+            "num_samples": n, "shards": shards, "rejected": [i.__dict__ for i in rejected]}
+    return _Plan(meta, cols, paths)
+
+
+# --------------------------------------------------------------------------- stored plan
+
+
+def _save_plan(state: str, plan: _Plan) -> None:
+    """``plan.bin`` (the columns, raw little-endian arrays one after the other) then, atomically and last,
+    ``plan.json`` (the metadata, each column's dtype, shape and offset, and plan.bin's sha256)."""
+    import numpy as np
+
+    from gpufeed.records import atomic_write_bytes, atomic_writer
+
+    arrays = {**plan.cols, "path_offsets": plan.paths.offsets,
+              "path_blob": np.frombuffer(plan.paths.blob, dtype=np.uint8)}
+    spec = []
+    h = hashlib.sha256()
+    offset = 0
+    with atomic_writer(os.path.join(state, PLAN_ARRAYS_NAME)) as f:
+        for name in sorted(_PLAN_COLUMNS):
+            a = np.ascontiguousarray(arrays[name], dtype=_PLAN_COLUMNS[name][0])
+            spec.append([name, list(a.shape), offset])
+            f.write(memoryview(a).cast("B"))
+            h.update(memoryview(a).cast("B"))
+            offset += a.nbytes
+    meta = {**plan.meta, "arrays": {"sha256": h.hexdigest(), "bytes": offset, "columns": spec}}
+    atomic_write_bytes(os.path.join(state, PLAN_NAME), json.dumps(meta).encode("utf-8"))
+
+
+def _paths_inside(blob: bytes, offsets: Any) -> bool:
+    """Whether every stored path (relative to SRC) stays inside SRC: not empty, not absolute, no ``..``
+    component. A tampered plan could otherwise copy any readable file into a shard."""
+    ends = offsets.tolist()
+    for a, b in zip(ends, ends[1:]):
+        raw = blob[a:b]
+        if not raw or raw[:1] == b"/" or (b".." in raw and b".." in raw.split(b"/")):
+            return False
+    return True
+
+
+def _read_plan(state: str) -> _Plan | None:
+    """The stored plan, or None when it is missing, of another version, or inconsistent in any way (every size,
+    offset and index is checked before use: the state folder is data too)."""
+    import numpy as np
+
+    try:
+        meta = json.loads(Path(state, PLAN_NAME).read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or meta.get("plan_version") != PLAN_VERSION:
+            return None
+        spec = meta["arrays"]
+        with open(os.path.join(state, PLAN_ARRAYS_NAME), "rb") as f:
+            # the size comes from plan.json: read only when it is the file's own size (no huge allocation)
+            if type(spec["bytes"]) is not int or spec["bytes"] != os.fstat(f.fileno()).st_size:
+                return None
+            data = f.read(spec["bytes"] + 1)
+        if len(data) != spec["bytes"] or hashlib.sha256(data).hexdigest() != spec["sha256"]:
+            return None
+        n = int(meta["num_samples"])
+        arrays: dict[str, Any] = {}
+        for name, shape, offset in spec["columns"]:
+            dt, tail = _PLAN_COLUMNS[name]
+            if tuple(shape[1:]) != tail or len(shape) != 1 + len(tail) or name in arrays:
+                return None
+            count = math.prod(shape)
+            if not 0 <= offset <= len(data) - count * np.dtype(dt).itemsize:
+                return None
+            arrays[name] = np.frombuffer(data, dtype=dt, count=count, offset=offset).reshape(shape)
+        if set(arrays) != set(_PLAN_COLUMNS):
+            return None
+        offsets, blob = arrays.pop("path_offsets"), arrays.pop("path_blob")
+        classes, shards = meta["classes"], meta["shards"]
+        if (any(len(a) != n for a in arrays.values()) or len(offsets) != n + 1 or offsets[0] != 0
+                or offsets[-1] != len(blob) or (n and np.diff(offsets).min() < 0)
+                or len(meta["class_counts"]) != len(classes) or sum(meta["class_counts"]) != n
+                or not n or not 0 <= arrays["label"].min() <= arrays["label"].max() < len(classes)
+                or np.bincount(arrays["label"], minlength=len(classes)).tolist() != meta["class_counts"]
+                or not 0 <= arrays["order"].min() <= arrays["order"].max() < n
+                or not all(type(s["count"]) is int and s["count"] > 0 and _SHARD_RE.match(s["name"])
+                           and all(type(s[k]) is int and s[k] >= 0 for k in ("start", "est_bytes", "cache_bytes"))
+                           and all(_CACHE_RE.match(c) for c in s["caches"]) for s in shards)
+                or [s["start"] for s in shards] != [0, *itertools.accumulate(s["count"] for s in shards)][:-1]
+                or sum(s["count"] for s in shards) != n
+                or arrays["ext"].max() >= len(_EXTS) or arrays["enc_ext"].max() >= len(_EXTS)
+                or arrays["action"].max() >= len(_ACTIONS)
+                or arrays["enc_off"].min() < 0 or arrays["enc_len"].min() < 0
+                or not _paths_inside(blob.tobytes(), offsets)
+                or not _plan_fields_sound(meta, arrays, n)):
+            return None
+        return _Plan(meta, arrays, _Strings(blob.tobytes(), offsets))
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def _plan_fields_sound(meta: dict[str, Any], arrays: dict[str, Any], n: int) -> bool:
+    """The rest of a stored plan's consistency: ``order`` a permutation (a repeated index would write one
+    sample twice and lose another), unique class names and shard names, plain int counts, bounded sizes, and
+    every transcode cache a sample points at listed by a shard."""
+    import numpy as np
+
+    classes, shards, order = meta["classes"], meta["shards"], arrays["order"]
+    caches = arrays["enc_cache"]
+    named = {f"enc-{c:06d}.bin" for c in np.unique(caches[caches >= 0]).tolist()}
+    return (type(meta["num_samples"]) is int and len(order) == n and np.bincount(order, minlength=n).max() == 1
+            and all(type(c) is str and c and c.isprintable() for c in classes) and len(set(classes)) == len(classes)
+            and all(type(c) is int for c in meta["class_counts"])
+            and len({sh["name"] for sh in shards}) == len(shards)
+            and all(sh[k] <= _MAX_PLAN_BYTES for sh in shards for k in ("est_bytes", "cache_bytes"))
+            and all(type(i) is dict and type(i.get("path")) is str and type(i.get("reason")) is str
+                    for i in meta["rejected"])
+            and int(caches.min()) >= -1 and named <= {c for sh in shards for c in sh["caches"]}
+            and int((arrays["enc_off"] + arrays["enc_len"]).max()) <= _MAX_PLAN_BYTES)
+
+
+_MAX_PLAN_BYTES = 2**44
+"""Largest size or offset a stored plan may name (16 TiB, the manifest's shard bound)."""

@@ -1,0 +1,478 @@
+"""Phase 4, write: the shards' bytes (tar layout: docs/design.md §2; how the work is split: the package
+docstring).
+
+Records: ``_samples_of`` builds a shard's ``_Sample`` records from its plan columns (``_Plan.part``). Write tasks
+(in the workers): ``_write_range`` writes a run of samples at their offsets (one ``pwrite`` of the members, image
+bytes over ``_INLINE_BYTES`` by ``sendfile``), after checking each pass-through source against its validated
+identity; ``_write_shard`` writes and hashes a whole shard. Main side: ``_ShardJob`` lays a shard out and hashes
+it in order as its ranges complete; ``_write_all`` gives each worker whole shards or ranges of one shard.
+``_finish_shard`` renames a finished shard into place and leaves its ``.done.json`` sidecar, which
+``_shard_complete`` checks on resume."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+from gpufeed.errors import RunError
+from gpufeed.shard.dest import STATE_DIR
+from gpufeed.shard.report import _Bar
+from gpufeed.shard.scan import _display
+from gpufeed.shard.validate import _EXTS, _cache_name
+from gpufeed.shardset.tar import ustar_header
+
+
+# --------------------------------------------------------------------------- the records of a shard's samples
+
+
+class _Sample(NamedTuple):
+    """One planned sample, as the writer needs it (built from the plan's columns one shard at a time)."""
+
+    key: str
+    path: str
+    """Absolute path of the source."""
+    label: int
+    cname: str
+    source: str
+    """Path relative to SRC as recorded."""
+    orientation: int
+    ext: str
+    width: int
+    """Stored width (after any re-encoding)."""
+    height: int
+    orig_width: int
+    orig_height: int
+    sha256: str
+    img_len: int
+    """Bytes of the stored image member."""
+    ident: tuple[int, int, int, int] | None
+    """Pass-through: the validated source's identity; transcoded: None."""
+    cache: str | None
+    """Transcoded: the cache file holding the bytes, at ``coff``."""
+    coff: int
+
+
+def _sample_json(s: _Sample) -> bytes:
+    """``KEY.json``: exactly ``json.dumps(meta, sort_keys=True, ensure_ascii=False)`` of the sample's metadata
+    (``source``, ``class``, ``label``, stored ``width``/``height``, ``format``, ``sha256``, ``exif_orientation``
+    when not 1, ``orig_width``/``orig_height`` when resized), written out directly: the generic encoder costs more
+    than the rest of the sample."""
+    from json.encoder import encode_basestring
+
+    parts = [f'{{"class": {encode_basestring(s.cname)}, ']
+    if s.orientation != 1:
+        parts.append(f'"exif_orientation": {s.orientation}, ')
+    parts.append(f'"format": {encode_basestring(s.ext)}, "height": {s.height}, "label": {s.label}, ')
+    if (s.orig_width, s.orig_height) != (s.width, s.height):
+        parts.append(f'"orig_height": {s.orig_height}, "orig_width": {s.orig_width}, ')
+    parts.append(f'"sha256": "{s.sha256}", "source": {encode_basestring(s.source)}, "width": {s.width}}}')
+    return "".join(parts).encode("utf-8")
+
+
+def _samples_of(part: dict[str, Any], src: str, state: str) -> list[_Sample]:
+    """The records of one shard's samples from ``_Plan.part``."""
+    classes, digests = part["classes"], part["sha256"]
+    base = os.path.join(src, "")  # + a relative path: os.path.join's result, without its cost per sample
+    out = []
+    for k, (raw, n, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
+            part["paths"], part["n"], part["label"], part["ext"], part["width"], part["height"],
+            part["orig_width"], part["orig_height"], part["orientation"], part["img_len"], part["cache"],
+            part["coff"], part["ident"])):
+        encoded = j >= 0
+        out.append(_Sample(f"{label:05d}_{n:07d}", base + raw, label, classes[label], _display(raw),
+                           orientation, _EXTS[e], w, h, ow, oh, digests[32 * k:32 * k + 32].hex(), length,
+                           None if encoded else idt, os.path.join(state, _cache_name(j)) if encoded else None,
+                           coff))
+    return out
+
+
+# --------------------------------------------------------------------------- write tasks (run in the workers)
+
+_RANGE_BYTES = 8 << 20
+"""Target bytes of one write task (a run of consecutive samples of one shard): small enough that hashing the
+shard in order trails the writers by little, large enough to amortise the per-task IPC."""
+
+_RANGE_SAMPLES = 256
+
+
+def _padded(n: int) -> int:
+    return n + (-n % 512)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def _changed(rel: str) -> RunError:
+    return RunError(f"{rel} changed while sharding (it is not the file that was validated: size, mtime, inode "
+                    f"or device differ, or its bytes do); re-run (with --overwrite when asked)")
+
+
+def _open_source(path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> int:
+    """Open a pass-through source -> its descriptor, after checking that the opened file is the one validated
+    (``os.fstat`` identity)."""
+    sfd = os.open(path, os.O_RDONLY)
+    st = os.fstat(sfd)
+    if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != ident or st.st_size != nbytes:
+        os.close(sfd)
+        raise _changed(rel)
+    return sfd
+
+
+def _read_source(path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> bytes:
+    """A small pass-through source's bytes (``_open_source``'s check), for the write task's buffer."""
+    sfd = _open_source(path, rel, nbytes, ident)
+    try:
+        data = os.read(sfd, nbytes)
+        while len(data) < nbytes:
+            more = os.read(sfd, nbytes - len(data))
+            if not more:  # the file shrank after the check
+                raise _changed(rel)
+            data += more
+        return data
+    finally:
+        os.close(sfd)
+
+
+def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: tuple[int, int, int, int]) -> None:
+    """Copy a large pass-through source into the shard at ``pos`` (``sendfile``: no user-space copy), after
+    ``_open_source``'s check."""
+    sfd = _open_source(path, rel, nbytes, ident)
+    try:
+        done = 0
+        try:
+            os.lseek(fd, pos, os.SEEK_SET)
+            while done < nbytes:
+                n = os.sendfile(fd, sfd, done, nbytes - done)
+                if n == 0:  # the file shrank after the check
+                    raise _changed(rel)
+                done += n
+        except OSError as exc:
+            import errno
+
+            if done or exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            data = os.pread(sfd, nbytes, 0)  # no sendfile between these file systems
+            if len(data) != nbytes:
+                raise _changed(rel) from None
+            _pwrite_all(fd, data, pos)
+    finally:
+        os.close(sfd)
+
+
+class _Item(NamedTuple):
+    """One sample of a write task: its offset in the shard, member names and small members, and where its image
+    bytes come from (``cache`` None: the source file ``path``, else ``cache`` at ``coff``)."""
+
+    offset: int
+    key: str
+    ext: str
+    img_len: int
+    cls_b: bytes
+    json_b: bytes
+    path: str
+    rel: str
+    ident: tuple[int, int, int, int] | None
+    cache: str | None
+    coff: int
+
+
+_INLINE_BYTES = 1 << 20
+"""Image members up to this size are read into the write task's buffer, which goes out in one ``pwrite``; larger
+ones are copied by ``sendfile``."""
+
+_ZEROS = bytes(512)
+
+
+def _member(name: str, payload: bytes) -> bytes:
+    """A small member: header, bytes, zero padding to the next block."""
+    return b"".join((ustar_header(name, len(payload)), payload, _ZEROS[:-len(payload) % 512]))
+
+
+def _write_range(tmp: str, items: list[_Item]) -> None:
+    """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
+    the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
+    write disjoint ranges of one shard; the end-of-archive blocks (and the padding after an image copied by
+    ``sendfile``) are the file's zeros. Everything else is gathered in one buffer and written at once."""
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        buf: list[bytes] = []
+        start = pos = items[0].offset if items else 0
+        for it in items:
+            if it.offset != pos:
+                _pwrite_all(fd, b"".join(buf), start)
+                buf, start = [], it.offset
+            cls_m = _member(f"{it.key}.cls", it.cls_b)
+            json_m = _member(f"{it.key}.json", it.json_b)
+            # Members in name order: "cls" sorts before every image extension; the image before or after "json".
+            img_first = it.ext < "json"
+            buf.append(cls_m)
+            if not img_first:
+                buf.append(json_m)
+            buf.append(ustar_header(f"{it.key}.{it.ext}", it.img_len))
+            pos = it.offset + len(cls_m) + (0 if img_first else len(json_m)) + 512
+            if it.cache is None and it.img_len > _INLINE_BYTES:
+                assert it.ident is not None
+                _pwrite_all(fd, b"".join(buf), start)
+                _copy_source(fd, pos, it.path, it.rel, it.img_len, it.ident)
+                buf, start = [], pos + _padded(it.img_len)
+            else:
+                if it.cache is None:
+                    assert it.ident is not None
+                    data = _read_source(it.path, it.rel, it.img_len, it.ident)
+                else:  # transcoded during validation; read back from the batch cache
+                    with open(it.cache, "rb") as f:
+                        f.seek(it.coff)
+                        data = f.read(it.img_len)
+                    if len(data) != it.img_len:
+                        raise RunError(f"the transcode cache {it.cache} is incomplete; re-run with --overwrite")
+                buf.append(data)
+                buf.append(_ZEROS[:-len(data) % 512])
+            pos += _padded(it.img_len)
+            if img_first:
+                buf.append(json_m)
+                pos += len(json_m)
+        if buf:
+            _pwrite_all(fd, b"".join(buf), start)
+    finally:
+        os.close(fd)
+
+
+def _write_shard(dest: str, src: str, name: str, part: dict[str, Any]) -> tuple[int, str, int]:
+    """Write one whole shard in this (worker) process: records, layout, bytes, then its sha256 -> (size, sha256,
+    image bytes). The same layout and writer as the parallel runs of ``_write_all``, so the same bytes."""
+    job = _ShardJob(dest, name, _samples_of(part, src, os.path.join(dest, STATE_DIR)))
+    try:
+        for items, _end, _nbytes in job.ranges:
+            _write_range(job.tmp, items)
+        return job.size, _sha256_file(job.tmp), sum(r[2] for r in job.ranges)
+    except BaseException:
+        job.abort()
+        raise
+
+
+# --------------------------------------------------------------------------- main side
+
+
+class _ShardJob:
+    """One shard being written: its layout, temporary file, write ranges and in-order hashing."""
+
+    def __init__(self, dest: str, name: str, samples: list[_Sample]) -> None:
+        import queue
+
+        self.name = name
+        self.num_samples = len(samples)
+        self.final = os.path.join(dest, name)
+        self.tmp = os.path.join(dest, f".{name}.tmp")
+        items = []
+        pos = 0
+        for s in samples:
+            json_b = _sample_json(s)
+            cls_b = str(s.label).encode("ascii")
+            items.append(_Item(pos, s.key, s.ext, s.img_len, cls_b, json_b, s.path, s.source, s.ident, s.cache,
+                               s.coff))
+            pos += 3 * 512 + _padded(s.img_len) + _padded(len(cls_b)) + _padded(len(json_b))
+        self.size = pos + 1024 + (-(pos + 1024) % tarfile.RECORDSIZE)  # end-of-archive, padded like tarfile
+        # Contiguous runs of samples, each one write task: [(items, end offset, image bytes)].
+        self.ranges: list[tuple[list[_Item], int, int]] = []
+        first = 0
+        for i in range(1, len(items) + 1):
+            if i == len(items) or items[i].offset - items[first].offset >= _RANGE_BYTES or i - first >= _RANGE_SAMPLES:
+                end = self.size if i == len(items) else items[i].offset
+                self.ranges.append((items[first:i], end, sum(it.img_len for it in items[first:i])))
+                first = i
+        self.done = [False] * len(self.ranges)
+        self.hashed_to = 0  # ranges [0, hashed_to) are queued for hashing
+        self.submitted = 0
+        self.blocks: Any = queue.SimpleQueue()
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.ftruncate(fd, self.size)  # holes read as zeros: the padding and the end-of-archive blocks
+        finally:
+            os.close(fd)
+
+    def range_done(self, i: int) -> None:
+        self.done[i] = True
+        while self.hashed_to < len(self.ranges) and self.done[self.hashed_to]:
+            start = 0 if self.hashed_to == 0 else self.ranges[self.hashed_to - 1][1]
+            self.blocks.put((start, self.ranges[self.hashed_to][1]))
+            self.hashed_to += 1
+        if self.hashed_to == len(self.ranges):
+            self.blocks.put(None)
+
+    def abort(self) -> None:
+        self.blocks.put(None)
+        try:
+            os.unlink(self.tmp)  # a half-written shard only takes space (DEST may be full)
+        except OSError:
+            pass
+
+
+def _hash_file_ranges(path: str, blocks: Any) -> str:
+    """sha256 of ``path`` fed in order by (start, end) ranges as they are written (hashlib releases the GIL)."""
+    h = hashlib.sha256()
+    buf = bytearray(4 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while (r := blocks.get()) is not None:
+            start, end = r
+            while start < end:
+                view = memoryview(buf)[:min(len(buf), end - start)]
+                n = os.preadv(f.fileno(), [view], start)
+                if n <= 0:
+                    raise OSError(f"{path} ended early while hashing")
+                h.update(view[:n])
+                start += n
+    return h.hexdigest()
+
+
+def _finish_shard(dest: str, name: str, size: int, num_samples: int, digest: str) -> dict[str, Any]:
+    """Rename a fully written and hashed shard into place, then leave its ``.done.json`` sidecar.
+
+    No fsync of the shard: the rename makes it atomic against a killed process; after a power loss, resume and
+    verify compare the file with the sha256 its (durable) sidecar records, so a torn shard is rewritten, never
+    trusted.
+    """
+    from gpufeed.records import atomic_write_bytes
+
+    os.replace(os.path.join(dest, f".{name}.tmp"), os.path.join(dest, name))
+    result = {"name": name, "num_samples": num_samples, "bytes": size, "sha256": digest}
+    # One C-encoder call: json.dump streams through the pure-Python encoder.
+    atomic_write_bytes(os.path.join(dest, STATE_DIR, f"{name}.done.json"), json.dumps(result).encode("utf-8"))
+    return result
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _shard_complete(dest: str, name: str) -> dict[str, Any] | None:
+    """The sidecar of a complete shard whose file still matches it, else None."""
+    side = os.path.join(dest, STATE_DIR, f"{name}.done.json")
+    path = os.path.join(dest, name)
+    try:
+        info = json.loads(Path(side).read_text())
+        if os.path.getsize(path) == info["bytes"] and _sha256_file(path) == info["sha256"]:
+            return info
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
+def _write_all(dest: str, src: str, tasks: list[tuple[str, int, Callable[[], dict[str, Any]]]], pool: Any,
+               bar: _Bar, on_done: Callable[[str], None] = lambda name: None, workers: int = 1) -> dict[str, Any]:
+    """Write the shards. ``tasks``: (shard name, number of samples, a function giving ``_Plan.part`` of its
+    samples), so only the shards in flight are held as records; as many shards are in flight as workers (the
+    DEST space check counts on it).
+
+    With at least two shards a worker, each worker writes and hashes whole shards (``_write_shard``): the
+    records, member layout and hashing all happen in the workers. With fewer, every shard is split into runs
+    of consecutive samples written in parallel at their offsets (``_write_range``, in the worker processes, or
+    one thread without a pool), while one thread per shard hashes it in order as its runs complete, so a
+    one-shard plan uses every worker too. Either way a shard is renamed once written and hashed."""
+    total = sum(t[1] for t in tasks)
+    bar.start("write", total)
+    out: dict[str, Any] = {}
+    if not tasks:
+        return out
+    own = pool is None
+    ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufeed-write") if own else pool[0]
+    try:
+        if len(tasks) >= 2 * max(1, workers):
+            _write_whole(dest, src, tasks, ex, bar, on_done, workers, out)
+        else:
+            _write_ranges(dest, src, tasks, ex, bar, on_done, workers, out)
+    finally:
+        if own:
+            ex.shutdown(wait=True)
+    return out
+
+
+def _write_whole(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on_done: Callable[[str], None],
+                 workers: int, out: dict[str, Any]) -> None:
+    pending = iter(tasks)
+    running: dict[Any, tuple[str, int]] = {}
+    try:
+        while True:
+            while len(running) < max(1, workers):
+                nxt = next(pending, None)
+                if nxt is None:
+                    break
+                running[ex.submit(_write_shard, dest, src, nxt[0], nxt[2]())] = (nxt[0], nxt[1])
+            if not running:
+                return
+            finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                name, count = running.pop(fut)
+                size, digest, nbytes = fut.result()
+                out[name] = _finish_shard(dest, name, size, count, digest)
+                on_done(name)
+                bar.update(count, nbytes)
+    except BaseException:
+        for fut in running:
+            fut.cancel()
+        cf.wait(running)  # the shards being written abort themselves (their temporary files go)
+        raise
+
+
+def _write_ranges(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on_done: Callable[[str], None],
+                  workers: int, out: dict[str, Any]) -> None:
+    hashers = cf.ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="gpufeed-sha256")
+    state = os.path.join(dest, STATE_DIR)
+    depth = 2 * max(1, workers)  # write tasks in flight
+    pending = iter(tasks)
+    jobs: list[_ShardJob] = []  # opened, not yet finished
+    current: _ShardJob | None = None
+    running: dict[Any, tuple[_ShardJob, int]] = {}
+    hashing: dict[Any, _ShardJob] = {}
+    try:
+        while True:
+            while len(running) < depth:
+                if current is None or current.submitted == len(current.ranges):
+                    if len(jobs) >= max(1, workers):  # as many shards in flight as workers (DEST space check)
+                        break
+                    nxt = next(pending, None)
+                    if nxt is None:
+                        break
+                    current = _ShardJob(dest, nxt[0], _samples_of(nxt[2](), src, state))
+                    jobs.append(current)
+                    fut = hashers.submit(_hash_file_ranges, current.tmp, current.blocks)
+                    hashing[fut] = current
+                i = current.submitted
+                running[ex.submit(_write_range, current.tmp, current.ranges[i][0])] = (current, i)
+                current.submitted += 1
+            if not running and not hashing:
+                break
+            finished, _ = cf.wait(list(running) + list(hashing), return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                if fut in running:
+                    job, i = running.pop(fut)
+                    fut.result()
+                    job.range_done(i)
+                    items, _end, nbytes = job.ranges[i]
+                    bar.update(len(items), nbytes)
+                else:
+                    job = hashing.pop(fut)
+                    out[job.name] = _finish_shard(dest, job.name, job.size, job.num_samples, fut.result())
+                    jobs.remove(job)
+                    on_done(job.name)
+    except BaseException:
+        for fut in running:
+            fut.cancel()
+        for job in jobs:
+            job.abort()
+        raise
+    finally:
+        hashers.shutdown(wait=True)

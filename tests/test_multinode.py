@@ -47,6 +47,21 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def run_nodes(commands: list[list[str]], timeout: float = 150) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
+    """Start one ``gpufeed`` launcher per node (each in its own session, as on separate machines), wait for all of
+    them (bounded) and kill whatever is left; returns the processes and their (stdout, stderr)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "gpufeed.cli", *cmd], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for cmd in commands]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            kill_tree(p)
+    return procs, outs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_nodes_over_a_loopback_rendezvous(tmp_path: Path) -> None:
@@ -57,16 +72,7 @@ def test_two_nodes_over_a_loopback_rendezvous(tmp_path: Path) -> None:
             "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--rdzv-id", f"test-{port}", "--json"]
     runs = [tmp_path / "node-a", tmp_path / "node-b"]  # each launcher its own run folder, as on two machines
-    procs = [subprocess.Popen([sys.executable, "-m", "gpufeed.cli", "train", *args, "--run-dir", str(run)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for run in runs]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=150))
-    finally:
-        for p in procs:
-            kill_tree(p)
+    procs, outs = run_nodes([["train", *args, "--run-dir", str(run)] for run in runs])
 
     # torchrun numbers the nodes itself: node 0 is the launcher whose run folder holds the summary
     zero = [i for i, run in enumerate(runs) if (run / "summary.json").is_file()]
@@ -115,17 +121,8 @@ def test_node_split_over_node_staged_copies_keeps_every_rank_in_step(tmp_path: P
             "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
             "--json"]
     runs = [tmp_path / "node-a", tmp_path / "node-b"]
-    procs = [subprocess.Popen([sys.executable, "-m", "gpufeed.cli", "train", *args, "--shards", str(copies[node]),
-                               "--node-rank", str(node), "--run-dir", str(run)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for node, run in enumerate(runs)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=150))
-    finally:
-        for p in procs:
-            kill_tree(p)
+    procs, outs = run_nodes([["train", *args, "--shards", str(copies[node]), "--node-rank", str(node),
+                              "--run-dir", str(run)] for node, run in enumerate(runs)])
     assert [p.returncode for p in procs] == [0, 0], outs
     s = json.loads((runs[0] / "summary.json").read_text())
     assert (s["num_nodes"], s["world_size"], s["step"]) == (2, 2, 4)

@@ -8,19 +8,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import invoke, invoke_json
+from tests.test_stage import kill_stage_mid_copy
 from tests.train_shards import write_tiny_shards
 
-SIDE = ".gpufeed-stage"
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -147,25 +143,8 @@ def test_kill_9_mid_remote_copy_then_rerun_gives_identical_set(http_server, tmp_
     url = f"{http_server.url}/set"
     http_server.faults.bandwidth = 150_000  # ~0.5 s a shard over one stream: slow enough to kill mid-copy
     dest = tmp_path / "dest"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    env["GPUFEED_STAGE_CHUNK_BYTES"] = "4096"  # 4 KiB ranges: the temporary grows while the copy runs
-    proc = subprocess.Popen([sys.executable, "-m", "gpufeed.cli", "stage", url, str(dest), "--jobs", "1", "--quiet"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            tmps = list(dest.glob(".*.tmp"))
-            if list((dest / SIDE).glob("*.done.json")) and tmps and any(p.stat().st_size > 0 for p in tmps):
-                break  # one shard complete, the next one half-written
-            time.sleep(0.005)
-        assert proc.poll() is None, f"stage finished before it could be killed: {proc.stderr.read()!r}"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+    # 4 KiB ranges: the temporary grows while the copy runs
+    kill_stage_mid_copy([url, str(dest)], dest, chunk_bytes=4096, nonempty=True)
     assert not (dest / "manifest.json").exists() and list(dest.glob(".*.tmp"))
     http_server.faults.bandwidth = 0
     r = invoke_json(["stage", url, dest, "--quiet"])

@@ -113,19 +113,22 @@ def test_resume_keeps_complete_shards_and_recopies_the_rest(src: Path, tmp_path:
     assert (again["shards_copied"], again["shards_kept"]) == (0, 4)
 
 
-def test_kill_9_mid_copy_then_rerun_gives_identical_set(tmp_path: Path) -> None:
-    src = write_tiny_shards(tmp_path / "src", [8] * 10, image_px=128)
-    dest = tmp_path / "dest"
-    env = {**os.environ, "GPUFEED_STAGE_CHUNK_BYTES": "1"}  # one byte per read: seconds per set, not milliseconds
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen([sys.executable, "-m", "gpufeed.cli", "stage", str(src), str(dest), "--jobs", "1",
-                             "--quiet"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def kill_stage_mid_copy(args: list[str], dest: Path, *, chunk_bytes: int, nonempty: bool = False) -> None:
+    """Run ``gpufeed stage ARGS --jobs 1 --quiet`` in a subprocess reading ``chunk_bytes`` per read and SIGKILL it
+    once one shard is complete and the next one's temporary exists (``nonempty``: and holds bytes); bounded by
+    60 s. Fails when the copy ended before it could be killed."""
+    env = {**os.environ, "GPUFEED_STAGE_CHUNK_BYTES": str(chunk_bytes),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "gpufeed.cli", "stage", *args, "--jobs", "1", "--quiet"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:
-            if list((dest / SIDE).glob("*.done.json")) and list(dest.glob(".*.tmp")):
-                break  # one shard complete, the next one half-written
+            tmps = list(dest.glob(".*.tmp"))
+            if (list((dest / SIDE).glob("*.done.json")) and tmps
+                    and (not nonempty or any(p.stat().st_size > 0 for p in tmps))):
+                break  # one shard complete, the next one started
             time.sleep(0.005)
         assert proc.poll() is None, f"stage finished before it could be killed: {proc.stderr.read()!r}"
         proc.send_signal(signal.SIGKILL)
@@ -134,6 +137,12 @@ def test_kill_9_mid_copy_then_rerun_gives_identical_set(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_kill_9_mid_copy_then_rerun_gives_identical_set(tmp_path: Path) -> None:
+    src = write_tiny_shards(tmp_path / "src", [8] * 10, image_px=128)
+    dest = tmp_path / "dest"
+    kill_stage_mid_copy([str(src), str(dest)], dest, chunk_bytes=1)  # one byte per read: seconds, not ms
     assert not (dest / "manifest.json").exists()
     assert list(dest.glob(".*.tmp"))  # the kill left a temporary behind
     r = invoke_json(["stage", src, dest, "--quiet"])

@@ -91,6 +91,9 @@ def test_tune_on_a_slow_first_byte_pattern_with_its_own_manifest_climbs_remote_s
     chosen = obj["decisions"][[d["reason"] for d in obj["decisions"]].index("streams-chosen")]["chosen"]
     assert chosen >= 4 and obj["best"]["remote_streams"] == chosen == load_config(out).loader.remote_streams
     assert server.max_in_flight >= 4 and server.gets("/set/manifest.json") == 0
+    # socket reads are not in the I/O counters: a remote trial reads its samples/s x the manifest's mean bytes
+    mean = json.loads(manifest.read_text())["mean_sample_bytes"]
+    assert all(t["read_bytes_per_s"] == pytest.approx(t["samples_per_s"] * mean) for t in obj["trials"])
 
 
 def test_loader_over_s3_yields_what_the_local_folder_yields(s3_server, tmp_path):

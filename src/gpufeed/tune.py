@@ -839,6 +839,10 @@ class Search:
         """The set is read over the network in range requests, where remote_streams applies."""
         self.storage_bytes_per_s: float | None = None
         """The probed storage rate (set by :func:`tune`), for :func:`classify_bound`."""
+        self.mean_sample_bytes: float | None = None
+        """The manifest's mean bytes per sample of a remote set (set by :func:`tune`): its trials read over sockets,
+        which the storage I/O counters behind ``read_bytes_per_s`` do not count, so a trial's read rate is its
+        samples/s times this (as ``train`` estimates it)."""
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -882,6 +886,8 @@ class Search:
                          and rec.cpu_percent_mean >= bounds.MACHINE_BUSY_PCT
                          and not bounds.cpu_saturated(rec.tree_cores_used, _possible_cores(rec, self.usable)))
         rec = dataclasses.replace(rec, trial=len(self.trials), phase=phase, over_cpu_budget=over, contended=contended)
+        if self.remote and self.mean_sample_bytes and rec.ok and rec.samples_per_s and source is None:
+            rec = dataclasses.replace(rec, read_bytes_per_s=rec.samples_per_s * self.mean_sample_bytes)
         self.trials.append(rec)
         self.cache[key] = rec
         result = f"{rec.samples_per_s:8.1f} samples/s" if rec.ok else f"ERROR {one_line(rec.error or 'no rate')}"
@@ -985,6 +991,10 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     s = Search(cfg, shards, base, world, measure, window_s=window_s, ram_budget=ram_budget, usable=usable,
                ceiling=ceiling, progress=progress)
     s.storage_bytes_per_s = storage.bytes_per_s if storage else None
+    if s.remote:
+        from gpufeed.shardset.source import open_set
+
+        s.mean_sample_bytes = open_set(shards, cfg.manifest).manifest.mean_sample_bytes or None
     s.layout = LayoutConfig(ranks_per_node=ranks, usable_cores=usable, trainer_cores=cfg.trainer_cores,
                             device=device_type(world.device))
     s.decisions.append(Decision("search", "setup", detail={

@@ -820,6 +820,7 @@ def _record(trainer: Trainer, modes: dict[str, ModeRecord], vals: list[ValRecord
         checkpoint=str(trainer.checkpointer.path) if trainer.checkpointer.path else None,
         run_dir=str(run_dir) if run_dir else None, wall_s=wall_s, started=started,
         notes=trainer.notes, rank_param_checksums=checksums, storage=storage, gpu_health=gpu_health or [],
+        loader_read_bytes_per_s=vin.read_bytes_per_s if vin is not None else None,
     )
 
 

@@ -152,6 +152,10 @@ class TrainRecord:
     storage: StorageRate | None = None
     """The shard storage's read rate the verdict used, and its source (probe, io record, --storage-rate);
     None = not known (no --measure, or the probe disabled)."""
+    loader_read_bytes_per_s: float | None = None
+    """The loader's read rate per node the verdict compared with ``storage`` (loader-only mode, else real): the
+    storage I/O counters for a local set; samples/s x the manifest's mean sample bytes for a set behind a URL,
+    whose socket reads those counters do not see. None without a verdict."""
     gpu_health: list[GpuHealth] = field(default_factory=list)
     """Each CUDA rank's GPU over the run (:mod:`gpufeed.health`), by rank; empty when no GPU was sampled through
     NVML (CPU runs, no driver or no nvidia-ml-py)."""

@@ -150,9 +150,12 @@ def storage_line(s: dict[str, Any]) -> str:
     how = ", ".join(str(x) for x in (st["source"], f"{st['readers']} reader(s)" if st.get("readers") else None,
                                      st.get("cache")) if x)
     line = f"storage: {st['bytes_per_s'] / 1e6:,.1f} MB/s ({how})"
-    m = s["modes"].get("loader-only") or s["modes"].get("real")
-    if m is not None:
-        line += f"; the loader read {m['read_bytes_per_s'] / 1e6:,.1f} MB/s"
+    read = s.get("loader_read_bytes_per_s")
+    if read is None:  # a record from before the field: the storage I/O counters of the loader-only (or real) mode
+        m = s["modes"].get("loader-only") or s["modes"].get("real")
+        read = m["read_bytes_per_s"] if m is not None else None
+    if read is not None:
+        line += f"; the loader read {read / 1e6:,.1f} MB/s"
     return line
 
 

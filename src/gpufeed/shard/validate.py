@@ -238,12 +238,17 @@ def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
 
     ``ident`` is the opened file's identity (size, mtime_ns, inode, device) after reading it: the writer checks
     the source it copies against it instead of hashing the bytes a second time."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         data, st = _read_whole(path)
     except OSError as exc:
         return _reject(f"unreadable ({exc.strerror or exc})")
+    return _inspect_bytes(data, st, opts)
+
+
+def _inspect_bytes(data: bytes, st: os.stat_result, opts: dict[str, Any]) -> _Checked:
+    """``_inspect`` of a file's bytes ``data`` and its ``os.fstat`` ``st`` once they were read."""
+    from PIL import Image, UnidentifiedImageError
+
     if not data:
         return _reject("empty file (0 bytes)")
     ident = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)

@@ -23,7 +23,7 @@ from gpufeed.errors import RunError
 from gpufeed.shard.dest import STATE_DIR
 from gpufeed.shard.report import _Bar
 from gpufeed.shard.scan import _display
-from gpufeed.shard.validate import _EXTS, _cache_name
+from gpufeed.shard.validate import _EXT, _EXTS, _batch_columns, _cache_name, _inspect_bytes, _read_whole
 from gpufeed.shardset.tar import ustar_header
 
 
@@ -198,6 +198,19 @@ def _member(name: str, payload: bytes) -> bytes:
     return b"".join((ustar_header(name, len(payload)), payload, _ZEROS[:-len(payload) % 512]))
 
 
+def _around_image(key: str, ext: str, img_len: int, cls_b: bytes, json_b: bytes) -> tuple[bytes, bytes]:
+    """A sample's members in name order, split around its image bytes -> (what precedes them: the ``cls``
+    member, the ``json`` member when the image sorts after it, the image's header; what follows the image's
+    padding: the ``json`` member when the image sorts before it, else nothing). "cls" sorts before every image
+    extension."""
+    cls_m = _member(f"{key}.cls", cls_b)
+    json_m = _member(f"{key}.json", json_b)
+    header = ustar_header(f"{key}.{ext}", img_len)
+    if ext < "json":
+        return cls_m + header, json_m
+    return cls_m + json_m + header, b""
+
+
 def _write_range(tmp: str, items: list[_Item]) -> None:
     """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
     the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
@@ -211,15 +224,9 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
             if it.offset != pos:
                 _pwrite_all(fd, b"".join(buf), start)
                 buf, start = [], it.offset
-            cls_m = _member(f"{it.key}.cls", it.cls_b)
-            json_m = _member(f"{it.key}.json", it.json_b)
-            # Members in name order: "cls" sorts before every image extension; the image before or after "json".
-            img_first = it.ext < "json"
-            buf.append(cls_m)
-            if not img_first:
-                buf.append(json_m)
-            buf.append(ustar_header(f"{it.key}.{it.ext}", it.img_len))
-            pos = it.offset + len(cls_m) + (0 if img_first else len(json_m)) + 512
+            head, tail = _around_image(it.key, it.ext, it.img_len, it.cls_b, it.json_b)
+            buf.append(head)
+            pos = it.offset + len(head)
             if it.cache is None and it.img_len > _INLINE_BYTES:
                 assert it.ident is not None
                 _pwrite_all(fd, b"".join(buf), start)
@@ -238,9 +245,9 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
                 buf.append(data)
                 buf.append(_ZEROS[:-len(data) % 512])
             pos += _padded(it.img_len)
-            if img_first:
-                buf.append(json_m)
-                pos += len(json_m)
+            if tail:
+                buf.append(tail)
+                pos += len(tail)
         if buf:
             _pwrite_all(fd, b"".join(buf), start)
     finally:
@@ -258,6 +265,63 @@ def _write_shard(dest: str, src: str, name: str, part: dict[str, Any]) -> tuple[
     except BaseException:
         job.abort()
         raise
+
+
+def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
+                           opts: dict[str, Any]) -> tuple[int, str, int, dict[str, Any]] | None:
+    """The one pass (``--check header``, nothing to transcode): validate and write one whole shard whose plan
+    assumed every file is accepted and passes through unchanged. Each source is read once: its header is
+    checked from those bytes (``_inspect_bytes``, as the validation pass does), and the same bytes are written
+    and hashed in order as the shard grows. -> (size, sha256, image bytes, the validation columns of its files,
+    ``_batch_columns``), or None as soon as a file is rejected or needs a transcode (the plan was wrong: the
+    temporary file is deleted and the caller takes the two passes). ``part``: the shard's files in order, as
+    ``paths`` (relative to SRC), ``n`` and ``label`` (their keys), and ``classes``."""
+    tmp = os.path.join(dest, f".{name}.tmp")
+    base = os.path.join(src, "")
+    classes = part["classes"]
+    checked = []
+    h = hashlib.sha256()
+    pos = nbytes = 0
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    ok = False
+    try:
+        buf: list[bytes] = []
+        held = 0
+        for raw, n, label in zip(part["paths"], part["n"], part["label"]):
+            try:
+                data, st = _read_whole(base + raw)
+            except OSError:
+                return None  # the validation pass reports it
+            r = _inspect_bytes(data, st, opts)
+            if not r.ok or r.what != "copy":
+                return None
+            checked.append(r)
+            s = _Sample(f"{label:05d}_{n:07d}", "", label, classes[label], _display(raw), r.orientation,
+                        _EXT[r.fmt], r.width, r.height, r.width, r.height, r.sha256.hex(), len(data), None, None, 0)
+            head, tail = _around_image(s.key, s.ext, len(data), str(label).encode("ascii"), _sample_json(s))
+            buf += (head, data, _ZEROS[:-len(data) % 512], tail)
+            held += len(head) + _padded(len(data)) + len(tail)
+            nbytes += len(data)
+            if held >= _RANGE_BYTES:
+                pos = _write_hashed(fd, h, buf, pos)
+                buf, held = [], 0
+        end = pos + held + 1024
+        buf.append(bytes(1024 + (-end % tarfile.RECORDSIZE)))  # end-of-archive, padded like tarfile
+        pos = _write_hashed(fd, h, buf, pos)
+        ok = True
+        return pos, h.hexdigest(), nbytes, _batch_columns(checked)
+    finally:
+        os.close(fd)
+        if not ok:
+            os.unlink(tmp)
+
+
+def _write_hashed(fd: int, h: Any, parts: list[bytes], pos: int) -> int:
+    """Write ``parts`` at ``pos`` and feed them to the hash ``h`` -> the position after them."""
+    data = b"".join(parts)
+    h.update(data)
+    _pwrite_all(fd, data, pos)
+    return pos + len(data)
 
 
 # --------------------------------------------------------------------------- main side

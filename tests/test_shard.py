@@ -167,6 +167,61 @@ def test_one_shard_written_by_two_workers_is_byte_identical(image_folder, tmp_pa
     assert not list((tmp_path / "b").glob(".*.tmp"))
 
 
+def tree(dest: Path) -> dict[str, str]:
+    """sha256 of every file under DEST but the lock (it records the pid): shards, sidecars, plan, index, manifest."""
+    return {str(p.relative_to(dest)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(dest.rglob("*")) if p.is_file() and p.name != "lock"}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, monkeypatch, workers: int) -> None:
+    """--check header without transcoding options validates and writes in one pass (each source read once) when
+    every file passes through unchanged; a rejected file or one that needs a transcode sends the run to the two
+    passes. Either way every output file has the bytes of the two passes."""
+    import gpufeed.shard.job as job
+
+    src = tmp_path / "src"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    for c in range(3):
+        for i in range(8):
+            write_image(src / f"c{c}" / f"{i}.jpg", size=(8 + i, 9), color=(c * 70, i * 20, 9))
+    write_image(src / "c0" / "png.jpg", fmt="PNG")  # a PNG named .jpg: Pillow's header path, stored as .png
+    write_image(src / "c1" / "exif.jpg", exif=exif.tobytes())  # Pillow's path; orientation 6 in KEY.json
+    calls = []
+    real_validate = job._validate
+    monkeypatch.setattr(job, "_validate", lambda *a, **k: (calls.append(1), real_validate(*a, **k))[1])
+    opts = {"check": "header", "shard_samples": 5, "workers": workers}  # 6 shards: whole shards per worker
+
+    def both(name: str) -> tuple[object, object]:
+        calls.clear()
+        one = shard(src, tmp_path / name / "out", **opts)
+        validated = len(calls)
+        monkeypatch.setattr(job, "_ONE_PASS", False)
+        two = shard(src, tmp_path / f"{name}-two" / "out", **opts)
+        monkeypatch.setattr(job, "_ONE_PASS", True)
+        assert tree(tmp_path / name / "out") == tree(tmp_path / f"{name}-two" / "out")
+        assert not list((tmp_path / name / "out").glob(".*.tmp"))
+        return one, validated
+
+    rep, validated = both("clean")
+    assert validated == 0 and rep.num_shards == 6 and rep.num_samples == 26
+    metas = []
+    for path in sorted((tmp_path / "clean" / "out").glob("*.tar")):
+        with tarfile.open(path) as tf:
+            metas += [json.loads(tf.extractfile(m).read()) for m in tf.getmembers() if m.name.endswith(".json")]
+    assert len(metas) == 26 and [m["format"] for m in metas].count("png") == 1
+    assert [m["exif_orientation"] for m in metas if "exif_orientation" in m] == [6]
+
+    (src / "c2" / "text.jpg").write_bytes(b"not an image")  # rejected at validation
+    rep, validated = both("rejected")
+    assert validated == 1 and rep.num_samples == 26 and [i.path for i in rep.rejected] == ["c2/text.jpg"]
+    (src / "c2" / "text.jpg").unlink()
+    write_image(src / "c2" / "cmyk.jpg", mode="CMYK")  # transcoded
+    rep, validated = both("cmyk")
+    assert validated == 1 and rep.num_samples == 27 and rep.transforms["cmyk_to_rgb_jpeg"] == 1
+
+
 def test_resume_after_lost_shards_is_byte_identical(image_folder, tmp_path: Path) -> None:
     src = image_folder(classes=2, per_class=10)
     ref = tmp_path / "ref"

@@ -78,7 +78,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     _preload_finish_imports()
     bar = _Bar(progress)
     try:
-        scan = _scan(src)
+        scan = _scan(src, pool, workers)
         if not scan.classes:
             raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder "
                             f"reads)")

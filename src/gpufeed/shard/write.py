@@ -287,6 +287,7 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
     try:
         buf: list[bytes] = []
         held = 0
+        cls_b = [str(label).encode("ascii") for label in range(len(classes))]
         for raw, n, label in zip(part["paths"], part["n"], part["label"]):
             try:
                 data, st = _read_whole(base + raw)
@@ -296,12 +297,14 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
             if not r.ok or r.what != "copy":
                 return None
             checked.append(r)
+            size = len(data)
             s = _Sample(f"{label:05d}_{n:07d}", "", label, classes[label], _display(raw), r.orientation,
-                        _EXT[r.fmt], r.width, r.height, r.width, r.height, r.sha256.hex(), len(data), None, None, 0)
-            head, tail = _around_image(s.key, s.ext, len(data), str(label).encode("ascii"), _sample_json(s))
-            buf += (head, data, _ZEROS[:-len(data) % 512], tail)
-            held += len(head) + _padded(len(data)) + len(tail)
-            nbytes += len(data)
+                        _EXT[r.fmt], r.width, r.height, r.width, r.height, r.sha256.hex(), size, None, None, 0)
+            head, tail = _around_image(s.key, s.ext, size, cls_b[label], _sample_json(s))
+            pad = _ZEROS[:-size % 512]
+            buf += (head, data, pad, tail)
+            held += len(head) + size + len(pad) + len(tail)
+            nbytes += size
             if held >= _RANGE_BYTES:
                 pos = _write_hashed(fd, h, buf, pos)
                 buf, held = [], 0

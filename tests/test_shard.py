@@ -176,9 +176,11 @@ def tree(dest: Path) -> dict[str, str]:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, monkeypatch, workers: int) -> None:
     """--check header without transcoding options validates and writes in one pass (each source read once) when
-    every file passes through unchanged; a rejected file or one that needs a transcode sends the run to the two
-    passes. Either way every output file has the bytes of the two passes."""
+    every file passes through unchanged; a rejected file or one that needs a transcode stops it, and the run
+    validates the files it had not checked, then writes. Either way every output file (shards, sidecars, plan,
+    index, manifest) has the bytes of the two passes (forced with the private switch ``job._ONE_PASS``)."""
     import gpufeed.shard.job as job
+    import gpufeed.shard.validate as validate
 
     src = tmp_path / "src"
     exif = Image.Exif()
@@ -188,9 +190,11 @@ def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, mon
             write_image(src / f"c{c}" / f"{i}.jpg", size=(8 + i, 9), color=(c * 70, i * 20, 9))
     write_image(src / "c0" / "png.jpg", fmt="PNG")  # a PNG named .jpg: Pillow's header path, stored as .png
     write_image(src / "c1" / "exif.jpg", exif=exif.tobytes())  # Pillow's path; orientation 6 in KEY.json
-    calls = []
+    calls = []  # per validation pass: how many candidates the stopped one pass had checked already
     real_validate = job._validate
-    monkeypatch.setattr(job, "_validate", lambda *a, **k: (calls.append(1), real_validate(*a, **k))[1])
+    monkeypatch.setattr(job, "_validate", lambda *a, **k: (calls.append(int(a[9].sum()) if len(a) > 9 else None),
+                                                          real_validate(*a, **k))[1])
+    monkeypatch.setattr(validate, "_HEADER_CHUNK", 4)  # validation batches smaller than shards: some are skipped
     opts = {"check": "header", "shard_samples": 5, "workers": workers}  # 6 shards: whole shards per worker
 
     def both(name: str) -> tuple[object, object]:
@@ -216,6 +220,9 @@ def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, mon
     (src / "c2" / "text.jpg").write_bytes(b"not an image")  # rejected at validation
     rep, validated = both("rejected")
     assert validated == 1 and rep.num_samples == 26 and [i.path for i in rep.rejected] == ["c2/text.jpg"]
+    # The files the stopped one pass checked (whole shards before the one that holds text.jpg, and part of
+    # that one) are not validated again: 19 with one worker; two stop at a moment that depends on timing.
+    assert calls[0] == 19 if workers == 1 else calls[0] >= 10
     (src / "c2" / "text.jpg").unlink()
     write_image(src / "c2" / "cmyk.jpg", mode="CMYK")  # transcoded
     rep, validated = both("cmyk")

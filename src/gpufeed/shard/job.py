@@ -9,7 +9,7 @@ import concurrent.futures as cf
 import os
 import random
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpufeed.config import ShardConfig
 from gpufeed.errors import DataError
@@ -100,6 +100,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                 plan = None
         resumed = plan is not None  # the earlier run's plan is used as it is (validation skipped)
         written: dict[str, Any] | None = None  # set by the one pass: every shard written with the validation
+        partial: tuple[Any, ...] = ()  # a stopped one pass: its validation results, as _validate takes them
         one_pass_s = 0.0
 
         t_val = time.perf_counter()
@@ -119,15 +120,16 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                     one = _one_pass(cfg, scan, src, dest, opts, options, fingerprint, pool, bar, order, workers)
                 except OSError as exc:
                     raise _os_error(exc, cfg, est, writing=True) from None
-                if one is not None:
+                if isinstance(one, _Partial):
+                    partial = one
+                    bar.note("a file is rejected or needs a transcode: validating the rest, then writing")
+                elif one is not None:
                     plan, written = one
                     done.update(written)
                     one_pass_s = time.perf_counter() - t_val
-                else:
-                    bar.note("a file is rejected or needs a transcode: validating first, then writing")
         if plan is None:
             try:
-                results = _validate(scan, src, state, opts, pool, bar, order, workers)
+                results = _validate(scan, src, state, opts, pool, bar, order, workers, *partial)
             except OSError as exc:
                 cached = _cache_bytes(state)
                 _clear_cache(state)  # useless without a plan: give the space back
@@ -240,16 +242,31 @@ _ONE_PASS = True
 to compare with the two passes."""
 
 
+_STOP_NAME = "one-pass.stop"
+"""In DEST's state folder while the one pass stops: the workers' shards still running stop too."""
+
+
+class _Partial(NamedTuple):
+    """The validation results of a one pass that stopped: the candidates it ``checked`` (a mask), all accepted
+    as pass-throughs, in ``results``."""
+
+    results: _Results
+    checked: Any
+
+
 def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, Any], options: dict[str, Any],
               fingerprint: str, pool: Any, bar: _Bar, order: Any,
-              workers: int) -> tuple[Any, dict[str, dict[str, Any]]] | None:
+              workers: int) -> tuple[Any, dict[str, dict[str, Any]]] | _Partial | None:
     """Validate and write in one pass, each source read once: plan as if every candidate is accepted and passes
     through unchanged (then the plan follows from the scan alone), and let each worker check and write whole
     shards of it (``_check_and_write_shard``). When every file checks out as such, the plan built from the
     validation results is the one assumed: it is saved, then the shards are renamed into place with their
-    sidecars, so the bytes are those of the two passes. -> (plan, each shard's sidecar), or None when a file is
-    rejected or needs a transcode (its temporary shards deleted: the caller validates, then writes), or when the
-    shards are too few to keep every worker busy with whole shards.
+    sidecars, so the bytes are those of the two passes. -> (plan, each shard's sidecar).
+
+    A file that is rejected or needs a transcode (or is unreadable) stops the pass: every shard being written
+    stops (the stop file), their temporary files are deleted, and -> ``_Partial``, the files checked so far,
+    which the validation pass then skips (the caller validates the rest, then writes). -> None when the shards
+    are too few to keep every worker busy with whole shards (no pass was made).
 
     Nothing is renamed before the plan is saved: a run killed during the pass leaves only ``.<shard>.tmp``
     files, and the re-run starts afresh."""
@@ -265,38 +282,49 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
     for name, k in zip(_shard_names(cfg.prefix, n_shards), split_sizes(n, n_shards)):
         shards.append((name, pos, k))
         pos += k
+    stop = os.path.join(dest, STATE_DIR, _STOP_NAME)
+    if os.path.exists(stop):
+        os.unlink(stop)
 
     def part(start: int, count: int) -> dict[str, Any]:
         idx = order[start:start + count]
         labels = scan.labels[idx]
         return {"paths": [scan.paths[i] for i in idx.tolist()], "n": (idx - class_start[labels]).tolist(),
-                "label": labels.tolist(), "classes": scan.classes}
+                "label": labels.tolist(), "classes": scan.classes, "stop": stop}
 
     results = _Results(n)
+    checked = np.zeros(n, dtype=bool)
     outcome: dict[str, tuple[int, str]] = {}  # shard name -> (size, sha256), in the order they complete
     saved = False
+    complete = True
 
-    def stored(name: str, start: int, count: int, got: Any) -> bool:
-        if got is not None:
-            outcome[name] = got[:2]
-            results.put(order[start:start + count], got[3], 0)
-            bar.update(count, got[2])
-        return got is not None
+    def stored(name: str, start: int, count: int, got: Any) -> None:
+        nonlocal complete
+        idx = order[start:start + got.checked]
+        results.put(idx, got.columns, 0)
+        checked[idx] = True
+        bar.update(got.checked, got.nbytes)
+        if got.complete:
+            outcome[name] = (got.size, got.sha256)
+        elif complete:
+            complete = False
+            with open(stop, "wb"):
+                pass
 
     bar.start("validate+write", n)
     try:
         if pool is None:
             for name, start, count in shards:
-                if not stored(name, start, count, _check_and_write_shard(dest, src, name, part(start, count), opts)):
-                    return None
+                stored(name, start, count, _check_and_write_shard(dest, src, name, part(start, count), opts))
+                if not complete:
+                    break
         else:
             ex = pool[0]
             pending = iter(shards)
             running: dict[Any, tuple[str, int, int]] = {}
-            ok = True
             try:
-                while ok:
-                    for sh in pending:
+                while True:
+                    for sh in (pending if complete else ()):
                         running[ex.submit(_check_and_write_shard, dest, src, sh[0], part(sh[1], sh[2]), opts)] = sh
                         if len(running) >= workers:
                             break
@@ -304,19 +332,21 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
                         break
                     finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
                     for fut in finished:
-                        ok = stored(*running.pop(fut), fut.result()) and ok
+                        stored(*running.pop(fut), fut.result())
             finally:
                 for fut in running:
                     fut.cancel()
                 cf.wait(running)  # a shard being checked and written deletes its temporary file when it stops
-            if not ok:
-                return None
+        if not complete:
+            return _Partial(results, checked)
         plan = _make_plan(cfg, scan, results, fingerprint, options, order)
         if [(sh["name"], sh["start"], sh["count"]) for sh in plan.shards] != shards:
             raise AssertionError("the one pass planned the shards the validation results give")  # pragma: no cover
         _save_plan(os.path.join(dest, STATE_DIR), plan)
         saved = True
     finally:
+        if os.path.exists(stop):
+            os.unlink(stop)
         if not saved:
             _remove_temporaries(dest, outcome)
     return plan, {name: _finish_shard(dest, name, outcome[name][0], count, outcome[name][1])

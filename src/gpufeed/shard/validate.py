@@ -387,16 +387,24 @@ and results are never all held at once."""
 
 
 def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any, bar: _Bar,
-              order: Any, workers: int = 1) -> _Results:
+              order: Any, workers: int = 1, results: _Results | None = None, checked: Any = None) -> _Results:
     """Validate the candidates in the seeded shard order (so each transcode cache file feeds one or a few
-    consecutive shards and can be deleted once they are written); results in candidate order."""
+    consecutive shards and can be deleted once they are written); results in candidate order. ``results`` and
+    ``checked`` (a mask of candidates): what a stopped one pass validated already; a batch whose files are all
+    checked is skipped (the batches, and so the cache files' numbers, stay those of a whole validation)."""
     n = len(order)
-    results = _Results(n)
+    if results is None:
+        results = _Results(n)
     bar.start("validate", n)
     # Header checks of pass-through files take microseconds a file: bigger batches amortise the IPC.
     cheap = opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None
     chunk = _HEADER_CHUNK if cheap else _CHUNK
-    starts = iter(enumerate(range(0, n, chunk)))
+    batches = list(enumerate(range(0, n, chunk)))
+    if checked is not None:
+        left = [(j, i) for j, i in batches if not checked[order[i:i + chunk]].all()]
+        bar.update(n - sum(len(order[i:i + chunk]) for _, i in left))
+        batches = left
+    starts = iter(batches)
     base = os.path.join(src, "")  # + a relative path: os.path.join's result, without its cost per file
 
     def batch(i: int) -> tuple[Any, list[str]]:

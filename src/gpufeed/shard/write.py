@@ -267,15 +267,32 @@ def _write_shard(dest: str, src: str, name: str, part: dict[str, Any]) -> tuple[
         raise
 
 
+_STOP_EVERY = 256
+"""The one pass looks for the stop file every this many files."""
+
+
+class _OnePassShard(NamedTuple):
+    """What ``_check_and_write_shard`` did: ``complete``, the shard is written (``size``, ``sha256``); else it
+    stopped, its temporary file deleted. Either way ``columns`` (``_batch_columns``) are the validation results
+    of the first ``checked`` files, every one accepted as a pass-through."""
+
+    complete: bool
+    checked: int
+    nbytes: int
+    columns: dict[str, Any]
+    size: int = 0
+    sha256: str = ""
+
+
 def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
-                           opts: dict[str, Any]) -> tuple[int, str, int, dict[str, Any]] | None:
+                           opts: dict[str, Any]) -> _OnePassShard:
     """The one pass (``--check header``, nothing to transcode): validate and write one whole shard whose plan
     assumed every file is accepted and passes through unchanged. Each source is read once: its header is
     checked from those bytes (``_inspect_bytes``, as the validation pass does), and the same bytes are written
-    and hashed in order as the shard grows. -> (size, sha256, image bytes, the validation columns of its files,
-    ``_batch_columns``), or None as soon as a file is rejected or needs a transcode (the plan was wrong: the
-    temporary file is deleted and the caller takes the two passes). ``part``: the shard's files in order, as
-    ``paths`` (relative to SRC), ``n`` and ``label`` (their keys), and ``classes``."""
+    and hashed in order as the shard grows. Stops, deleting the temporary file, at the first file that is
+    unreadable, rejected or needs a transcode (the plan was wrong; the validation pass checks it again and
+    reports it), or once the file ``part["stop"]`` exists (another shard stopped). ``part``: the shard's files
+    in order, as ``paths`` (relative to SRC), ``n`` and ``label`` (their keys), and ``classes``."""
     tmp = os.path.join(dest, f".{name}.tmp")
     base = os.path.join(src, "")
     classes = part["classes"]
@@ -288,14 +305,17 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
         buf: list[bytes] = []
         held = 0
         cls_b = [str(label).encode("ascii") for label in range(len(classes))]
-        for raw, n, label in zip(part["paths"], part["n"], part["label"]):
+        stop = part["stop"]
+        for k, (raw, n, label) in enumerate(zip(part["paths"], part["n"], part["label"])):
+            if k % _STOP_EVERY == 0 and k and os.path.exists(stop):
+                return _OnePassShard(False, k, nbytes, _batch_columns(checked))
             try:
                 data, st = _read_whole(base + raw)
             except OSError:
-                return None  # the validation pass reports it
+                return _OnePassShard(False, k, nbytes, _batch_columns(checked))
             r = _inspect_bytes(data, st, opts)
             if not r.ok or r.what != "copy":
-                return None
+                return _OnePassShard(False, k, nbytes, _batch_columns(checked))
             checked.append(r)
             size = len(data)
             s = _Sample(f"{label:05d}_{n:07d}", "", label, classes[label], _display(raw), r.orientation,
@@ -312,7 +332,7 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
         buf.append(bytes(1024 + (-end % tarfile.RECORDSIZE)))  # end-of-archive, padded like tarfile
         pos = _write_hashed(fd, h, buf, pos)
         ok = True
-        return pos, h.hexdigest(), nbytes, _batch_columns(checked)
+        return _OnePassShard(True, len(checked), nbytes, _batch_columns(checked), pos, h.hexdigest())
     finally:
         os.close(fd)
         if not ok:

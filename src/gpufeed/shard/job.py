@@ -79,6 +79,9 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     bar = _Bar(progress)
     try:
         scan = _scan(src, pool, workers)
+        if pool is not None:
+            for _ in range(workers):  # while this process plans: the imports of the checks and result columns
+                pool[0].submit(_warm_worker)
         if not scan.classes:
             raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder "
                             f"reads)")
@@ -424,3 +427,9 @@ def _make_pool(workers: int, lock_fd: int) -> tuple[Any, Any]:
 
 def _noop() -> None:
     return None
+
+
+def _warm_worker() -> None:
+    """Import what validating needs (Pillow, numpy for the result columns) before the first batch arrives."""
+    import numpy  # noqa: F401
+    from PIL import Image  # noqa: F401

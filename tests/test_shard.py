@@ -548,6 +548,29 @@ def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatc
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+def test_source_resized_after_the_scan_is_refused(tmp_path: Path, monkeypatch, one_pass: bool) -> None:
+    """The plan records each file's size at the scan: one that grew before it was read is refused as changed, by
+    the one pass (which stops, and the write after validation refuses it) as by the two passes."""
+    import gpufeed.shard.job as job
+
+    src = tmp_path / "src"
+    for i in range(4):
+        write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
+    victim = src / "a" / "2.jpg"
+    real = job._fingerprint
+
+    def scan_then_grow(*a, **k):
+        victim.write_bytes(victim.read_bytes() + b"\0" * 100)  # still a valid JPEG, 100 bytes longer
+        return real(*a, **k)
+
+    monkeypatch.setattr(job, "_fingerprint", scan_then_grow)
+    monkeypatch.setattr(job, "_ONE_PASS", one_pass)
+    with pytest.raises(RunError, match=r"a/2\.jpg changed while sharding"):
+        shard(src, tmp_path / "out", check="header", shard_samples=1)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_plan_of_an_older_version_or_damaged_is_refused_then_replanned(tmp_path: Path) -> None:
     """plan.json v2 (one dict per sample) or a plan.bin that does not match plan.json is never used: the run is
     refused as for a different plan, and --overwrite replans to the same bytes."""

@@ -293,7 +293,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
         idx = order[start:start + count]
         labels = scan.labels[idx]
         return {"paths": [scan.paths[i] for i in idx.tolist()], "n": (idx - class_start[labels]).tolist(),
-                "label": labels.tolist(), "classes": scan.classes, "stop": stop}
+                "label": labels.tolist(), "bytes": scan.sizes[idx].tolist(), "classes": scan.classes, "stop": stop}
 
     results = _Results(n)
     checked = np.zeros(n, dtype=bool)

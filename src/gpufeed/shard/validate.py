@@ -1,10 +1,10 @@
 """Phase 2, validate: every candidate file checked (``--check header``/``full``), in batches on the workers.
 
-Worker side: ``_inspect`` reads one file once, checks it (``_plain_jpeg_size`` for plain JPEG headers, Pillow
-for everything else), picks its storage action and transcodes it when the action says so (``_encode``);
+Worker side: ``_inspect`` reads one file once, checks it (``_inspect_bytes``, which the one pass also uses: ``_plain_jpeg_size`` for plain JPEG headers,
+Pillow for everything else), picks its storage action and transcodes it when the action says so (``_encode``);
 ``_validate_chunk`` runs a batch and writes its transcoded bytes to one cache file (``enc-*.bin``);
 ``_batch_columns`` returns the batch as numpy columns (``_COLUMNS``). Main side: ``_validate`` feeds the batches
-in the seeded shard order and gathers them into ``_Results``. The rules (stored formats, colour modes,
+in the seeded shard order and gathers them into ``_Results`` (skipping whole batches a stopped one pass checked). The rules (stored formats, colour modes,
 orientation) are in the package docstring, "Stored bytes, colour modes and orientation"."""
 
 from __future__ import annotations

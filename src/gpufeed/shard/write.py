@@ -4,7 +4,8 @@ docstring).
 Records: ``_samples_of`` builds a shard's ``_Sample`` records from its plan columns (``_Plan.part``). Write tasks
 (in the workers): ``_write_range`` writes a run of samples at their offsets (one ``pwrite`` of the members, image
 bytes over ``_INLINE_BYTES`` by ``sendfile``), after checking each pass-through source against its validated
-identity; ``_write_shard`` writes and hashes a whole shard. Main side: ``_ShardJob`` lays a shard out and hashes
+identity; ``_write_shard`` writes and hashes a whole shard; ``_check_and_write_shard`` is the one pass's task
+(validates and writes a whole shard from one read of each source; the package docstring, "One pass"). Main side: ``_ShardJob`` lays a shard out and hashes
 it in order as its ranges complete; ``_write_all`` gives each worker whole shards or ranges of one shard.
 ``_finish_shard`` renames a finished shard into place and leaves its ``.done.json`` sidecar, which
 ``_shard_complete`` checks on resume."""
@@ -193,22 +194,17 @@ ones are copied by ``sendfile``."""
 _ZEROS = bytes(512)
 
 
-def _member(name: str, payload: bytes) -> bytes:
-    """A small member: header, bytes, zero padding to the next block."""
-    return b"".join((ustar_header(name, len(payload)), payload, _ZEROS[:-len(payload) % 512]))
-
-
 def _around_image(key: str, ext: str, img_len: int, cls_b: bytes, json_b: bytes) -> tuple[bytes, bytes]:
     """A sample's members in name order, split around its image bytes -> (what precedes them: the ``cls``
     member, the ``json`` member when the image sorts after it, the image's header; what follows the image's
     padding: the ``json`` member when the image sorts before it, else nothing). "cls" sorts before every image
     extension."""
-    cls_m = _member(f"{key}.cls", cls_b)
-    json_m = _member(f"{key}.json", json_b)
+    cls_m = (ustar_header(f"{key}.cls", len(cls_b)), cls_b, _ZEROS[:-len(cls_b) % 512])
+    json_m = (ustar_header(f"{key}.json", len(json_b)), json_b, _ZEROS[:-len(json_b) % 512])
     header = ustar_header(f"{key}.{ext}", img_len)
     if ext < "json":
-        return cls_m + header, json_m
-    return cls_m + json_m + header, b""
+        return b"".join((*cls_m, header)), b"".join(json_m)
+    return b"".join((*cls_m, *json_m, header)), b""
 
 
 def _write_range(tmp: str, items: list[_Item]) -> None:
@@ -290,9 +286,11 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
     assumed every file is accepted and passes through unchanged. Each source is read once: its header is
     checked from those bytes (``_inspect_bytes``, as the validation pass does), and the same bytes are written
     and hashed in order as the shard grows. Stops, deleting the temporary file, at the first file that is
-    unreadable, rejected or needs a transcode (the plan was wrong; the validation pass checks it again and
-    reports it), or once the file ``part["stop"]`` exists (another shard stopped). ``part``: the shard's files
-    in order, as ``paths`` (relative to SRC), ``n`` and ``label`` (their keys), and ``classes``."""
+    unreadable, rejected, needs a transcode or changed size since the scan (the plan was wrong; the validation
+    pass checks it again and reports it), or once the file ``part["stop"]`` exists (another shard stopped).
+    ``part``: the shard's files in order, as ``paths`` (relative to SRC), ``n`` and ``label`` (their keys), ``bytes`` (their sizes at the
+    scan, which the plan records: a file of another size stops the pass too; the write after the validation pass
+    refuses it as changed), and ``classes``."""
     tmp = os.path.join(dest, f".{name}.tmp")
     base = os.path.join(src, "")
     classes = part["classes"]
@@ -306,7 +304,7 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
         held = 0
         cls_b = [str(label).encode("ascii") for label in range(len(classes))]
         stop = part["stop"]
-        for k, (raw, n, label) in enumerate(zip(part["paths"], part["n"], part["label"])):
+        for k, (raw, n, label, scanned) in enumerate(zip(part["paths"], part["n"], part["label"], part["bytes"])):
             if k % _STOP_EVERY == 0 and k and os.path.exists(stop):
                 return _OnePassShard(False, k, nbytes, _batch_columns(checked))
             try:
@@ -314,10 +312,10 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
             except OSError:
                 return _OnePassShard(False, k, nbytes, _batch_columns(checked))
             r = _inspect_bytes(data, st, opts)
-            if not r.ok or r.what != "copy":
+            size = len(data)
+            if not r.ok or r.what != "copy" or size != scanned:
                 return _OnePassShard(False, k, nbytes, _batch_columns(checked))
             checked.append(r)
-            size = len(data)
             s = _Sample(f"{label:05d}_{n:07d}", "", label, classes[label], _display(raw), r.orientation,
                         _EXT[r.fmt], r.width, r.height, r.width, r.height, r.sha256.hex(), size, None, None, 0)
             head, tail = _around_image(s.key, s.ext, size, cls_b[label], _sample_json(s))

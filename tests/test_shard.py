@@ -167,6 +167,68 @@ def test_one_shard_written_by_two_workers_is_byte_identical(image_folder, tmp_pa
     assert not list((tmp_path / "b").glob(".*.tmp"))
 
 
+def tree(dest: Path) -> dict[str, str]:
+    """sha256 of every file under DEST but the lock (it records the pid): shards, sidecars, plan, index, manifest."""
+    return {str(p.relative_to(dest)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(dest.rglob("*")) if p.is_file() and p.name != "lock"}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, monkeypatch, workers: int) -> None:
+    """--check header without transcoding options validates and writes in one pass (each source read once) when
+    every file passes through unchanged; a rejected file or one that needs a transcode stops it, and the run
+    validates the files it had not checked, then writes. Either way every output file (shards, sidecars, plan,
+    index, manifest) has the bytes of the two passes (forced with the private switch ``job._ONE_PASS``)."""
+    import gpufeed.shard.job as job
+    import gpufeed.shard.validate as validate
+
+    src = tmp_path / "src"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    for c in range(3):
+        for i in range(8):
+            write_image(src / f"c{c}" / f"{i}.jpg", size=(8 + i, 9), color=(c * 70, i * 20, 9))
+    write_image(src / "c0" / "png.jpg", fmt="PNG")  # a PNG named .jpg: Pillow's header path, stored as .png
+    write_image(src / "c1" / "exif.jpg", exif=exif.tobytes())  # Pillow's path; orientation 6 in KEY.json
+    calls = []  # per validation pass: how many candidates the stopped one pass had checked already
+    real_validate = job._validate
+    monkeypatch.setattr(job, "_validate", lambda *a, **k: (calls.append(int(a[9].sum()) if len(a) > 9 else None),
+                                                          real_validate(*a, **k))[1])
+    monkeypatch.setattr(validate, "_HEADER_CHUNK", 4)  # validation batches smaller than shards: some are skipped
+    opts = {"check": "header", "shard_samples": 5, "workers": workers}  # 6 shards: whole shards per worker
+
+    def both(name: str) -> tuple[object, object]:
+        calls.clear()
+        one = shard(src, tmp_path / name / "out", **opts)
+        validated = len(calls)
+        monkeypatch.setattr(job, "_ONE_PASS", False)
+        two = shard(src, tmp_path / f"{name}-two" / "out", **opts)
+        monkeypatch.setattr(job, "_ONE_PASS", True)
+        assert tree(tmp_path / name / "out") == tree(tmp_path / f"{name}-two" / "out")
+        assert not list((tmp_path / name / "out").glob(".*.tmp"))
+        return one, validated
+
+    rep, validated = both("clean")
+    assert validated == 0 and rep.num_shards == 6 and rep.num_samples == 26
+    metas = []
+    for path in sorted((tmp_path / "clean" / "out").glob("*.tar")):
+        with tarfile.open(path) as tf:
+            metas += [json.loads(tf.extractfile(m).read()) for m in tf.getmembers() if m.name.endswith(".json")]
+    assert len(metas) == 26 and [m["format"] for m in metas].count("png") == 1
+    assert [m["exif_orientation"] for m in metas if "exif_orientation" in m] == [6]
+
+    (src / "c2" / "text.jpg").write_bytes(b"not an image")  # rejected at validation
+    rep, validated = both("rejected")
+    assert validated == 1 and rep.num_samples == 26 and [i.path for i in rep.rejected] == ["c2/text.jpg"]
+    # The files the stopped one pass checked (whole shards before the one that holds text.jpg, and part of
+    # that one) are not validated again: 19 with one worker; two stop at a moment that depends on timing.
+    assert calls[0] == 19 if workers == 1 else calls[0] >= 10
+    (src / "c2" / "text.jpg").unlink()
+    write_image(src / "c2" / "cmyk.jpg", mode="CMYK")  # transcoded
+    rep, validated = both("cmyk")
+    assert validated == 1 and rep.num_samples == 27 and rep.transforms["cmyk_to_rgb_jpeg"] == 1
+
+
 def test_resume_after_lost_shards_is_byte_identical(image_folder, tmp_path: Path) -> None:
     src = image_folder(classes=2, per_class=10)
     ref = tmp_path / "ref"
@@ -483,6 +545,29 @@ def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatc
     monkeypatch.setattr(job, "_make_plan", plan_then_swap)
     with pytest.raises(RunError, match=r"a/1\.jpg changed while sharding.*re-run"):
         shard(src, tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+def test_source_resized_after_the_scan_is_refused(tmp_path: Path, monkeypatch, one_pass: bool) -> None:
+    """The plan records each file's size at the scan: one that grew before it was read is refused as changed, by
+    the one pass (which stops, and the write after validation refuses it) as by the two passes."""
+    import gpufeed.shard.job as job
+
+    src = tmp_path / "src"
+    for i in range(4):
+        write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
+    victim = src / "a" / "2.jpg"
+    real = job._fingerprint
+
+    def scan_then_grow(*a, **k):
+        victim.write_bytes(victim.read_bytes() + b"\0" * 100)  # still a valid JPEG, 100 bytes longer
+        return real(*a, **k)
+
+    monkeypatch.setattr(job, "_fingerprint", scan_then_grow)
+    monkeypatch.setattr(job, "_ONE_PASS", one_pass)
+    with pytest.raises(RunError, match=r"a/2\.jpg changed while sharding"):
+        shard(src, tmp_path / "out", check="header", shard_samples=1)
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 

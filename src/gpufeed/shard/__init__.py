@@ -2,17 +2,21 @@
 
 Pipeline (the format it writes: docs/design.md §2): scan -> validate (parallel, batched per task) -> plan
 (seeded shuffle, N equal shards) -> write -> ``index.parquet``, timm's ``_info.json`` and, last and atomically, ``manifest.json``.
+With ``--check header`` and no transcoding option, validate, plan and write are first tried as one pass ("One
+pass" below).
 No torch import anywhere on this path.
 
 Phase map (one module a step; this package's ``__init__`` only re-exports the public names):
 
-* ``job.py``: ``write_shards``, the entry: checks SRC and DEST, takes the lock, runs the phases (``_run``).
-* ``scan.py``: walking SRC into the candidate files, as columns (``_scan``).
+* ``job.py``: ``write_shards``, the entry: checks SRC and DEST, takes the lock, runs the phases (``_run``); the
+  one pass (``_one_pass``).
+* ``scan.py``: walking SRC into the candidate files, as columns (``_scan``; the class folders in the workers).
 * ``validate.py``: per-file checks, ``--check header``/``full``, and the transcodes, in the workers
   (``_inspect``, ``_validate_chunk``); the batches fed and gathered by the main process (``_validate``).
 * ``shardplan.py``: the plan (``_make_plan``), its fingerprint, and ``plan.json``/``plan.bin``
   (``PLAN_VERSION``, ``_save_plan``, ``_read_plan``). Not ``gpufeed/plan.py``, the memory planner.
-* ``write.py``: the shards' bytes: worker write tasks (``_write_range``, ``_write_shard``), member layout and
+* ``write.py``: the shards' bytes: worker write tasks (``_write_range``, ``_write_shard``, the one pass's
+  ``_check_and_write_shard``), member layout and
   in-order hashing (``_ShardJob``), each shard renamed with its ``.done.json`` sidecar (``_finish_shard``).
 * ``finish.py``: ``index.parquet``, ``_info.json`` and ``manifest.json`` (``_finish``).
 * ``dest.py``: DEST's state folder: the lock, resume or refuse what is there, cache housekeeping, free space,
@@ -27,6 +31,16 @@ end-of-archive blocks), and the workers write runs of consecutive samples at the
 run's members, image bytes over 1 MiB by ``sendfile``) while a thread of the main process hashes the file in order
 as the runs complete. Either
 way a file is renamed only once fully written and hashed, and the bytes are the same for any ``--workers``.
+
+One pass: with ``--check header`` and neither ``--max-size`` nor ``--quality``, the run first assumes that every
+candidate is accepted and passes through unchanged. The plan then follows from the scan alone, and each worker
+validates and writes whole shards of it, reading each source once (its header checked from the bytes it
+writes; at least two shards a worker, else the two passes are made). When every file checks out, the plan
+built from those validation results is the one assumed: it is saved, then the shards are renamed into place,
+so the output has the bytes of the two passes. The first file rejected, unreadable or needing a transcode
+stops every worker (a stop file in ``DEST/.gpufeed``); their temporary shards are deleted and the run
+validates the files not yet checked (whole batches checked by the pass are skipped), then plans and writes as
+usual: such a set pays for the part of the pass written before the stop.
 
 The plan is columnar (numpy arrays and one blob of file names, ~140 bytes a sample plus its path), never a
 Python object per sample; records are built one shard at a time. ``--check header`` reads plain JFIF headers
@@ -98,8 +112,12 @@ refused, naming that pid. The worker processes die with the main process and nev
 files (full-sized but never renamed), which the next run deletes. A run refused before it wrote anything removes
 the folders it created (DEST included).
 
+A run killed during the one pass has saved no plan and renamed no shard: it leaves only ``.<shard>.tmp`` files,
+and the re-run starts afresh.
+
 A pass-through file is hashed once, at validation (its sha256 goes into ``KEY.json``), which also records the
-opened file's identity (size, mtime_ns, inode, device). When its shard is written, the opened source must
+opened file's identity (size, mtime_ns, inode, device). (The one pass writes the very bytes it validated and
+hashed: there is no second read to check.) When its shard is written, the opened source must
 still have that identity, else the run is refused ("changed while sharding"): any rewrite in place moves mtime
 and a replacement by rename changes the inode. Not caught: a rewrite at the same size that keeps (or restores,
 ``touch -d``) the exact mtime_ns — re-hashing would catch it, at the cost of a third SHA-256 pass over the

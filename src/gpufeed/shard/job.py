@@ -5,10 +5,11 @@ workers validate."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import random
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpufeed.config import ShardConfig
 from gpufeed.errors import DataError
@@ -17,9 +18,10 @@ from gpufeed.shard.dest import (LOCK_NAME, STATE_DIR, _atomic_leftover, _cache_b
 from gpufeed.shard.finish import _finish
 from gpufeed.shard.report import ShardReport, _Bar
 from gpufeed.shard.scan import _scan
-from gpufeed.shard.shardplan import _TAR_OVERHEAD_PER_SAMPLE, _fingerprint, _make_plan, _options, _save_plan
-from gpufeed.shard.validate import _ACTIONS, _validate
-from gpufeed.shard.write import _shard_complete, _write_all
+from gpufeed.shard.shardplan import (_TAR_OVERHEAD_PER_SAMPLE, _fingerprint, _make_plan, _options, _save_plan,
+                                     _shard_names, plan_num_shards, split_sizes)
+from gpufeed.shard.validate import _ACTIONS, _Results, _validate
+from gpufeed.shard.write import _check_and_write_shard, _finish_shard, _shard_complete, _write_all
 
 
 def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
@@ -76,7 +78,10 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     _preload_finish_imports()
     bar = _Bar(progress)
     try:
-        scan = _scan(src)
+        scan = _scan(src, pool, workers)
+        if pool is not None:
+            for _ in range(workers):  # while this process plans: the imports of the checks and result columns
+                pool[0].submit(_warm_worker)
         if not scan.classes:
             raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder "
                             f"reads)")
@@ -97,6 +102,9 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             if lost:  # transcoded bytes are gone (cleared after use): redo the deterministic validation
                 plan = None
         resumed = plan is not None  # the earlier run's plan is used as it is (validation skipped)
+        written: dict[str, Any] | None = None  # set by the one pass: every shard written with the validation
+        partial: tuple[Any, ...] = ()  # a stopped one pass: its validation results, as _validate takes them
+        one_pass_s = 0.0
 
         t_val = time.perf_counter()
         if plan is None:
@@ -109,8 +117,22 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             random.Random(cfg.seed).shuffle(shuffled)
             order = np.array(shuffled, dtype=np.int64)
             del shuffled
+            if (_ONE_PASS and opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None
+                    and not done):
+                try:
+                    one = _one_pass(cfg, scan, src, dest, opts, options, fingerprint, pool, bar, order, workers)
+                except OSError as exc:
+                    raise _os_error(exc, cfg, est, writing=True) from None
+                if isinstance(one, _Partial):
+                    partial = one
+                    bar.note("a file is rejected or needs a transcode: validating the rest, then writing")
+                elif one is not None:
+                    plan, written = one
+                    done.update(written)
+                    one_pass_s = time.perf_counter() - t_val
+        if plan is None:
             try:
-                results = _validate(scan, src, state, opts, pool, bar, order, workers)
+                results = _validate(scan, src, state, opts, pool, bar, order, workers, *partial)
             except OSError as exc:
                 cached = _cache_bytes(state)
                 _clear_cache(state)  # useless without a plan: give the space back
@@ -122,56 +144,60 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                 _save_plan(state, plan)
             except OSError as exc:
                 raise _os_error(exc, cfg, None, cache_kept=_cache_bytes(state)) from None
+        elif written is not None:
+            _check_empty(cfg, plan.classes, plan.meta["class_counts"], warn, after_validation=True)
         else:
             bar.note("resume: the plan matches; validation skipped")
             _check_empty(cfg, plan.classes, plan.meta["class_counts"], warn, after_validation=True)
-        validate_s = time.perf_counter() - t_val
+        validate_s = time.perf_counter() - t_val - one_pass_s
         ignored = scan.ignored
         del scan  # the plan holds what the rest needs
 
         # ---- write
         t_w = time.perf_counter()
         names = [s["name"] for s in plan.shards]
-        if not resumed or not done:
-            for name in names:
-                info = _shard_complete(dest, name)
-                if info is not None:
-                    done[name] = info
-        todo = [s for s in plan.shards if s["name"] not in done]
-        # Each transcode cache file is deleted once every shard that reads it is written, so DEST peaks near
-        # the output size: the cache turns into shards as they are written.
-        users: dict[str, int] = {}
-        for s in todo:
-            for c in s["caches"]:
-                users[c] = users.get(c, 0) + 1
-        for name in os.listdir(state):
-            if name.startswith("enc-") and name.endswith(".bin") and name not in users:
-                os.unlink(os.path.join(state, name))
-        cached = sum(os.path.getsize(os.path.join(state, c)) for c in users)
-        in_flight = sum(sorted((s["cache_bytes"] for s in todo), reverse=True)[:workers])
-        need = max(0, sum(s["est_bytes"] for s in todo) - cached) + in_flight
-        _check_free_space(dest, need, cfg, cached)
-        for leftover in os.listdir(dest):
-            if leftover.startswith(".") and leftover.endswith(".tar.tmp") or _atomic_leftover(leftover):
-                os.unlink(os.path.join(dest, leftover))
-        tasks = [(s["name"], s["count"], (lambda s=s: plan.part(plan.indices(s)))) for s in todo]
-        caches_of = {s["name"]: s["caches"] for s in todo}
+        todo = plan.shards  # the one pass wrote them all
+        if written is None:
+            if not resumed or not done:
+                for name in names:
+                    info = _shard_complete(dest, name)
+                    if info is not None:
+                        done[name] = info
+            todo = [s for s in plan.shards if s["name"] not in done]
+            # Each transcode cache file is deleted once every shard that reads it is written, so DEST peaks near
+            # the output size: the cache turns into shards as they are written.
+            users: dict[str, int] = {}
+            for s in todo:
+                for c in s["caches"]:
+                    users[c] = users.get(c, 0) + 1
+            for name in os.listdir(state):
+                if name.startswith("enc-") and name.endswith(".bin") and name not in users:
+                    os.unlink(os.path.join(state, name))
+            cached = sum(os.path.getsize(os.path.join(state, c)) for c in users)
+            in_flight = sum(sorted((s["cache_bytes"] for s in todo), reverse=True)[:workers])
+            need = max(0, sum(s["est_bytes"] for s in todo) - cached) + in_flight
+            _check_free_space(dest, need, cfg, cached)
+            for leftover in os.listdir(dest):
+                if leftover.startswith(".") and leftover.endswith(".tar.tmp") or _atomic_leftover(leftover):
+                    os.unlink(os.path.join(dest, leftover))
+            tasks = [(s["name"], s["count"], (lambda s=s: plan.part(plan.indices(s)))) for s in todo]
+            caches_of = {s["name"]: s["caches"] for s in todo}
 
-        def shard_done(name: str) -> None:
-            for c in caches_of[name]:
-                users[c] -= 1
-                if users[c] == 0:
-                    try:
-                        os.unlink(os.path.join(state, c))
-                    except FileNotFoundError:
-                        pass
+            def shard_done(name: str) -> None:
+                for c in caches_of[name]:
+                    users[c] -= 1
+                    if users[c] == 0:
+                        try:
+                            os.unlink(os.path.join(state, c))
+                        except FileNotFoundError:
+                            pass
 
-        try:
-            written = _write_all(dest, src, tasks, pool, bar, shard_done, workers=workers)
-        except OSError as exc:
-            raise _os_error(exc, cfg, need, cache_kept=_cache_bytes(state), writing=True) from None
-        done.update(written)
-        write_s = time.perf_counter() - t_w
+            try:
+                written = _write_all(dest, src, tasks, pool, bar, shard_done, workers=workers)
+            except OSError as exc:
+                raise _os_error(exc, cfg, need, cache_kept=_cache_bytes(state), writing=True) from None
+            done.update(written)
+        write_s = time.perf_counter() - t_w + one_pass_s
     finally:
         bar.close()
         if pool is not None:
@@ -212,6 +238,130 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         rejected=rejected, ignored=ignored, shards=names, url_pattern=manifest.url_pattern,
         manifest=os.path.join(dest, "manifest.json"),
     )
+
+
+_ONE_PASS = True
+"""Whether ``--check header`` without transcoding options tries the one pass (``_one_pass``); tests turn it off
+to compare with the two passes."""
+
+
+_STOP_NAME = "one-pass.stop"
+"""In DEST's state folder while the one pass stops: the workers' shards still running stop too."""
+
+
+class _Partial(NamedTuple):
+    """The validation results of a one pass that stopped: the candidates it ``checked`` (a mask), all accepted
+    as pass-throughs, in ``results``."""
+
+    results: _Results
+    checked: Any
+
+
+def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, Any], options: dict[str, Any],
+              fingerprint: str, pool: Any, bar: _Bar, order: Any,
+              workers: int) -> tuple[Any, dict[str, dict[str, Any]]] | _Partial | None:
+    """Validate and write in one pass, each source read once: plan as if every candidate is accepted and passes
+    through unchanged (then the plan follows from the scan alone), and let each worker check and write whole
+    shards of it (``_check_and_write_shard``). When every file checks out as such, the plan built from the
+    validation results is the one assumed: it is saved, then the shards are renamed into place with their
+    sidecars, so the bytes are those of the two passes. -> (plan, each shard's sidecar).
+
+    A file that is rejected or needs a transcode (or is unreadable) stops the pass: every shard being written
+    stops (the stop file), their temporary files are deleted, and -> ``_Partial``, the files checked so far,
+    which the validation pass then skips (the caller validates the rest, then writes). -> None when the shards
+    are too few to keep every worker busy with whole shards (no pass was made).
+
+    Nothing is renamed before the plan is saved: a run killed during the pass leaves only ``.<shard>.tmp``
+    files, and the re-run starts afresh."""
+    import numpy as np
+
+    n = len(scan)
+    n_shards = plan_num_shards(n, int(scan.sizes.sum()) + _TAR_OVERHEAD_PER_SAMPLE * n, cfg)
+    if n_shards > n or (pool is not None and n_shards < 2 * workers):
+        return None
+    class_start = np.concatenate(([0], np.cumsum(np.bincount(scan.labels, minlength=len(scan.classes)))[:-1]))
+    shards = []
+    pos = 0
+    for name, k in zip(_shard_names(cfg.prefix, n_shards), split_sizes(n, n_shards)):
+        shards.append((name, pos, k))
+        pos += k
+    stop = os.path.join(dest, STATE_DIR, _STOP_NAME)
+    if os.path.exists(stop):
+        os.unlink(stop)
+
+    def part(start: int, count: int) -> dict[str, Any]:
+        idx = order[start:start + count]
+        labels = scan.labels[idx]
+        return {"paths": [scan.paths[i] for i in idx.tolist()], "n": (idx - class_start[labels]).tolist(),
+                "label": labels.tolist(), "bytes": scan.sizes[idx].tolist(), "classes": scan.classes, "stop": stop}
+
+    results = _Results(n)
+    checked = np.zeros(n, dtype=bool)
+    outcome: dict[str, tuple[int, str]] = {}  # shard name -> (size, sha256), in the order they complete
+    saved = False
+    complete = True
+
+    def stored(name: str, start: int, count: int, got: Any) -> None:
+        nonlocal complete
+        idx = order[start:start + got.checked]
+        results.put(idx, got.columns, 0)
+        checked[idx] = True
+        bar.update(got.checked, got.nbytes)
+        if got.complete:
+            outcome[name] = (got.size, got.sha256)
+        elif complete:
+            complete = False
+            with open(stop, "wb"):
+                pass
+
+    bar.start("validate+write", n)
+    try:
+        if pool is None:
+            for name, start, count in shards:
+                stored(name, start, count, _check_and_write_shard(dest, src, name, part(start, count), opts))
+                if not complete:
+                    break
+        else:
+            ex = pool[0]
+            pending = iter(shards)
+            running: dict[Any, tuple[str, int, int]] = {}
+            try:
+                while True:
+                    for sh in (pending if complete else ()):
+                        running[ex.submit(_check_and_write_shard, dest, src, sh[0], part(sh[1], sh[2]), opts)] = sh
+                        if len(running) >= workers:
+                            break
+                    if not running:
+                        break
+                    finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                    for fut in finished:
+                        stored(*running.pop(fut), fut.result())
+            finally:
+                for fut in running:
+                    fut.cancel()
+                cf.wait(running)  # a shard being checked and written deletes its temporary file when it stops
+        if not complete:
+            return _Partial(results, checked)
+        plan = _make_plan(cfg, scan, results, fingerprint, options, order)
+        if [(sh["name"], sh["start"], sh["count"]) for sh in plan.shards] != shards:
+            raise AssertionError("the one pass planned the shards the validation results give")  # pragma: no cover
+        _save_plan(os.path.join(dest, STATE_DIR), plan)
+        saved = True
+    finally:
+        if os.path.exists(stop):
+            os.unlink(stop)
+        if not saved:
+            _remove_temporaries(dest, outcome)
+    return plan, {name: _finish_shard(dest, name, outcome[name][0], count, outcome[name][1])
+                  for name, _start, count in shards}
+
+
+def _remove_temporaries(dest: str, names: Any) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join(dest, f".{name}.tmp"))
+        except FileNotFoundError:
+            pass
 
 
 def _check_empty(cfg: ShardConfig, classes: list[str], counts: list[int], warn: list[str],
@@ -277,3 +427,9 @@ def _make_pool(workers: int, lock_fd: int) -> tuple[Any, Any]:
 
 def _noop() -> None:
     return None
+
+
+def _warm_worker() -> None:
+    """Import what validating needs (Pillow, numpy for the result columns) before the first batch arrives."""
+    import numpy  # noqa: F401
+    from PIL import Image  # noqa: F401

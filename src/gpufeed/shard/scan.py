@@ -1,4 +1,5 @@
-"""Phase 1, scan: walk SRC into the candidate files as columns (``_Scan``), main process only.
+"""Phase 1, scan: walk SRC into the candidate files as columns (``_Scan``): the class folders are walked in the
+job's workers (``_class_columns``), their columns joined in label order by the main process.
 
 The input rules it applies (classes, walked sub-folders, candidate extensions, each file stored once, what is
 ignored or rejected before any file is opened) are in the package docstring (``gpufeed.shard``), "Input rules"
@@ -85,7 +86,54 @@ class _Found(NamedTuple):
     """Reached through a symlink (file or folder)."""
 
 
-def _scan(src: str) -> _Scan:
+def _class_columns(src: str, name: str) -> tuple[tuple[Any, ...], list[FileIssue], list[FileIssue]]:
+    """Walk one class folder (``_walk_class``) -> its candidates in path order as columns (names ``fsencode``d
+    as one blob, their lengths, sizes, mtimes, devices, inodes, reached-via-a-link flags), then what was
+    ignored and rejected. Runs in a worker process when the job has a pool: compact to send back."""
+    from array import array
+
+    found: list[_Found] = []
+    ignored: list[FileIssue] = []
+    rejected: list[FileIssue] = []
+    _walk_class(src, os.path.join(src, name), found, ignored, rejected)
+    found.sort(key=lambda f: f.raw)
+    names = [os.fsencode(f.raw) for f in found]
+    cols = (b"".join(names), array("q", map(len, names)), array("q", [f.size for f in found]),
+            array("q", [f.mtime_ns for f in found]), array("Q", [f.dev for f in found]),
+            array("Q", [f.ino for f in found]), bytes(f.via_link for f in found))
+    return cols, ignored, rejected
+
+
+_SCAN_DEPTH = 4
+"""Class folders being walked per worker."""
+
+
+def _walked(src: str, classes: list[str], pool: Any, workers: int) -> Any:
+    """``_class_columns`` of each class folder, in label order: walked by the pool's workers (a few classes in
+    flight each, so the results are never all held at once) or, without a pool, here."""
+    if pool is None:
+        for name in classes:
+            yield _class_columns(src, name)
+        return
+    ex = pool[0]
+    pending = iter(classes)
+    running: list[Any] = []
+    try:
+        while True:
+            for name in pending:
+                running.append(ex.submit(_class_columns, src, name))
+                if len(running) >= _SCAN_DEPTH * workers:
+                    break
+            if not running:
+                return
+            yield running.pop(0).result()
+    finally:
+        for fut in running:
+            fut.cancel()
+
+
+def _scan(src: str, pool: Any = None, workers: int = 1) -> _Scan:
+    """Walk SRC (the class folders in the pool's workers when ``pool`` is given) into the candidates' columns."""
     import numpy as np
     from array import array
 
@@ -107,26 +155,23 @@ def _scan(src: str) -> _Scan:
     # column by column.
     blob, ends = bytearray(), array("q")
     labels, sizes, mtimes, devs, inos, via = array("i"), array("q"), array("q"), array("Q"), array("Q"), bytearray()
-    for label, name in enumerate(classes):
-        found: list[_Found] = []
-        _walk_class(src, os.path.join(src, name), found, ignored, rejected)
-        if not found:
+    for label, (cols, class_ignored, class_rejected) in enumerate(_walked(src, classes, pool, workers)):
+        ignored += class_ignored
+        rejected += class_rejected
+        names, lengths, size, mtime, dev, ino, link = cols
+        if not lengths:
             continue
-        found.sort(key=lambda f: f.raw)
-        raw, size, mtime, dev, ino, link = zip(*found)
-        del found
-        names = [os.fsencode(r) for r in raw]
-        cum = itertools.accumulate(map(len, names), initial=len(blob))
+        cum = itertools.accumulate(lengths, initial=len(blob))
         next(cum)  # the initial value: the previous end
         ends.extend(cum)
-        blob += b"".join(names)
-        labels.extend([label] * len(raw))
+        blob += names
+        labels.extend(array("i", [label]) * len(lengths))
         sizes.extend(size)
         mtimes.extend(mtime)
         devs.extend(dev)
         inos.extend(ino)
         via.extend(link)
-        del raw, size, mtime, dev, ino, link, names
+        del cols, names, lengths, size, mtime, dev, ino, link
     paths = _Strings(bytes(blob), np.concatenate(([0], np.frombuffer(ends, np.int64))).astype(np.int64))
     del blob, ends
     lab = np.frombuffer(labels, np.int32).copy()

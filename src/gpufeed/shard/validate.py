@@ -1,10 +1,10 @@
 """Phase 2, validate: every candidate file checked (``--check header``/``full``), in batches on the workers.
 
-Worker side: ``_inspect`` reads one file once, checks it (``_plain_jpeg_size`` for plain JPEG headers, Pillow
-for everything else), picks its storage action and transcodes it when the action says so (``_encode``);
+Worker side: ``_inspect`` reads one file once, checks it (``_inspect_bytes``, which the one pass also uses: ``_plain_jpeg_size`` for plain JPEG headers,
+Pillow for everything else), picks its storage action and transcodes it when the action says so (``_encode``);
 ``_validate_chunk`` runs a batch and writes its transcoded bytes to one cache file (``enc-*.bin``);
 ``_batch_columns`` returns the batch as numpy columns (``_COLUMNS``). Main side: ``_validate`` feeds the batches
-in the seeded shard order and gathers them into ``_Results``. The rules (stored formats, colour modes,
+in the seeded shard order and gathers them into ``_Results`` (skipping whole batches a stopped one pass checked). The rules (stored formats, colour modes,
 orientation) are in the package docstring, "Stored bytes, colour modes and orientation"."""
 
 from __future__ import annotations
@@ -238,12 +238,17 @@ def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
 
     ``ident`` is the opened file's identity (size, mtime_ns, inode, device) after reading it: the writer checks
     the source it copies against it instead of hashing the bytes a second time."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         data, st = _read_whole(path)
     except OSError as exc:
         return _reject(f"unreadable ({exc.strerror or exc})")
+    return _inspect_bytes(data, st, opts)
+
+
+def _inspect_bytes(data: bytes, st: os.stat_result, opts: dict[str, Any]) -> _Checked:
+    """``_inspect`` of a file's bytes ``data`` and its ``os.fstat`` ``st`` once they were read."""
+    from PIL import Image, UnidentifiedImageError
+
     if not data:
         return _reject("empty file (0 bytes)")
     ident = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
@@ -382,16 +387,24 @@ and results are never all held at once."""
 
 
 def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any, bar: _Bar,
-              order: Any, workers: int = 1) -> _Results:
+              order: Any, workers: int = 1, results: _Results | None = None, checked: Any = None) -> _Results:
     """Validate the candidates in the seeded shard order (so each transcode cache file feeds one or a few
-    consecutive shards and can be deleted once they are written); results in candidate order."""
+    consecutive shards and can be deleted once they are written); results in candidate order. ``results`` and
+    ``checked`` (a mask of candidates): what a stopped one pass validated already; a batch whose files are all
+    checked is skipped (the batches, and so the cache files' numbers, stay those of a whole validation)."""
     n = len(order)
-    results = _Results(n)
+    if results is None:
+        results = _Results(n)
     bar.start("validate", n)
     # Header checks of pass-through files take microseconds a file: bigger batches amortise the IPC.
     cheap = opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None
     chunk = _HEADER_CHUNK if cheap else _CHUNK
-    starts = iter(enumerate(range(0, n, chunk)))
+    batches = list(enumerate(range(0, n, chunk)))
+    if checked is not None:
+        left = [(j, i) for j, i in batches if not checked[order[i:i + chunk]].all()]
+        bar.update(n - sum(len(order[i:i + chunk]) for _, i in left))
+        batches = left
+    starts = iter(batches)
     base = os.path.join(src, "")  # + a relative path: os.path.join's result, without its cost per file
 
     def batch(i: int) -> tuple[Any, list[str]]:

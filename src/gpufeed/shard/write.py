@@ -4,7 +4,8 @@ docstring).
 Records: ``_samples_of`` builds a shard's ``_Sample`` records from its plan columns (``_Plan.part``). Write tasks
 (in the workers): ``_write_range`` writes a run of samples at their offsets (one ``pwrite`` of the members, image
 bytes over ``_INLINE_BYTES`` by ``sendfile``), after checking each pass-through source against its validated
-identity; ``_write_shard`` writes and hashes a whole shard. Main side: ``_ShardJob`` lays a shard out and hashes
+identity; ``_write_shard`` writes and hashes a whole shard; ``_check_and_write_shard`` is the one pass's task
+(validates and writes a whole shard from one read of each source; the package docstring, "One pass"). Main side: ``_ShardJob`` lays a shard out and hashes
 it in order as its ranges complete; ``_write_all`` gives each worker whole shards or ranges of one shard.
 ``_finish_shard`` renames a finished shard into place and leaves its ``.done.json`` sidecar, which
 ``_shard_complete`` checks on resume."""
@@ -23,7 +24,7 @@ from gpufeed.errors import RunError
 from gpufeed.shard.dest import STATE_DIR
 from gpufeed.shard.report import _Bar
 from gpufeed.shard.scan import _display
-from gpufeed.shard.validate import _EXTS, _cache_name
+from gpufeed.shard.validate import _EXT, _EXTS, _batch_columns, _cache_name, _inspect_bytes, _read_whole
 from gpufeed.shardset.tar import ustar_header
 
 
@@ -193,9 +194,17 @@ ones are copied by ``sendfile``."""
 _ZEROS = bytes(512)
 
 
-def _member(name: str, payload: bytes) -> bytes:
-    """A small member: header, bytes, zero padding to the next block."""
-    return b"".join((ustar_header(name, len(payload)), payload, _ZEROS[:-len(payload) % 512]))
+def _around_image(key: str, ext: str, img_len: int, cls_b: bytes, json_b: bytes) -> tuple[bytes, bytes]:
+    """A sample's members in name order, split around its image bytes -> (what precedes them: the ``cls``
+    member, the ``json`` member when the image sorts after it, the image's header; what follows the image's
+    padding: the ``json`` member when the image sorts before it, else nothing). "cls" sorts before every image
+    extension."""
+    cls_m = (ustar_header(f"{key}.cls", len(cls_b)), cls_b, _ZEROS[:-len(cls_b) % 512])
+    json_m = (ustar_header(f"{key}.json", len(json_b)), json_b, _ZEROS[:-len(json_b) % 512])
+    header = ustar_header(f"{key}.{ext}", img_len)
+    if ext < "json":
+        return b"".join((*cls_m, header)), b"".join(json_m)
+    return b"".join((*cls_m, *json_m, header)), b""
 
 
 def _write_range(tmp: str, items: list[_Item]) -> None:
@@ -211,15 +220,9 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
             if it.offset != pos:
                 _pwrite_all(fd, b"".join(buf), start)
                 buf, start = [], it.offset
-            cls_m = _member(f"{it.key}.cls", it.cls_b)
-            json_m = _member(f"{it.key}.json", it.json_b)
-            # Members in name order: "cls" sorts before every image extension; the image before or after "json".
-            img_first = it.ext < "json"
-            buf.append(cls_m)
-            if not img_first:
-                buf.append(json_m)
-            buf.append(ustar_header(f"{it.key}.{it.ext}", it.img_len))
-            pos = it.offset + len(cls_m) + (0 if img_first else len(json_m)) + 512
+            head, tail = _around_image(it.key, it.ext, it.img_len, it.cls_b, it.json_b)
+            buf.append(head)
+            pos = it.offset + len(head)
             if it.cache is None and it.img_len > _INLINE_BYTES:
                 assert it.ident is not None
                 _pwrite_all(fd, b"".join(buf), start)
@@ -238,9 +241,9 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
                 buf.append(data)
                 buf.append(_ZEROS[:-len(data) % 512])
             pos += _padded(it.img_len)
-            if img_first:
-                buf.append(json_m)
-                pos += len(json_m)
+            if tail:
+                buf.append(tail)
+                pos += len(tail)
         if buf:
             _pwrite_all(fd, b"".join(buf), start)
     finally:
@@ -258,6 +261,88 @@ def _write_shard(dest: str, src: str, name: str, part: dict[str, Any]) -> tuple[
     except BaseException:
         job.abort()
         raise
+
+
+_STOP_EVERY = 256
+"""The one pass looks for the stop file every this many files."""
+
+
+class _OnePassShard(NamedTuple):
+    """What ``_check_and_write_shard`` did: ``complete``, the shard is written (``size``, ``sha256``); else it
+    stopped, its temporary file deleted. Either way ``columns`` (``_batch_columns``) are the validation results
+    of the first ``checked`` files, every one accepted as a pass-through."""
+
+    complete: bool
+    checked: int
+    nbytes: int
+    columns: dict[str, Any]
+    size: int = 0
+    sha256: str = ""
+
+
+def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
+                           opts: dict[str, Any]) -> _OnePassShard:
+    """The one pass (``--check header``, nothing to transcode): validate and write one whole shard whose plan
+    assumed every file is accepted and passes through unchanged. Each source is read once: its header is
+    checked from those bytes (``_inspect_bytes``, as the validation pass does), and the same bytes are written
+    and hashed in order as the shard grows. Stops, deleting the temporary file, at the first file that is
+    unreadable, rejected, needs a transcode or changed size since the scan (the plan was wrong; the validation
+    pass checks it again and reports it), or once the file ``part["stop"]`` exists (another shard stopped).
+    ``part``: the shard's files in order, as ``paths`` (relative to SRC), ``n`` and ``label`` (their keys), ``bytes`` (their sizes at the
+    scan, which the plan records: a file of another size stops the pass too; the write after the validation pass
+    refuses it as changed), and ``classes``."""
+    tmp = os.path.join(dest, f".{name}.tmp")
+    base = os.path.join(src, "")
+    classes = part["classes"]
+    checked = []
+    h = hashlib.sha256()
+    pos = nbytes = 0
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    ok = False
+    try:
+        buf: list[bytes] = []
+        held = 0
+        cls_b = [str(label).encode("ascii") for label in range(len(classes))]
+        stop = part["stop"]
+        for k, (raw, n, label, scanned) in enumerate(zip(part["paths"], part["n"], part["label"], part["bytes"])):
+            if k % _STOP_EVERY == 0 and k and os.path.exists(stop):
+                return _OnePassShard(False, k, nbytes, _batch_columns(checked))
+            try:
+                data, st = _read_whole(base + raw)
+            except OSError:
+                return _OnePassShard(False, k, nbytes, _batch_columns(checked))
+            r = _inspect_bytes(data, st, opts)
+            size = len(data)
+            if not r.ok or r.what != "copy" or size != scanned:
+                return _OnePassShard(False, k, nbytes, _batch_columns(checked))
+            checked.append(r)
+            s = _Sample(f"{label:05d}_{n:07d}", "", label, classes[label], _display(raw), r.orientation,
+                        _EXT[r.fmt], r.width, r.height, r.width, r.height, r.sha256.hex(), size, None, None, 0)
+            head, tail = _around_image(s.key, s.ext, size, cls_b[label], _sample_json(s))
+            pad = _ZEROS[:-size % 512]
+            buf += (head, data, pad, tail)
+            held += len(head) + size + len(pad) + len(tail)
+            nbytes += size
+            if held >= _RANGE_BYTES:
+                pos = _write_hashed(fd, h, buf, pos)
+                buf, held = [], 0
+        end = pos + held + 1024
+        buf.append(bytes(1024 + (-end % tarfile.RECORDSIZE)))  # end-of-archive, padded like tarfile
+        pos = _write_hashed(fd, h, buf, pos)
+        ok = True
+        return _OnePassShard(True, len(checked), nbytes, _batch_columns(checked), pos, h.hexdigest())
+    finally:
+        os.close(fd)
+        if not ok:
+            os.unlink(tmp)
+
+
+def _write_hashed(fd: int, h: Any, parts: list[bytes], pos: int) -> int:
+    """Write ``parts`` at ``pos`` and feed them to the hash ``h`` -> the position after them."""
+    data = b"".join(parts)
+    h.update(data)
+    _pwrite_all(fd, data, pos)
+    return pos + len(data)
 
 
 # --------------------------------------------------------------------------- main side

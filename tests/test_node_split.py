@@ -177,3 +177,23 @@ def test_shard_split_is_a_validated_loader_knob(tmp_path):
     path.write_text('[loader]\nshard_split = "nodes"\n')
     with pytest.raises(ConfigError, match="shard_split"):
         load_config(path)
+
+
+def test_world_from_env_without_group_rank_takes_the_node_from_the_rank(monkeypatch):
+    """A launcher that sets RANK/LOCAL_WORLD_SIZE but not torchrun's GROUP_RANK: rank 3 of 2 nodes x 2 ranks is on
+    node 1, not node 0 (node 0 for every rank would make both nodes read node 0's shards under the node split)."""
+    from gpufeed.errors import ConfigError
+
+    for k in ("GROUP_RANK", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    w = World.from_env("cpu")
+    assert (w.node_rank, w.num_nodes, w.local_rank) == (1, 2, 1)
+    monkeypatch.setenv("GROUP_RANK", "0x1")
+    with pytest.raises(ConfigError, match="GROUP_RANK"):
+        World.from_env("cpu")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "-2")
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
+        World.from_env("cpu")

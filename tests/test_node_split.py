@@ -197,3 +197,40 @@ def test_world_from_env_without_group_rank_takes_the_node_from_the_rank(monkeypa
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "-2")
     with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
         World.from_env("cpu")
+
+
+def test_storage_probe_and_tune_read_a_node_staged_set_as_its_node(tmp_path):
+    """A set staged for node 1 of 2 holds shards 1 and 3 only: the storage probe (tune's and train --measure's, and
+    gpufeed io) reads those, not the absent shard 0, and tune measures it as node 1's ranks read it in training."""
+    from gpufeed.storage import probe, resolve_location
+    from gpufeed.tune import check_shard_set, measure_node, staged_world
+    from tests.conftest import invoke
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    dest = tmp_path / "n1"
+    invoke(["stage", str(shards), str(dest), "--num-nodes", "2", "--node-rank", "1", "--quiet"])
+    loc = resolve_location(dest, 100)
+    assert sorted(Path(f).name for f, _ in loc.files) == ["train-000001.tar", "train-000003.tar"]
+    assert probe(dest, 0.2).bytes_per_s > 0
+    base = cfg(batch_size=2, shard_split="node")
+    world = staged_world(World.single(), str(dest), base)
+    assert (world.node_rank, world.num_nodes, world.world_size, world.local_world_size) == (1, 2, 2, 1)
+    assert check_shard_set(str(dest), base, world) == 24
+    rec = measure_node(dest, base, world, warmup_batches=1, window_s=None, window_batches=2, repeats=1)
+    assert rec.error is None and rec.samples_per_s > 0
+    assert staged_world(World.single(), str(shards), base) == World.single()  # a whole set: one node
+
+
+def test_tune_checks_several_ranks_of_one_node_under_the_node_split(tmp_path):
+    """tune --nproc-per-node 2 with shard_split = "node": the check builds rank 0 of the node's 2 ranks, not a
+    2-rank world with 1 rank on its only node (refused: "needs the same number of ranks on every node")."""
+    from gpufeed.tune import check_shard_set, rank_world
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    node = World(world_size=2, local_world_size=2)
+    assert check_shard_set(str(shards), cfg(batch_size=2, shard_split="node"), node) == 24
+    r1 = rank_world(node, 1)
+    assert (r1.rank, r1.local_rank, r1.local_world_size, r1.node_rank, r1.num_nodes) == (1, 1, 2, 0, 1)
+    staged = World(rank=2, world_size=4, local_world_size=2, node_rank=1, num_nodes=2)
+    r1 = rank_world(staged, 1)
+    assert (r1.rank, r1.local_rank, r1.local_world_size, r1.node_rank, r1.num_nodes) == (3, 1, 2, 1, 2)

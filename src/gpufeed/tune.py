@@ -1019,7 +1019,7 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     s = Search(cfg, shards, base, world, measure, window_s=window_s, ram_budget=ram_budget, usable=usable,
                ceiling=ceiling, progress=progress)
     s.storage_bytes_per_s = storage.bytes_per_s if storage else None
-    if s.remote:
+    if s.remote and check_shards is not None:  # without the shard-set check (injected measures) nothing is fetched
         from gpufeed.shardset.source import open_set
 
         s.mean_sample_bytes = open_set(shards, cfg.manifest).manifest.mean_sample_bytes or None

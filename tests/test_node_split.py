@@ -234,3 +234,17 @@ def test_tune_checks_several_ranks_of_one_node_under_the_node_split(tmp_path):
     staged = World(rank=2, world_size=4, local_world_size=2, node_rank=1, num_nodes=2)
     r1 = rank_world(staged, 1)
     assert (r1.rank, r1.local_rank, r1.local_world_size, r1.node_rank, r1.num_nodes) == (3, 1, 2, 1, 2)
+
+
+def test_launch_check_under_the_node_split_takes_a_brace_pattern_as_the_loader_does(tmp_path):
+    """A local brace pattern with its manifest.json next to the shards: the loader opens it, so the launcher's
+    check under shard_split = "node" must too (it read the pattern as a folder: "shard folder ... does not exist")."""
+    from gpufeed.config import TrainConfig
+    from gpufeed.launch import check_data
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    pattern = str(shards / "train-{000000..000003}.tar")
+    train_cfg = TrainConfig(mode="loader-only", shards=pattern, nproc_per_node=1)
+    check_data(train_cfg, cfg(batch_size=2, shard_split="node"), world_size=2)
+    with pytest.raises(DataError, match="not enough for one batch"):
+        check_data(train_cfg, cfg(batch_size=12, shard_split="node"), world_size=2)  # node 1: 11

@@ -248,3 +248,17 @@ def test_launch_check_under_the_node_split_takes_a_brace_pattern_as_the_loader_d
     check_data(train_cfg, cfg(batch_size=2, shard_split="node"), world_size=2)
     with pytest.raises(DataError, match="not enough for one batch"):
         check_data(train_cfg, cfg(batch_size=12, shard_split="node"), world_size=2)  # node 1: 11
+
+
+def test_a_resume_that_changes_the_shard_split_says_the_order_differs():
+    """global -> node reads other shards in another order from the resume point on: the resume notes it as it notes
+    a changed seed or batch size."""
+    from gpufeed.checkpoint import Checkpointer
+    from gpufeed.config import LoaderConfig, TrainConfig
+
+    notes: list[str] = []
+    ck = Checkpointer(TrainConfig(), LoaderConfig(shard_split="node"), World(), model=None, optimizer=None,
+                      scaler=None, num_classes=2, total_steps=10, gather=None, notes=notes)
+    ck._note_changes({"total_steps": 10, "loader_config": {**vars(LoaderConfig()), "shard_split": "global"}})
+    assert notes == ["resume: [loader] shard_split changed since the checkpoint: the rest of the epoch reads another "
+                     "sample order than an uninterrupted run"]

@@ -1115,7 +1115,8 @@ def climb_streams(s: Search) -> list[Decision]:
     sat idle), climb ``remote_streams`` up :data:`STREAMS_LADDER` at the chosen worker count
     with the worker climb's rules: stop when a count gains less than min_gain over the best one below it, or when
     the budget is spent or a count exceeds the RAM budget (another failed count is passed over). The best count of
-    the climb becomes the search point (the starting count stays when the climb did not beat it by min_gain). A
+    the climb becomes the search point (on a tie, the fewest streams); the starting count stays only when it beat
+    the climb's best by min_gain. A
     local set or a CPU/copy-bound point skips the phase, with the reason in ``skipped``."""
     ref = s.point_rec
     if ref is None:

@@ -525,8 +525,9 @@ class StageConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
-        if self.node_rank is not None and self.node_rank >= (self.num_nodes or 1):
-            raise ConfigError(f"node_rank ({self.node_rank}) must be below num_nodes ({self.num_nodes or 1})")
+        # only when both are given: a missing num_nodes comes from the launcher's environment (stage.node_of checks)
+        if self.node_rank is not None and self.num_nodes is not None and self.node_rank >= self.num_nodes:
+            raise ConfigError(f"node_rank ({self.node_rank}) must be below num_nodes ({self.num_nodes})")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -255,3 +255,16 @@ def test_a_record_whose_rate_per_core_is_not_finite_is_refused(tmp_path: Path) -
                              "best_trial": 0}))
     with pytest.raises(DataError, match="samples/s per core .* is not a positive rate"):
         loader_rates(str(p))
+
+
+def test_a_cuda_index_beyond_the_devices_is_refused_before_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cuda:3 on a machine with one GPU: one sentence, exit 2 (torch would raise "invalid device ordinal"
+    deep in the first step, an 'unexpected' exit 1)."""
+    import torch
+
+    from gpufeed.plan import plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(DataError, match=r"device cuda:3 asked for, but torch sees 1 CUDA device\(s\)"):
+        plan(PlanConfig(arch="resnet18", device="cuda:3"))

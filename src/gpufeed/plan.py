@@ -445,6 +445,9 @@ def plan(cfg: PlanConfig) -> PlanReport:
     device = torch.device(want)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise DataError(f"device {cfg.device} asked for, but torch sees {torch.cuda.device_count()} CUDA device(s) "
+                        f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
     amp, amp_note = resolve_amp(cfg.amp, device)
     notes = [amp_note] if amp_note else []
     gpus = cfg.gpus or (torch.cuda.device_count() if torch.cuda.is_available() else 1) or 1

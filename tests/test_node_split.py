@@ -262,3 +262,20 @@ def test_a_resume_that_changes_the_shard_split_says_the_order_differs():
     ck._note_changes({"total_steps": 10, "loader_config": {**vars(LoaderConfig()), "shard_split": "global"}})
     assert notes == ["resume: [loader] shard_split changed since the checkpoint: the rest of the epoch reads another "
                      "sample order than an uninterrupted run"]
+
+
+@pytest.mark.timeout(120)
+def test_tune_measures_two_ranks_of_a_node_staged_set_at_once(tmp_path):
+    """--nproc-per-node 2 on a set staged for node 1 of 2: the rank processes are global ranks 2 and 3, and each
+    reports under its local rank (keyed by global rank, the trial failed with "KeyError: 0")."""
+    from gpufeed.tune import measure_node, staged_world
+    from tests.conftest import invoke
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    dest = tmp_path / "n1"
+    invoke(["stage", str(shards), str(dest), "--num-nodes", "2", "--node-rank", "1", "--quiet"])
+    base = cfg(batch_size=2, shard_split="node")
+    world = staged_world(World(world_size=2, local_world_size=2), str(dest), base)
+    assert (world.world_size, world.local_world_size, world.node_rank) == (4, 2, 1)
+    rec = measure_node(dest, base, world, warmup_batches=1, window_s=0.2, repeats=1)
+    assert rec.error is None and rec.ranks == 2 and len(rec.rank_samples_per_s) == 2

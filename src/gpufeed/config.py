@@ -583,8 +583,9 @@ class PlanConfig:
         if self.check_batch == 1:
             raise ConfigError("check_batch must be 0 (no check) or at least 2 (BatchNorm trains on 2 samples or more)")
         if self.measure_batches is not None and self.check_batch in self.measure_batches:
-            raise ConfigError(f"check_batch {self.check_batch} is one of measure_batches {_show(self.measure_batches)}: "
-                              f"the check must measure a third batch size, or its error says nothing")
+            raise ConfigError(f"check_batch {self.check_batch} is one of measure_batches "
+                              f"{_show(self.measure_batches)}: the check must measure a third batch size, or its "
+                              f"error says nothing")
         if self.target_rate is not None and self.record is None:
             raise ConfigError("target_rate needs record (a gpufeed tune or train summary.json that measured the "
                               "loader's samples/s per core)")

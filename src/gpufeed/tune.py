@@ -549,7 +549,7 @@ def measure_ranks(shards: str | Path, cfg: LoaderConfig, world: World, *, warmup
 
 def _rank_main(shards: str, cfg: LoaderConfig, world: World, kw: dict[str, Any], barrier: Any, results: Any,
                wait_s: float, parent_pid: int) -> None:
-    """One rank process of :func:`measure_ranks`: measure this rank's loader and put ``(rank, record fields)`` on
+    """One rank process of :func:`measure_ranks`: measure this rank's loader and put ``(local rank, record fields)`` on
     ``results``. A rank that fails before the barrier breaks it, so that the others stop waiting."""
     import threading
 
@@ -572,7 +572,7 @@ def _rank_main(shards: str, cfg: LoaderConfig, world: World, kw: dict[str, Any],
         rec = trial_record(cfg, error=error_sentence(exc))
     if not passed.is_set():
         barrier.abort()
-    results.put((world.rank, dataclasses.asdict(rec)))
+    results.put((world.local_rank, dataclasses.asdict(rec)))  # measure_ranks counts the node's ranks
 
 
 _BARRIER_BROKEN = "BrokenBarrierError"

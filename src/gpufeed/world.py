@@ -79,8 +79,8 @@ def _env_int(name: str, default: int) -> int:
         return default
     text = raw.strip()
     if not (text.isascii() and text.isdigit() and len(text) <= 9):
-        raise ConfigError(f"environment variable {name}={raw[:40]!r} is not a non-negative integer (set by the launcher: "
-                          f"torchrun or your job script)")
+        raise ConfigError(f"environment variable {name}={raw[:40]!r} is not a non-negative integer (set by the "
+                          f"launcher: torchrun or your job script)")
     return int(text)
 
 

@@ -4,8 +4,10 @@ ranks; every rank of every node yields the same number of batches."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -279,3 +281,36 @@ def test_tune_measures_two_ranks_of_a_node_staged_set_at_once(tmp_path):
     assert (world.world_size, world.local_world_size, world.node_rank) == (4, 2, 1)
     rec = measure_node(dest, base, world, warmup_batches=1, window_s=0.2, repeats=1)
     assert rec.error is None and rec.ranks == 2 and len(rec.rank_samples_per_s) == 2
+
+
+def test_the_stage_fix_of_a_node_split_run_stages_each_nodes_share(tmp_path):
+    """A storage-bound run under shard_split = "node" on 2 nodes: each node reads only its shards, so the fix is
+    ``gpufeed stage ... --num-nodes 2`` sized by the largest node's share, not the whole set."""
+    from gpufeed.config import LoaderConfig, TrainConfig
+    from gpufeed.storage import StorageRate
+    from gpufeed.manifest import read_manifest
+    from gpufeed.train import verdict_inputs
+    from gpufeed.train_records import aggregate
+    from gpufeed.verdict import classify
+    from tests.test_storage_verdict import _timing
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    sizes = [p.stat().st_size for p in sorted(shards.glob("*.tar"))]
+    train_cfg = TrainConfig(shards=str(shards), arch="resnet18", amp="off", progress=False, device="cpu", threads=1,
+                            mode="measure")
+    loader = LoaderConfig(batch_size=2, num_workers=0, image_size=32, decode="pil", pin_memory=False,
+                          shard_split="node")
+    # the Trainer's fields verdict_inputs reads (a real 2-rank Trainer needs a process group)
+    trainer = SimpleNamespace(cfg=train_cfg, loader_cfg=loader, world=node_world(0, 2), num_nodes=2, cuda=False,
+                              manifest=read_manifest(shards))
+    modes = {"synthetic": aggregate("synthetic", [_timing(0, 0.0)]),
+             "loader-only": aggregate("loader-only", [_timing(1000, 0.0)]),
+             "real": aggregate("real", [_timing(1000, 0.5)])}
+    vin = verdict_inputs(modes, trainer, StorageRate(bytes_per_s=1.0, source="--storage-rate"))
+    assert vin.stage_nodes == 2 and vin.set_bytes == max(sizes[0] + sizes[2], sizes[1] + sizes[3])
+    v = classify(dataclasses.replace(vin, shm_free_bytes=1 << 40))
+    assert v.bound == "storage", v
+    [fix] = [f for f in v.fixes if f.startswith("stage")]
+    assert fix.startswith(f"stage the set to /dev/shm with gpufeed stage {shards} /dev/shm/set --num-nodes 2 "
+                                 f"--node-rank NODE (fits: ")
+    assert "(the largest node's share) of" in fix

@@ -314,3 +314,17 @@ def test_the_stage_fix_of_a_node_split_run_stages_each_nodes_share(tmp_path):
     assert fix.startswith(f"stage the set to /dev/shm with gpufeed stage {shards} /dev/shm/set --num-nodes 2 "
                                  f"--node-rank NODE (fits: ")
     assert "(the largest node's share) of" in fix
+
+
+def test_doctor_sizes_a_node_staged_set_by_the_shards_staged_there(tmp_path):
+    """doctor's "fits in RAM" check on a set staged for node 1 of 2: the bytes of shards 1 and 3, not the whole set
+    the manifest lists."""
+    from gpufeed import doctor
+    from tests.conftest import invoke
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    sizes = [p.stat().st_size for p in sorted(shards.glob("*.tar"))]
+    dest = tmp_path / "n1"
+    invoke(["stage", str(shards), str(dest), "--num-nodes", "2", "--node-rank", "1", "--quiet"])
+    assert doctor._path_facts(str(dest), []).set_bytes == sizes[1] + sizes[3]
+    assert doctor._path_facts(str(shards), []).set_bytes == sum(sizes)

@@ -4,8 +4,10 @@ ranks; every rank of every node yields the same number of batches."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -177,3 +179,152 @@ def test_shard_split_is_a_validated_loader_knob(tmp_path):
     path.write_text('[loader]\nshard_split = "nodes"\n')
     with pytest.raises(ConfigError, match="shard_split"):
         load_config(path)
+
+
+def test_world_from_env_without_group_rank_takes_the_node_from_the_rank(monkeypatch):
+    """A launcher that sets RANK/LOCAL_WORLD_SIZE but not torchrun's GROUP_RANK: rank 3 of 2 nodes x 2 ranks is on
+    node 1, not node 0 (node 0 for every rank would make both nodes read node 0's shards under the node split)."""
+    from gpufeed.errors import ConfigError
+
+    for k in ("GROUP_RANK", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    w = World.from_env("cpu")
+    assert (w.node_rank, w.num_nodes, w.local_rank) == (1, 2, 1)
+    monkeypatch.setenv("GROUP_RANK", "0x1")
+    with pytest.raises(ConfigError, match="GROUP_RANK"):
+        World.from_env("cpu")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "-2")
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
+        World.from_env("cpu")
+
+
+def test_storage_probe_and_tune_read_a_node_staged_set_as_its_node(tmp_path):
+    """A set staged for node 1 of 2 holds shards 1 and 3 only: the storage probe (tune's and train --measure's, and
+    gpufeed io) reads those, not the absent shard 0, and tune measures it as node 1's ranks read it in training."""
+    from gpufeed.storage import probe, resolve_location
+    from gpufeed.tune import check_shard_set, measure_node, staged_world
+    from tests.conftest import invoke
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    dest = tmp_path / "n1"
+    invoke(["stage", str(shards), str(dest), "--num-nodes", "2", "--node-rank", "1", "--quiet"])
+    loc = resolve_location(dest, 100)
+    assert sorted(Path(f).name for f, _ in loc.files) == ["train-000001.tar", "train-000003.tar"]
+    assert probe(dest, 0.2).bytes_per_s > 0
+    base = cfg(batch_size=2, shard_split="node")
+    world = staged_world(World.single(), str(dest), base)
+    assert (world.node_rank, world.num_nodes, world.world_size, world.local_world_size) == (1, 2, 2, 1)
+    assert check_shard_set(str(dest), base, world) == 24
+    rec = measure_node(dest, base, world, warmup_batches=1, window_s=None, window_batches=2, repeats=1)
+    assert rec.error is None and rec.samples_per_s > 0
+    assert staged_world(World.single(), str(shards), base) == World.single()  # a whole set: one node
+
+
+def test_tune_checks_several_ranks_of_one_node_under_the_node_split(tmp_path):
+    """tune --nproc-per-node 2 with shard_split = "node": the check builds rank 0 of the node's 2 ranks, not a
+    2-rank world with 1 rank on its only node (refused: "needs the same number of ranks on every node")."""
+    from gpufeed.tune import check_shard_set, rank_world
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    node = World(world_size=2, local_world_size=2)
+    assert check_shard_set(str(shards), cfg(batch_size=2, shard_split="node"), node) == 24
+    r1 = rank_world(node, 1)
+    assert (r1.rank, r1.local_rank, r1.local_world_size, r1.node_rank, r1.num_nodes) == (1, 1, 2, 0, 1)
+    staged = World(rank=2, world_size=4, local_world_size=2, node_rank=1, num_nodes=2)
+    r1 = rank_world(staged, 1)
+    assert (r1.rank, r1.local_rank, r1.local_world_size, r1.node_rank, r1.num_nodes) == (3, 1, 2, 1, 2)
+
+
+def test_launch_check_under_the_node_split_takes_a_brace_pattern_as_the_loader_does(tmp_path):
+    """A local brace pattern with its manifest.json next to the shards: the loader opens it, so the launcher's
+    check under shard_split = "node" must too (it read the pattern as a folder: "shard folder ... does not exist")."""
+    from gpufeed.config import TrainConfig
+    from gpufeed.launch import check_data
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    pattern = str(shards / "train-{000000..000003}.tar")
+    train_cfg = TrainConfig(mode="loader-only", shards=pattern, nproc_per_node=1)
+    check_data(train_cfg, cfg(batch_size=2, shard_split="node"), world_size=2)
+    with pytest.raises(DataError, match="not enough for one batch"):
+        check_data(train_cfg, cfg(batch_size=12, shard_split="node"), world_size=2)  # node 1: 11
+
+
+def test_a_resume_that_changes_the_shard_split_says_the_order_differs():
+    """global -> node reads other shards in another order from the resume point on: the resume notes it as it notes
+    a changed seed or batch size."""
+    from gpufeed.checkpoint import Checkpointer
+    from gpufeed.config import LoaderConfig, TrainConfig
+
+    notes: list[str] = []
+    ck = Checkpointer(TrainConfig(), LoaderConfig(shard_split="node"), World(), model=None, optimizer=None,
+                      scaler=None, num_classes=2, total_steps=10, gather=None, notes=notes)
+    ck._note_changes({"total_steps": 10, "loader_config": {**vars(LoaderConfig()), "shard_split": "global"}})
+    assert notes == ["resume: [loader] shard_split changed since the checkpoint: the rest of the epoch reads another "
+                     "sample order than an uninterrupted run"]
+
+
+@pytest.mark.timeout(120)
+def test_tune_measures_two_ranks_of_a_node_staged_set_at_once(tmp_path):
+    """--nproc-per-node 2 on a set staged for node 1 of 2: the rank processes are global ranks 2 and 3, and each
+    reports under its local rank (keyed by global rank, the trial failed with "KeyError: 0")."""
+    from gpufeed.tune import measure_node, staged_world
+    from tests.conftest import invoke
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    dest = tmp_path / "n1"
+    invoke(["stage", str(shards), str(dest), "--num-nodes", "2", "--node-rank", "1", "--quiet"])
+    base = cfg(batch_size=2, shard_split="node")
+    world = staged_world(World(world_size=2, local_world_size=2), str(dest), base)
+    assert (world.world_size, world.local_world_size, world.node_rank) == (4, 2, 1)
+    rec = measure_node(dest, base, world, warmup_batches=1, window_s=0.2, repeats=1)
+    assert rec.error is None and rec.ranks == 2 and len(rec.rank_samples_per_s) == 2
+
+
+def test_the_stage_fix_of_a_node_split_run_stages_each_nodes_share(tmp_path):
+    """A storage-bound run under shard_split = "node" on 2 nodes: each node reads only its shards, so the fix is
+    ``gpufeed stage ... --num-nodes 2`` sized by the largest node's share, not the whole set."""
+    from gpufeed.config import LoaderConfig, TrainConfig
+    from gpufeed.storage import StorageRate
+    from gpufeed.manifest import read_manifest
+    from gpufeed.train import verdict_inputs
+    from gpufeed.train_records import aggregate
+    from gpufeed.verdict import classify
+    from tests.test_storage_verdict import _timing
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    sizes = [p.stat().st_size for p in sorted(shards.glob("*.tar"))]
+    train_cfg = TrainConfig(shards=str(shards), arch="resnet18", amp="off", progress=False, device="cpu", threads=1,
+                            mode="measure")
+    loader = LoaderConfig(batch_size=2, num_workers=0, image_size=32, decode="pil", pin_memory=False,
+                          shard_split="node")
+    # the Trainer's fields verdict_inputs reads (a real 2-rank Trainer needs a process group)
+    trainer = SimpleNamespace(cfg=train_cfg, loader_cfg=loader, world=node_world(0, 2), num_nodes=2, cuda=False,
+                              manifest=read_manifest(shards))
+    modes = {"synthetic": aggregate("synthetic", [_timing(0, 0.0)]),
+             "loader-only": aggregate("loader-only", [_timing(1000, 0.0)]),
+             "real": aggregate("real", [_timing(1000, 0.5)])}
+    vin = verdict_inputs(modes, trainer, StorageRate(bytes_per_s=1.0, source="--storage-rate"))
+    assert vin.stage_nodes == 2 and vin.set_bytes == max(sizes[0] + sizes[2], sizes[1] + sizes[3])
+    v = classify(dataclasses.replace(vin, shm_free_bytes=1 << 40))
+    assert v.bound == "storage", v
+    [fix] = [f for f in v.fixes if f.startswith("stage")]
+    assert fix.startswith(f"stage the set to /dev/shm with gpufeed stage {shards} /dev/shm/set --num-nodes 2 "
+                                 f"--node-rank NODE (fits: ")
+    assert "(the largest node's share) of" in fix
+
+
+def test_doctor_sizes_a_node_staged_set_by_the_shards_staged_there(tmp_path):
+    """doctor's "fits in RAM" check on a set staged for node 1 of 2: the bytes of shards 1 and 3, not the whole set
+    the manifest lists."""
+    from gpufeed import doctor
+    from tests.conftest import invoke
+
+    shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
+    sizes = [p.stat().st_size for p in sorted(shards.glob("*.tar"))]
+    dest = tmp_path / "n1"
+    invoke(["stage", str(shards), str(dest), "--num-nodes", "2", "--node-rank", "1", "--quiet"])
+    assert doctor._path_facts(str(dest), []).set_bytes == sizes[1] + sizes[3]
+    assert doctor._path_facts(str(shards), []).set_bytes == sum(sizes)

@@ -201,6 +201,7 @@ def test_cli_batch_that_does_not_fit_exits_1(tmp_path: Path) -> None:
     (["--measure-batches", "8", "4"], "measure_batches must be two batch sizes, smaller first"),
     (["--measure-batches", "1", "4"], "within 2..65536 (BatchNorm trains on 2 samples or more)"),
     (["--check-batch", "1"], "check_batch must be 0 (no check) or at least 2"),
+    (["--measure-batches", "2", "4", "--check-batch", "4"], "check_batch 4 is one of measure_batches (2, 4)"),
     (["--target-rate", "100"], "target_rate needs record"),
     (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
 ])
@@ -228,3 +229,42 @@ def test_a_plan_section_in_a_config_file(tmp_path: Path) -> None:
     p.write_text("[plan]\nmeasure_batches = [4]\n")
     with pytest.raises(ConfigError, match="measure_batches must be two batch sizes"):
         load_config(p)
+
+
+def test_the_check_is_never_one_of_the_measured_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The line goes through the two measured batches: a check at one of them would print an error near 0% that
+    checks nothing. The derived measure batches are known only after the warm-up step: refused then, exit 2."""
+    from gpufeed import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "default_measure_batches", lambda *a: (2, 4))
+    with pytest.raises(ConfigError, match="check_batch 2 is one of the measured batches 2 and 4"):
+        plan_mod.plan(PlanConfig(arch="resnet18", num_classes=10, batch_size=4, image_size=16, device="cpu",
+                                 check_batch=2))
+
+
+def test_a_record_whose_rate_per_core_is_not_finite_is_refused(tmp_path: Path) -> None:
+    """Each number of the record is within bounds, but 1e12 samples/s on 1e-300 cores is an infinite rate per
+    core: refused in one sentence, not "inf samples/s per core" and Infinity in --json."""
+    from gpufeed.plan import loader_rates
+
+    p = tmp_path / "summary.json"
+    p.write_text(json.dumps({"modes": {"loader-only": {"samples_per_s": 1e12, "loader_cores_used": 1e-300}}}))
+    with pytest.raises(DataError, match="samples/s per core .* is not a positive rate"):
+        loader_rates(str(p))
+    p.write_text(json.dumps({"trials": [{"trial": 0, "samples_per_s": 1e12, "tree_cores_used": 1e-300}],
+                             "best_trial": 0}))
+    with pytest.raises(DataError, match="samples/s per core .* is not a positive rate"):
+        loader_rates(str(p))
+
+
+def test_a_cuda_index_beyond_the_devices_is_refused_before_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cuda:3 on a machine with one GPU: one sentence, exit 2 (torch would raise "invalid device ordinal"
+    deep in the first step, an 'unexpected' exit 1)."""
+    import torch
+
+    from gpufeed.plan import plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(DataError, match=r"device cuda:3 asked for, but torch sees 1 CUDA device\(s\)"):
+        plan(PlanConfig(arch="resnet18", device="cuda:3"))

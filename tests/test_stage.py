@@ -269,3 +269,19 @@ def test_short_space_is_refused_before_copying(tmp_path: Path) -> None:
         assert list((mnt / "dest").glob("*.tar")) == []
     finally:
         subprocess.run(["umount", str(mnt)], timeout=30, check=True)
+
+
+def test_node_rank_alone_takes_the_node_count_from_the_launcher(src: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--node-rank 1 with SLURM's 2 nodes in the environment: node 1 of 2 (the command line wins for the rank, the
+    count comes from the launcher), not "node_rank (1) must be below num_nodes (1)"."""
+    for k in ("GROUP_RANK", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    r = invoke_json(["stage", src, tmp_path / "a", "--node-rank", "1", "--quiet"])
+    assert (r["node_rank"], r["num_nodes"]) == (1, 2)
+    assert sorted(_files(tmp_path / "a")) == ["train-000001.tar", "train-000003.tar"]
+    monkeypatch.delenv("SLURM_JOB_NUM_NODES")  # no node count anywhere: one node, so rank 1 is refused
+    result = invoke(["stage", src, tmp_path / "b", "--node-rank", "1"], expect=2)
+    assert "node rank 1 of 1 node(s)" in result.stderr and not (tmp_path / "b").exists()

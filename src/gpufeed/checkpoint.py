@@ -30,7 +30,8 @@ CHECKPOINT_NAME = "last.pt"
 CHECKPOINT_FORMAT = "gpufeed-train-checkpoint"
 CHECKPOINT_VERSION = 2
 """2: tensors and plain values only (RNG states as tensors), loaded with ``weights_only=True``."""
-LOADER_ORDER_KNOBS = ("seed", "batch_size", "num_workers", "shuffle_buffer", "worker_batching", "image_size")
+LOADER_ORDER_KNOBS = ("seed", "batch_size", "num_workers", "shuffle_buffer", "worker_batching", "image_size",
+                     "shard_split")
 """[loader] fields that decide the sample order: a resume with other values reads another order."""
 
 

@@ -525,8 +525,9 @@ class StageConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
-        if self.node_rank is not None and self.node_rank >= (self.num_nodes or 1):
-            raise ConfigError(f"node_rank ({self.node_rank}) must be below num_nodes ({self.num_nodes or 1})")
+        # only when both are given: a missing num_nodes comes from the launcher's environment (stage.node_of checks)
+        if self.node_rank is not None and self.num_nodes is not None and self.node_rank >= self.num_nodes:
+            raise ConfigError(f"node_rank ({self.node_rank}) must be below num_nodes ({self.num_nodes})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -581,6 +582,10 @@ class PlanConfig:
                                   f"(BatchNorm trains on 2 samples or more), got {_show(mb)}")
         if self.check_batch == 1:
             raise ConfigError("check_batch must be 0 (no check) or at least 2 (BatchNorm trains on 2 samples or more)")
+        if self.measure_batches is not None and self.check_batch in self.measure_batches:
+            raise ConfigError(f"check_batch {self.check_batch} is one of measure_batches "
+                              f"{_show(self.measure_batches)}: the check must measure a third batch size, or its "
+                              f"error says nothing")
         if self.target_rate is not None and self.record is None:
             raise ConfigError("target_rate needs record (a gpufeed tune or train summary.json that measured the "
                               "loader's samples/s per core)")

@@ -78,7 +78,8 @@ class PathFacts:
     """The mounted device (``/dev/nvme0n1p2``, ``server:/export``)."""
     free_bytes: int | None = None
     set_bytes: int | None = None
-    """Total bytes of the shard set from its manifest; None when the path holds no readable manifest."""
+    """Total bytes of the shard set from its manifest (of the shards staged there, for a set staged for one node);
+    None when the path holds no readable manifest."""
     manifest_error: str | None = None
 
 
@@ -232,6 +233,8 @@ def _nvml() -> tuple[str | None, str | None, list[GpuFacts], str | None]:
 def _path_facts(path: str, mounts: list[tuple[str, str, str]]) -> PathFacts:
     from gpufeed.errors import GpufeedError
     from gpufeed.manifest import manifest_path, read_manifest
+    from gpufeed.stage import staged_node
+    from gpufeed.world import node_shards
 
     if not os.path.exists(path):
         return PathFacts(path=path, exists=False)
@@ -245,7 +248,11 @@ def _path_facts(path: str, mounts: list[tuple[str, str, str]]) -> PathFacts:
     set_bytes = error = None
     if manifest_path(path).exists():
         try:
-            set_bytes = read_manifest(path).total_bytes
+            m = read_manifest(path)
+            set_bytes = m.total_bytes
+            staged = staged_node(m, path)
+            if staged is not None:  # staged for one node (gpufeed stage --num-nodes): only its shards are here
+                set_bytes = sum(m.shards[i].bytes for i in node_shards(len(m.shards), *staged))
         except (GpufeedError, OSError) as exc:
             error = str(exc).splitlines()[0]
     return PathFacts(path=path, exists=True, fs_type=fs_type, mount=mount, source=source, free_bytes=free,

@@ -51,12 +51,12 @@ def check_data(cfg: TrainConfig, loader_cfg: LoaderConfig, world_size: int) -> N
     lc = run_loader_config(cfg, loader_cfg)
     world = World(world_size=world_size)
     if lc.shard_split == "node":  # check the shards of one node: this one when known, else the one the set was
-        from gpufeed.manifest import read_manifest  # staged for, else node 0
-        from gpufeed.shardset.source import is_remote
+        from gpufeed.shardset.source import open_set  # staged for, else node 0
         from gpufeed.stage import staged_node
 
         nodes = max(1, world_size // max(1, cfg.nproc_per_node))
-        staged = None if is_remote(cfg.shards) else staged_node(read_manifest(cfg.manifest or cfg.shards), cfg.shards)
+        shard_set = open_set(cfg.shards, cfg.manifest)  # any spec the loader takes (a brace pattern, a URL)
+        staged = staged_node(shard_set.manifest, shard_set.location)
         node = cfg.node_rank if cfg.master_addr and cfg.node_rank is not None else staged[0] if staged else 0
         world = World(rank=node * cfg.nproc_per_node, world_size=world_size, local_world_size=cfg.nproc_per_node,
                       node_rank=min(node, nodes - 1), num_nodes=nodes)

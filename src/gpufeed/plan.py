@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from gpufeed.config import MAX_BATCH_SIZE, PlanConfig
-from gpufeed.errors import DataError
+from gpufeed.errors import ConfigError, DataError
 
 MAX_RECORD_BYTES = 64 << 20
 """Largest tune/train summary.json read (a tune summary with thousands of trials is a few MiB)."""
@@ -355,6 +355,14 @@ def _number(value: Any, lo: float = 0.0, hi: float = 1e12) -> float | None:
     return float(value) if lo < value <= hi else None
 
 
+def _per_core(value: float, path: str) -> float:
+    """A per-core rate computed from a record's numbers, bounded as the record's own numbers are (a core count
+    of 1e-300 would make it infinite)."""
+    if _number(value) is None:
+        raise DataError(f"{path}: the loader's samples/s per core ({value:g}) is not a positive rate up to 1e12")
+    return value
+
+
 def loader_rates(path: str) -> tuple[float, str, float | None, str | None]:
     """From a tune or train summary.json: (loader samples/s per busy core, where from, the GPU's samples/s per
     rank or None, where from). A DataError in one sentence when the file holds neither."""
@@ -370,7 +378,7 @@ def loader_rates(path: str) -> tuple[float, str, float | None, str | None]:
         if rate is None or cores is None:
             raise DataError(f"{path} holds no loader-only samples/s and cores used (run gpufeed train --mode "
                             "measure to record them)")
-        per_core = rate / cores
+        per_core = _per_core(rate / cores, path)
         synth = modes.get("synthetic") if isinstance(modes.get("synthetic"), dict) else {}
         gpu_rate = _number(synth.get("samples_per_s"))
         ranks = data.get("world_size")
@@ -390,7 +398,7 @@ def loader_rates(path: str) -> tuple[float, str, float | None, str | None]:
             rate, cores = _number(trial.get("samples_per_s")), _number(trial.get("tree_cores_used"))
             if rate is None or cores is None:
                 raise DataError(f"{path}: the best tune trial recorded no samples/s per core")
-            per_core = rate / cores
+            per_core = _per_core(rate / cores, path)
         workers = _number(trial.get("num_workers"), -1, 1 << 20)
         return per_core, f"{path} (tune best trial {best}, {workers or 0:g} workers)", None, None
     raise DataError(f"{path} is neither a gpufeed tune nor a train summary.json (no 'modes', no 'trials')")
@@ -437,6 +445,9 @@ def plan(cfg: PlanConfig) -> PlanReport:
     device = torch.device(want)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise DataError(f"device {cfg.device} asked for, but torch sees {torch.cuda.device_count()} CUDA device(s) "
+                        f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
     amp, amp_note = resolve_amp(cfg.amp, device)
     notes = [amp_note] if amp_note else []
     gpus = cfg.gpus or (torch.cuda.device_count() if torch.cuda.is_available() else 1) or 1
@@ -449,6 +460,9 @@ def plan(cfg: PlanConfig) -> PlanReport:
     weights, grads, opt_state = stepper.state_bytes()
     b1, b2 = cfg.measure_batches or default_measure_batches(device.type, grads, warm_activations / warm_batch)
     check_batch = 2 * b2 if cfg.check_batch is None else cfg.check_batch
+    if check_batch in (b1, b2):  # the model goes through the measured points: an "error" there checks nothing
+        raise ConfigError(f"check_batch {check_batch} is one of the measured batches {b1} and {b2}: give another "
+                          f"(or 0 for no check)")
     m1, m2 = stepper.measure(b1), stepper.measure(b2)
     fixed, per_sample = linear((b1, m1.peak_bytes), (b2, m2.peak_bytes))
     a_fixed, a_per_sample = linear((b1, m1.activation_bytes), (b2, m2.activation_bytes))

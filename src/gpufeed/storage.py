@@ -203,6 +203,17 @@ def remote_opener(files: list[tuple[str, int]]) -> Opener:
     return lambda url: open_shard(url, size=sizes[url], chunk_bytes=REMOTE_CHUNK_BYTES)
 
 
+def _shards_here(m: Any, where: str) -> list[int]:
+    """Indices of the shards a set holds: all of them, or for a set staged for one node (``gpufeed stage
+    --num-nodes``, :func:`gpufeed.stage.staged_node`) that node's own, the only ones there and the only ones its
+    loader reads."""
+    from gpufeed.stage import staged_node
+    from gpufeed.world import node_shards
+
+    staged = staged_node(m, where)
+    return list(range(len(m.shards))) if staged is None else node_shards(len(m.shards), *staged)
+
+
 def _shard_location(path: Path) -> _Location:
     from gpufeed.manifest import manifest_path, read_manifest
 
@@ -211,7 +222,10 @@ def _shard_location(path: Path) -> _Location:
     if m.root:
         root = root / m.root
     files = []
-    for p in m.shard_paths(root):
+    here = set(_shards_here(m, str(path)))
+    for i, p in enumerate(m.shard_paths(root)):
+        if i not in here:
+            continue
         try:
             st = p.stat()
         except OSError as exc:
@@ -722,7 +736,8 @@ def _set_location(spec: str | Path, manifest: str | Path | None) -> _Location:
     from gpufeed.shardset.source import open_set
 
     ss = open_set(spec, manifest)
-    files = [(u, info.bytes) for u, info in zip(ss.urls, ss.manifest.shards)]
+    here = _shards_here(ss.manifest, ss.location)
+    files = [(ss.urls[i], ss.manifest.shards[i].bytes) for i in here]
     return _Location(str(spec), "shards", files, ss.manifest.mean_sample_bytes, False, remote=ss.remote)
 
 

@@ -703,6 +703,13 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer,
         # a remote set is read over sockets, which the storage I/O counters behind read_bytes do not count: the
         # loader moves the manifest's mean bytes per sample, so it reads its samples/s (per node) times that
         read_rate = (lonly or real).samples_per_s / max(1, trainer.num_nodes) * manifest.mean_sample_bytes
+    set_bytes = manifest.total_bytes if manifest else None
+    stage_nodes = trainer.num_nodes if trainer.loader_cfg.shard_split == "node" and trainer.num_nodes > 1 else None
+    if manifest is not None and stage_nodes:  # each node stages only its own shards: the largest share must fit
+        from gpufeed.world import node_shards
+
+        set_bytes = max(sum(manifest.shards[i].bytes for i in node_shards(len(manifest.shards), n, stage_nodes))
+                        for n in range(stage_nodes))
 
     return VerdictInputs(
         stall_pct=real.stall_pct, end_to_end_rate=real.samples_per_s,
@@ -719,7 +726,7 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer,
         storage_bytes_per_s=storage.bytes_per_s if storage else None,
         storage_source=storage.source if storage else None,
         storage_ladder=tuple((int(r), float(b)) for r, b in storage.ladder) if storage else (),
-        shards=trainer.cfg.shards, set_bytes=manifest.total_bytes if manifest else None,
+        shards=trainer.cfg.shards, set_bytes=set_bytes, stage_nodes=stage_nodes,
         shm_free_bytes=_shm_free_bytes(),
         mean_sample_bytes=manifest.mean_sample_bytes if manifest else None,
         decode=trainer.loader_cfg.decode, is_cuda=trainer.cuda,

@@ -438,18 +438,45 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
 
 def measure_node(shards: str | Path, cfg: LoaderConfig, world: World | None = None, **kw: Any) -> TrialRecord:
     """What ``tune`` measures: :func:`measure_loader` in this process for a one-rank ``world``, and
-    :func:`measure_ranks` (one process per rank, all at once) when ``world.world_size`` ranks share the node."""
+    :func:`measure_ranks` (one process per rank, all at once) when :func:`node_ranks` ranks share the node."""
     world = world or World.single()
-    if world.world_size <= 1:
+    if node_ranks(world) <= 1:
         return measure_loader(shards, cfg, world, **kw)
     return measure_ranks(shards, cfg, world, **kw)
 
 
+def node_ranks(world: World) -> int:
+    """The ranks of the node tune measures: all of ``world`` for one node; ``world_size / num_nodes`` for the node
+    a set was staged for (:func:`staged_world`)."""
+    return world.world_size // max(1, world.num_nodes)
+
+
 def rank_world(world: World, rank: int) -> World:
-    """Rank ``rank`` of a one-node ``world``, on ``cuda:rank`` when the world is on CUDA, as under torchrun."""
+    """Local rank ``rank`` of ``world``'s node (its global rank ``node_rank x ranks per node + rank``), on
+    ``cuda:rank`` when the world is on CUDA, as under torchrun."""
     device = f"cuda:{rank}" if world.is_cuda else world.device
-    return World(rank=rank, world_size=world.world_size, local_rank=rank, device=device, backend=world.backend,
-                 local_world_size=world.world_size)
+    local = node_ranks(world)
+    return World(rank=world.node_rank * local + rank, world_size=world.world_size, local_rank=rank, device=device,
+                 backend=world.backend, local_world_size=local, node_rank=world.node_rank, num_nodes=world.num_nodes)
+
+
+def staged_world(world: World, shards: str, base: LoaderConfig, manifest_file: str | None = None) -> World:
+    """Under ``shard_split = "node"``, a set staged for node n of N (``gpufeed stage --num-nodes N``) is measured as
+    node n reads it in training: ``world``'s ranks become node n's ranks of N such nodes (the same shards, slices
+    and batch count as train). Any other set or split: ``world`` unchanged."""
+    if base.shard_split != "node":
+        return world
+    from gpufeed.shardset.source import open_set
+    from gpufeed.stage import staged_node
+
+    ss = open_set(shards, manifest_file)
+    staged = staged_node(ss.manifest, ss.location)
+    if staged is None:
+        return world
+    n, nodes = staged
+    local = world.world_size
+    return dataclasses.replace(world, rank=n * local, world_size=nodes * local, local_world_size=local, node_rank=n,
+                               num_nodes=nodes)
 
 
 RANK_START_S = 120.0
@@ -461,7 +488,7 @@ def measure_ranks(shards: str | Path, cfg: LoaderConfig, world: World, *, warmup
                   window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
                   deadline: float | None = None, ram_budget_bytes: int | None = None,
                   manifest_file: str | Path | None = None) -> TrialRecord:
-    """``world.world_size`` rank loaders at once, as ``gpufeed train --nproc-per-node N`` runs them on one node.
+    """:func:`node_ranks` rank loaders at once, as ``gpufeed train --nproc-per-node N`` runs them on one node.
 
     One spawned process per rank builds ``build_loader(shards, cfg, rank_world(world, r))`` (its own slice of the
     epoch, its own ``cuda:r`` and pinning there) and measures it with :func:`measure_loader`; a shared barrier
@@ -474,7 +501,7 @@ def measure_ranks(shards: str | Path, cfg: LoaderConfig, world: World, *, warmup
     import os
     import queue
 
-    n = world.world_size
+    n = node_ranks(world)
     t0 = time.perf_counter()
     if window_s is None:
         return trial_record(cfg, error="measuring ranks together needs window_s", ranks=n)
@@ -522,7 +549,7 @@ def measure_ranks(shards: str | Path, cfg: LoaderConfig, world: World, *, warmup
 
 def _rank_main(shards: str, cfg: LoaderConfig, world: World, kw: dict[str, Any], barrier: Any, results: Any,
                wait_s: float, parent_pid: int) -> None:
-    """One rank process of :func:`measure_ranks`: measure this rank's loader and put ``(rank, record fields)`` on
+    """One rank process of :func:`measure_ranks`: measure this rank's loader and put ``(local rank, record fields)`` on
     ``results``. A rank that fails before the barrier breaks it, so that the others stop waiting."""
     import threading
 
@@ -545,7 +572,7 @@ def _rank_main(shards: str, cfg: LoaderConfig, world: World, kw: dict[str, Any],
         rec = trial_record(cfg, error=error_sentence(exc))
     if not passed.is_set():
         barrier.abort()
-    results.put((world.rank, dataclasses.asdict(rec)))
+    results.put((world.local_rank, dataclasses.asdict(rec)))  # measure_ranks counts the node's ranks
 
 
 _BARRIER_BROKEN = "BrokenBarrierError"
@@ -801,7 +828,7 @@ def check_shard_set(shards: str, base: LoaderConfig, world: World, manifest_file
     and readable, one batch per rank of ``world``); returns the samples per epoch."""
     from gpufeed.train import open_shards
 
-    return int(open_shards(shards, base, World(world_size=world.world_size),
+    return int(open_shards(shards, base, dataclasses.replace(rank_world(world, 0), device="cpu", backend="gloo"),
                            manifest_file=manifest_file).manifest.num_samples)
 
 
@@ -958,6 +985,7 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     base = base or LoaderConfig()
     base = dataclasses.replace(base, batch_size=base.batch_size if cfg.batch_size is None else cfg.batch_size,
                                image_size=base.image_size if cfg.image_size is None else cfg.image_size)
+    world = staged_world(world, shards, base, cfg.manifest)
     if (base.decode == "gpu" and not world.is_cuda) or (base.decode == "simplejpeg" and not _has_module("simplejpeg")):
         base = dataclasses.replace(base, decode="pil-draft")
     if check_shards is None:
@@ -991,7 +1019,7 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     s = Search(cfg, shards, base, world, measure, window_s=window_s, ram_budget=ram_budget, usable=usable,
                ceiling=ceiling, progress=progress)
     s.storage_bytes_per_s = storage.bytes_per_s if storage else None
-    if s.remote:
+    if s.remote and check_shards is not None:  # without the shard-set check (injected measures) nothing is fetched
         from gpufeed.shardset.source import open_set
 
         s.mean_sample_bytes = open_set(shards, cfg.manifest).manifest.mean_sample_bytes or None
@@ -1087,7 +1115,8 @@ def climb_streams(s: Search) -> list[Decision]:
     sat idle), climb ``remote_streams`` up :data:`STREAMS_LADDER` at the chosen worker count
     with the worker climb's rules: stop when a count gains less than min_gain over the best one below it, or when
     the budget is spent or a count exceeds the RAM budget (another failed count is passed over). The best count of
-    the climb becomes the search point (the starting count stays when the climb did not beat it by min_gain). A
+    the climb becomes the search point (on a tie, the fewest streams); the starting count stays only when it beat
+    the climb's best by min_gain. A
     local set or a CPU/copy-bound point skips the phase, with the reason in ``skipped``."""
     ref = s.point_rec
     if ref is None:

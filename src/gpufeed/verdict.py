@@ -77,7 +77,10 @@ class VerdictInputs:
     shards: str | None = None
     """The shard set the loader reads (the stage fix names it)."""
     set_bytes: int | None = None
-    """The shard set's bytes (the manifest's total_bytes)."""
+    """The shard set's bytes (the manifest's total_bytes); with ``stage_nodes``, the largest node's share."""
+    stage_nodes: int | None = None
+    """The node count under ``[loader] shard_split = "node"`` on several nodes: each node reads, so stages, only
+    its own shards (``gpufeed stage --num-nodes N --node-rank n``); None = every node reads the whole set."""
     shm_free_bytes: int | None = None
     """Free bytes in /dev/shm; None = no /dev/shm."""
     mean_sample_bytes: float | None = None
@@ -306,18 +309,22 @@ def _size(n: float) -> str:
 
 
 def _stage_fix(v: VerdictInputs, nums: dict[str, Any]) -> str:
-    """Copy the set to /dev/shm when it fits there, else to local NVMe: the gpufeed stage command, with the sizes."""
+    """Copy the set to /dev/shm when it fits there, else to local NVMe: the gpufeed stage command, with the sizes
+    (under the node split on several nodes: each node's own shards, sized by the largest node's share)."""
     src = v.shards or "SHARDS"
     name = PurePath(src).parent.name if src.endswith(".json") else PurePath(src).name
     name = name or "shards"
+    flags = f" --num-nodes {v.stage_nodes} --node-rank NODE" if v.stage_nodes else ""
+    share = " (the largest node's share)" if v.stage_nodes else ""
     if v.set_bytes is None or v.shm_free_bytes is None:
-        return f"stage the set on a RAM disk or local NVMe: gpufeed stage {src} /dev/shm/{name} (or a local NVMe folder)"
+        return (f"stage the set on a RAM disk or local NVMe: gpufeed stage {src} /dev/shm/{name}{flags} (or a local "
+                f"NVMe folder)")
     nums.update(set_bytes=v.set_bytes, shm_free_bytes=v.shm_free_bytes, fits_shm=v.set_bytes <= v.shm_free_bytes)
     if v.set_bytes <= v.shm_free_bytes:
-        return (f"stage the set to /dev/shm with gpufeed stage {src} /dev/shm/{name} "
-                f"(fits: {_size(v.set_bytes)} of {_size(v.shm_free_bytes)} free in /dev/shm)")
-    return (f"stage the set to local NVMe with gpufeed stage {src} NVME_FOLDER/{name}: it does not fit in /dev/shm "
-            f"({_size(v.set_bytes)}, {_size(v.shm_free_bytes)} free)")
+        return (f"stage the set to /dev/shm with gpufeed stage {src} /dev/shm/{name}{flags} "
+                f"(fits: {_size(v.set_bytes)}{share} of {_size(v.shm_free_bytes)} free in /dev/shm)")
+    return (f"stage the set to local NVMe with gpufeed stage {src} NVME_FOLDER/{name}{flags}: it does not fit in "
+            f"/dev/shm ({_size(v.set_bytes)}{share}, {_size(v.shm_free_bytes)} free)")
 
 
 def _readers_now(v: VerdictInputs) -> int:

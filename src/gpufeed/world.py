@@ -38,19 +38,22 @@ class World:
     def from_env(cls, device: str | None = None) -> "World":
         """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK / GROUP_WORLD_SIZE;
         pick CUDA when available unless told otherwise. Without GROUP_WORLD_SIZE the nodes are counted as
-        world size / ranks per node.
+        world size / ranks per node; without GROUP_RANK the node is RANK // LOCAL_WORLD_SIZE (the ranks of a node are
+        consecutive, as torchrun numbers them), not node 0 for every rank, which under ``shard_split = "node"`` would
+        make every node read node 0's shards. A variable that is set but not a non-negative integer is a
+        ConfigError naming it.
 
         Under torchrun (WORLD_SIZE > 1) every CUDA rank takes ``cuda:LOCAL_RANK``, whatever index ``device``
         names: one GPU per rank. A single process keeps the ``cuda:N`` it was given.
         """
         import torch
 
-        rank = int(os.environ.get("RANK", "0"))
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        node_rank = int(os.environ.get("GROUP_RANK", "0"))
-        num_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "0")) or max(1, world_size // max(1, local_world_size))
+        rank = _env_int("RANK", 0)
+        world_size = _env_int("WORLD_SIZE", 1)
+        local_rank = _env_int("LOCAL_RANK", 0)
+        local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
+        node_rank = _env_int("GROUP_RANK", rank // max(1, local_world_size))
+        num_nodes = _env_int("GROUP_WORLD_SIZE", 0) or max(1, world_size // max(1, local_world_size))
         if device is None or device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" or (device.startswith("cuda") and world_size > 1):
@@ -64,6 +67,21 @@ class World:
         """A one-process world (tune, benchmarks, tests)."""
         backend = "nccl" if device.startswith("cuda") else "gloo"
         return cls(device=device, backend=backend)
+
+
+def _env_int(name: str, default: int) -> int:
+    """The launcher variable ``name`` as a non-negative integer (at most 9 digits), ``default`` when unset; anything
+    else is a ConfigError naming it (one sentence, not a traceback)."""
+    from gpufeed.errors import ConfigError
+
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):
+        raise ConfigError(f"environment variable {name}={raw[:40]!r} is not a non-negative integer (set by the "
+                          f"launcher: torchrun or your job script)")
+    return int(text)
 
 
 def node_shards(num_shards: int, node_rank: int, num_nodes: int) -> list[int]:

@@ -292,7 +292,8 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
     def part(start: int, count: int) -> dict[str, Any]:
         idx = order[start:start + count]
         labels = scan.labels[idx]
-        return {"paths": [scan.paths[i] for i in idx.tolist()], "n": (idx - class_start[labels]).tolist(),
+        # the names as one blob + offsets (_Strings): the worker decodes them, not this serial loop
+        return {"paths": scan.paths.take(idx), "n": (idx - class_start[labels]).tolist(),
                 "label": labels.tolist(), "bytes": scan.sizes[idx].tolist(), "classes": scan.classes, "stop": stop}
 
     results = _Results(n)

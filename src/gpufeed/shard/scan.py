@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 from gpufeed.errors import DataError
 from gpufeed.shard.report import FileIssue
@@ -33,13 +33,18 @@ class _Strings:
     def __getitem__(self, i: int) -> str:
         return os.fsdecode(self.blob[self.offsets[i]:self.offsets[i + 1]])
 
+    def __iter__(self) -> Iterator[str]:
+        blob, o = self.blob, self.offsets.tolist()
+        return (os.fsdecode(blob[a:b]) for a, b in zip(o, o[1:]))
+
     def take(self, idx: Any) -> _Strings:
         import numpy as np
 
-        o = self.offsets
-        parts = [self.blob[o[i]:o[i + 1]] for i in idx]
-        lengths = np.fromiter((len(b) for b in parts), np.int64, len(parts))
-        return _Strings(b"".join(parts), np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
+        idx = np.asarray(idx, dtype=np.int64)
+        starts, ends = self.offsets[idx], self.offsets[idx + 1]
+        blob = self.blob
+        joined = b"".join([blob[a:b] for a, b in zip(starts.tolist(), ends.tolist())])
+        return _Strings(joined, np.concatenate(([0], np.cumsum(ends - starts))).astype(np.int64))
 
 
 @dataclass

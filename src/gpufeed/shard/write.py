@@ -288,8 +288,8 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
     and hashed in order as the shard grows. Stops, deleting the temporary file, at the first file that is
     unreadable, rejected, needs a transcode or changed size since the scan (the plan was wrong; the validation
     pass checks it again and reports it), or once the file ``part["stop"]`` exists (another shard stopped).
-    ``part``: the shard's files in order, as ``paths`` (relative to SRC), ``n`` and ``label`` (their keys), ``bytes`` (their sizes at the
-    scan, which the plan records: a file of another size stops the pass too; the write after the validation pass
+    ``part``: the shard's files in order, as ``paths`` (relative to SRC; a ``scan._Strings``), ``n`` and ``label``
+    (their keys), ``bytes`` (their sizes at the scan, which the plan records: a file of another size stops the pass too; the write after the validation pass
     refuses it as changed), and ``classes``."""
     tmp = os.path.join(dest, f".{name}.tmp")
     base = os.path.join(src, "")

@@ -361,6 +361,8 @@ class _PipeStream(io.RawIOBase):
     def __init__(self, command: str) -> None:
         super().__init__()
         self.command = command
+        # a shell, as webdataset runs pipe: specs: the command is one the user typed (command line or their own
+        # config); open_set builds none from data, and a manifest naming "pipe:..." is refused (manifest.py)
         self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                       bufsize=0, start_new_session=True)  # unbuffered: a read returns what is there
 

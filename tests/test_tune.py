@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from gpufeed.config import LoaderConfig, TuneConfig, load_config
+from gpufeed.errors import DataError
 from gpufeed.tune import Decision, TrialRecord, TuneReport, trial_record, tune
 from gpufeed.world import World
 from tests.conftest import invoke_json, write_tar
@@ -310,6 +311,17 @@ def test_written_config_loads_back_into_the_same_loader_config(tmp_path: Path) -
 
     assert pq.read_table(run / "trials.parquet").num_rows == report.num_trials
     load_config(run / "config.toml")  # the resolved config is itself a valid config file
+    # gpufeed plan --record reads this run folder: summary.json names the best trial, trials.jsonl holds it
+    from gpufeed.plan import loader_rates
+
+    assert summary["trials"] == [] and summary["best_trial"] is not None
+    best = next(t for t in report.trials if t.trial == report.best_trial)
+    per_core, where, _, _ = loader_rates(str(run / "summary.json"))
+    assert per_core == pytest.approx(best.samples_per_s / best.tree_cores_used)
+    assert where.endswith(f"(tune best trial {best.trial}, {best.num_workers} workers)")
+    (run / "trials.jsonl").unlink()
+    with pytest.raises(DataError, match=r"trials\.jsonl: the tune run's trials cannot be read"):
+        loader_rates(str(run / "summary.json"))
 
 
 REMOTE = "http://127.0.0.1:9/set/train-{000000..000003}.tar"

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 from gpufeed.config import MAX_BATCH_SIZE, PlanConfig
@@ -389,6 +391,8 @@ def loader_rates(path: str) -> tuple[float, str, float | None, str | None]:
         return per_core, where, gpu_rate / ranks, f"{path} (train synthetic: {gpu_rate:.1f} samples/s / {ranks} rank(s))"
     trials, best = data.get("trials"), data.get("best_trial")
     if isinstance(trials, list) and "best_trial" in data:
+        if not trials and best is not None:  # gpufeed tune keeps its trials in trials.jsonl beside summary.json
+            trials = _tune_trials(Path(path).parent / "trials.jsonl")
         valid = isinstance(best, int) and not isinstance(best, bool) and 0 <= best < 1 << 31
         trial = next((t for t in trials if valid and isinstance(t, dict) and t.get("trial") == best), None)
         if trial is None:
@@ -402,6 +406,38 @@ def loader_rates(path: str) -> tuple[float, str, float | None, str | None]:
         workers = _number(trial.get("num_workers"), -1, 1 << 20)
         return per_core, f"{path} (tune best trial {best}, {workers or 0:g} workers)", None, None
     raise DataError(f"{path} is neither a gpufeed tune nor a train summary.json (no 'modes', no 'trials')")
+
+
+MAX_TRIALS = 100_000
+"""Most trial lines read from a tune run's trials.jsonl."""
+
+
+def _tune_trials(path: Path) -> list[Any]:
+    """The trial records of a tune run folder's ``trials.jsonl`` (untrusted: a regular file of at most
+    :data:`MAX_RECORD_BYTES`, UTF-8, at most :data:`MAX_TRIALS` lines, each a JSON value). DataError in one
+    sentence when it is missing or not such a file."""
+    import stat
+
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise DataError(f"{path} is not a regular file, so not a tune run's trials")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECORD_BYTES + 1)
+    except OSError as exc:
+        raise DataError(f"{path}: the tune run's trials cannot be read ({exc.strerror or exc}); give the "
+                        f"summary.json of a complete gpufeed tune run folder") from None
+    if len(raw) > MAX_RECORD_BYTES:
+        raise DataError(f"{path} is over {MAX_RECORD_BYTES} bytes, more than a tune run's trials")
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not UTF-8, so not a tune run's trials.jsonl") from None
+    if len(lines) > MAX_TRIALS:
+        raise DataError(f"{path} holds over {MAX_TRIALS} lines, more than a tune run's trials")
+    try:
+        return [json.loads(line) for line in lines if line.strip()]
+    except (ValueError, RecursionError) as exc:
+        raise DataError(f"{path} is not a tune run's trials.jsonl ({str(exc).splitlines()[0][:80]})") from None
 
 
 def plan_cores(cfg: PlanConfig, gpus: int) -> CoresPlan | None:

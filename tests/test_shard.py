@@ -229,6 +229,52 @@ def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, mon
     assert validated == 1 and rep.num_samples == 27 and rep.transforms["cmyk_to_rgb_jpeg"] == 1
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000])
+def test_shard_order_shuffled_in_steps_is_random_shuffle(n: int) -> None:
+    """The one pass shuffles in steps, starting the last shards while the rest is shuffled: every step, and the
+    whole order, are those of ``random.Random(seed).shuffle`` (what the plan has always recorded)."""
+    import random
+
+    from gpufeed.shard.shardplan import _Shuffle
+
+    for seed in (0, 1, 2**40 + 3):
+        want = list(range(n))
+        random.Random(seed).shuffle(want)
+        s = _Shuffle(n, seed)
+        for start in sorted({n - 1, n * 2 // 3, n // 3}, reverse=True):  # the one pass: the last shards first
+            if start >= 0:
+                assert s.take(start, 5).tolist() == want[start:start + 5]
+        assert s.order().tolist() == want
+        assert s.take(n // 2, 3).tolist() == want[n // 2:n // 2 + 3]
+
+
+def test_one_pass_worker_on_plain_jpegs_imports_neither_numpy_nor_pillow(tmp_path: Path) -> None:
+    """A one-pass task (``_check_and_write_shard``) in a fresh process, as a forked worker starts: its file list
+    (names with ``array`` offsets) and the pixel limit the main process computed are all it needs for plain
+    JPEGs, so it imports neither numpy nor Pillow (~0.1 s each a worker, on the serial path of a small set)."""
+    import pickle
+
+    from gpufeed.shard.scan import _scan
+    from gpufeed.shard.validate import _pixel_limit
+
+    src = tmp_path / "src"
+    for i in range(6):
+        write_image(src / f"c{i % 2}" / f"{i}.jpg", size=(8 + i, 9))
+    scan = _scan(str(src))
+    opts = {"check": "header", "max_pixels": 10**8, "max_size": None, "quality": None}
+    part = {"paths": scan.paths.portable(), "n": [0, 1, 2, 0, 1, 2], "label": scan.labels.tolist(),
+            "bytes": scan.sizes.tolist(), "classes": scan.classes, "stop": str(tmp_path / "stop")}
+    (tmp_path / "out").mkdir()
+    args = (str(tmp_path / "out"), str(src), "t-000000.tar", part, dict(opts, pixel_limit=_pixel_limit(opts)))
+    (tmp_path / "args.pickle").write_bytes(pickle.dumps(args))
+    code = ("import pickle, sys; import gpufeed.shard.job; from gpufeed.shard.write import _check_and_write_shard; "
+            f"got = _check_and_write_shard(*pickle.load(open({str(tmp_path / 'args.pickle')!r}, 'rb'))); "
+            "print(got.complete, got.checked, 'numpy' in sys.modules, 'PIL' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "6", "False", "False"]
+    assert (tmp_path / "out" / ".t-000000.tar.tmp").stat().st_size > 6 * 1536
+
+
 def test_resume_after_lost_shards_is_byte_identical(image_folder, tmp_path: Path) -> None:
     src = image_folder(classes=2, per_class=10)
     ref = tmp_path / "ref"
@@ -394,13 +440,14 @@ def test_cli_config_file(tmp_path: Path, image_folder) -> None:
     invoke(["shard", image_folder(name="s3"), tmp_path / "o3", "--config", cfg], expect=2)
 
 
-def test_ustar_header_matches_tarfile() -> None:
-    from gpufeed.shard.write import ustar_header
+def test_ustar_headers_match_tarfile() -> None:
+    from gpufeed.shardset.tar import ustar_headers
 
-    for name, size in [("00000_0000000.jpg", 0), ("00012_0001234.json", 511), ("k" * 100, 8**11 - 1)]:
+    for name, size in [("00000_0000000.jpg", 0), ("00012_0001234.json", 511), ("k" * 96 + ".cls", 8**11 - 1)]:
         ti = tarfile.TarInfo(name)
         ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
-        assert ustar_header(name, size) == ti.tobuf(format=tarfile.USTAR_FORMAT)
+        stem, _, ext = name.rpartition(".")
+        assert ustar_headers(stem, ((ext, size),)) == [ti.tobuf(format=tarfile.USTAR_FORMAT)]
 
 
 def test_shard_bytes_equal_a_tarfile_written_archive(image_folder, tmp_path: Path) -> None:
@@ -926,6 +973,7 @@ def test_sample_json_is_exactly_json_dumps() -> None:
     from gpufeed.shard.write import _Sample, _sample_json
 
     for cname, source, orientation, size in [("cat", "cat/1.jpg", 1, (8, 8)),
+                                             ('ü"\\\x1f', 'ü/"a\\b\u2028.jpg', 1, (8, 8)),
                                              ('q"\\\n\t\x01é\u2028', 'd/"x"\\é\x7f.jpg', 6, (30, 20)),
                                              ("x", "x/\ufffd.png", 70000, (8, 9))]:
         s = _Sample("00001_0000002", "/abs", 1, cname, source, orientation, "png", 8, 8, *size, "ab" * 32, 10,

@@ -103,11 +103,13 @@ CASES = [("00000_0000000.jpg", 0), ("00012_0001234.json", 511), ("00012_0001234.
 
 
 def test_ustar_header_is_shards_and_reads_back_with_both_readers(tmp_path: Path):
-    from gpufeed.shard.write import ustar_header as shard_header
+    from gpufeed.shardset.tar import ustar_headers
 
     for name, size in CASES:
         hdr = ustar_header(name, size)
-        assert hdr == shard_header(name, size)  # byte for byte what `gpufeed shard` writes today
+        stem, dot, ext = name.rpartition(".")
+        if dot:  # the writer's form: a sample's members share their key
+            assert ustar_headers(stem, ((ext, size), ("cls", 3))) == [hdr, ustar_header(f"{stem}.cls", 3)]
         ti = tarfile.TarInfo(name)
         ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
         assert hdr == ti.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8")
@@ -130,6 +132,11 @@ def test_ustar_header_is_shards_and_reads_back_with_both_readers(tmp_path: Path)
 def test_ustar_header_refuses_what_does_not_fit(name, size):
     with pytest.raises(ValueError, match="does not fit a plain USTAR header"):
         ustar_header(name, size)
+    from gpufeed.shardset.tar import ustar_headers
+
+    stem, _, ext = name.rpartition(".")
+    with pytest.raises(ValueError, match="does not fit a plain USTAR header"):
+        ustar_headers(stem or name[:-1], ((ext if stem else name[-1:], size),))
 
 
 def test_index_table_has_the_schema(tmp_path: Path):

@@ -40,7 +40,10 @@ built from those validation results is the one assumed: it is saved, then the sh
 so the output has the bytes of the two passes. The first file rejected, unreadable or needing a transcode
 stops every worker (a stop file in ``DEST/.gpufeed``); their temporary shards are deleted and the run
 validates the files not yet checked (whole batches checked by the pass are skipped), then plans and writes as
-usual: such a set pays for the part of the pass written before the stop.
+usual: such a set pays for the part of the pass written before the stop. The seeded order is shuffled in
+steps (``_Shuffle``: the same draws as ``random.shuffle``, which fixes the last positions first), so the workers
+start on the last shards while this process shuffles the rest; a worker's task carries its files' names and
+sizes and the pixel limit, so on plain JPEGs it imports neither numpy nor Pillow.
 
 The plan is columnar (numpy arrays and one blob of file names, ~140 bytes a sample plus its path), never a
 Python object per sample; records are built one shard at a time. ``--check header`` reads plain JFIF headers

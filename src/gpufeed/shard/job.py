@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import random
 import time
 from typing import Any, NamedTuple
 
@@ -19,8 +18,8 @@ from gpufeed.shard.finish import _finish
 from gpufeed.shard.report import ShardReport, _Bar
 from gpufeed.shard.scan import _scan
 from gpufeed.shard.shardplan import (_TAR_OVERHEAD_PER_SAMPLE, _fingerprint, _make_plan, _options, _save_plan,
-                                     _shard_names, plan_num_shards, split_sizes)
-from gpufeed.shard.validate import _ACTIONS, _Results, _validate
+                                     _shard_names, _Shuffle, plan_num_shards, split_sizes)
+from gpufeed.shard.validate import _ACTIONS, _Results, _pixel_limit, _validate
 from gpufeed.shard.write import _check_and_write_shard, _finish_shard, _shard_complete, _write_all
 
 
@@ -73,14 +72,13 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     state = os.path.join(dest, STATE_DIR)
     pool = _make_pool(workers, lock_fd) if workers > 1 else None
     _map_large_blocks()  # this process only: the forked workers keep glibc's default (their write buffers churn)
-    import numpy as np  # after the pool has forked its workers (numpy may start threads)
-
-    _preload_finish_imports()
+    _preload_imports(_EARLY_IMPORTS)  # after the pool has forked its workers (numpy may start threads)
     bar = _Bar(progress)
     try:
         scan = _scan(src, pool, workers)
-        if pool is not None:
-            for _ in range(workers):  # while this process plans: the imports of the checks and result columns
+        one_pass = (_ONE_PASS and opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None)
+        if pool is not None and not one_pass:
+            for _ in range(workers):  # while this process plans: Pillow, which every check needs
                 pool[0].submit(_warm_worker)
         if not scan.classes:
             raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder "
@@ -113,14 +111,11 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             kept = sum(i["bytes"] for i in done.values())
             est = int(scan.sizes.sum()) + _TAR_OVERHEAD_PER_SAMPLE * len(scan) - kept
             _check_free_space(dest, est, cfg)
-            shuffled = list(range(len(scan)))
-            random.Random(cfg.seed).shuffle(shuffled)
-            order = np.array(shuffled, dtype=np.int64)
-            del shuffled
-            if (_ONE_PASS and opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None
-                    and not done):
+            shuffle = _Shuffle(len(scan), cfg.seed)
+            if one_pass and not done:
+                opts = dict(opts, pixel_limit=_pixel_limit(opts))  # Pillow's limit, once (as the workers would)
                 try:
-                    one = _one_pass(cfg, scan, src, dest, opts, options, fingerprint, pool, bar, order, workers)
+                    one = _one_pass(cfg, scan, src, dest, opts, options, fingerprint, pool, bar, shuffle, workers)
                 except OSError as exc:
                     raise _os_error(exc, cfg, est, writing=True) from None
                 if isinstance(one, _Partial):
@@ -131,6 +126,8 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                     done.update(written)
                     one_pass_s = time.perf_counter() - t_val
         if plan is None:
+            order = shuffle.order()
+            _preload_imports(_FINISH_IMPORTS)
             try:
                 results = _validate(scan, src, state, opts, pool, bar, order, workers, *partial)
             except OSError as exc:
@@ -203,6 +200,8 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         if pool is not None:
             pool[0].shutdown(wait=True, cancel_futures=True)
 
+    import numpy as np
+
     per_action = np.bincount(plan.cols["action"], minlength=len(_ACTIONS)).tolist()
     transforms = {a: k for a, k in sorted(zip(_ACTIONS, per_action)) if k}
     num_exif_oriented = int((plan.cols["orientation"] != 1).sum())
@@ -245,6 +244,10 @@ _ONE_PASS = True
 to compare with the two passes."""
 
 
+_ONE_PASS_DEPTH = 2
+"""Shards submitted per worker in the one pass: one being written, the next one queued (its files' names and
+sizes sent), so a worker never waits for this process between shards."""
+
 _STOP_NAME = "one-pass.stop"
 """In DEST's state folder while the one pass stops: the workers' shards still running stop too."""
 
@@ -258,7 +261,7 @@ class _Partial(NamedTuple):
 
 
 def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, Any], options: dict[str, Any],
-              fingerprint: str, pool: Any, bar: _Bar, order: Any,
+              fingerprint: str, pool: Any, bar: _Bar, shuffle: _Shuffle,
               workers: int) -> tuple[Any, dict[str, dict[str, Any]]] | _Partial | None:
     """Validate and write in one pass, each source read once: plan as if every candidate is accepted and passes
     through unchanged (then the plan follows from the scan alone), and let each worker check and write whole
@@ -290,10 +293,10 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
         os.unlink(stop)
 
     def part(start: int, count: int) -> dict[str, Any]:
-        idx = order[start:start + count]
+        idx = shuffle.take(start, count)
         labels = scan.labels[idx]
         # the names as one blob + offsets (_Strings): the worker decodes them, not this serial loop
-        return {"paths": scan.paths.take(idx), "n": (idx - class_start[labels]).tolist(),
+        return {"paths": scan.paths.take(idx).portable(), "n": (idx - class_start[labels]).tolist(),
                 "label": labels.tolist(), "bytes": scan.sizes[idx].tolist(), "classes": scan.classes, "stop": stop}
 
     results = _Results(n)
@@ -304,7 +307,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
 
     def stored(name: str, start: int, count: int, got: Any) -> None:
         nonlocal complete
-        idx = order[start:start + got.checked]
+        idx = shuffle.take(start, got.checked)
         results.put(idx, got.columns, 0)
         checked[idx] = True
         bar.update(got.checked, got.nbytes)
@@ -324,26 +327,30 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
                     break
         else:
             ex = pool[0]
-            pending = iter(shards)
+            pending = reversed(shards)  # the last shards' files are ordered first (_Shuffle)
             running: dict[Any, tuple[str, int, int]] = {}
             try:
                 while True:
                     for sh in (pending if complete else ()):
                         running[ex.submit(_check_and_write_shard, dest, src, sh[0], part(sh[1], sh[2]), opts)] = sh
-                        if len(running) >= workers:
+                        if len(running) >= _ONE_PASS_DEPTH * workers:  # a worker's next shard waits, ready
                             break
                     if not running:
                         break
                     finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
                     for fut in finished:
                         stored(*running.pop(fut), fut.result())
+                    # While the workers write, this process waits: import what index.parquet needs. Not before the
+                    # first shard is back: pyarrow's import holds the GIL ~0.1 s, and the pool's threads here need
+                    # it to send the first shards' file lists (every worker has its next shard queued by now).
+                    _preload_imports(_FINISH_IMPORTS)
             finally:
                 for fut in running:
                     fut.cancel()
                 cf.wait(running)  # a shard being checked and written deletes its temporary file when it stops
         if not complete:
             return _Partial(results, checked)
-        plan = _make_plan(cfg, scan, results, fingerprint, options, order)
+        plan = _make_plan(cfg, scan, results, fingerprint, options, shuffle.order())
         if [(sh["name"], sh["start"], sh["count"]) for sh in plan.shards] != shards:
             raise AssertionError("the one pass planned the shards the validation results give")  # pragma: no cover
         _save_plan(os.path.join(dest, STATE_DIR), plan)
@@ -401,16 +408,35 @@ def _map_large_blocks() -> None:
         pass
 
 
-def _preload_finish_imports() -> None:
-    """Import pyarrow (~0.15 s with numpy) in a thread while the workers validate, instead of on the serial tail
-    before ``index.parquet`` (after the pool is started: it forks only while this process has one thread)."""
+_EARLY_IMPORTS = ("numpy", "PIL.Image")
+"""Imported in a thread while the workers scan: numpy joins the scan's columns, Pillow gives the pixel limit."""
+
+_FINISH_IMPORTS = ("pyarrow.compute", "pyarrow.parquet")
+"""Imported in a thread once the workers validate or write (~0.15 s): ``index.parquet`` needs them."""
+
+_preloading: set[str] = set()
+
+
+def _preload_imports(names: tuple[str, ...]) -> None:
+    """Import ``names`` in a thread while the workers work, instead of on this process's serial path (a second
+    call with the same names does nothing). Started once the pool's workers are forked (the pool forks only while
+    this process has one thread); late enough that the thread's share of the GIL does not slow this process's
+    own serial steps (the shuffle, the first shards' file lists)."""
     import threading
 
+    names = tuple(n for n in names if n not in _preloading)
+    if not names:
+        return
+    _preloading.update(names)
+
     def load() -> None:
-        try:
-            import pyarrow.parquet  # noqa: F401
-        except Exception:  # noqa: BLE001 - _finish imports it again and reports the error there
-            pass
+        import importlib
+
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the code that needs it imports it again and reports the error there
+                pass
 
     threading.Thread(target=load, name="gpufeed-preload", daemon=True).start()
 
@@ -431,6 +457,5 @@ def _noop() -> None:
 
 
 def _warm_worker() -> None:
-    """Import what validating needs (Pillow, numpy for the result columns) before the first batch arrives."""
-    import numpy  # noqa: F401
+    """Import what validating needs (Pillow) before the first batch arrives."""
     from PIL import Image  # noqa: F401

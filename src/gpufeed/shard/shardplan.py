@@ -69,6 +69,51 @@ def _shard_names(prefix: str, n: int) -> list[str]:
     return [f"{prefix}-{i:06d}.tar" for i in range(n)]
 
 
+class _Shuffle:
+    """The seeded order of the candidates, exactly ``random.Random(seed).shuffle(list(range(n)))``, computed in
+    steps: that shuffle (Fisher-Yates) fixes the last position first, so once positions ``[start, n)`` are
+    final (``advance``) the shards there can be written while the rest is shuffled (the one pass starts the last
+    shards first). ``order`` finishes it."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        import random
+
+        self.n = n
+        self.x = list(range(n))
+        self._order: Any = None
+        self._rng = random.Random(seed)
+        self._next = n - 1  # the next position the loop fixes; every one above it is final
+        if not hasattr(self._rng, "_randbelow"):  # not CPython's Random: the whole shuffle at once, its own way
+            self._rng.shuffle(self.x)
+            self._next = 0
+
+    def advance(self, start: int) -> None:
+        """Shuffle until positions ``[start, n)`` are final (the steps of ``random.shuffle``, same draws)."""
+        x, randbelow = self.x, self._rng._randbelow
+        stop = max(start, 1)  # random.shuffle's loop ends at position 1; position 0 is then final too
+        for i in range(self._next, stop - 1, -1):
+            j = randbelow(i + 1)
+            x[i], x[j] = x[j], x[i]
+        self._next = min(self._next, stop - 1)
+
+    def take(self, start: int, count: int) -> Any:
+        """Positions ``[start, start + count)`` (made final first) as an int64 array."""
+        import numpy as np
+
+        if self._order is not None:
+            return self._order[start:start + count]
+        self.advance(start)
+        if start == 0:  # all final: keep it as an array (8 bytes a sample; the list holds ~36)
+            self._order = np.array(self.x, dtype=np.int64)
+            self.x = []
+            return self._order[:count]
+        return np.array(self.x[start:start + count], dtype=np.int64)
+
+    def order(self) -> Any:
+        """The whole order as an int64 array."""
+        return self.take(0, self.n)
+
+
 class _Plan:
     """The plan, columnar: ``meta`` (JSON: fingerprint, options, classes, rejected files, shards as slices of
     ``order``) and per-sample numpy columns (``_PLAN_COLUMNS``) for the accepted samples in key order, i.e.

@@ -215,10 +215,11 @@ def _reject(reason: str, fmt: str | None = None, w: int = 0, h: int = 0, orienta
     return _Checked(False, reason, fmt, w, h, orientation)
 
 
-def _read_whole(path: str) -> tuple[bytes, os.stat_result]:
+def _read_whole(path: str, dir_fd: int | None = None) -> tuple[bytes, os.stat_result]:
     """The file's bytes and its ``os.fstat`` once they are read: one read of the size ``fstat`` gives (plus one
-    byte, to see a file that grew), more only when the size changed (then ``fstat`` again, after the reads)."""
-    fd = os.open(path, os.O_RDONLY)
+    byte, to see a file that grew), more only when the size changed (then ``fstat`` again, after the reads).
+    ``dir_fd``: a relative ``path`` is opened from that folder (the one pass: SRC's path is resolved once)."""
+    fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         data = os.read(fd, st.st_size + 1)
@@ -245,17 +246,38 @@ def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
     return _inspect_bytes(data, st, opts)
 
 
+def _pixel_limit(opts: dict[str, Any]) -> int:
+    """The pixel count above which a file is not taken as a plain JPEG: ``max_pixels``, or Pillow's own limit
+    when lower (``_plain_jpeg_size``); ``opts["pixel_limit"]`` when the main process put it there (then a worker
+    that meets only plain JPEGs never imports Pillow)."""
+    if "pixel_limit" in opts:
+        return opts["pixel_limit"]
+    from PIL import Image
+
+    return min(opts["max_pixels"], Image.MAX_IMAGE_PIXELS or opts["max_pixels"])
+
+
+def _plain_copy(data: bytes, st: os.stat_result, pixel_limit: int, max_size: int | None) -> _Checked | None:
+    """``--check header`` without re-encoding: the result for a plain JPEG (``_plain_jpeg_size``) stored as it
+    is, else None (Pillow decides). The one pass calls it first for each file, ``_inspect_bytes`` otherwise."""
+    size = _plain_jpeg_size(data, pixel_limit)
+    if size is None or (max_size is not None and max(size) > max_size):
+        return None
+    return _Checked(True, "copy", "JPEG", size[0], size[1], 1, None, hashlib.sha256(data).digest(),
+                    (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
+
+
 def _inspect_bytes(data: bytes, st: os.stat_result, opts: dict[str, Any]) -> _Checked:
     """``_inspect`` of a file's bytes ``data`` and its ``os.fstat`` ``st`` once they were read."""
-    from PIL import Image, UnidentifiedImageError
-
     if not data:
         return _reject("empty file (0 bytes)")
-    ident = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
     if opts["check"] == "header" and opts["quality"] is None:
-        size = _plain_jpeg_size(data, min(opts["max_pixels"], Image.MAX_IMAGE_PIXELS or opts["max_pixels"]))
-        if size is not None and (opts["max_size"] is None or max(size) <= opts["max_size"]):
-            return _Checked(True, "copy", "JPEG", size[0], size[1], 1, None, hashlib.sha256(data).digest(), ident)
+        plain = _plain_copy(data, st, _pixel_limit(opts), opts["max_size"])
+        if plain is not None:
+            return plain
+    from PIL import Image, UnidentifiedImageError
+
+    ident = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
@@ -324,10 +346,12 @@ def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = 
 
 
 def _batch_columns(results: list[_Checked]) -> dict[str, Any]:
-    """A batch's results as numpy columns of its accepted files (``_COLUMNS``; ``enc_cache`` 0 marks a transcoded
-    file, whose cache the main process numbers), ``ok`` per file and ``reasons`` {position: reason}: built in the
-    worker, so the main process only scatters a few arrays per batch."""
-    import numpy as np
+    """A batch's results as columns of its accepted files (``_COLUMNS``, as ``array.array`` buffers:
+    ``_column`` views them; ``enc_cache`` 0 marks a transcoded file, whose cache the main process numbers),
+    ``ok`` per file (bytes) and ``reasons`` {position: reason}: built in the worker, so the main process only
+    scatters a few arrays per batch. No numpy here: a worker that only checks plain JPEG headers never imports
+    it (~0.1 s a process)."""
+    from array import array
 
     acc = [r for r in results if r.ok]
     none = _Encoded(0, 0, "", 0, 0)
@@ -338,18 +362,32 @@ def _batch_columns(results: list[_Checked]) -> dict[str, Any]:
         "ext": [_EXTS.index(_EXT.get(r.fmt or "", "")) for r in acc],
         "width": [r.width for r in acc], "height": [r.height for r in acc],
         "orientation": [r.orientation for r in acc],
-        "sha256": np.frombuffer(b"".join(r.sha256 for r in acc), np.uint8).reshape(len(acc), 32),
         "id_size": [i[0] for i in ids], "id_mtime": [i[1] for i in ids], "id_ino": [i[2] for i in ids],
         "id_dev": [i[3] for i in ids], "enc_cache": [-1 if r.enc is None else 0 for r in acc],
         "enc_off": [e.data for e in encs], "enc_len": [e.length for e in encs],
         "enc_ext": [_EXTS.index(e.ext) for e in encs], "enc_w": [e.width for e in encs],
         "enc_h": [e.height for e in encs],
     }
-    out: dict[str, Any] = {k: np.asarray(values[k], dtype=dt).reshape(len(acc), *shape)
-                           for k, (dt, shape) in _COLUMNS.items()}
-    out["ok"] = np.array([r.ok for r in results], dtype=bool)
+    out: dict[str, Any] = {k: array(_ARRAY_CODES[dt], values[k]) for k, (dt, _shape) in _COLUMNS.items()
+                           if k != "sha256"}
+    out["sha256"] = b"".join(r.sha256 for r in acc)
+    out["n"] = len(acc)
+    out["ok"] = bytes(r.ok for r in results)
     out["reasons"] = {i: r.what for i, r in enumerate(results) if not r.ok}
     return out
+
+
+_ARRAY_CODES = {"u1": "B", "<i4": "i", "<u2": "H", "<i8": "q", "<u8": "Q"}
+"""``array.array`` type codes of the ``_COLUMNS`` dtypes (native order: the worker and the main process are one
+machine)."""
+
+
+def _column(batch: dict[str, Any], name: str) -> Any:
+    """Column ``name`` of a ``_batch_columns`` batch as a numpy array (a view of its buffer)."""
+    import numpy as np
+
+    dt, shape = _COLUMNS[name]
+    return np.frombuffer(batch[name], dtype=np.dtype(dt).newbyteorder("=")).reshape(batch["n"], *shape)
 
 
 # --------------------------------------------------------------------------- main side
@@ -369,14 +407,16 @@ class _Results:
     def put(self, ks: Any, batch: dict[str, Any], cache: int) -> None:
         """Store a batch's columns (``_batch_columns``) for candidates ``ks`` (``cache``: the batch's cache file
         number)."""
-        ok = batch["ok"]
+        import numpy as np
+
+        ok = np.frombuffer(batch["ok"], dtype=bool)
         if len(ok) != len(ks):
             raise AssertionError("a validation batch returned a result per file")  # pragma: no cover
         self.ok[ks] = ok
         sel = ks[ok]
         for name in _COLUMNS:
-            self.cols[name][sel] = batch[name]
-        self.cols["enc_cache"][sel[batch["enc_cache"] >= 0]] = cache
+            self.cols[name][sel] = _column(batch, name)
+        self.cols["enc_cache"][sel[_column(batch, "enc_cache") >= 0]] = cache
         for i, reason in batch["reasons"].items():
             self.reasons[int(ks[i])] = reason
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tarfile
+from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -24,8 +25,9 @@ from gpufeed.errors import RunError
 from gpufeed.shard.dest import STATE_DIR
 from gpufeed.shard.report import _Bar
 from gpufeed.shard.scan import _display
-from gpufeed.shard.validate import _EXT, _EXTS, _batch_columns, _cache_name, _inspect_bytes, _read_whole
-from gpufeed.shardset.tar import ustar_header
+from gpufeed.shard.validate import (_EXT, _EXTS, _batch_columns, _cache_name, _inspect_bytes, _pixel_limit, _plain_copy,
+                                    _read_whole)
+from gpufeed.shardset.tar import ustar_headers
 
 
 # --------------------------------------------------------------------------- the records of a shard's samples
@@ -63,15 +65,24 @@ def _sample_json(s: _Sample) -> bytes:
     (``source``, ``class``, ``label``, stored ``width``/``height``, ``format``, ``sha256``, ``exif_orientation``
     when not 1, ``orig_width``/``orig_height`` when resized), written out directly: the generic encoder costs more
     than the rest of the sample."""
-    from json.encoder import encode_basestring
+    return _meta_json(encode_basestring(s.cname), s.label, s.ext, s.width, s.height, s.sha256,
+                      encode_basestring(s.source), s.orientation, s.orig_width, s.orig_height)
 
-    parts = [f'{{"class": {encode_basestring(s.cname)}, ']
-    if s.orientation != 1:
-        parts.append(f'"exif_orientation": {s.orientation}, ')
-    parts.append(f'"format": {encode_basestring(s.ext)}, "height": {s.height}, "label": {s.label}, ')
-    if (s.orig_width, s.orig_height) != (s.width, s.height):
-        parts.append(f'"orig_height": {s.orig_height}, "orig_width": {s.orig_width}, ')
-    parts.append(f'"sha256": "{s.sha256}", "source": {encode_basestring(s.source)}, "width": {s.width}}}')
+
+def _meta_json(cname_json: str, label: int, ext: str, width: int, height: int, sha256: str, source_json: str,
+               orientation: int = 1, orig_width: int | None = None, orig_height: int | None = None) -> bytes:
+    """``_sample_json`` from the fields (``*_json``: ``json.encoder.encode_basestring`` of the name; ``orig_*``
+    None: not resized): the one pass builds it without a ``_Sample``."""
+    if orientation == 1 and (orig_width is None or (orig_width, orig_height) == (width, height)):
+        return (f'{{"class": {cname_json}, "format": "{ext}", "height": {height}, "label": {label}, '
+                f'"sha256": "{sha256}", "source": {source_json}, "width": {width}}}').encode("utf-8")
+    parts = [f'{{"class": {cname_json}, ']
+    if orientation != 1:
+        parts.append(f'"exif_orientation": {orientation}, ')
+    parts.append(f'"format": "{ext}", "height": {height}, "label": {label}, ')
+    if orig_width is not None and (orig_width, orig_height) != (width, height):
+        parts.append(f'"orig_height": {orig_height}, "orig_width": {orig_width}, ')
+    parts.append(f'"sha256": "{sha256}", "source": {source_json}, "width": {width}}}')
     return "".join(parts).encode("utf-8")
 
 
@@ -199,12 +210,12 @@ def _around_image(key: str, ext: str, img_len: int, cls_b: bytes, json_b: bytes)
     member, the ``json`` member when the image sorts after it, the image's header; what follows the image's
     padding: the ``json`` member when the image sorts before it, else nothing). "cls" sorts before every image
     extension."""
-    cls_m = (ustar_header(f"{key}.cls", len(cls_b)), cls_b, _ZEROS[:-len(cls_b) % 512])
-    json_m = (ustar_header(f"{key}.json", len(json_b)), json_b, _ZEROS[:-len(json_b) % 512])
-    header = ustar_header(f"{key}.{ext}", img_len)
+    cls_h, json_h, img_h = ustar_headers(key, (("cls", len(cls_b)), ("json", len(json_b)), (ext, img_len)))
     if ext < "json":
-        return b"".join((*cls_m, header)), b"".join(json_m)
-    return b"".join((*cls_m, *json_m, header)), b""
+        return (b"".join((cls_h, cls_b, _ZEROS[:-len(cls_b) % 512], img_h)),
+                b"".join((json_h, json_b, _ZEROS[:-len(json_b) % 512])))
+    return b"".join((cls_h, cls_b, _ZEROS[:-len(cls_b) % 512], json_h, json_b, _ZEROS[:-len(json_b) % 512],
+                     img_h)), b""
 
 
 def _write_range(tmp: str, items: list[_Item]) -> None:
@@ -292,33 +303,43 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
     (their keys), ``bytes`` (their sizes at the scan, which the plan records: a file of another size stops the pass too; the write after the validation pass
     refuses it as changed), and ``classes``."""
     tmp = os.path.join(dest, f".{name}.tmp")
-    base = os.path.join(src, "")
     classes = part["classes"]
     checked = []
     h = hashlib.sha256()
     pos = nbytes = 0
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    src_fd = os.open(src, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    except BaseException:
+        os.close(src_fd)
+        raise
     ok = False
     try:
         buf: list[bytes] = []
         held = 0
         cls_b = [str(label).encode("ascii") for label in range(len(classes))]
+        cname_json: dict[int, str] = {}
+        limit, max_size = _pixel_limit(opts), opts["max_size"]
         stop = part["stop"]
         for k, (raw, n, label, scanned) in enumerate(zip(part["paths"], part["n"], part["label"], part["bytes"])):
             if k % _STOP_EVERY == 0 and k and os.path.exists(stop):
                 return _OnePassShard(False, k, nbytes, _batch_columns(checked))
             try:
-                data, st = _read_whole(base + raw)
+                data, st = _read_whole(raw, src_fd)
             except OSError:
                 return _OnePassShard(False, k, nbytes, _batch_columns(checked))
-            r = _inspect_bytes(data, st, opts)
+            r = _plain_copy(data, st, limit, max_size) or _inspect_bytes(data, st, opts)
             size = len(data)
             if not r.ok or r.what != "copy" or size != scanned:
                 return _OnePassShard(False, k, nbytes, _batch_columns(checked))
             checked.append(r)
-            s = _Sample(f"{label:05d}_{n:07d}", "", label, classes[label], _display(raw), r.orientation,
-                        _EXT[r.fmt], r.width, r.height, r.width, r.height, r.sha256.hex(), size, None, None, 0)
-            head, tail = _around_image(s.key, s.ext, size, cls_b[label], _sample_json(s))
+            ext = _EXT[r.fmt]
+            cj = cname_json.get(label)
+            if cj is None:
+                cj = cname_json[label] = encode_basestring(classes[label])
+            json_b = _meta_json(cj, label, ext, r.width, r.height, r.sha256.hex(), encode_basestring(_display(raw)),
+                                r.orientation)
+            head, tail = _around_image(f"{label:05d}_{n:07d}", ext, size, cls_b[label], json_b)
             pad = _ZEROS[:-size % 512]
             buf += (head, data, pad, tail)
             held += len(head) + size + len(pad) + len(tail)
@@ -333,6 +354,7 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
         return _OnePassShard(True, len(checked), nbytes, _batch_columns(checked), pos, h.hexdigest())
     finally:
         os.close(fd)
+        os.close(src_fd)
         if not ok:
             os.unlink(tmp)
 

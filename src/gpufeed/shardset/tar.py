@@ -215,6 +215,7 @@ class HeaderChain:
         return name, size, typ in REGULAR_TYPES
 
 
+_ZEROS = bytes(_BLOCK)
 _USTAR_MODE_IDS = b"0000644\0" b"0000000\0" b"0000000\0"
 _USTAR_MTIME = b"00000000000\0"
 _USTAR_TAIL = (b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * 32 + b"\0" * 32 + b"\0" * 8 + b"\0" * 8
@@ -235,6 +236,32 @@ def ustar_header(name: str, size: int) -> bytes:
     checksum = _USTAR_FIXED_SUM + sum(nb) + sum(size_field)
     return b"".join([nb.ljust(100, b"\0"), _USTAR_MODE_IDS, size_field, _USTAR_MTIME, b"%06o\0 " % checksum,
                      _USTAR_TAIL])
+
+
+def ustar_headers(key: str, members: tuple[tuple[str, int], ...]) -> list[bytes]:
+    """``[ustar_header(f"{key}.{ext}", size) for ext, size in members]``: the headers of one sample's members,
+    the key encoded and summed once (the writer's per-sample cost)."""
+    kb = key.encode("utf-8")
+    ks = _USTAR_FIXED_SUM + sum(kb)
+    room = 100 - len(kb)
+    out = []
+    for ext, size in members:
+        suffix = _SUFFIXES.get(ext)
+        if suffix is None:
+            suffix = (b"." + ext.encode("utf-8"), sum(b"." + ext.encode("utf-8")))
+            if len(_SUFFIXES) < 64:
+                _SUFFIXES[ext] = suffix
+        sb, ss = suffix
+        if room < len(sb) or not 0 <= size < 8**11:
+            raise ValueError(f"{key + '.' + ext!r} ({size} bytes) does not fit a plain USTAR header")
+        size_field = b"%011o\0" % size
+        out.append(b"".join((kb, sb, _ZEROS[:room - len(sb)], _USTAR_MODE_IDS, size_field, _USTAR_MTIME,
+                             b"%06o\0 " % (ks + ss + sum(size_field)), _USTAR_TAIL)))
+    return out
+
+
+_SUFFIXES: dict[str, tuple[bytes, int]] = {}
+"""``ustar_headers``' cache: a member extension -> (b"." + it, the sum of those bytes)."""
 
 
 def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:

@@ -6,7 +6,9 @@
 For each N: writes N tiny JPEGs (100 classes, 8x8..32x32 px, ~50 distinct encodings written as copies that
 differ in a COM segment, so every file has its own bytes) to a RAM disk (/dev/shm) when it has room, reads them
 once (warm page cache), then runs, interleaved, ``tar cf`` of the folder and ``gpufeed shard --check header
---workers 2`` into a fresh DEST. For the shard run it polls the process tree (the main process and its workers)
+--workers 2`` into a fresh DEST, timing each whole command with nothing watching it (gpufeed as an installed
+package runs: bytecode compiled once, by an unrecorded first run). Then one more shard run per variant measures
+memory: it polls the process tree (the main process and its workers)
 every 20 ms with psutil and records the peak of the summed RSS and of the main process' RSS, per sample. The
 workers are forked, so the summed RSS counts pages they share with the main process more than once: it is an
 upper bound; the summed PSS (shared pages split between the processes, polled every 100 ms) is the tree's real
@@ -81,14 +83,42 @@ def run_tar(src: Path, out: Path) -> dict:
     return {"variant": "tar", "wall_s": wall, "rc": p.returncode}
 
 
-def run_shard(src: Path, out: Path, n: int, code: Path = ROOT / "src") -> dict:
+def shard_cmd(src: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "gpufeed.cli", "shard", str(src), str(out / "shards"), "--check", "header",
+            "--workers", "2", "--json"]
+
+
+def shard_env(code: Path, pycache: Path) -> dict[str, str]:
+    """As an installed package runs: its modules' bytecode compiled once and cached (pip compiles it at install;
+    this machine sets PYTHONDONTWRITEBYTECODE=1, which would recompile gpufeed's modules on every run)."""
+    env = dict(os.environ, PYTHONPATH=str(code), PYTHONPYCACHEPREFIX=str(pycache))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def time_shard(src: Path, out: Path, n: int, code: Path, pycache: Path, variant: str) -> dict:
+    """The whole ``gpufeed shard`` command's wall time, nothing watching it (the memory run polls /proc, which
+    takes CPU from a 2-core machine's workers)."""
+    t0 = time.perf_counter()
+    p = subprocess.run(shard_cmd(src, out), capture_output=True, env=shard_env(code, pycache))
+    wall = time.perf_counter() - t0
+    rec = {"variant": variant, "wall_s": wall, "rc": p.returncode}
+    if p.returncode == 0:
+        rep = json.loads(p.stdout.decode().strip().splitlines()[-1])
+        rec.update({k: rep.get(k) for k in ("num_samples", "num_shards", "validate_s", "write_s", "elapsed_s")})
+    else:
+        rec["error"] = p.stderr.decode()[-2000:]
+    shutil.rmtree(out, ignore_errors=True)
+    return rec
+
+
+def run_shard(src: Path, out: Path, n: int, code: Path, pycache: Path, variant: str) -> dict:
+    """The same command, its memory polled (peaks of RSS and PSS); its wall time is not the one reported."""
     import psutil
 
-    cmd = [sys.executable, "-m", "gpufeed.cli", "shard", str(src), str(out / "shards"), "--check", "header",
-           "--workers", "2", "--json"]
-    env = dict(os.environ, PYTHONPATH=str(code))
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(shard_cmd(src, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=shard_env(code, pycache))
     ps = psutil.Process(proc.pid)
     peak_tree = peak_main = peak_pss = 0
     tick = 0
@@ -111,14 +141,11 @@ def run_shard(src: Path, out: Path, n: int, code: Path = ROOT / "src") -> dict:
         time.sleep(0.02)
     stdout, stderr = proc.communicate()
     wall = time.perf_counter() - t0
-    rec = {"variant": "shard_header_w2", "wall_s": wall, "rc": proc.returncode,
+    rec = {"variant": variant, "observed_wall_s": wall, "rc": proc.returncode,
            "peak_rss_tree_bytes": peak_tree, "peak_rss_main_bytes": peak_main, "peak_pss_tree_bytes": peak_pss,
            "peak_pss_tree_per_sample": peak_pss / n,
            "peak_rss_tree_per_sample": peak_tree / n, "peak_rss_main_per_sample": peak_main / n}
-    if proc.returncode == 0:
-        rep = json.loads(stdout.decode().strip().splitlines()[-1])
-        rec.update({k: rep.get(k) for k in ("num_samples", "num_shards", "validate_s", "write_s", "elapsed_s")})
-    else:
+    if proc.returncode != 0:
         rec["error"] = stderr.decode()[-2000:]
     shutil.rmtree(out, ignore_errors=True)
     return rec
@@ -154,28 +181,41 @@ def main() -> None:
             gen_s = time.perf_counter() - t0
             warm(src)
             runs = []
+            pycache = work / "pycache"
+            variants = [("shard_header_w2", ROOT / "src")]
+            if args.baseline_src and n <= args.baseline_max:
+                variants.append(("shard_baseline", Path(args.baseline_src).resolve()))
+            for variant, code in variants:  # unrecorded: compiles and caches the bytecode
+                time_shard(src, work / "out", n, code, pycache, variant)
             for r in range(reps):
-                for fn in (run_tar, run_shard, "baseline"):
-                    if fn == "baseline":
-                        if not args.baseline_src or r or n > args.baseline_max:
-                            continue
-                        rec = run_shard(src, work / "out", n, Path(args.baseline_src))
-                        rec["variant"] = "shard_baseline"
+                for variant, code in [("tar", None), *variants]:
+                    if code is None:
+                        rec = run_tar(src, work / "out")
                     else:
-                        rec = fn(src, work / "out") if fn is run_tar else fn(src, work / "out", n)
+                        rec = time_shard(src, work / "out", n, code, pycache, variant)
                     rec.update({"n": n, "repeat": r, "loadavg_1m": os.getloadavg()[0]})
                     runs.append(rec)
                     print(json.dumps(rec), file=sys.stderr)
+            mem = []
+            for variant, code in variants:
+                rec = run_shard(src, work / "out", n, code, pycache, variant)
+                rec.update({"n": n, "loadavg_1m": os.getloadavg()[0]})
+                mem.append(rec)
+                print(json.dumps(rec), file=sys.stderr)
             tar = [x["wall_s"] for x in runs if x["variant"] == "tar"]
-            sh = [x for x in runs if x["variant"] == "shard_header_w2"]
+            sh = [x["wall_s"] for x in runs if x["variant"] == "shard_header_w2"]
+            m = [x for x in mem if x["variant"] == "shard_header_w2"]
+            base = [x["wall_s"] for x in runs if x["variant"] == "shard_baseline"]
             summary = {"n": n, "input_bytes": nbytes, "generate_s": gen_s,
                        "tar_wall_s_median": statistics.median(tar),
-                       "shard_wall_s_median": statistics.median(x["wall_s"] for x in sh),
-                       "ratio_shard_over_tar": statistics.median(x["wall_s"] for x in sh) / statistics.median(tar),
-                       "peak_rss_tree_per_sample_max": max(x["peak_rss_tree_per_sample"] for x in sh),
-                       "peak_rss_main_per_sample_max": max(x["peak_rss_main_per_sample"] for x in sh),
-                       "peak_pss_tree_per_sample_max": max(x["peak_pss_tree_per_sample"] for x in sh),
-                       "runs": runs}
+                       "shard_wall_s_median": statistics.median(sh),
+                       "ratio_shard_over_tar": statistics.median(sh) / statistics.median(tar),
+                       "ratios_per_repeat": [b / a for a, b in zip(tar, sh)],
+                       "baseline_wall_s_median": statistics.median(base) if base else None,
+                       "peak_rss_tree_per_sample_max": max(x["peak_rss_tree_per_sample"] for x in m),
+                       "peak_rss_main_per_sample_max": max(x["peak_rss_main_per_sample"] for x in m),
+                       "peak_pss_tree_per_sample_max": max(x["peak_pss_tree_per_sample"] for x in m),
+                       "runs": runs, "memory_runs": mem}
             results.append(summary)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -187,7 +227,7 @@ def main() -> None:
           f"{'main RSS B/sample':>18}")
     for s in results:
         print(f"{s['n']:>9} {s['tar_wall_s_median']:>7.2f} {s['shard_wall_s_median']:>8.2f} "
-              f"{s['ratio_shard_over_tar']:>6.1f} {s['peak_rss_tree_per_sample_max']:>18.0f} "
+              f"{s['ratio_shard_over_tar']:>6.2f} {s['peak_rss_tree_per_sample_max']:>18.0f} "
               f"{s['peak_pss_tree_per_sample_max']:>18.0f} {s['peak_rss_main_per_sample_max']:>18.0f}")
     print(f"saved {out}")
 

@@ -74,6 +74,7 @@ def _config_options() -> list[tuple[str, click.Option, str, str]]:
 
     out = []
     for cmd_name, cmd in cli.commands.items():
+        cmd.get_help(click.Context(cmd, info_name=cmd_name))  # the help from config fields is written when shown
         for opt in cmd.params:
             if not isinstance(opt, click.Option):
                 continue

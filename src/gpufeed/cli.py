@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import click
 
-from gpufeed import __version__
 from gpufeed.config import (IoConfig, LoaderConfig, PlanConfig, ShardConfig, StageConfig, SynthConfig, TrainConfig,
                             TuneConfig, field_help)
 from gpufeed.errors import GpufeedError
@@ -23,7 +22,8 @@ from gpufeed.errors import GpufeedError
 
 def config_help(cls: type, *names: str, **elsewhere: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give every option declared below it that sets a field of config class ``cls`` that field's help: its
-    docstring, default and range (``config.field_help``), so each default is written once, in config.py.
+    docstring, default and range (``config.field_help``), so each default is written once, in config.py. The
+    help is written when it is shown (``_Command``).
 
     An option sets the field named as its parameter (less a trailing ``_``: ``compile_`` -> ``compile``);
     ``names``, when given, limits this to those fields; ``elsewhere`` maps a parameter to the config class that
@@ -40,12 +40,24 @@ def config_help(cls: type, *names: str, **elsewhere: type) -> Callable[[Callable
                 continue
             name = param.name.rstrip("_")
             if name in elsewhere:
-                param.help = field_help(elsewhere[name], name)
+                param._gpufeed_field = (elsewhere[name], name)  # type: ignore[attr-defined]
             elif name in fields:
-                param.help = field_help(cls, name)
+                param._gpufeed_field = (cls, name)  # type: ignore[attr-defined]
         return f
 
     return decorate
+
+
+class _Command(click.Command):
+    """A command whose options' help from config fields (``config_help``) is written when help is shown: that
+    reads config.py's source (~20 ms), which a command that runs should not pay."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        for param in self.params:
+            field = getattr(param, "_gpufeed_field", None)
+            if field is not None and param.help is None:
+                param.help = field_help(*field)
+        super().format_help(ctx, formatter)
 
 
 def config_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -123,8 +135,19 @@ def load(config_path: str | None, section: str, overrides: dict[str, Any]) -> An
     return getattr(cfg, section)
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--version``, as ``click.version_option`` prints it; the version is looked up only then."""
+    if not value or ctx.resilient_parsing:
+        return
+    import gpufeed
+
+    click.echo(f"gpufeed, version {gpufeed.__version__}")
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="gpufeed")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and exit.")
 @click.option("--verbose", "-v", is_flag=True, help="Print tracebacks with errors (also GPUFEED_VERBOSE=1).")
 def cli(verbose: bool) -> None:
     """Keep GPUs fed: image folder -> WebDataset shards -> tuned loader -> measured training.
@@ -145,6 +168,9 @@ def cli(verbose: bool) -> None:
         import os
 
         os.environ["GPUFEED_VERBOSE"] = "1"  # torchrun ranks inherit it
+
+
+cli.command_class = _Command  # every command below: help from config fields, written lazily
 
 
 # Commands are added below, one per job; each imports its job module inside the function.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from gpufeed.config import ShardConfig
 from gpufeed.errors import DataError
@@ -72,7 +72,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     state = os.path.join(dest, STATE_DIR)
     pool = _make_pool(workers, lock_fd) if workers > 1 else None
     _map_large_blocks()  # this process only: the forked workers keep glibc's default (their write buffers churn)
-    _preload_imports(_EARLY_IMPORTS)  # after the pool has forked its workers (numpy may start threads)
+    _preload(_early_imports)  # after the pool has forked its workers (numpy may start threads)
     bar = _Bar(progress)
     try:
         scan = _scan(src, pool, workers)
@@ -127,7 +127,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                     one_pass_s = time.perf_counter() - t_val
         if plan is None:
             order = shuffle.order()
-            _preload_imports(_FINISH_IMPORTS)
+            _preload(_finish_imports)
             try:
                 results = _validate(scan, src, state, opts, pool, bar, order, workers, *partial)
             except OSError as exc:
@@ -343,7 +343,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
                     # While the workers write, this process waits: import what index.parquet needs. Not before the
                     # first shard is back: pyarrow's import holds the GIL ~0.1 s, and the pool's threads here need
                     # it to send the first shards' file lists (every worker has its next shard queued by now).
-                    _preload_imports(_FINISH_IMPORTS)
+                    _preload(_finish_imports)
             finally:
                 for fut in running:
                     fut.cancel()
@@ -408,37 +408,45 @@ def _map_large_blocks() -> None:
         pass
 
 
-_EARLY_IMPORTS = ("numpy", "PIL.Image")
-"""Imported in a thread while the workers scan: numpy joins the scan's columns, Pillow gives the pixel limit."""
+def _early_imports() -> None:
+    """What this process needs right after the scan: numpy (joins the scan's columns), Pillow (the one pass's
+    pixel limit) and the package version (the plan's fingerprint reads it from the installed metadata)."""
+    import numpy  # noqa: F401
+    from PIL import Image  # noqa: F401
 
-_FINISH_IMPORTS = ("pyarrow.compute", "pyarrow.parquet")
-"""Imported in a thread once the workers validate or write (~0.15 s): ``index.parquet`` needs them."""
+    import gpufeed
 
-_preloading: set[str] = set()
+    gpufeed.__version__  # noqa: B018 - looked up once, then cached
 
 
-def _preload_imports(names: tuple[str, ...]) -> None:
-    """Import ``names`` in a thread while the workers work, instead of on this process's serial path (a second
-    call with the same names does nothing). Started once the pool's workers are forked (the pool forks only while
-    this process has one thread); late enough that the thread's share of the GIL does not slow this process's
-    own serial steps (the shuffle, the first shards' file lists)."""
+def _finish_imports() -> None:
+    """What ``index.parquet`` needs (~0.15 s)."""
+    import pyarrow.compute  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+
+
+_preloading: set[Any] = set()
+
+
+def _preload(load: Callable[[], None]) -> None:
+    """Run ``load`` (imports) in a thread while the workers work, instead of on this process's serial path; a
+    second call with the same function does nothing. Started once the pool's workers are forked (the pool forks
+    only while this process has one thread), and late enough that the thread's share of the GIL does not slow
+    this process's own serial steps (the shuffle, the first shards' file lists). An error is left to the code
+    that needs the module: it imports it again and reports it there."""
     import threading
 
-    names = tuple(n for n in names if n not in _preloading)
-    if not names:
+    if load in _preloading:
         return
-    _preloading.update(names)
+    _preloading.add(load)
 
-    def load() -> None:
-        import importlib
+    def run() -> None:
+        try:
+            load()
+        except Exception:  # noqa: BLE001 - see above
+            pass
 
-        for name in names:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - the code that needs it imports it again and reports the error there
-                pass
-
-    threading.Thread(target=load, name="gpufeed-preload", daemon=True).start()
+    threading.Thread(target=run, name="gpufeed-preload", daemon=True).start()
 
 
 def _make_pool(workers: int, lock_fd: int) -> tuple[Any, Any]:

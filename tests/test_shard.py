@@ -79,6 +79,11 @@ def test_round_trip_with_plain_webdataset(image_folder, tmp_path: Path) -> None:
     assert tuple(table.column_names) == INDEX_COLUMNS and table.num_rows == 15
     rows = table.to_pylist()
     assert [r["key"] for r in rows] == [s["__key__"] for s in samples]
+    meta = pq.ParquetFile(dest / "index.parquet").metadata.row_group(0)
+    encoded = {meta.column(i).path_in_schema: "DICTIONARY" in " ".join(meta.column(i).encodings)
+               for i in range(meta.num_columns)}
+    assert [c for c in INDEX_COLUMNS if encoded[c] and c not in ("label", "bytes", "width", "height")] == \
+        ["shard", "class"]  # key and source are unique: no dictionary
     info = json.loads((dest / "_info.json").read_text())
     assert info["splits"]["train"]["num_samples"] == 15
     assert info["splits"]["train"]["shard_lengths"] == [4, 4, 4, 3]
@@ -875,11 +880,13 @@ def mixed_folder(root: Path) -> Path:
 
 
 # sha256 of every output file for mixed_folder, written by the code before the plan became columnar (commit
-# bb927f7, Pillow 13): the plan's in-memory and on-disk form may change, the output bytes may not.
+# bb927f7, Pillow 13): the plan's in-memory and on-disk form may change, the output bytes may not. The one
+# deliberate change since: index.parquet dictionary-encodes only its shard and class columns
+# (manifest.INDEX_DICTIONARY_COLUMNS; same table, other bytes).
 MIXED_GOLDEN = {
     "default": {
         "_info.json": "ce746bc0422fff7b7c32bd70841c8c7e710a7723e2cb5a1ce47d950a21aaa8d4",
-        "index.parquet": "cd7405a1ad4a70c68621839f96420e6132805dae2f2183c59c9befcadd257a49",
+        "index.parquet": "675e09d50a28ed8f7227f110dfeed20dc5922e580ad86c8f4aaee3492b5e18b8",
         "manifest.json": "9896db642ac1340a106835626632502097e61e293c4e28b8604a3f6bc88f166e",
         "train-000000.tar": "95d37549ecf69322bf340dddc4848fa839d98ae37d78a4194745d62d6d0ae125",
         "train-000001.tar": "8fd8820f48be21a66928002df083e7c76514f3bb165265020dd08e067c9ce797",
@@ -888,7 +895,7 @@ MIXED_GOLDEN = {
     },
     "max_size": {
         "_info.json": "dbb8275ac8ad5617bdc4b7fde594867e2ddbe9c213835c165a9b29a314136f46",
-        "index.parquet": "478fe60761f23fbd3104fc7180ce039a0cc07b2fd6d1df505431384f0afe5b4a",
+        "index.parquet": "5c3251ee6cf63a0f273d47812702212cbefbb210c290ad5c27b8b6f3f7d955d5",
         "manifest.json": "9df3beb6a3bca149d950f0b952da682fea0c4a789cbea4e34476ff5783e140cd",
         "train-000000.tar": "97ddfac815efb2ca724ac5a097299c3aecd5228a6697f09904d46a7b6fe32c3f",
         "train-000001.tar": "62ce31f127abbb24ceef0a52796bb9326891200bd9c913e47791edfc6246b2a5",
@@ -896,7 +903,7 @@ MIXED_GOLDEN = {
     },
     "header_w2": {
         "_info.json": "de4f6da3605e36c1d4ccc1515d871c155c64ad089516af4f5de4ea76b2223b84",
-        "index.parquet": "47f2968f7cf507db42689bcee7019c1b66bd551451a5695d6ab912c468e4e46b",
+        "index.parquet": "be2429ab6fc8ca02b3ab01d76182bd7355b8bbc811b4b285934513038133de2b",
         "manifest.json": "431918aa1944ef4b382cd79288a437541a338550b9d4afa4e0bc3e191250a401",
         "train-000000.tar": "a0d51174cca539a32dbd2be26d5991ca7fc7202a8593466aea87748b949509d0",
         "train-000001.tar": "1430559f0f3e29b8d792f9a6d240bbe5cb29f8b838c05f488f34bfb4567bcbe4",
@@ -906,7 +913,7 @@ MIXED_GOLDEN = {
     },
     "range_w2": {
         "_info.json": "67cdedb78b8b8d70d23c4745147eb85a7cce3c8c302540ba9e61d50c5f9ff330",
-        "index.parquet": "35dd1d2e946e0b4551eb4bfd59ab5d48c07819acf03120613bf30cf5d4baf8b6",
+        "index.parquet": "6179638a24a459e7e1854eb8f2431f10cd44ffbede6e6c9940898da8c805be60",
         "manifest.json": "14b6db2c411034e2fb4be1fc06bae3b06f438ca381c50f7d47a3e64dcbc14214",
         "train-000000.tar": "d207092e9cee1660312bccbf41551ed6bbb999d8b260877224a2efec0f2cb1ae",
         "train-000001.tar": "3bc5092ee3517d5be14eb8b9fb0eac17ed27fceab5a15e3fa181578d66ab9d41",

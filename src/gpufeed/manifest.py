@@ -35,6 +35,9 @@ INDEX_TYPES = {"key": "string", "shard": "string", "class": "string", "label": "
 """index.parquet columns and their pyarrow types: key, shard (file name), class, label, source (path relative to
 SRC), bytes (encoded image bytes as stored), width, height (stored image)."""
 INDEX_COLUMNS = tuple(INDEX_TYPES)
+INDEX_DICTIONARY_COLUMNS = ("shard", "class")
+"""The index columns written dictionary-encoded (few distinct values); ``key`` and ``source`` are unique, where a
+dictionary only costs: half the write time of 100k rows, and a smaller file."""
 
 
 def index_table(columns: dict[str, Any]) -> Any:

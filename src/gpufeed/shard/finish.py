@@ -71,7 +71,7 @@ def _write_index(path: str, plan: _Plan) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from gpufeed.manifest import index_table
+    from gpufeed.manifest import INDEX_DICTIONARY_COLUMNS, index_table
     from gpufeed.records import atomic_writer
 
     order = plan.cols["order"]
@@ -97,7 +97,8 @@ def _write_index(path: str, plan: _Plan) -> None:
                 "height": pa.array(height.astype(np.int32), pa.int32()),
             })
             if writer is None:
-                writer = pq.ParquetWriter(f, table.schema, memory_pool=pa.default_memory_pool())
+                writer = pq.ParquetWriter(f, table.schema, memory_pool=pa.default_memory_pool(),
+                                          use_dictionary=list(INDEX_DICTIONARY_COLUMNS))
             writer.write_table(table)
             del table
         assert writer is not None  # a plan has at least one sample

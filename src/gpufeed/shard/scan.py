@@ -123,28 +123,40 @@ def _class_columns(src: str, name: str) -> tuple[tuple[Any, ...], list[FileIssue
 
 
 _SCAN_DEPTH = 4
-"""Class folders being walked per worker."""
+"""Walk tasks in flight per worker."""
+
+_SCAN_GROUP_MAX = 64
+"""Class folders walked by one task, at most."""
+
+
+def _group_columns(src: str, names: list[str]) -> list[tuple[tuple[Any, ...], list[FileIssue], list[FileIssue]]]:
+    """``_class_columns`` of a few consecutive class folders (one worker task)."""
+    return [_class_columns(src, name) for name in names]
 
 
 def _walked(src: str, classes: list[str], pool: Any, workers: int) -> Any:
-    """``_class_columns`` of each class folder, in label order: walked by the pool's workers (a few classes in
-    flight each, so the results are never all held at once) or, without a pool, here."""
+    """``_class_columns`` of each class folder, in label order: walked by the pool's workers (a few tasks in
+    flight each, so the results are never all held at once) or, without a pool, here. A task walks a group of
+    consecutive classes (about ``workers * 8`` groups, at most ``_SCAN_GROUP_MAX`` classes each): every task is a
+    round trip through this process's pool threads, which may wait for the GIL (an import in the preload thread)
+    while the workers, given one small class at a time, would wait for them."""
     if pool is None:
         for name in classes:
             yield _class_columns(src, name)
         return
     ex = pool[0]
-    pending = iter(classes)
+    size = max(1, min(_SCAN_GROUP_MAX, len(classes) // (workers * 8)))
+    pending = (classes[i:i + size] for i in range(0, len(classes), size))
     running: list[Any] = []
     try:
         while True:
-            for name in pending:
-                running.append(ex.submit(_class_columns, src, name))
+            for group in pending:
+                running.append(ex.submit(_group_columns, src, group))
                 if len(running) >= _SCAN_DEPTH * workers:
                     break
             if not running:
                 return
-            yield running.pop(0).result()
+            yield from running.pop(0).result()
     finally:
         for fut in running:
             fut.cancel()

@@ -234,6 +234,31 @@ def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, mon
     assert validated == 1 and rep.num_samples == 27 and rep.transforms["cmyk_to_rgb_jpeg"] == 1
 
 
+def test_scan_in_workers_walks_groups_of_classes_into_the_same_columns(tmp_path: Path, monkeypatch) -> None:
+    """With a pool the class folders are walked a group per task (here 3 classes a task, 2 tasks a worker in
+    flight): the columns, in label order, are those of the walk in this process."""
+    import gpufeed.shard.scan as scan_mod
+    from gpufeed.shard.job import _make_pool
+
+    src = tmp_path / "src"
+    for c in range(40):
+        for i in range(c % 3):  # some classes empty
+            (src / f"k{c:02d}").mkdir(parents=True, exist_ok=True)
+            (src / f"k{c:02d}" / f"{i}.jpg").write_bytes(bytes([c, i]) * (c + 1))
+        (src / f"k{c:02d}").mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(scan_mod, "_SCAN_GROUP_MAX", 3)
+    monkeypatch.setattr(scan_mod, "_SCAN_DEPTH", 2)
+    here = scan_mod._scan(str(src))
+    pool = _make_pool(2, -1)
+    try:
+        there = scan_mod._scan(str(src), pool, 2)
+    finally:
+        pool[0].shutdown()
+    assert list(there.paths) == list(here.paths) and len(here) == 39
+    assert there.labels.tolist() == here.labels.tolist() and there.sizes.tolist() == here.sizes.tolist()
+    assert there.class_counts == here.class_counts and there.classes == here.classes
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 1000])
 def test_shard_order_shuffled_in_steps_is_random_shuffle(n: int) -> None:
     """The one pass shuffles in steps, starting the last shards while the rest is shuffled: every step, and the

@@ -32,6 +32,25 @@ def test_every_command_has_help() -> None:
         assert "--help" in res.stdout
 
 
+def test_version_is_the_installed_package_version() -> None:
+    from importlib.metadata import version
+
+    assert invoke(["--version"]).stdout.strip() == f"gpufeed, version {version('gpufeed')}"
+
+
+def test_option_help_from_config_fields_is_there_for_completion_and_info() -> None:
+    """That help is written when shown (not at import): shell completion and ``to_info_dict`` show it too."""
+    from click.shell_completion import ShellComplete
+
+    from gpufeed.cli import cli
+    from gpufeed.config import TuneConfig, field_help
+
+    items = ShellComplete(cli, {}, "gpufeed", "_GPUFEED_COMPLETE").get_completions(["tune"], "--max-w")
+    assert [(i.value, i.help) for i in items] == [("--max-workers", field_help(TuneConfig, "max_workers"))]
+    info = cli.commands["shard"].to_info_dict(click.Context(cli.commands["shard"], info_name="shard"))
+    assert all(p["help"] for p in info["params"] if p["name"] == "shard_samples")
+
+
 @pytest.mark.parametrize("name", ["shard", "verify", "index", "tune", "train", "synth"])
 def test_every_job_command_has_json(name: str) -> None:
     from gpufeed.cli import cli

@@ -234,6 +234,45 @@ def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, mon
     assert validated == 1 and rep.num_samples == 27 and rep.transforms["cmyk_to_rgb_jpeg"] == 1
 
 
+def test_one_pass_worker_error_stops_the_running_shards_and_leaves_no_temporary(tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    """A worker's OSError in the one pass (here the disk filling up in one shard) ends the run with one sentence;
+    the shards still being written stop too (the stop file) and delete their temporary files, so DEST holds no
+    ``.tmp`` and the re-run starts clean."""
+    import errno
+
+    import gpufeed.shard.validate as validate
+    import gpufeed.shard.write as write
+
+    src = tmp_path / "src"
+    for c in range(2):
+        for i in range(12):
+            write_image(src / f"c{c}" / f"{i}.jpg", size=(8 + i, 9))
+    real_read, real_task = validate._read_whole, write._check_and_write_shard
+
+    def slow_read(path, dir_fd=None):  # workers are forked after the patch: each file takes 50 ms there
+        time.sleep(0.05)
+        return real_read(path, dir_fd)
+
+    def task(dest, src_, name, part, opts):
+        if name == "train-000004.tar":
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(dest, f".{name}.tmp"))
+        return real_task(dest, src_, name, part, opts)
+
+    task.__module__, task.__qualname__ = real_task.__module__, real_task.__qualname__  # pickled by name
+    monkeypatch.setattr(write, "_read_whole", slow_read)
+    monkeypatch.setattr(write, "_check_and_write_shard", task)
+    monkeypatch.setattr(write, "_STOP_EVERY", 1)
+    import gpufeed.shard.job as job
+
+    monkeypatch.setattr(job, "_check_and_write_shard", task)
+    dest = tmp_path / "out"
+    with pytest.raises(RunError, match="No space left|full"):
+        shard(src, dest, check="header", workers=2, shard_samples=4)  # 6 shards; 5 and 4 go first, 4 fails
+    assert not [p.name for p in dest.rglob("*.tmp")]
+    assert not (dest / ".gpufeed" / "one-pass.stop").exists() and not list(dest.glob("*.tar"))
+
+
 def test_scan_in_workers_walks_groups_of_classes_into_the_same_columns(tmp_path: Path, monkeypatch) -> None:
     """With a pool the class folders are walked a group per task (here 3 classes a task, 2 tasks a worker in
     flight): the columns, in label order, are those of the walk in this process."""
@@ -260,16 +299,18 @@ def test_scan_in_workers_walks_groups_of_classes_into_the_same_columns(tmp_path:
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 1000])
-def test_shard_order_shuffled_in_steps_is_random_shuffle(n: int) -> None:
+def test_shard_order_shuffled_in_steps_is_random_shuffle(n: int, monkeypatch) -> None:
     """The one pass shuffles in steps, starting the last shards while the rest is shuffled: every step, and the
     whole order, are those of ``random.Random(seed).shuffle`` (what the plan has always recorded)."""
     import random
 
+    import gpufeed.shard.shardplan as shardplan
     from gpufeed.shard.shardplan import _Shuffle
 
-    for seed in (0, 1, 2**40 + 3):
+    for seed, stepwise in [(0, True), (1, True), (2**40 + 3, True), (5, False)]:  # False: the fallback
         want = list(range(n))
         random.Random(seed).shuffle(want)
+        monkeypatch.setattr(shardplan, "_STEPWISE", stepwise)
         s = _Shuffle(n, seed)
         for start in sorted({n - 1, n * 2 // 3, n // 3}, reverse=True):  # the one pass: the last shards first
             if start >= 0:
@@ -303,6 +344,15 @@ def test_one_pass_worker_on_plain_jpegs_imports_neither_numpy_nor_pillow(tmp_pat
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "6", "False", "False"]
     assert (tmp_path / "out" / ".t-000000.tar.tmp").stat().st_size > 6 * 1536
+    assert list(part["paths"]) == list(scan.paths)  # the array offsets, in this machine's byte order
+
+    # A shard queued behind one that stopped (the stop file exists) stops before its first file.
+    from gpufeed.shard.write import _check_and_write_shard
+
+    (tmp_path / "stop").touch()
+    got = _check_and_write_shard(*args)
+    assert (got.complete, got.checked, got.nbytes) == (False, 0, 0)
+    assert not (tmp_path / "out" / ".t-000000.tar.tmp").exists()
 
 
 def test_resume_after_lost_shards_is_byte_identical(image_folder, tmp_path: Path) -> None:

@@ -52,12 +52,23 @@ class _Command(click.Command):
     """A command whose options' help from config fields (``config_help``) is written when help is shown: that
     reads config.py's source (~20 ms), which a command that runs should not pay."""
 
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def _write_help(self) -> None:
         for param in self.params:
             field = getattr(param, "_gpufeed_field", None)
             if field is not None and param.help is None:
                 param.help = field_help(*field)
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self._write_help()
         super().format_help(ctx, formatter)
+
+    def shell_complete(self, ctx: click.Context, incomplete: str) -> list[Any]:
+        self._write_help()  # completions of options show their help
+        return super().shell_complete(ctx, incomplete)
+
+    def to_info_dict(self, ctx: click.Context) -> dict[str, Any]:
+        self._write_help()
+        return super().to_info_dict(ctx)
 
 
 def config_option(f: Callable[..., Any]) -> Callable[..., Any]:

@@ -101,6 +101,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                 plan = None
         resumed = plan is not None  # the earlier run's plan is used as it is (validation skipped)
         written: dict[str, Any] | None = None  # set by the one pass: every shard written with the validation
+        shuffle: _Shuffle | None = None
         partial: tuple[Any, ...] = ()  # a stopped one pass: its validation results, as _validate takes them
         one_pass_s = 0.0
 
@@ -127,6 +128,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
                     one_pass_s = time.perf_counter() - t_val
         if plan is None:
             order = shuffle.order()
+            shuffle = None  # ``order`` holds it; the plan may build another (when files are rejected)
             _preload(_finish_imports)
             try:
                 results = _validate(scan, src, state, opts, pool, bar, order, workers, *partial)
@@ -345,6 +347,9 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
                     # it to send the first shards' file lists (every worker has its next shard queued by now).
                     _preload(_finish_imports)
             finally:
+                if running:  # leaving on an error (a worker's, or an interrupt): the running shards stop too
+                    with open(stop, "wb"):
+                        pass
                 for fut in running:
                     fut.cancel()
                 cf.wait(running)  # a shard being checked and written deletes its temporary file when it stops

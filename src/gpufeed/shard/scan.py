@@ -45,7 +45,7 @@ class _Strings:
         from array import array
 
         offsets = array("q")
-        offsets.frombytes(self.offsets.astype("<i8").tobytes())
+        offsets.frombytes(self.offsets.astype("=i8").tobytes())  # array("q") reads this machine's byte order
         return _Strings(self.blob, offsets)
 
     def take(self, idx: Any) -> _Strings:

@@ -69,6 +69,11 @@ def _shard_names(prefix: str, n: int) -> list[str]:
     return [f"{prefix}-{i:06d}.tar" for i in range(n)]
 
 
+_STEPWISE = True
+"""Whether ``_Shuffle`` replays ``random.shuffle``'s draws step by step (``Random._randbelow``, as CPython's and
+PyPy's ``shuffle`` make them); tests turn it off to check the whole-shuffle fallback."""
+
+
 class _Shuffle:
     """The seeded order of the candidates, exactly ``random.Random(seed).shuffle(list(range(n)))``, computed in
     steps: that shuffle (Fisher-Yates) fixes the last position first, so once positions ``[start, n)`` are
@@ -84,7 +89,7 @@ class _Shuffle:
         self._order: Any = None
         self._rng = random.Random(seed)
         self._next = n - 1  # the next position the loop fixes; every one above it is final
-        if not hasattr(self._rng, "_randbelow"):  # not CPython's Random: the whole shuffle at once, its own way
+        if not (_STEPWISE and hasattr(self._rng, "_randbelow")):  # a Random unlike CPython's: all at once, its way
             self._rng.shuffle(self.x)
             self._next = 0
 

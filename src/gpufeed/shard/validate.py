@@ -3,7 +3,7 @@
 Worker side: ``_inspect`` reads one file once, checks it (``_inspect_bytes``, which the one pass also uses: ``_plain_jpeg_size`` for plain JPEG headers,
 Pillow for everything else), picks its storage action and transcodes it when the action says so (``_encode``);
 ``_validate_chunk`` runs a batch and writes its transcoded bytes to one cache file (``enc-*.bin``);
-``_batch_columns`` returns the batch as numpy columns (``_COLUMNS``). Main side: ``_validate`` feeds the batches
+``_batch_columns`` returns the batch as columns (``_COLUMNS``, ``array`` buffers: no numpy in a worker). Main side: ``_validate`` feeds the batches
 in the seeded shard order and gathers them into ``_Results`` (skipping whole batches a stopped one pass checked). The rules (stored formats, colour modes,
 orientation) are in the package docstring, "Stored bytes, colour modes and orientation"."""
 

@@ -322,7 +322,7 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
         limit, max_size = _pixel_limit(opts), opts["max_size"]
         stop = part["stop"]
         for k, (raw, n, label, scanned) in enumerate(zip(part["paths"], part["n"], part["label"], part["bytes"])):
-            if k % _STOP_EVERY == 0 and k and os.path.exists(stop):
+            if k % _STOP_EVERY == 0 and os.path.exists(stop):  # from the first file: a queued shard stops at once
                 return _OnePassShard(False, k, nbytes, _batch_columns(checked))
             try:
                 data, st = _read_whole(raw, src_fd)

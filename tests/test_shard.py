@@ -266,6 +266,14 @@ def test_one_pass_worker_error_stops_the_running_shards_and_leaves_no_temporary(
     import gpufeed.shard.job as job
 
     monkeypatch.setattr(job, "_check_and_write_shard", task)
+
+    def fork_pool(workers: int, lock_fd: int):  # the patches reach the workers only by fork (after a test has
+        import concurrent.futures as cf  # left a thread, tqdm's monitor say, the job's pool would spawn them)
+        import multiprocessing as mp
+
+        return cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")), None
+
+    monkeypatch.setattr(job, "_make_pool", fork_pool)
     dest = tmp_path / "out"
     with pytest.raises(RunError, match="No space left|full"):
         shard(src, dest, check="header", workers=2, shard_samples=4)  # 6 shards; 5 and 4 go first, 4 fails

@@ -259,7 +259,7 @@ def _pixel_limit(opts: dict[str, Any]) -> int:
 
 def _plain_copy(data: bytes, st: os.stat_result, pixel_limit: int, max_size: int | None) -> _Checked | None:
     """``--check header`` without re-encoding: the result for a plain JPEG (``_plain_jpeg_size``) stored as it
-    is, else None (Pillow decides). The one pass calls it first for each file, ``_inspect_bytes`` otherwise."""
+    is, else None (Pillow decides); ``_inspect_bytes`` tries it first."""
     size = _plain_jpeg_size(data, pixel_limit)
     if size is None or (max_size is not None and max(size) > max_size):
         return None

@@ -25,8 +25,7 @@ from gpufeed.errors import RunError
 from gpufeed.shard.dest import STATE_DIR
 from gpufeed.shard.report import _Bar
 from gpufeed.shard.scan import _display
-from gpufeed.shard.validate import (_EXT, _EXTS, _batch_columns, _cache_name, _inspect_bytes, _pixel_limit, _plain_copy,
-                                    _read_whole)
+from gpufeed.shard.validate import _EXT, _EXTS, _batch_columns, _cache_name, _inspect_bytes, _read_whole
 from gpufeed.shardset.tar import ustar_headers
 
 
@@ -319,7 +318,6 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
         held = 0
         cls_b = [str(label).encode("ascii") for label in range(len(classes))]
         cname_json: dict[int, str] = {}
-        limit, max_size = _pixel_limit(opts), opts["max_size"]
         stop = part["stop"]
         for k, (raw, n, label, scanned) in enumerate(zip(part["paths"], part["n"], part["label"], part["bytes"])):
             if k % _STOP_EVERY == 0 and os.path.exists(stop):  # from the first file: a queued shard stops at once
@@ -328,7 +326,7 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
                 data, st = _read_whole(raw, src_fd)
             except OSError:
                 return _OnePassShard(False, k, nbytes, _batch_columns(checked))
-            r = _plain_copy(data, st, limit, max_size) or _inspect_bytes(data, st, opts)
+            r = _inspect_bytes(data, st, opts)  # a plain JPEG: _plain_copy, with the main process's pixel limit
             size = len(data)
             if not r.ok or r.what != "copy" or size != scanned:
                 return _OnePassShard(False, k, nbytes, _batch_columns(checked))

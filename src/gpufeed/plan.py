@@ -316,6 +316,13 @@ def min_measure_batch(device_type: str) -> int:
     return GPU_MIN_MEASURE_BATCH if device_type == "cuda" else CPU_MIN_MEASURE_BATCH
 
 
+def peak_estimate(fixed: float, per_sample: float, floor_fixed: float, floor_per_sample: float, b: int) -> int:
+    """The estimated peak at batch ``b``: the higher of the line through the measured peaks and the floor line
+    (weights + optimizer state + activations), so a measured line that is nearly flat - where the gradients, not
+    the activations, set the measured peaks - never estimates below what the forward pass must hold."""
+    return int(round(max(fixed + per_sample * b, floor_fixed + floor_per_sample * b)))
+
+
 def default_measure_batches(device_type: str, gradient_bytes: int, activation_bytes_per_sample: float
                             ) -> tuple[int, int]:
     """(b1, 2 b1): b1 the smallest power of two, at least the device's minimum, whose activations are twice the
@@ -506,7 +513,7 @@ def plan(cfg: PlanConfig) -> PlanReport:
     check = stepper.measure(check_batch) if check_batch else None
 
     def peak_at(b: int) -> int:
-        return int(round(max(fixed + per_sample * b, floor_fixed + a_per_sample * b)))
+        return peak_estimate(fixed, per_sample, floor_fixed, a_per_sample, b)
 
     n = cfg.batch_size
     peak = peak_at(n)

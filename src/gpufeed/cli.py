@@ -114,10 +114,10 @@ def is_quiet() -> bool:
     return bool(ctx is not None and ctx.meta.get(_QUIET))
 
 
-def _echo_line(line: str) -> None:
-    """A progress line on stderr (tune's trials, io's steps), unless --quiet."""
-    if not is_quiet():
-        click.echo(line, err=True)
+def progress_lines() -> Callable[[str], None] | None:
+    """The progress callback of a job that reports in lines (tune's trials, io's steps): each line on stderr, or
+    None with --quiet (decided here, in the command's thread)."""
+    return None if is_quiet() else lambda line: click.echo(line, err=True)
 
 
 def json_error(message: str, exit_code: int, command: str | None = None) -> None:
@@ -420,7 +420,7 @@ def tune(shards: str, manifest: str | None, budget_s: float | None, batch_size: 
     def job() -> Any:
         from gpufeed.tune import tune as run_tune
 
-        return run_tune(cfg, base, progress=_echo_line)
+        return run_tune(cfg, base, progress=progress_lines())
 
     def render(report: Any) -> str:
         from gpufeed.tune import render as render_tune
@@ -572,7 +572,7 @@ def io_cmd(paths: tuple[str, ...], seconds: float | None, bytes_: str | None, ma
     def job() -> Any:
         from gpufeed.storage import measure_io
 
-        return measure_io(list(paths), cfg, progress=_echo_line)
+        return measure_io(list(paths), cfg, progress=progress_lines())
 
     def render(report: Any) -> str:
         from gpufeed.storage import render as render_io

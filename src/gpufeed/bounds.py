@@ -77,5 +77,20 @@ def cores_needed(target_rate: float, per_core: float) -> float:
     return target_rate / per_core
 
 
+PAGE_CACHE = "page cache (no device reads)"
+"""What a read rate of 0 means when samples were read: the storage I/O counters exclude page-cache hits, so every
+read was one."""
+
+
+def read_rate_text(read_bytes_per_s: float | None, samples: float | None, *, short: bool = False) -> str:
+    """A measured storage read rate as text: ``12.3 MB/s`` (``12.3`` with ``short``, for a MB/s column), "page cache
+    (no device reads)" (``page cache``) when it is 0 while ``samples`` (a count or a rate) were read, "-" unknown."""
+    if read_bytes_per_s is None or not math.isfinite(read_bytes_per_s):
+        return "-"
+    if read_bytes_per_s <= 0 and (samples or 0) > 0:
+        return PAGE_CACHE.split(" (")[0] if short else PAGE_CACHE
+    return f"{read_bytes_per_s / 1e6:.1f}" if short else f"{read_bytes_per_s / 1e6:,.1f} MB/s"
+
+
 def _known(x: float | None) -> bool:
     return x is not None and math.isfinite(x) and x > 0

@@ -4,7 +4,8 @@ Every command parses options, resolves its config (CLI > file > defaults), calls
 and renders the record it returns. Heavy imports (torch, PIL, webdataset) happen inside commands,
 so ``gpufeed --help`` stays fast. Exit codes: 0 ok, 1 the job ran but a check failed, 2 usage or
 input error (one sentence, no traceback). With ``--json`` stdout carries exactly one JSON object,
-the command's summary record; human text goes to stderr.
+the command's summary record, or on an error ``{"error": sentence, "exit_code": N, "command": name}``; human
+text goes to stderr. ``--quiet`` (on every command, or before it) turns progress and notes off.
 """
 
 from __future__ import annotations
@@ -78,11 +79,56 @@ def config_option(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
+_JSON = "gpufeed.json"
+_QUIET = "gpufeed.quiet"
+"""Keys of ``click.Context.meta`` (shared by the group's and the command's context): --json and --quiet given."""
+
+
+def _remember(key: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        if value:
+            ctx.meta[key] = True
+        return value
+
+    return callback
+
+
 def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
-        "--json", "as_json", is_flag=True,
-        help="Print exactly one JSON object (the summary record) on stdout; human text goes to stderr.",
+        "--json", "as_json", is_flag=True, callback=_remember(_JSON),
+        help="Print exactly one JSON object (the summary record, or {\"error\": ..., \"exit_code\": ...}) on stdout; "
+             "human text goes to stderr.",
     )(f)
+
+
+def quiet_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--quiet`` on a command (also ``gpufeed --quiet CMD``): read with :func:`is_quiet`."""
+    return click.option("--quiet", is_flag=True, expose_value=False, callback=_remember(_QUIET),
+                        help="No progress bars or notes (errors, the result and the --json record stay).")(f)
+
+
+def is_quiet() -> bool:
+    """``--quiet`` was given (on the command or the group). Progress bars are also off when stderr is not a
+    terminal (``gpufeed.progress``)."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.meta.get(_QUIET))
+
+
+def progress_lines() -> Callable[[str], None] | None:
+    """The progress callback of a job that reports in lines (tune's trials, io's steps): each line on stderr, or
+    None with --quiet (decided here, in the command's thread)."""
+    return None if is_quiet() else lambda line: click.echo(line, err=True)
+
+
+def json_error(message: str, exit_code: int, command: str | None = None) -> None:
+    """Under ``--json``, the error as the one JSON object on stdout (the sentence still goes to stderr)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or not ctx.meta.get(_JSON):
+        return
+    from gpufeed.records import dumps
+
+    name = command or (ctx.info_name if ctx.parent is not None else None)
+    click.echo(dumps({"error": message, "exit_code": exit_code, "command": name}, indent=None))
 
 
 def _verbose() -> bool:
@@ -98,6 +144,7 @@ def fail(message: str, exit_code: int) -> None:
 
         traceback.print_exc(file=sys.stderr)
     click.echo(f"error: {message}", err=True)
+    json_error(message, exit_code)
     sys.exit(exit_code)
 
 
@@ -119,6 +166,7 @@ def run_job(job: Callable[[], Any], render: Callable[[Any], str], as_json: bool)
         fail(f"{exc.strerror or exc}{where}", 2)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
+        json_error("interrupted", 130)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - a bug: still one sentence unless --verbose
         fail(f"unexpected {type(exc).__name__}: {one_line(exc)} (rerun with gpufeed --verbose for the traceback)", 1)
@@ -126,7 +174,7 @@ def run_job(job: Callable[[], Any], render: Callable[[Any], str], as_json: bool)
     if as_json:
         from gpufeed.records import dumps
 
-        if human:
+        if human and not is_quiet():
             click.echo(human, err=True)
         click.echo(dumps(record, indent=None))
     elif human:
@@ -156,10 +204,44 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     ctx.exit()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Group(click.Group):
+    """The ``gpufeed`` group: a usage error Click finds (an unknown option, a bad value) under ``--json`` also
+    prints the one JSON error object on stdout; Click still prints its usage text on stderr and exits 2."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        argv = list(args)
+        try:
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
+        except click.ClickException as exc:
+            self._json_usage_error(exc, argv)
+            raise
+        ctx.meta["gpufeed.argv"] = argv
+        return ctx
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            self._json_usage_error(exc, ctx.meta.get("gpufeed.argv", []))
+            raise
+
+    def _json_usage_error(self, exc: click.ClickException, argv: list[str]) -> None:
+        words = argv[:argv.index("--")] if "--" in argv else argv
+        if "--json" not in words:
+            return
+        from gpufeed.records import dumps
+
+        command = next((w for w in words if w in self.commands), None)
+        click.echo(dumps({"error": exc.format_message(), "exit_code": exc.exit_code, "command": command},
+                         indent=None))
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Show the version and exit.")
 @click.option("--verbose", "-v", is_flag=True, help="Print tracebacks with errors (also GPUFEED_VERBOSE=1).")
+@quiet_option
 def cli(verbose: bool) -> None:
     """Keep GPUs fed: image folder -> WebDataset shards -> tuned loader -> measured training.
 
@@ -174,6 +256,10 @@ def cli(verbose: bool) -> None:
     gpufeed stage   SRC DEST       copy a shard set to NVMe or /dev/shm, checked and resumable
     gpufeed doctor  [DATA_PATH ...] check drivers, GPUs, CPUs, /dev/shm and data paths: ok / warn / fail
     gpufeed plan    --arch resnet50 will the batch fit in GPU memory; loader cores per GPU
+    gpufeed config  --defaults     print the default configuration (TOML)
+
+    Progress bars are drawn only when stderr is a terminal (GPUFEED_PROGRESS=1 forces them on, 0 off).
+    Shell completion: eval "$(_GPUFEED_COMPLETE=bash_source gpufeed)" (zsh_source, fish_source).
     """
     if verbose:
         import os
@@ -198,6 +284,7 @@ cli.command_class = _Command  # every command below: help from config fields, wr
 @click.option("--classes", "classes_file", type=click.Path(dir_okay=False),
               help="Class names in label order, one per line  [default: classes.txt next to the shards, else the "
                    "sorted distinct labels].")
+@quiet_option
 @json_option
 def index_cmd(shards: str, out: str | None, no_hash: bool, label: str, classes_file: str | None,
               as_json: bool) -> None:
@@ -226,13 +313,13 @@ def index_cmd(shards: str, out: str | None, no_hash: bool, label: str, classes_f
 @click.option("--overwrite/--no-overwrite", default=None)
 @click.option("--allow-empty-classes/--no-allow-empty-classes", default=None)
 @click.option("--max-pixels", type=int)
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
 @config_option
 @json_option
 def shard(src: str, dest: str, workers: int | None, seed: int | None, shard_samples: int | None,
           shard_bytes: str | None, multiple_of: int | None, prefix: str | None, max_size: int | None,
           quality: int | None, check: str | None, strict: bool | None, overwrite: bool | None,
-          allow_empty_classes: bool | None, max_pixels: int | None, quiet: bool, config_path: str | None,
+          allow_empty_classes: bool | None, max_pixels: int | None, config_path: str | None,
           as_json: bool) -> None:
     """Image folder SRC (one sub-folder per class) -> deterministic WebDataset shards + manifest in DEST."""
     cfg = load(config_path, "shard", {
@@ -244,7 +331,7 @@ def shard(src: str, dest: str, workers: int | None, seed: int | None, shard_samp
     def job() -> Any:
         from gpufeed.shard import write_shards
 
-        return write_shards(cfg, progress=not quiet)
+        return write_shards(cfg, progress=not is_quiet())
 
     def render(report: Any) -> str:
         from gpufeed.shard import render_shard
@@ -263,6 +350,7 @@ def shard(src: str, dest: str, workers: int | None, seed: int | None, shard_samp
 @click.option("--manifest", "manifest", type=str,
               help="The set's manifest.json (a path or URL) when DEST is a brace pattern or pipe: command  "
                    "[default: the manifest.json next to DEST].")
+@quiet_option
 @config_option
 @json_option
 def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None, manifest: str | None,
@@ -304,6 +392,7 @@ def verify(dest: str, decode: bool, workers: int | None, max_pixels: int | None,
 @click.option("--nproc-per-node", type=int)
 @click.option("--trainer-cores", type=int)
 @click.option("--storage-probe-s", type=float)
+@quiet_option
 @config_option
 @json_option
 def tune(shards: str, manifest: str | None, budget_s: float | None, batch_size: int | None,
@@ -331,7 +420,7 @@ def tune(shards: str, manifest: str | None, budget_s: float | None, batch_size: 
     def job() -> Any:
         from gpufeed.tune import tune as run_tune
 
-        return run_tune(cfg, base, progress=lambda line: click.echo(line, err=True))
+        return run_tune(cfg, base, progress=progress_lines())
 
     def render(report: Any) -> str:
         from gpufeed.tune import render as render_tune
@@ -349,6 +438,7 @@ def tune(shards: str, manifest: str | None, budget_s: float | None, batch_size: 
 @click.option("--seed", type=int)
 @click.option("--workers", type=int)
 @click.option("--overwrite", is_flag=True, default=None)
+@quiet_option
 @config_option
 @json_option
 def synth(dest: str, images: int | None, classes: int | None, seed: int | None, workers: int | None,
@@ -418,10 +508,10 @@ def synth(dest: str, images: int | None, classes: int | None, seed: int | None, 
 @click.option("--storage-record", type=click.Path(dir_okay=False))
 @click.option("--storage-probe-s", type=float)
 @click.option("--run-dir", type=click.Path(file_okay=False))
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
 @config_option
 @json_option
-def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int | None, compile_: bool | None,
+def train(config_path: str | None, as_json: bool, num_workers: int | None, compile_: bool | None,
           **opts: Any) -> None:
     """AMP + DDP ResNet training that measures data stall and ends with a fed/starved verdict (exit 1 if starved).
 
@@ -433,7 +523,7 @@ def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int 
 
     overrides = {f"train.{k}": v for k, v in opts.items()}
     overrides["train.compile"] = compile_
-    overrides["train.progress"] = False if quiet else None
+    overrides["train.progress"] = False if is_quiet() else None
     overrides["loader.num_workers"] = num_workers
     try:
         conf = load_config(config_path, overrides)
@@ -462,6 +552,7 @@ def train(config_path: str | None, as_json: bool, quiet: bool, num_workers: int 
 @click.option("--target-rate", type=float)
 @click.option("--gpu-ceiling", type=click.Path(dir_okay=False))
 @click.option("--run-dir", type=click.Path(file_okay=False))
+@quiet_option
 @config_option
 @json_option
 def io_cmd(paths: tuple[str, ...], seconds: float | None, bytes_: str | None, max_readers: int | None,
@@ -481,7 +572,7 @@ def io_cmd(paths: tuple[str, ...], seconds: float | None, bytes_: str | None, ma
     def job() -> Any:
         from gpufeed.storage import measure_io
 
-        return measure_io(list(paths), cfg, progress=lambda line: click.echo(line, err=True))
+        return measure_io(list(paths), cfg, progress=progress_lines())
 
     def render(report: Any) -> str:
         from gpufeed.storage import render as render_io
@@ -498,10 +589,10 @@ def io_cmd(paths: tuple[str, ...], seconds: float | None, bytes_: str | None, ma
 @click.option("--jobs", type=int)
 @click.option("--node-rank", type=int)
 @click.option("--num-nodes", type=int)
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
 @config_option
 @json_option
-def stage(src: str, dest: str, jobs: int | None, node_rank: int | None, num_nodes: int | None, quiet: bool,
+def stage(src: str, dest: str, jobs: int | None, node_rank: int | None, num_nodes: int | None,
           config_path: str | None, as_json: bool) -> None:
     """Copy the shard set SRC (folder or manifest.json) to the local folder DEST: free-space check, parallel
     copies to temporary names, sha256 checked against the manifest, resumable; DEST gets its own manifest."""
@@ -511,7 +602,7 @@ def stage(src: str, dest: str, jobs: int | None, node_rank: int | None, num_node
     def job() -> Any:
         from gpufeed.stage import stage as run_stage
 
-        return run_stage(cfg, progress=not quiet)
+        return run_stage(cfg, progress=not is_quiet())
 
     def render(report: Any) -> str:
         from gpufeed.stage import render_stage
@@ -528,6 +619,7 @@ def stage(src: str, dest: str, jobs: int | None, node_rank: int | None, num_node
 @click.option("--prefetch-factor", type=int)
 @click.option("--batch-size", type=int)
 @click.option("--image-size", type=int)
+@quiet_option
 @config_option
 @json_option
 def doctor(paths: tuple[str, ...], num_workers: int | None, prefetch_factor: int | None, batch_size: int | None,
@@ -570,6 +662,7 @@ def doctor(paths: tuple[str, ...], num_workers: int | None, prefetch_factor: int
 @click.option("--record", type=click.Path(dir_okay=False))
 @click.option("--gpus", type=int)
 @click.option("--trainer-cores", type=int)
+@quiet_option
 @config_option
 @json_option
 def plan(arch: str | None, num_classes: int | None, batch_size: int | None, image_size: int | None,
@@ -601,6 +694,36 @@ def plan(arch: str | None, num_classes: int | None, batch_size: int | None, imag
         from gpufeed.plan import render as render_plan
 
         return render_plan(report)
+
+    run_job(job, render, as_json)
+
+
+@cli.command("config")
+@click.option("--defaults", is_flag=True,
+              help="Print the built-in defaults (what configs/default.toml holds).")
+@quiet_option
+@config_option
+@json_option
+def config_cmd(defaults: bool, config_path: str | None, as_json: bool) -> None:
+    """Print a configuration as commented TOML, every section and key: the built-in defaults (--defaults), or
+    FILE resolved over them (--config FILE; exit 2 when FILE has an error). Generated from the config classes,
+    so it is always the installed version's.
+
+    \b
+    gpufeed config --defaults > my.toml     a starting point: edit it, then gpufeed CMD --config my.toml
+    """
+    if defaults == (config_path is not None):
+        fail("give --defaults or --config FILE (one of them)", 2)
+
+    def job() -> Any:
+        from gpufeed.config import load_config
+
+        return load_config(config_path)
+
+    def render(cfg: Any) -> str:
+        from gpufeed.config import render_config
+
+        return render_config(cfg)
 
     run_job(job, render, as_json)
 

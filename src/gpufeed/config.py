@@ -706,6 +706,42 @@ def to_toml(section: str, cfg: Any, *, skip_none: bool = True, header: str = "")
     return "\n".join(lines) + "\n"
 
 
+CONFIG_HEADER = """gpufeed configuration, one section per job: gpufeed CMD --config FILE reads it.
+Precedence: CLI > this file > built-in defaults. Unknown sections and keys are errors; every number is
+range-checked. Sizes accept "1GB", "512MiB" or plain bytes. A commented-out key has no default value: its
+comment says what leaving it out means.
+Generated from the config classes (src/gpufeed/config.py) by: gpufeed config --defaults"""
+
+
+def render_config(cfg: Config | None = None, header: str = CONFIG_HEADER) -> str:
+    """Every section and key of ``cfg`` (default: the built-in defaults) as commented TOML that ``load_config``
+    reads back to ``cfg``: each key under its field's docstring and range, sizes as ``1GB``, unset (None) keys
+    commented out. ``gpufeed config --defaults`` prints it; ``configs/default.toml`` is this text."""
+    import textwrap
+
+    cfg = Config() if cfg is None else cfg
+    docs = _field_docs()
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    for name, cls in SECTIONS.items():
+        section = getattr(cfg, name)
+        about = " ".join((cls.__doc__ or "").replace("``", "").split())
+        lines += ["", f"[{name}]"] + textwrap.wrap(about, 116, initial_indent="# ", subsequent_indent="# ")
+        for f in dataclasses.fields(cls):
+            doc = docs.get(cls.__name__, {}).get(f.name, "")
+            if "max" in f.metadata:
+                lo, hi = (_help_value(f.metadata[k], f.metadata["size"]) for k in ("min", "max"))
+                doc += f"  [{lo}{'<' if f.metadata['min_open'] else '<='}x{'<' if f.metadata['max_open'] else '<='}{hi}]"
+            lines += [""] + textwrap.wrap(doc, 116, initial_indent="# ", subsequent_indent="# ")
+            value = getattr(section, f.name)
+            if value is None:
+                lines.append(f"# {f.name} =")
+            elif f.metadata.get("size") and isinstance(value, int) and not isinstance(value, bool):
+                lines.append(f"{f.name} = {_toml_value(_help_value(value, size=True))}")
+            else:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

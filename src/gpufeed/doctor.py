@@ -287,6 +287,23 @@ def check_versions(f: Facts) -> Check:
     return Check("versions", "ok", shown)
 
 
+def check_tested(f: Facts) -> Check:
+    """A note (warn, never a failure) when the installed torch or torchvision is not the release the test suite
+    ran with (``gpufeed.tested``, constraints.txt); the local build label (``+cu130``) is ignored."""
+    from gpufeed.tested import TESTED_VERSIONS, base_version
+
+    tested = ", ".join(f"{k} {v}" for k, v in TESTED_VERSIONS.items())
+    differ = [f"{k} {f.versions[k]}" for k, v in TESTED_VERSIONS.items()
+              if f.versions.get(k) and base_version(str(f.versions[k])) != v]
+    if not differ:
+        return Check("tested versions", "ok", f"the versions the test suite ran with: {tested}"
+                     if all(f.versions.get(k) for k in TESTED_VERSIONS) else f"tested with {tested}")
+    pins = " ".join(f"{k}=={v}" for k, v in TESTED_VERSIONS.items())
+    return Check("tested versions", "warn", f"{', '.join(differ)} installed; the test suite ran with {tested} "
+                 "(constraints.txt): likely fine, but untested", f"to run what was tested: pip install {pins} from "
+                 "the PyTorch index of your CUDA version (constraints.txt in the gpufeed source pins them)")
+
+
 def check_driver(f: Facts) -> Check:
     runtime = f.versions.get("cuda")
     if not f.gpus:
@@ -456,7 +473,7 @@ def check_env(f: Facts) -> Check:
 
 
 def run_checks(f: Facts, cfg: LoaderConfig) -> DoctorReport:
-    checks = [check_versions(f), check_driver(f), *check_gpus(f), check_cpus(f), check_memory(f), check_shm(f, cfg),
+    checks = [check_versions(f), check_tested(f), check_driver(f), *check_gpus(f), check_cpus(f), check_memory(f), check_shm(f, cfg),
               check_nofile(f)]
     for p in f.paths:
         checks.extend(check_path(p, f))
@@ -482,5 +499,5 @@ def render(report: DoctorReport) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Check", "DoctorReport", "Facts", "GpuFacts", "PathFacts", "doctor", "gather_facts", "render",
-           "run_checks", "shm_need"]
+__all__ = ["Check", "DoctorReport", "Facts", "GpuFacts", "PathFacts", "check_tested", "doctor", "gather_facts",
+           "render", "run_checks", "shm_need"]

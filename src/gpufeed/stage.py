@@ -54,7 +54,6 @@ import hashlib
 import os
 import shutil
 import stat
-import sys
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -431,10 +430,10 @@ def _copy_all(source: LocalSource | RemoteSource, todo: list[ShardInfo], dest: P
     is raised once they have cleaned up."""
     bar = None
     if progress:
-        from tqdm import tqdm
+        from gpufeed.progress import bar as progress_bar
 
-        bar = tqdm(total=sum(i.bytes for i in todo), desc="stage", unit="B", unit_scale=True, unit_divisor=1000,
-                   file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+        bar = progress_bar(total=sum(i.bytes for i in todo), desc="stage", unit="B", unit_scale=True,
+                           unit_divisor=1000, smoothing=0.1)
     lock = threading.Lock()
 
     def tick(n: int) -> None:

@@ -604,15 +604,73 @@ def measure_io(paths: list[str], cfg: IoConfig, *, opener: Opener = local_open,
 def _write_run(report: IoReport, cfg: IoConfig) -> IoReport:
     import dataclasses
 
-    from gpufeed.records import make_run_dir, write_json
+    from gpufeed.records import atomic_write_text, make_run_dir, write_json
     from gpufeed.system import environment_snapshot
 
     run = Path(cfg.run_dir) if cfg.run_dir else make_run_dir("io")
     run.mkdir(parents=True, exist_ok=True)
     report = dataclasses.replace(report, run_dir=str(run))
     write_json(run / "environment.json", environment_snapshot(with_torch=False))
+    chart: str | None = CHART_NAME
+    try:
+        plot_io(report, run / CHART_NAME)
+    except Exception as exc:  # a chart failure is noted, the records stand
+        from gpufeed.errors import one_line
+
+        chart = None
+        report = dataclasses.replace(report, notes=[*report.notes, f"no chart: {one_line(exc)}"])
     write_json(run / "summary.json", report)
+    atomic_write_text(run / "report.md", render_markdown(report, chart))
     return report
+
+
+CHART_NAME = "io.png"
+
+
+def render_markdown(report: IoReport, chart: str | None = CHART_NAME) -> str:
+    """report.md of a ``gpufeed io`` run folder, as tune's and train's: the chart, then the text of :func:`render`
+    (every step's numbers, as in summary.json; the need and fit lines; the notes)."""
+    lines = ["# gpufeed io", ""]
+    if chart:
+        lines += [f"![MB/s per reader count]({chart})", ""]
+    lines += ["```", render(report), "```", ""]
+    return "\n".join(lines)
+
+
+def plot_io(report: IoReport, path: str | Path) -> Path:
+    """PNG: MB/s against the reader count, one panel per location, cold and warm (or remote) as lines, the need of
+    the target rate as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(1, len(report.locations))
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False)
+    for ax, loc in zip(axes[0], report.locations):
+        for cache in dict.fromkeys(st.cache for st in loc.steps):
+            steps = [st for st in loc.steps if st.cache == cache]
+            ax.plot([st.readers for st in steps], [st.mb_per_s for st in steps], marker="o", label=cache)
+        if loc.need is not None:
+            ax.axhline(loc.need.need_mb_per_s, color="grey", ls="--", label="needed")
+        ax.set_xscale("log", base=2)
+        ladder = sorted({st.readers for st in loc.steps})
+        ax.set_xticks(ladder, [str(r) for r in ladder])
+        ax.minorticks_off()
+        ax.set_xlabel("readers")
+        ax.set_ylabel("MB/s")
+        ax.set_title(str(loc.path)[-60:], fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    from gpufeed.records import atomic_writer
+
+    try:
+        with atomic_writer(path) as f:
+            fig.savefig(f, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    return Path(path)
 
 
 # --------------------------------------------------------------------------- text

@@ -619,10 +619,9 @@ class Trainer:
         """A tqdm bar on stderr for the ``with`` body (rank 0 with cfg.progress only; :meth:`log` sets its
         postfix), closed on the way out."""
         if self.world.is_main and self.cfg.progress:
-            from tqdm import tqdm
+            from gpufeed.progress import bar
 
-            self._progress = tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
-                                  dynamic_ncols=True, leave=False)
+            self._progress = bar(total=total, initial=initial, desc=desc, unit="step", leave=False)
         try:
             yield
         finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gpufeed import bounds
 from gpufeed.health import HEALTH_NAME, INTERVAL_S, THROTTLE_NOTE_FRACTION, THROTTLE_NOTE_S, slowdowns, throttled
 from gpufeed.nvml import SLOWDOWN_LABELS
 from gpufeed.records import to_jsonable, write_json
@@ -151,11 +152,12 @@ def storage_line(s: dict[str, Any]) -> str:
                                      st.get("cache")) if x)
     line = f"storage: {st['bytes_per_s'] / 1e6:,.1f} MB/s ({how})"
     read = s.get("loader_read_bytes_per_s")
+    m = s["modes"].get("loader-only") or s["modes"].get("real")
     if read is None:  # a record from before the field: the storage I/O counters of the loader-only (or real) mode
-        m = s["modes"].get("loader-only") or s["modes"].get("real")
         read = m["read_bytes_per_s"] if m is not None else None
     if read is not None:
-        line += f"; the loader read {read / 1e6:,.1f} MB/s"
+        rate = bounds.read_rate_text(read, m.get("samples_per_s") if m is not None else None)
+        line += f"; the loader read from the {rate}" if rate == bounds.PAGE_CACHE else f"; the loader read {rate}"
     return line
 
 

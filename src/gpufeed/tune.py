@@ -1403,7 +1403,7 @@ def render(report: TuneReport) -> str:
     rows = sorted(report.trials, key=lambda t: (not t.ok, -(t.samples_per_s or 0.0)))
     cuda = _is_cuda(report.device)
     head = (f"{'rank':>4} {'#':>3} {'phase':15} {'config':42} {'samples/s (min-max)':>24} {'start s':>7} "
-            f"{'cores':>5} {'RSS MB':>7} {'read MB/s':>9}")
+            f"{'cores':>5} {'RSS MB':>7} {'read MB/s':>10}")
     lines = [head, "-" * len(head)]
     for rank, t in enumerate(rows, 1):
         if t.ok:
@@ -1415,7 +1415,7 @@ def render(report: TuneReport) -> str:
             f"{rank:>4}{mark}{t.trial:>3} {t.phase:15} {describe(t, cuda, report.remote)[:42]:42} {rate:>24} "
             f"{_f(t.startup_s, 2):>7} {_f(t.tree_cores_used, 2):>5} "
             f"{_f(None if t.rss_max_bytes is None else t.rss_max_bytes / 1e6, 0):>7} "
-            f"{_f(None if t.read_bytes_per_s is None else t.read_bytes_per_s / 1e6, 1):>9}"
+            f"{bounds.read_rate_text(t.read_bytes_per_s, t.num_samples, short=True):>10}"
             + (f"  {one_line(t.error)}" if t.error else ""))
     lines.append("")
     for what, attr in (("skipped samples", "num_skipped"), ("repeated samples", "num_repeated")):
@@ -1452,6 +1452,8 @@ def storage_line(report: TuneReport) -> str:
     if best is None or best.read_bytes_per_s is None or st.bytes_per_s <= 0:
         return line
     read = best.read_bytes_per_s
+    if read <= 0 and best.num_samples > 0:
+        return line + f"; the best trial read from the {bounds.PAGE_CACHE}"
     limit = "at the storage's limit" if bounds.storage_limited(read, st.bytes_per_s) else "below the storage's limit"
     return line + f"; the best trial reads {read / 1e6:,.1f} MB/s, {100 * read / st.bytes_per_s:.0f}% of it: {limit}"
 

@@ -113,11 +113,10 @@ class _Bar:
     def start(self, desc: str, total: int) -> None:
         if not self.enabled:
             return
-        from tqdm import tqdm
+        from gpufeed.progress import bar
 
-        if self.bar is None:
-            self.bar = tqdm(total=total, desc=desc, unit="img", file=sys.stderr, dynamic_ncols=True,
-                            smoothing=0.1)
+        if self.bar is None:  # drawn only on a terminal (gpufeed.progress); notes are printed either way
+            self.bar = bar(total=total, desc=desc, unit="img", smoothing=0.1)
         else:
             self.bar.reset(total=total)
             self.bar.set_description(desc)

@@ -91,13 +91,22 @@ def _verbose() -> bool:
     return os.environ.get("GPUFEED_VERBOSE", "") not in ("", "0")
 
 
+def say(text: str, err: bool = False) -> None:
+    """THE way text reaches the terminal: ``click.echo`` of ``text`` with the password of every URL in it hidden
+    (:func:`gpufeed.redact.redact`)."""
+    from gpufeed.redact import redact
+
+    click.echo(redact(text), err=err)
+
+
 def fail(message: str, exit_code: int) -> None:
-    """One sentence on stderr, then exit (with ``--verbose`` the active traceback is printed first)."""
+    """One sentence on stderr, then exit (with ``--verbose`` the active traceback is printed first); passwords in
+    URLs hidden in both."""
     if _verbose():
         import traceback
 
-        traceback.print_exc(file=sys.stderr)
-    click.echo(f"error: {message}", err=True)
+        say(traceback.format_exc().rstrip("\n"), err=True)
+    say(f"error: {message}", err=True)
     sys.exit(exit_code)
 
 
@@ -127,10 +136,10 @@ def run_job(job: Callable[[], Any], render: Callable[[Any], str], as_json: bool)
         from gpufeed.records import dumps
 
         if human:
-            click.echo(human, err=True)
+            say(human, err=True)
         click.echo(dumps(record, indent=None))
     elif human:
-        click.echo(human)
+        say(human)
     ok = record.get("ok", True) if isinstance(record, dict) else getattr(record, "ok", True)
     sys.exit(0 if ok else 1)
 
@@ -331,7 +340,7 @@ def tune(shards: str, manifest: str | None, budget_s: float | None, batch_size: 
     def job() -> Any:
         from gpufeed.tune import tune as run_tune
 
-        return run_tune(cfg, base, progress=lambda line: click.echo(line, err=True))
+        return run_tune(cfg, base, progress=lambda line: say(line, err=True))
 
     def render(report: Any) -> str:
         from gpufeed.tune import render as render_tune
@@ -481,7 +490,7 @@ def io_cmd(paths: tuple[str, ...], seconds: float | None, bytes_: str | None, ma
     def job() -> Any:
         from gpufeed.storage import measure_io
 
-        return measure_io(list(paths), cfg, progress=lambda line: click.echo(line, err=True))
+        return measure_io(list(paths), cfg, progress=lambda line: say(line, err=True))
 
     def render(report: Any) -> str:
         from gpufeed.storage import render as render_io

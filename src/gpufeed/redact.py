@@ -7,7 +7,7 @@ The text is parsed, not matched against one pattern: each ``scheme://`` in it (t
 userinfo is everything before the authority's LAST ``@`` (RFC 3986 §3.2: the host holds no ``@``), so a password
 holding ``@``, ``:``, quotes or spaces is hidden whole. An authority without ``@`` that is no ``host[:port]`` (a
 password holding ``/``, ``?`` or ``#``, which RFC 3986 wants percent-encoded: ``http://user:pa/ss@host``) is taken
-to the last ``@`` of its line. Too much hidden is the price of never too little: ``http://host failed for
+to the last ``@`` of its line (within :data:`MAX_EXTENDED_USERINFO` characters). Too much hidden is the price of never too little: ``http://host failed for
 me@example`` becomes ``http://***@example``. What cannot be told from a host and a path is left: a lone token
 holding ``/`` (``http://tok/en@host``) or a password of digits before a ``/`` (``http://user:12/34@host``).
 """
@@ -26,7 +26,9 @@ _AUTHORITY_END = re.compile(r"[/?#\r\n]")
 _PORT = re.compile(r"[0-9]*")
 
 
-_LINE_END = re.compile(r"[\r\n]")
+MAX_EXTENDED_USERINFO = 4096
+"""Characters after an authority that is no ``host[:port]`` searched for the ``@`` ending its userinfo (a bound, so
+a long line of such URLs is redacted in linear time)."""
 
 
 def _looks_like_host(authority: str) -> bool:
@@ -47,8 +49,11 @@ def _userinfo_end(text: str, start: int) -> int:
     at = text.rfind("@", start, end)
     if at >= 0 or _looks_like_host(text[start:end]):
         return at
-    line = _LINE_END.search(text, start)
-    return text.rfind("@", start, line.start() if line else len(text))
+    stop = min(len(text), start + MAX_EXTENDED_USERINFO)
+    for brk in "\n\r":
+        i = text.find(brk, start, stop)
+        stop = stop if i < 0 else i
+    return text.rfind("@", start, stop)
 
 
 def _hide(userinfo: str) -> str:

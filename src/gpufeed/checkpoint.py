@@ -24,6 +24,7 @@ from gpufeed.config import LoaderConfig, TrainConfig
 from gpufeed.errors import DataError, one_line
 from gpufeed.loader import LoaderPosition
 from gpufeed.records import to_jsonable
+from gpufeed.redact import redact_obj
 from gpufeed.world import World
 
 CHECKPOINT_NAME = "last.pt"
@@ -290,7 +291,7 @@ class Checkpointer:
                 "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
                 "loader_position": LoaderPosition(epoch, step_in_epoch * self.cfg.accum_steps).to_dict(),
                 "rng": rngs, "world_size": self.world.world_size,
-                "config": to_jsonable(self.cfg), "loader_config": to_jsonable(self.loader_cfg),
+                "config": redact_obj(to_jsonable(self.cfg)), "loader_config": to_jsonable(self.loader_cfg),
                 "total_steps": self.total_steps,
             }
             _atomic_torch_save(state, self.path)

@@ -117,7 +117,7 @@ def is_quiet() -> bool:
 def progress_lines() -> Callable[[str], None] | None:
     """The progress callback of a job that reports in lines (tune's trials, io's steps): each line on stderr, or
     None with --quiet (decided here, in the command's thread)."""
-    return None if is_quiet() else lambda line: click.echo(line, err=True)
+    return None if is_quiet() else lambda line: say(line, err=True)
 
 
 def json_error(message: str, exit_code: int, command: str | None = None) -> None:
@@ -137,13 +137,22 @@ def _verbose() -> bool:
     return os.environ.get("GPUFEED_VERBOSE", "") not in ("", "0")
 
 
+def say(text: str, err: bool = False) -> None:
+    """THE way text reaches the terminal: ``click.echo`` of ``text`` with the password of every URL in it hidden
+    (:func:`gpufeed.redact.redact`)."""
+    from gpufeed.redact import redact
+
+    click.echo(redact(text), err=err)
+
+
 def fail(message: str, exit_code: int) -> None:
-    """One sentence on stderr, then exit (with ``--verbose`` the active traceback is printed first)."""
+    """One sentence on stderr, then exit (with ``--verbose`` the active traceback is printed first); passwords in
+    URLs hidden in both."""
     if _verbose():
         import traceback
 
-        traceback.print_exc(file=sys.stderr)
-    click.echo(f"error: {message}", err=True)
+        say(traceback.format_exc().rstrip("\n"), err=True)
+    say(f"error: {message}", err=True)
     json_error(message, exit_code)
     sys.exit(exit_code)
 
@@ -175,10 +184,10 @@ def run_job(job: Callable[[], Any], render: Callable[[Any], str], as_json: bool)
         from gpufeed.records import dumps
 
         if human and not is_quiet():
-            click.echo(human, err=True)
+            say(human, err=True)
         click.echo(dumps(record, indent=None))
     elif human:
-        click.echo(human)
+        say(human)
     ok = record.get("ok", True) if isinstance(record, dict) else getattr(record, "ok", True)
     sys.exit(0 if ok else 1)
 

@@ -30,6 +30,7 @@ from typing import Any
 from gpufeed.config import LayoutConfig, LoaderConfig, TrainConfig, load_config, to_toml
 from gpufeed.errors import ConfigError, GpufeedError, RunError, one_line
 from gpufeed.records import atomic_write_bytes, make_run_dir, to_jsonable, write_json
+from gpufeed.redact import redact
 from gpufeed.train import check_classes, open_shards, run_loader_config, steps_per_epoch, train
 from gpufeed.train_records import CONFIG_NAME, SUMMARY_NAME
 from gpufeed.world import World
@@ -109,9 +110,10 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     config_path = run_dir / CONFIG_NAME
-    config_path.write_text(
-        to_toml("loader", loader_cfg, header="Resolved configuration of this run (gpufeed train).") + "\n"
-        + to_toml("train", cfg), encoding="utf-8")
+    text = (to_toml("loader", loader_cfg, header="Resolved configuration of this run (gpufeed train).") + "\n"
+            + to_toml("train", cfg))
+    # the ranks read the URLs back as typed, password included: then only this user may read the file
+    atomic_write_bytes(config_path, text.encode("utf-8"), mode=0o600 if redact(text) != text else None)
     write_json(run_dir / "environment.json", environment_snapshot())
     if not needs_torchrun(cfg):
         world = World.from_env(cfg.device)
@@ -181,12 +183,13 @@ def _traceback_if_verbose() -> None:
     if _verbose():
         import traceback
 
-        traceback.print_exc(file=sys.stderr)
+        print(redact(traceback.format_exc()), end="", file=sys.stderr)
 
 
 def _rank_failed(report_dir: Path, rank: int, message: str, exit_code: int, *, cause: bool) -> int:
     """One sentence on stderr (a traceback first with GPUFEED_VERBOSE=1) and in ``rank-R.error``."""
     _traceback_if_verbose()
+    message = redact(message)
     print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
     # a wall-clock timestamp, not a duration: it orders the failures of ranks in different processes (and nodes)
     report = {"rank": rank, "message": message, "exit_code": exit_code, "cause": cause, "time": time.time()}
@@ -215,7 +218,7 @@ def _torchrun(args: list[str]) -> int:
         return 1
     except Exception as exc:  # noqa: BLE001 - rendezvous and agent failures: one sentence
         _traceback_if_verbose()
-        print(f"torchrun: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr, flush=True)
+        print(redact(f"torchrun: {type(exc).__name__}: {one_line(exc)}"), file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -773,8 +773,10 @@ class ShardLoader:
 
     def __iter__(self):
         if not self._warned and self.world.local_rank == 0:
+            from gpufeed.redact import redact
+
             for w in self.warnings:
-                print(f"warning: {w}", file=sys.stderr)
+                print(redact(f"warning: {w}"), file=sys.stderr)
         self._warned = True
         start = int(self._start.value)
         self._consumed = start

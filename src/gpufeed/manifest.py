@@ -456,5 +456,12 @@ def read_manifest(shards: str | Path) -> Manifest:
 
 
 def write_manifest(folder: str | Path, manifest: Manifest) -> Path:
-    """Write ``manifest.json`` atomically (call this last: its presence means the set is complete)."""
-    return write_json(Path(folder) / MANIFEST_NAME, manifest.to_dict())
+    """Write ``manifest.json`` atomically (call this last: its presence means the set is complete). The contract
+    (shard names, classes) is written as it is, since it is read back; ``options``, the record of how the set was
+    made, has the passwords of its URLs hidden (:func:`gpufeed.redact.redact_obj`)."""
+    from gpufeed.redact import redact_obj
+
+    d = manifest.to_dict()
+    if isinstance(d.get("options"), dict):
+        d["options"] = redact_obj(d["options"])
+    return write_json(Path(folder) / MANIFEST_NAME, d, redact=False)

@@ -38,10 +38,12 @@ def to_jsonable(obj: Any) -> Any:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
+def atomic_writer(path: str | Path, mode: int | None = None) -> Iterator[BinaryIO]:
     """THE atomic writer: yields a temporary file in ``path``'s folder; on a clean exit it is fsynced, renamed
     over ``path`` and the folder fsynced, so ``path`` holds either its old content or all that was written, even
-    after a power loss; on an exception the temporary file is removed. The file gets ``0666 & ~umask``."""
+    after a power loss; on an exception the temporary file is removed. The file gets ``mode`` (default
+    ``0666 & ~umask``; 0600 for a file holding a secret, which then is never readable by others, not even
+    before the rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -49,7 +51,7 @@ def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; outputs are shared files
+            os.fchmod(f.fileno(), 0o666 & ~_umask() if mode is None else mode)  # mkstemp makes 0600
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -61,9 +63,9 @@ def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
     fsync_dir(path.parent)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` with :func:`atomic_writer`."""
-    with atomic_writer(path) as f:
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` with :func:`atomic_writer` (``mode``: its permission bits)."""
+    with atomic_writer(path, mode) as f:
         f.write(data)
 
 
@@ -114,15 +116,20 @@ def read_json_file(path: str | Path, max_bytes: int, what: str) -> Any:
         raise DataError(f"{p} is not readable JSON, so not {what} ({one_line(exc)[:160]})") from None
 
 
-def dumps(obj: Any, *, indent: int | None = 2) -> str:
-    """``obj`` as JSON text for a record or ``--json`` output, passwords in URLs replaced by ``***``."""
-    from gpufeed.redact import redact
+def dumps(obj: Any, *, indent: int | None = 2, redact: bool = True) -> str:
+    """``obj`` as JSON text for a record or ``--json`` output, the password of every URL in its strings replaced
+    by ``***`` (:func:`gpufeed.redact.redact_obj`: each string is redacted before it is quoted, so a password
+    holding quotes or backslashes is hidden whole). ``redact=False`` only for data that is read back as written
+    (a manifest)."""
+    from gpufeed.redact import redact_obj
 
-    return redact(json.dumps(to_jsonable(obj), indent=indent, sort_keys=False, ensure_ascii=False))
+    value = to_jsonable(obj)
+    return json.dumps(redact_obj(value) if redact else value, indent=indent, sort_keys=False, ensure_ascii=False)
 
 
-def write_json(path: str | Path, obj: Any) -> Path:
-    atomic_write_bytes(path, (dumps(obj) + "\n").encode("utf-8"))
+def write_json(path: str | Path, obj: Any, *, redact: bool = True) -> Path:
+    """``obj`` as a JSON file (:func:`dumps`: URLs' passwords hidden unless ``redact=False``), atomically."""
+    atomic_write_bytes(path, (dumps(obj, redact=redact) + "\n").encode("utf-8"))
     return Path(path)
 
 
@@ -143,7 +150,9 @@ def write_parquet(path: str | Path, records: list[Any]) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [to_jsonable(r) for r in records]
+    from gpufeed.redact import redact_obj
+
+    rows = [redact_obj(to_jsonable(r)) for r in records]
     columns: dict[str, list[Any]] = {}
     for row in rows:
         for key in row:

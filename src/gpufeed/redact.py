@@ -1,20 +1,109 @@
 """Secrets in user-typed URLs (``https://user:password@host/...``, ``https://token@host/...``) are never
-printed or recorded: :func:`redact` replaces them with ``***`` in any text (a URL, a brace pattern, a
-one-sentence error)."""
+printed or recorded: :func:`redact` replaces them with ``***`` in any text (a URL, a brace pattern, a ``pipe:``
+command, a one-sentence error, a TOML or markdown file), and :func:`redact_obj` in every string of a record.
+
+The text is parsed, not matched against one pattern: each ``scheme://`` in it (the scheme case-insensitive, RFC 3986
+§3.1) starts an authority that runs to the first ``/``, ``?``, ``#``, line break or the end of the text, and its
+userinfo is everything before the authority's LAST ``@`` (RFC 3986 §3.2: the host holds no ``@``), so a password
+holding ``@``, ``:``, quotes or spaces is hidden whole. An authority without ``@`` that is no ``host[:port]`` (a
+password holding ``/``, ``?`` or ``#``, which RFC 3986 wants percent-encoded: ``http://user:pa/ss@host``) is taken
+to the last ``@`` of its line (within :data:`MAX_EXTENDED_USERINFO` characters). Too much hidden is the price of never too little: ``http://host failed for
+me@example`` becomes ``http://***@example``. What cannot be told from a host and a path is left: a lone token
+holding ``/`` (``http://tok/en@host``) or a password of digits before a ``/`` (``http://user:12/34@host``).
+"""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
-_USERINFO = re.compile(r"""(?i)\b([a-z][a-z0-9+.-]*://)([^/@\s"'<>]+)@""")
+HIDDEN = "***"
+"""What a password (or a lone token) becomes."""
+
+_SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
+"""A URL's start: ``scheme://`` not inside a longer word."""
+_AUTHORITY_END = re.compile(r"[/?#\r\n]")
+_PORT = re.compile(r"[0-9]*")
 
 
-def _hide(m: re.Match) -> str:
-    user, colon, _ = m.group(2).partition(":")
-    return f"{m.group(1)}{user + ':' if colon else ''}***@"
+MAX_EXTENDED_USERINFO = 4096
+"""Characters after an authority that is no ``host[:port]`` searched for the ``@`` ending its userinfo (a bound, so
+a long line of such URLs is redacted in linear time)."""
+
+
+def _looks_like_host(authority: str) -> bool:
+    """Whether the first word of an authority without ``@`` is ``host``, ``host:port`` or ``[v6]:port`` (else: a
+    userinfo whose password holds a ``/``, ``?`` or ``#``)."""
+    words = authority.split()
+    word = words[0] if words else ""
+    if word.startswith("["):
+        return True
+    host, colon, port = word.rpartition(":")
+    return not colon or (":" not in host and _PORT.fullmatch(port) is not None)
+
+
+def _userinfo_end(text: str, start: int) -> int:
+    """The index of the ``@`` that ends the userinfo of the authority starting at ``text[start]``, or -1."""
+    m = _AUTHORITY_END.search(text, start)
+    end = m.start() if m else len(text)
+    at = text.rfind("@", start, end)
+    if at >= 0 or _looks_like_host(text[start:end]):
+        return at
+    stop = min(len(text), start + MAX_EXTENDED_USERINFO)
+    for brk in "\n\r":
+        i = text.find(brk, start, stop)
+        stop = stop if i < 0 else i
+    return text.rfind("@", start, stop)
+
+
+def _hide(userinfo: str) -> str:
+    user, colon, _ = userinfo.partition(":")
+    return f"{user}:{HIDDEN}" if colon else HIDDEN
 
 
 def redact(text: str) -> str:
     """``text`` with the password (or lone token) of every ``scheme://user:password@`` in it replaced by
-    ``***``; the user name stays."""
-    return _USERINFO.sub(_hide, text)
+    ``***``; the user name stays. Idempotent."""
+    if "://" not in text:
+        return text
+    out, pos = [], 0
+    for m in _SCHEME.finditer(text):
+        if m.start() < pos:  # inside a userinfo already hidden
+            continue
+        start = m.end()
+        at = _userinfo_end(text, start)
+        if at < 0:
+            continue
+        hidden = _hide(text[start:at])
+        out.append(text[pos:start])
+        out.append(hidden)
+        pos = at
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def redact_obj(obj: Any) -> Any:
+    """A JSON-able tree (dicts, lists, strings) with :func:`redact` applied to every string, keys included."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, dict):
+        return {redact_obj(k): redact_obj(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact_obj(v) for v in obj]
+    return obj
+
+
+def split_url(url: str) -> tuple[str, str | None, str, str]:
+    """``(scheme lower-cased, userinfo or None, host[:port], rest)`` of a URL, the authority found as
+    :func:`redact` finds it (so a password holding ``@`` or ``/`` never lands in the host); ``("", None, "",
+    url)`` for text that does not start with ``scheme://``."""
+    m = _SCHEME.match(url)
+    if not m:
+        return "", None, "", url
+    start = m.end()
+    at = _userinfo_end(url, start)
+    userinfo = None if at < 0 else url[start:at]
+    host_start = start if at < 0 else at + 1
+    e = _AUTHORITY_END.search(url, host_start)
+    end = e.start() if e else len(url)
+    return m.group(0)[:-3].lower(), userinfo, url[host_start:end], url[end:]

@@ -274,13 +274,13 @@ def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
     if cfg.src is None or cfg.dest is None:
         raise DataError("stage needs SRC (a shard set) and DEST (a folder)")
     node_rank, num_nodes = node_of(cfg)
-    from gpufeed.shardset.source import REMOTE_PREFIXES
+    from gpufeed.shardset.source import is_url
 
     dest = Path(cfg.dest)
     if dest.exists() and not dest.is_dir():
         raise DataError(f"DEST {dest} is not a folder")
     src_dirs: list[Path] = []
-    if str(cfg.src).startswith(REMOTE_PREFIXES):
+    if is_url(str(cfg.src)):
         m, source, src_label, sides = _remote_src(str(cfg.src), cfg.jobs, node_rank, num_nodes)
         mine = _node_subset(m, node_rank, num_nodes)
     else:

@@ -265,9 +265,9 @@ def _image_location(path: Path, max_files: int) -> _Location:
 
 def resolve_location(path: str | Path, max_files: int) -> _Location:
     """A shard set (folder with manifest.json, or a manifest .json; local or a remote URL) or an image folder."""
-    from gpufeed.shardset.source import REMOTE_PREFIXES, is_pipe
+    from gpufeed.shardset.source import is_pipe, is_url
 
-    if isinstance(path, str) and path.startswith(REMOTE_PREFIXES):
+    if is_url(path):
         return _set_location(path, None)
     if is_pipe(path):
         raise DataError(f"{path}: gpufeed io measures folders and URLs, not pipe: commands")
@@ -285,10 +285,10 @@ def filesystem_of(path: str | Path) -> tuple[str, str]:
     from gpufeed.system import mount_of
 
     if isinstance(path, str) and "://" in path:
-        import urllib.parse
+        from gpufeed.redact import split_url
 
-        parts = urllib.parse.urlsplit(path)
-        return parts.scheme, parts.netloc
+        scheme, _, host, _ = split_url(path)  # the host only: a password is no part of a record
+        return scheme, host
 
     _, point, fs_type = mount_of(path)
     return fs_type, point
@@ -845,11 +845,13 @@ def io_record_rate(record_path: str | Path, shards: str | Path) -> StorageRate:
 
 
 def _folder(path: str | Path) -> str:
-    """The real folder of a shard set given as its folder or its manifest .json (a URL: the folder URL)."""
-    from gpufeed.shardset.source import REMOTE_PREFIXES
+    """The real folder of a shard set given as its folder or its manifest .json (a URL: the folder URL, its
+    password hidden as records hide it, so the URL typed matches the one an io record holds)."""
+    from gpufeed.redact import redact
+    from gpufeed.shardset.source import is_url, normal_url
 
-    if isinstance(path, str) and path.startswith(REMOTE_PREFIXES):
-        url = path.rstrip("/")
+    if is_url(path):
+        url = redact(normal_url(str(path))).rstrip("/")
         return url.rsplit("/", 1)[0] if url.endswith(".json") else url
     p = Path(path)
     return os.path.realpath(p.parent if p.suffix == ".json" else p)

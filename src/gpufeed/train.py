@@ -695,9 +695,9 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer,
 
     manifest = trainer.manifest
     read_rate = (lonly or real).read_bytes_per_s
-    from gpufeed.shardset.source import REMOTE_PREFIXES
+    from gpufeed.shardset.source import is_url
 
-    remote = str(trainer.cfg.shards or "").startswith(REMOTE_PREFIXES)
+    remote = is_url(str(trainer.cfg.shards or ""))
     if manifest is not None and remote:
         # a remote set is read over sockets, which the storage I/O counters behind read_bytes do not count: the
         # loader moves the manifest's mean bytes per sample, so it reads its samples/s (per node) times that

@@ -21,8 +21,10 @@ REPORT_NAME = "report.md"
 
 def write_report(run_dir: Path, record: TrainRecord) -> None:
     """summary.json, throughput.png (when there is something to plot) and report.md in ``run_dir``."""
+    from gpufeed.redact import redact_obj
+
     write_json(run_dir / SUMMARY_NAME, record)
-    summary = to_jsonable(record)
+    summary = redact_obj(to_jsonable(record))  # report.md and the chart show what summary.json holds
     plot = plot_summary(run_dir, summary)
     (run_dir / REPORT_NAME).write_text(render_markdown(summary, plot), encoding="utf-8")
 

@@ -55,6 +55,9 @@ KNOBS = ("num_workers", "decode", "worker_batching", "prefetch_factor", "pin_mem
 WORKER_LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 STREAMS_LADDER = (1, 2, 4, 8, 16)
 """The remote_streams values :func:`climb_streams` may try, in order (a remote set's range requests per worker)."""
+PASSWORD_REMOVED = ("the password of a URL below was removed (user:***@): give gpufeed train the URL with its "
+                    "password again, on the command line or in a config file you do not share")
+"""The first line of a TOML file tune writes (``--out``, the run folder's config.toml) when it hid a password."""
 
 # --------------------------------------------------------------------------- records
 
@@ -860,9 +863,9 @@ class Search:
         self.stop_reason = ""
         self.layout: LayoutConfig | None = None
         """The layout the trials run in (set by :func:`tune`)."""
-        from gpufeed.shardset.source import REMOTE_PREFIXES
+        from gpufeed.shardset.source import is_url
 
-        self.remote = shards.startswith(REMOTE_PREFIXES)
+        self.remote = is_url(shards)
         """The set is read over the network in range requests, where remote_streams applies."""
         self.storage_bytes_per_s: float | None = None
         """The probed storage rate (set by :func:`tune`), for :func:`classify_bound`."""
@@ -1010,9 +1013,9 @@ def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureF
     ladder = [w for w in WORKER_LADDER if w <= ceiling]
     if ceiling not in ladder:
         ladder.append(ceiling)
-    from gpufeed.shardset.source import REMOTE_PREFIXES
+    from gpufeed.shardset.source import is_url
 
-    streams_trials = len(STREAMS_LADDER) - 1 if shards.startswith(REMOTE_PREFIXES) else 0  # one is the point's
+    streams_trials = len(STREAMS_LADDER) - 1 if is_url(shards) else 0  # one is the point's
     n_expected = len(ladder) + 3 + streams_trials + (2 if cfg.baseline_imagefolder else 0)
     window_s = cfg.window_s or min(10.0, max(0.3, cfg.budget_s / (n_expected * (cfg.repeats + 1.5))))
 
@@ -1469,7 +1472,14 @@ def _f(v: float | None, digits: int) -> str:
 def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> TuneReport:
     """Write the run folder and the [loader] TOML; returns the report with their paths set."""
     from gpufeed.records import atomic_write_bytes, make_run_dir, write_json, write_jsonl, write_parquet
+    from gpufeed.redact import redact
     from gpufeed.system import environment_snapshot
+
+    def hidden(text: str) -> str:
+        """A file's text with the passwords of its URLs hidden, saying so (a tuned.toml is committed, a run
+        folder shared; ``gpufeed train`` is given the URL with its password again)."""
+        safe = redact(text)
+        return safe if safe == text else (f"# {PASSWORD_REMOVED}\n" + safe)
 
     run = Path(cfg.run_dir) if cfg.run_dir else make_run_dir("tune")
     run.mkdir(parents=True, exist_ok=True)
@@ -1481,13 +1491,13 @@ def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> Tu
         text = to_toml("loader", report.best, header=header)
         if report.layout is not None:  # gpufeed train warns when it runs a different layout
             text += "\n" + to_toml("layout", report.layout)
-        atomic_write_bytes(out, text.encode())
+        atomic_write_bytes(out, hidden(text).encode())
     report = dataclasses.replace(report, run_dir=str(run), out=None if out is None else str(out))
     write_jsonl(run / "trials.jsonl", report.trials)
     if report.trials:
         write_parquet(run / "trials.parquet", report.trials)
     cfg_text = to_toml("tune", cfg) + "\n" + to_toml("loader", base)
-    atomic_write_bytes(run / "config.toml", cfg_text.encode())
+    atomic_write_bytes(run / "config.toml", hidden(cfg_text).encode())
     try:
         env = environment_snapshot(with_torch=True)
     except Exception as exc:  # the snapshot must never sink the run
@@ -1501,9 +1511,9 @@ def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> Tu
     summary = dataclasses.replace(report, trials=[])
     write_json(run / "summary.json", summary)
     text = render(report)
-    (run / "report.md").write_text(
+    (run / "report.md").write_text(redact(
         f"# gpufeed tune\n\n{report.conclusion}\n\n![samples/s](tune.png)\n\n```\n{text}\n```\n\n"
-        "## Search path\n\n" + "".join(f"- {d.sentence}\n" for d in report.decisions), encoding="utf-8")
+        "## Search path\n\n" + "".join(f"- {d.sentence}\n" for d in report.decisions)), encoding="utf-8")
     return report
 
 
@@ -1544,7 +1554,9 @@ def plot_trials(report: TuneReport, path: str | Path) -> Path:
     ax2.set_yticks(range(len(ranked)), labels, fontsize=7)
     ax2.set_xlabel("samples/s")
     ax2.set_title("all trials (orange = chosen)")
-    fig.suptitle(report.conclusion[:160], fontsize=8)
+    from gpufeed.redact import redact
+
+    fig.suptitle(redact(report.conclusion)[:160], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

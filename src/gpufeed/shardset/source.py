@@ -37,7 +37,8 @@ from gpufeed.manifest import (
 )
 
 REMOTE_PREFIXES = ("http://", "https://", "s3://", "gs://")
-"""URL schemes read through fsspec."""
+"""URL schemes read through fsspec, lower case; a scheme is case-insensitive (RFC 3986 §3.1): test a location with
+:func:`is_url`, never with ``startswith``."""
 PIPE_PREFIX = "pipe:"
 """A user-typed shell command whose standard output is a shard (webdataset's convention)."""
 
@@ -91,10 +92,25 @@ class SourceError(DataError):
     """A shard or manifest that cannot be read from where it lives (one sentence naming the location)."""
 
 
+def is_url(spec: str | Path) -> bool:
+    """Whether ``spec`` is a URL read through fsspec (``http``, ``https``, ``s3``, ``gs``; the scheme in any case:
+    ``HTTP://`` is a URL, not a local path)."""
+    return isinstance(spec, str) and spec[:8].lower().startswith(REMOTE_PREFIXES)
+
+
+def normal_url(spec: str) -> str:
+    """``spec`` with the scheme of a URL (:func:`is_url`) in lower case, as fsspec and the checks here take it;
+    anything else as it is."""
+    if not is_url(spec):
+        return spec
+    scheme, sep, rest = spec.partition("://")
+    return scheme.lower() + sep + rest
+
+
 def is_remote(spec: str | Path) -> bool:
     """Whether ``spec`` is a URL read through fsspec or a ``pipe:`` command (not a local path)."""
     text = str(spec) if isinstance(spec, str) else ""
-    return text.startswith(REMOTE_PREFIXES) or text.startswith(PIPE_PREFIX)
+    return is_url(text) or text.startswith(PIPE_PREFIX)
 
 
 def is_pipe(spec: str | Path) -> bool:
@@ -120,7 +136,7 @@ _FS_LOCK = threading.Lock()
 
 
 def _protocol(url: str) -> str:
-    return url.split("://", 1)[0]
+    return url.split("://", 1)[0].lower()
 
 
 def fs_for(url: str) -> Any:
@@ -157,7 +173,11 @@ def fs_for(url: str) -> Any:
 
 def _fs_path(url: str) -> str:
     """The path fsspec's filesystem takes: the whole URL for http(s), ``bucket/key`` for s3/gs."""
-    return url if url.startswith(("http://", "https://")) else url.split("://", 1)[1]
+    return url if _is_http(url) else url.split("://", 1)[1]
+
+
+def _is_http(url: str) -> bool:
+    return url[:8].lower().startswith(("http://", "https://"))
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -319,7 +339,7 @@ def _read_range(fs: Any, url: str, path: str, start: int, end: int) -> bytes:
     here as it arrives (raw bytes: no content encoding is accepted; at most one byte past the range is read before
     a server that ignores the range is refused; the request is bounded in time by :data:`MIN_BYTES_PER_S`);
     s3 and gs through their fsspec driver. Raises SourceError, or what the driver raises."""
-    if not url.startswith(("http://", "https://")):
+    if not _is_http(url):
         return fs.cat_file(path, start=start, end=end)
     import aiohttp
     from fsspec.asyn import sync
@@ -392,6 +412,7 @@ class _PipeStream(io.RawIOBase):
 
 def remote_size(url: str, retry: Retry | None = None) -> int:
     """The size in bytes of the remote object at ``url`` (retried within the bound). Raises SourceError."""
+    url = normal_url(url)
     fs, path = fs_for(url), _fs_path(url)
     retry = retry or RETRY
     waits = retry.waits()
@@ -420,11 +441,12 @@ def open_shard(url: str, *, size: int | None = None, offset: int = 0, retry: Ret
     buffered; ``size`` unknown is asked of the server); ``streams`` is ignored for a local path or a command.
     ``url`` must come from :func:`open_set` or the user, never from data. Raises SourceError (remote, pipe) or
     OSError (local)."""
+    url = normal_url(url)
     if url.startswith(PIPE_PREFIX):
         if offset:
             raise SourceError(f"{url}: a pipe: command is read from its start only")
         return io.BufferedReader(_PipeStream(url[len(PIPE_PREFIX):]), 1 << 20)  # type: ignore[return-value]
-    if url.startswith(REMOTE_PREFIXES):
+    if is_url(url):
         if size is None:
             size = remote_size(url, retry)
         if not 0 <= offset <= size:
@@ -439,7 +461,8 @@ def open_shard(url: str, *, size: int | None = None, offset: int = 0, retry: Ret
 
 def read_bytes(url: str, limit: int, what: str = "file", retry: Retry | None = None) -> bytes:
     """The whole of a small user-named file (a manifest), local or remote, refused when over ``limit`` bytes."""
-    if not url.startswith(REMOTE_PREFIXES):
+    url = normal_url(url)
+    if not is_url(url):
         p = Path(url)
         if not p.is_file():
             raise SourceError(f"{url}: no such {what}")
@@ -501,7 +524,7 @@ def _pattern_bound(pattern: str) -> int:
 def _url_part(base: str, part: str) -> str:
     """One path part (data) as it goes after ``base``: URL-quoted for http(s); as is for s3 and gs, whose
     drivers take the key literally."""
-    return urllib.parse.quote(part, safe="") if base.startswith(("http://", "https://")) else part
+    return urllib.parse.quote(part, safe="") if _is_http(base) else part
 
 
 def _remote_root(base: str, root: str | None, where: str) -> str:
@@ -526,7 +549,7 @@ def source_name(location: str) -> str:
     if location.startswith(PIPE_PREFIX):
         words = location[len(PIPE_PREFIX):].split()
         location = words[-1] if words else ""
-    if location.startswith(REMOTE_PREFIXES):
+    if is_url(location):
         location = urllib.parse.unquote(urllib.parse.urlsplit(location).path)
     return posixpath.basename(location.replace("\\", "/"))
 
@@ -549,12 +572,12 @@ def open_set(spec: str | Path, manifest: str | Path | None = None, retry: Retry 
     the one next to the pattern, required for ``pipe:``), whose shard names must be the pattern's basenames in
     order. A folder given together with ``manifest`` holds the shards that manifest names (its ``root`` is not
     used). Raises DataError (one sentence)."""
-    text = str(spec)
+    text = normal_url(str(spec))
     pipe = text.startswith(PIPE_PREFIX)
-    remote = pipe or text.startswith(REMOTE_PREFIXES)
+    remote = pipe or is_url(text)
     if manifest is not None and str(manifest).startswith(PIPE_PREFIX):
         raise DataError(f"{manifest}: a manifest is a file or URL, not a pipe: command")
-    mtext = None if manifest is None else str(manifest)
+    mtext = None if manifest is None else normal_url(str(manifest))
     if pipe or ("{" in text and "}" in text) or (remote and text.endswith((".tar", ".tgz", ".tar.gz"))):
         urls = expand_pattern(text)
         if mtext is None:
@@ -594,4 +617,4 @@ def open_set(spec: str | Path, manifest: str | Path | None = None, retry: Retry 
 
 
 def _read_any_manifest(where: str, retry: Retry | None) -> Manifest:
-    return _load_manifest(where, retry) if where.startswith(REMOTE_PREFIXES) else read_manifest(where)
+    return _load_manifest(where, retry) if is_url(where) else read_manifest(where)

@@ -70,8 +70,11 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -
 
 
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:
-    """``atomic_write_bytes`` for text."""
-    atomic_write_bytes(path, text.encode(encoding))
+    """``atomic_write_bytes`` for text a person reads (report.md): the password of every URL in it hidden, as in
+    every record (:func:`gpufeed.redact.redact`)."""
+    from gpufeed.redact import redact
+
+    atomic_write_bytes(path, redact(text).encode(encoding))
 
 
 def fsync_dir(folder: str | Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from gpufeed import bounds
 from gpufeed.health import HEALTH_NAME, INTERVAL_S, THROTTLE_NOTE_FRACTION, THROTTLE_NOTE_S, slowdowns, throttled
 from gpufeed.nvml import SLOWDOWN_LABELS
-from gpufeed.records import to_jsonable, write_json
+from gpufeed.records import atomic_write_text, to_jsonable, write_json
 from gpufeed.train_records import SUMMARY_NAME, TrainRecord
 from gpufeed.verdict import STALL_FED_PCT, compute_ceiling_name
 
@@ -26,7 +26,7 @@ def write_report(run_dir: Path, record: TrainRecord) -> None:
     write_json(run_dir / SUMMARY_NAME, record)
     summary = redact_obj(to_jsonable(record))  # report.md and the chart show what summary.json holds
     plot = plot_summary(run_dir, summary)
-    (run_dir / REPORT_NAME).write_text(render_markdown(summary, plot), encoding="utf-8")
+    atomic_write_text(run_dir / REPORT_NAME, render_markdown(summary, plot))
 
 
 def _fmt_rate(m: dict[str, Any]) -> str:

@@ -47,7 +47,7 @@ from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_CLASSES, 
                               label_member, label_member_bytes, label_source_problem, label_value, manifest_path,
                               shard_name_problem, write_manifest)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, TEXT_EXTENSION,
-                                   SampleGrouper, dotted_image, split_member)
+                                   UNGROUPED_FIX, SampleGrouper, dotted_image, split_member)
 from gpufeed.redact import redact
 from gpufeed.shardset.source import SourceError, expand_pattern, is_pipe, is_remote, open_shard, source_name
 from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
@@ -500,8 +500,8 @@ def render(report: IndexReport) -> str:
         ("sample(s) have a label the loader rejects", r.num_bad_labels, r.bad_labels),
         ("image member(s) that no reader sees", r.num_dropped_images, r.dropped_images),
         ("member(s) a sample holds twice (readers keep only one)", r.num_duplicate_members, r.duplicate_members),
-        ("key(s) that come back after other keys (readers take them as more samples)", r.num_ungrouped_keys,
-         r.ungrouped_keys),
+        (f"key(s) that come back after other keys (readers take them as more samples; {UNGROUPED_FIX})",
+         r.num_ungrouped_keys, r.ungrouped_keys),
     ):
         if count:
             lines.append(_line(what, count, examples))

@@ -41,3 +41,19 @@ def test_ungrouped_keys_say_how_to_fix_them_in_index_and_verify(tmp_path: Path) 
     assert "tar --sort=name" in line and "gpufeed shard" in line and "data-000.tar: a.cls" in line
     res = invoke(["verify", d], expect=1)
     assert "a.cls" in res.stdout and "tar --sort=name" in res.stdout and "gpufeed shard" in res.stdout
+
+
+# ------------------------------------------------------------------------------------------------- train --shards FILE
+
+
+@pytest.mark.timeout(240)
+def test_train_takes_manifest_json_for_shards_and_val_shards(tmp_path: Path) -> None:
+    train = write_tiny_shards(tmp_path / "train", [8, 8], image_px=32)
+    val = write_tiny_shards(tmp_path / "val", [8], image_px=32, seed=1, prefix="val")
+    res = invoke(["train", "--shards", train / "manifest.json", "--val-shards", val / "manifest.json",
+                  "--arch", "resnet18", "--image-size", "32", "--num-workers", "0", "--amp", "off", "--device", "cpu",
+                  "--quiet", "--threads", "1", "--steps", "1", "--batch-size", "4", "--run-dir", tmp_path / "run",
+                  "--json"], expect=None)
+    assert res.exit_code in (0, 1), res.stderr  # 1: a verdict of starved; never 2 (refused)
+    s = json.loads(res.stdout)
+    assert s["step"] == 1 and [v["num_samples"] for v in s["val"]] == [8]

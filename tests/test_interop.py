@@ -57,3 +57,78 @@ def test_train_takes_manifest_json_for_shards_and_val_shards(tmp_path: Path) -> 
     assert res.exit_code in (0, 1), res.stderr  # 1: a verdict of starved; never 2 (refused)
     s = json.loads(res.stdout)
     assert s["step"] == 1 and [v["num_samples"] for v in s["val"]] == [8]
+
+
+# ------------------------------------------------------------------------------------------------- pipe: forms
+
+_FAKES = {
+    # each streams $FAKE_ROOT/<bucket or host>/<key> and refuses any other form of its command line (exit 64)
+    "aws": '[ "$1 $2 $4 $#" = "s3 cp - 4" ] || exit 64\nu="$3"; exec cat "$FAKE_ROOT/${u#s3://}"',
+    "gsutil": '[ "$1 $#" = "cat 2" ] || exit 64\nu="$2"; exec cat "$FAKE_ROOT/${u#gs://}"',
+    "s5cmd": '[ "$1 $#" = "cat 2" ] || exit 64\nu="$2"; exec cat "$FAKE_ROOT/${u#s3://}"',
+    "curl": 'case "$1" in -s|-fsSL) ;; *) exit 64;; esac\n[ "$#" = 2 ] || exit 64\n'
+            'u="${2#http://}"; u="${u%%\\?*}"; exec cat "$FAKE_ROOT/$u"',
+}
+
+FORMS = {
+    "aws": "pipe:aws s3 cp s3://bucket/set/train-{000000..000002}.tar -",
+    "gsutil": "pipe:gsutil cat gs://bucket/set/train-{000000..000002}.tar",
+    "s5cmd": "pipe:s5cmd cat s3://bucket/set/train-{000000..000002}.tar",
+    "curl -s": "pipe:curl -s http://bucket/set/train-{000000..000002}.tar",
+    "curl -fsSL": "pipe:curl -fsSL 'http://bucket/set/train-{000000..000002}.tar?token=abc'",
+}
+
+
+@pytest.fixture
+def fake_tools(tmp_path: Path, monkeypatch) -> Path:
+    """Fake aws, gsutil, s5cmd and curl first on PATH, streaming files under ``FAKE_ROOT``; returns the set's
+    folder (three shards under FAKE_ROOT/bucket/set)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in _FAKES.items():
+        script = bin_dir / name
+        script.write_text(f"#!/bin/sh\n{body}\n")
+        script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    root = tmp_path / "store"
+    folder = write_tiny_shards(root / "bucket" / "set", [6, 6, 5], image_px=24)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_ROOT", str(root))
+    return folder
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_verify_and_index_read_the_pipe_forms_of_the_s3_gcs_and_http_tools(fake_tools: Path, tmp_path: Path,
+                                                                         form: str) -> None:
+    pattern = FORMS[form]
+    rec = invoke_json(["verify", pattern, "--manifest", fake_tools / "manifest.json", "--workers", "1",
+                       "--no-decode"])
+    assert rec["ok"] and rec["num_shards"] == 3 and rec["num_samples"] == 17
+    out = tmp_path / "indexed"
+    rec = invoke_json(["index", pattern, "--out", out])
+    assert rec["num_shards"] == 3 and rec["num_samples"] == 17
+    m = json.loads((out / "manifest.json").read_text())
+    assert [s["name"] for s in m["shards"]] == [f"train-00000{i}.tar" for i in range(3)]
+    assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in
+                                                  json.loads((fake_tools / "manifest.json").read_text())["shards"]]
+
+
+def test_a_pipe_pattern_naming_other_shards_than_the_manifest_is_refused_by_name(fake_tools: Path) -> None:
+    res = invoke(["verify", "pipe:aws s3 cp s3://bucket/set/val-{000000..000002}.tar -", "--manifest",
+                  fake_tools / "manifest.json"], expect=2)
+    assert "shard 0 of the pattern is 'val-000000.tar'" in res.stderr and "'train-000000.tar'" in res.stderr
+
+
+@pytest.mark.parametrize("command, name", [
+    ("aws s3 cp s3://b/set/train-000001.tar -", "train-000001.tar"),
+    ("aws s3 cp --quiet s3://b/set/train-000001.tar - 2>/dev/null", "train-000001.tar"),
+    ("gsutil -q cat gs://b/x/a-7.tgz", "a-7.tgz"),
+    ("curl -fsSL 'https://h/p/a-1.tar.gz?X-Amz-Signature=1&b=2'", "a-1.tar.gz"),
+    ("s5cmd --endpoint-url http://127.0.0.1:9 cat s3://b/a-2.tar", "a-2.tar"),
+    ("cat /x/a-1.tar 2> /tmp/log.tar", "a-1.tar"),
+    ("ssh host cat /data/a-3.tar", "a-3.tar"),
+    ("mycmd --get s3://b/k -", "k"),  # no shard-like word: the last word that is not an option or '-'
+])
+def test_a_pipe_commands_shard_name_is_the_word_holding_its_url(command: str, name: str) -> None:
+    from gpufeed.shardset.source import source_name
+
+    assert source_name(f"pipe:{command}") == name

@@ -33,7 +33,8 @@ from typing import Any, BinaryIO
 
 from gpufeed.errors import DataError
 from gpufeed.manifest import (
-    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, Manifest, manifest_path, read_manifest, root_problem,
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, SHARD_SUFFIXES, Manifest, manifest_path, read_manifest,
+    root_problem,
 )
 
 REMOTE_PREFIXES = ("http://", "https://", "s3://", "gs://")
@@ -520,12 +521,50 @@ def _remote_root(base: str, root: str | None, where: str) -> str:
     return base + "/" + "/".join(_url_part(base, p) for p in parts)
 
 
+_URL_WORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_REDIRECT = re.compile(r"(?:\d*|&)(?:>>?|<)&?")
+
+
+def _word_name(word: str) -> str:
+    """The file name one word of a location names: the basename of a URL's path (any scheme: the query and
+    fragment are not part of it) or of a path."""
+    if word.startswith(REMOTE_PREFIXES) or _URL_WORD.match(word):
+        word = urllib.parse.unquote(urllib.parse.urlsplit(word).path)
+    return posixpath.basename(word.replace("\\", "/"))
+
+
+def pipe_target(command: str) -> str:
+    """The word of a user-typed ``pipe:`` command that names its shard: the last word (shell quoting undone)
+    whose file name ends in a shard suffix (``.tar``, ``.tgz``, ``.tar.gz``) - the URL of ``aws s3 cp URL -``,
+    ``gsutil cat URL``, ``curl -s URL``, ``curl -fsSL URL``, ``s5cmd cat URL``, the path of ``cat PATH``, wherever
+    it stands among options, ``-`` and redirections - else the last word that is not an option, ``-`` or a
+    redirection. Only compared with manifest names, never changed or run."""
+    import shlex
+
+    try:
+        words = shlex.split(command, comments=False, posix=True)
+    except ValueError:  # unbalanced quotes: the shell will say so when it runs; the name is the plain words'
+        words = command.split()
+    kept, after_redirect = [], False
+    for w in words:  # drop redirections (2>/dev/null, > log, <in) and the word a bare operator takes
+        if after_redirect:
+            after_redirect = False
+        elif _REDIRECT.match(w):
+            after_redirect = _REDIRECT.fullmatch(w) is not None
+        else:
+            kept.append(w)
+    shard_like = [w for w in kept if _word_name(w).endswith(SHARD_SUFFIXES)]
+    if shard_like:
+        return shard_like[-1]
+    plain = [w for w in kept[1:] if w != "-" and not w.startswith(("-", "|", "&", ";"))]
+    return plain[-1] if plain else (words[-1] if words else "")
+
+
 def source_name(location: str) -> str:
-    """The file name a pattern element names: the basename of a URL's path, a local path, or a pipe: command's
-    last word."""
+    """The file name a pattern element names: the basename of a URL's path or a local path; for a ``pipe:``
+    command, that of the word naming its shard (:func:`pipe_target`)."""
     if location.startswith(PIPE_PREFIX):
-        words = location[len(PIPE_PREFIX):].split()
-        location = words[-1] if words else ""
+        return _word_name(pipe_target(location[len(PIPE_PREFIX):]))
     if location.startswith(REMOTE_PREFIXES):
         location = urllib.parse.unquote(urllib.parse.urlsplit(location).path)
     return posixpath.basename(location.replace("\\", "/"))

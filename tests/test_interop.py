@@ -132,3 +132,87 @@ def test_a_pipe_commands_shard_name_is_the_word_holding_its_url(command: str, na
     from gpufeed.shardset.source import source_name
 
     assert source_name(f"pipe:{command}") == name
+
+
+# ------------------------------------------------------------------------------------------------- S3 endpoints
+
+_ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL")
+
+
+@pytest.fixture
+def s3_set(s3_server, tmp_path: Path, monkeypatch):
+    """Two shards under s3://data/set on moto's loopback server, no endpoint variable set; yields the endpoint.
+    The filesystem cache and the endpoints seen are reset whenever a test changes the variables."""
+    from gpufeed.shardset import source
+
+    client, endpoint = s3_server
+    folder = write_tiny_shards(tmp_path / "set", [5, 4], image_px=16)
+    client.create_bucket(Bucket="data")
+    for p in folder.iterdir():
+        client.upload_file(str(p), "data", f"set/{p.name}")
+    for var in _ENDPOINT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(source, "_FS", {})
+    monkeypatch.setattr(source, "_REACHED", set(), raising=False)
+    return endpoint
+
+
+@pytest.mark.parametrize("env", [
+    {"S3_ENDPOINT_URL": "{moto}"},  # s5cmd's variable alone
+    {"AWS_ENDPOINT_URL": "{moto}", "S3_ENDPOINT_URL": "{closed}"},  # the AWS CLI's wins over s5cmd's
+    {"AWS_ENDPOINT_URL_S3": "{moto}", "AWS_ENDPOINT_URL": "{closed}"},  # the service-specific one wins
+])
+def test_the_s3_endpoint_variables_are_honoured_in_order(s3_set: str, monkeypatch, env: dict) -> None:
+    from tests.netserver import closed_port
+
+    closed = f"http://127.0.0.1:{closed_port()}"
+    for var, value in env.items():
+        monkeypatch.setenv(var, value.format(moto=s3_set, closed=closed))
+    rec = invoke_json(["verify", "s3://data/set", "--workers", "1", "--no-decode"])
+    assert rec["ok"] and rec["num_samples"] == 9
+
+
+def test_an_unreachable_endpoint_fails_at_once_naming_it_and_the_variables(s3_set: str, monkeypatch) -> None:
+    from gpufeed.shardset import source
+    from tests.netserver import closed_port
+
+    closed = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("S3_ENDPOINT_URL", closed)
+    waits: list[float] = []
+
+    class Clock:  # gpufeed's retry waits, recorded instead of slept
+        sleep = waits.append
+        perf_counter = time.perf_counter
+
+    monkeypatch.setattr(source, "time", Clock)
+    res = invoke(["verify", "s3://data/set"], expect=2)
+    err = res.stderr.strip()
+    assert err.startswith("error: s3://data/set/manifest.json: cannot connect (") and "\n" not in err
+    assert f"endpoint {closed} from S3_ENDPOINT_URL" in err
+    assert "gpufeed reads AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL, then S3_ENDPOINT_URL" in err
+    assert waits == []  # not retried: nothing ever answered there
+    fs = source.fs_for("s3://data/set")
+    assert fs.retries == 1 and fs._s3._client_config.retries["total_max_attempts"] == 1  # botocore tries once too
+
+
+def test_an_endpoint_that_answered_before_is_retried_when_it_stops_answering(s3_set: str, monkeypatch,
+                                                                             fast_retry) -> None:
+    from gpufeed.shardset import source
+    from gpufeed.shardset.source import SourceError, remote_size
+
+    monkeypatch.setenv("S3_ENDPOINT_URL", s3_set)
+    assert remote_size("s3://data/set/train-000000.tar") > 0
+    fs = source.fs_for("s3://data/set")
+
+    def refused(path: str) -> int:
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(fs, "size", refused)
+    with pytest.raises(SourceError, match=r"Connection refused after 3 attempts \(endpoint .* from S3_ENDPOINT_URL"):
+        remote_size("s3://data/set/train-000001.tar")
+
+
+def test_an_endpoint_variable_that_is_not_a_url_is_refused_by_name(s3_set: str, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "minio.local:9000")
+    res = invoke(["verify", "s3://data/set"], expect=2)
+    assert res.stderr.startswith("error: AWS_ENDPOINT_URL='minio.local:9000' is not an S3 endpoint URL")

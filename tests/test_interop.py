@@ -216,3 +216,89 @@ def test_an_endpoint_variable_that_is_not_a_url_is_refused_by_name(s3_set: str, 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "minio.local:9000")
     res = invoke(["verify", "s3://data/set"], expect=2)
     assert res.stderr.startswith("error: AWS_ENDPOINT_URL='minio.local:9000' is not an S3 endpoint URL")
+
+
+# ------------------------------------------------------------------------------------------------- img2dataset
+
+
+def _img2dataset_folder(root: Path, shards: list[list[tuple[str, str | None]]]) -> Path:
+    """An img2dataset webdataset output: per shard ``NNNNN.tar`` (KEY.jpg, KEY.txt, KEY.json for each download
+    that succeeded), ``NNNNN.parquet`` (one row per URL: url, key, status, error_message, caption) and
+    ``NNNNN_stats.json``, as img2dataset's writer.py and logger.py write them. ``shards``: per shard, (label,
+    error message or None) per URL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True)
+    j = _jpeg()
+    for s, urls in enumerate(shards):
+        members, rows = [], []
+        status_dict: dict[str, int] = {}
+        for i, (label, error) in enumerate(urls):
+            key = f"{s:05d}{i:04d}"
+            url = f"https://img.example/{key}.jpg"
+            status = "success" if error is None else "failed_to_download"
+            rows.append({"url": url, "caption": label, "key": key, "status": status, "error_message": error,
+                         "width": 8 if error is None else None})
+            status_dict[error or "success"] = status_dict.get(error or "success", 0) + 1
+            if error is None:
+                meta = json.dumps({"url": url, "caption": label, "key": key, "status": status}).encode()
+                members += [(f"{key}.jpg", j), (f"{key}.txt", label.encode()), (f"{key}.json", meta)]
+        write_tar(root / f"{s:05d}.tar", members)
+        pq.write_table(pa.Table.from_pylist(rows), root / f"{s:05d}.parquet")
+        ok = sum(e is None for _, e in urls)
+        (root / f"{s:05d}_stats.json").write_text(json.dumps({
+            "count": len(urls), "successes": ok, "failed_to_download": len(urls) - ok, "failed_to_resize": 0,
+            "duration": 1.5, "status_dict": status_dict}, indent=4))
+    return root
+
+
+def test_index_reports_img2datasets_failed_downloads_next_to_the_samples(tmp_path: Path) -> None:
+    shards = [[("cat", None), ("dog", None), ("cat", "HTTP Error 404: Not Found"), ("dog", None)],
+              [("dog", None), ("cat", "<urlopen error timed out>"), ("cat", None)],
+              [("cat", None), ("dog", "HTTP Error 403: Forbidden"), ("dog", None)]]
+    folder = _img2dataset_folder(tmp_path / "laion", shards)
+    res = invoke(["index", folder, "--label", "txt"])
+    lines = res.stdout.splitlines()
+    assert "7 samples" in lines[0]
+    assert lines[1] == (
+        "img2dataset records (3 _stats.json, 3 .parquet): 10 URLs, 7 downloaded, 3 failed to download, 0 failed to "
+        "resize: 00000.tar: https://img.example/000000002.jpg (HTTP Error 404: Not Found); 00001.tar: "
+        "https://img.example/000010001.jpg (<urlopen error timed out>); 00002.tar: https://img.example/000020001.jpg "
+        "(HTTP Error 403: Forbidden)")
+    rec = invoke_json(["index", folder, "--label", "txt"])["img2dataset"]
+    assert (rec["count"], rec["successes"], rec["failed_to_download"], rec["num_unreadable"]) == (10, 7, 3, 0)
+    m = json.loads((folder / "manifest.json").read_text())
+    assert m["url_pattern"] == "{00000..00002}.tar" and m["num_samples"] == 7
+    invoke(["verify", folder, "--workers", "1"])  # the records beside the shards are not shards
+
+
+def test_img2dataset_records_that_do_not_read_or_do_not_match_are_named(tmp_path: Path) -> None:
+    folder = _img2dataset_folder(tmp_path / "odd", [[("cat", None), ("dog", None)], [("cat", None)], [("dog", None)]])
+    (folder / "00000_stats.json").write_text('{"count": 2, "successes": 5, "failed_to_download": 0}')
+    (folder / "00001.parquet").write_bytes(b"PAR1 not really")
+    stats = json.loads((folder / "00002_stats.json").read_text())
+    (folder / "00002_stats.json").write_text(json.dumps({**stats, "successes": 3, "count": 3}))
+    res = invoke(["index", folder, "--label", "txt"], expect=1)
+    out = res.stdout
+    assert "error: 2 img2dataset record(s) gpufeed cannot read: 00000_stats.json (" in out
+    assert "00001.parquet (not a readable parquet file" in out
+    assert ("error: 1 shard(s) whose samples differ from img2dataset's successes: 00002.tar: holds 1 samples, "
+            "img2dataset's records say 3 downloads succeeded") in out
+
+
+@pytest.mark.parametrize("names, pattern", [
+    ([f"{i:05d}.tar" for i in range(13)], "{00000..00012}.tar"),
+    (["train-000000.tar", "train-000001.tar"], "train-{000000..000001}.tar"),
+    (["part_07.tgz", "part_08.tgz", "part_09.tgz"], "part_{07..09}.tgz"),
+    (["00000.tar", "00002.tar"], ""),  # not contiguous
+    (["a.tar", "b.tar"], ""),
+])
+def test_the_url_pattern_of_numbered_names_with_any_prefix(names: list[str], pattern: str) -> None:
+    import braceexpand
+
+    from gpufeed.index import _prefix_and_pattern
+
+    assert _prefix_and_pattern(names)[1] == pattern
+    if pattern:
+        assert list(braceexpand.braceexpand(pattern)) == names

@@ -203,7 +203,8 @@ def _endpoint_note(url: str) -> str:
     tried = tried or value
     where = f"endpoint {redact(tried)}" if tried else "AWS's default endpoint"
     origin = f" from {var}" if var and tried == value else ""
-    return f" ({where}{origin}; gpufeed reads {', then '.join(S3_ENDPOINT_VARS)})"
+    unset = "" if var else ", none of them set"
+    return f" ({where}{origin}; gpufeed reads {', then '.join(S3_ENDPOINT_VARS)}{unset})"
 
 
 _REACHED: set[str] = set()

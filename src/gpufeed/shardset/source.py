@@ -208,8 +208,8 @@ def _endpoint_note(url: str) -> str:
 
 
 _REACHED: set[str] = set()
-"""Endpoints (``scheme://host`` for http(s), the endpoint for s3, the protocol for gs) that answered a request in this process
-(a forked worker inherits the parent's)."""
+"""Endpoints (``scheme://host`` for http(s), the endpoint for s3, the protocol for gs) that answered a request in
+this process (a forked worker inherits the parent's)."""
 
 
 def _endpoint_key(url: str) -> str:

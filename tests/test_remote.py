@@ -165,8 +165,8 @@ def test_connection_refused_is_one_sentence_in_bounded_time(fast_retry):
     url = f"http://127.0.0.1:{closed_port()}/set"
     with pytest.raises(DataError) as err:
         batches(url, 0)
-    text = str(err.value)
-    assert text.startswith(f"{url}/manifest.json: ") and text.endswith("after 3 attempts") and "\n" not in text
+    text = str(err.value)  # nothing ever answered there: unreachable, failed at once (tests/test_interop.py)
+    assert text.startswith(f"{url}/manifest.json: cannot connect (") and "attempts" not in text and "\n" not in text
 
 
 def test_index_a_url_pattern_then_verify_and_load_with_the_manifest(http_server, tmp_path):

@@ -226,7 +226,9 @@ def test_verify_names_a_key_that_comes_back_as_not_grouped(tmp_path: Path) -> No
     found = {(p.shard, p.member): p.reason for p in rep.problems}
     assert found == {
         ("part-0000.tar", "a.png"): "key 'a' appears again after other samples (not grouped): readers take it as "
-                                    "another sample",
+                                    "another sample; re-create the tar with its members sorted by name (`tar "
+                                    "--sort=name -cf ...`; GNU tar otherwise writes them in directory order) or "
+                                    "write the set with `gpufeed shard`",
         ("part-0000.tar", None): "holds 3 samples, manifest says 2",
     }
 

@@ -475,8 +475,8 @@ def synth(dest: str, images: int | None, classes: int | None, seed: int | None, 
 
 @cli.command()
 @config_help(TrainConfig, num_workers=LoaderConfig)
-@click.option("--shards", type=click.Path(file_okay=False))
-@click.option("--val-shards", type=click.Path(file_okay=False))
+@click.option("--shards", type=click.Path())
+@click.option("--val-shards", type=click.Path())
 @click.option("--manifest", type=str)
 @click.option("--arch", type=click.Choice(["resnet18", "resnet34", "resnet50", "resnet101"]))
 @click.option("--epochs", type=int)

@@ -42,12 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from gpufeed.errors import DataError
+from gpufeed.img2dataset import Img2DatasetRecords, read_records, render_lines
 from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, SHARD_SUFFIXES,
                               LabelError, Manifest, MissingLabel, ShardInfo, first_duplicate, label_index,
                               label_member, label_member_bytes, label_source_problem, label_value, manifest_path,
                               shard_name_problem, write_manifest)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, TEXT_EXTENSION,
-                                   SampleGrouper, dotted_image, split_member)
+                                   UNGROUPED_FIX, SampleGrouper, dotted_image, split_member)
 from gpufeed.redact import redact
 from gpufeed.shardset.source import SourceError, expand_pattern, is_pipe, is_remote, open_shard, source_name
 from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
@@ -110,6 +111,9 @@ class IndexReport:
     label: str = DEFAULT_LABEL_SOURCE
     """Where the labels were taken from (``cls``, ``txt``, ``json:FIELD``), as the manifest records it."""
     ok: bool = True
+    img2dataset: Img2DatasetRecords | None = None
+    """img2dataset's own records beside the shards (``NNNNN_stats.json``, ``NNNNN.parquet``), when there are any:
+    URLs tried, downloaded and failed (:mod:`gpufeed.img2dataset`)."""
 
 
 def _check_name(path: Path) -> None:
@@ -353,14 +357,18 @@ def _classes(folder: Path, labels: set, label: str, classes_file: Path | None = 
 
 
 def _prefix_and_pattern(names: list[str]) -> tuple[str, str]:
-    parts = [re.fullmatch(r"(.+)-(\d+)(\..+)", n) for n in names]
+    """The manifest's ``prefix`` and ``url_pattern``: for a contiguous run of equally wide numbers before the
+    suffix, with any prefix or none (``train-000000.tar``, ``00000.tar`` as img2dataset names them,
+    ``part_07.tgz``), the brace pattern (``{00000..00012}.tar``); otherwise an empty pattern."""
+    parts = [re.fullmatch(r"(.*?)(\d+)(\.[^\d].*)", n) for n in names]
     if all(parts) and len({(m.group(1), m.group(3), len(m.group(2))) for m in parts}) == 1:
         nums = [int(m.group(2)) for m in parts]
+        prefix = parts[0].group(1).rstrip("-_.")
         if nums == list(range(nums[0], nums[0] + len(nums))):
             m0, m1 = parts[0], parts[-1]
-            pattern = names[0] if len(names) == 1 else f"{m0.group(1)}-{{{m0.group(2)}..{m1.group(2)}}}{m0.group(3)}"
-            return m0.group(1), pattern
-        return parts[0].group(1), ""
+            pattern = names[0] if len(names) == 1 else f"{m0.group(1)}{{{m0.group(2)}..{m1.group(2)}}}{m0.group(3)}"
+            return prefix, pattern
+        return prefix, ""
     stem = names[0].split(".", 1)[0]
     return stem, names[0] if len(names) == 1 else ""
 
@@ -447,6 +455,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
             bad_labels.add(f"{label_examples[value]} ({exc})", n)
     bad_labels.merge(unreadable)
     prefix, pattern = _prefix_and_pattern([i.name for i in infos])
+    records = None if remote else read_records(folder, {i.name: i.num_samples for i in infos})
     total_bytes = sum(i.bytes for i in infos)
     manifest = Manifest(
         prefix=prefix, classes=classes, shards=infos, num_samples=total, total_bytes=total_bytes,
@@ -474,7 +483,9 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         num_dropped_images=dropped.count, dropped_images=dropped.examples,
         num_duplicate_members=duplicates.count, duplicate_members=duplicates.examples,
         num_ungrouped_keys=ungrouped.count, ungrouped_keys=ungrouped.examples, label=label,
-        ok=not (unlabeled.count or bad_labels.count or dropped.count or duplicates.count or ungrouped.count),
+        ok=not (unlabeled.count or bad_labels.count or dropped.count or duplicates.count or ungrouped.count
+                or (records is not None and (records.num_unreadable or records.num_mismatched))),
+        img2dataset=records,
     )
 
 
@@ -486,11 +497,13 @@ def _line(what: str, count: int, examples: list[str]) -> str:
 def render(report: IndexReport) -> str:
     """Summary, manifest path, then one line per kind of problem (count and first examples)."""
     r = report
+    i2d_summary, i2d_errors = render_lines(r.img2dataset) if r.img2dataset is not None else ([], [])
     lines = [
         f"indexed {r.num_shards} shard(s) in {r.shard_folder}: {r.num_samples} samples, "
         f"{r.num_classes} classes ({r.class_source}), labels from {_describe(r.label)}, {r.total_bytes / 1e6:.1f} MB"
         + (f", {r.compression}" if r.compression else "")
         + ("" if r.hashed else ", no sha256 (--no-hash)"),
+        *i2d_summary,
         f"manifest: {r.manifest_path}",
     ]
     if r.num_ignored_keys:
@@ -500,9 +513,10 @@ def render(report: IndexReport) -> str:
         ("sample(s) have a label the loader rejects", r.num_bad_labels, r.bad_labels),
         ("image member(s) that no reader sees", r.num_dropped_images, r.dropped_images),
         ("member(s) a sample holds twice (readers keep only one)", r.num_duplicate_members, r.duplicate_members),
-        ("key(s) that come back after other keys (readers take them as more samples)", r.num_ungrouped_keys,
-         r.ungrouped_keys),
+        (f"key(s) that come back after other keys (readers take them as more samples; {UNGROUPED_FIX})",
+         r.num_ungrouped_keys, r.ungrouped_keys),
     ):
         if count:
             lines.append(_line(what, count, examples))
+    lines.extend(i2d_errors)
     return "\n".join(lines)

@@ -64,6 +64,10 @@ def dotted_image(key: str, parts: dict[str, Any]) -> str | None:
     return None
 
 
+UNGROUPED_FIX = ("re-create the tar with its members sorted by name (`tar --sort=name -cf ...`; GNU tar otherwise "
+                 "writes them in directory order) or write the set with `gpufeed shard`")
+"""How to fix a shard whose keys are not grouped (said wherever such keys are reported)."""
+
 ProblemSink = Callable[[str, str, str], None]
 """``bad(member, reason, kind)``: how :class:`SampleGrouper` reports a problem; kind is ``"name"``,
 ``"duplicate"`` or ``"ungrouped"``."""
@@ -96,7 +100,7 @@ class SampleGrouper:
             done = self.close()
             if key in self.seen:
                 self.bad(name, f"key {key!r} appears again after other samples (not grouped): readers take "
-                               f"it as another sample", "ungrouped")
+                               f"it as another sample; {UNGROUPED_FIX}", "ungrouped")
             self.seen.add(key)
             self.key, self.parts = key, {}
         if ext in self.parts:

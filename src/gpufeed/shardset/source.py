@@ -33,7 +33,8 @@ from typing import Any, BinaryIO
 
 from gpufeed.errors import DataError
 from gpufeed.manifest import (
-    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, Manifest, manifest_path, read_manifest, root_problem,
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, SHARD_SUFFIXES, Manifest, manifest_path, read_manifest,
+    root_problem,
 )
 
 REMOTE_PREFIXES = ("http://", "https://", "s3://", "gs://")
@@ -159,6 +160,11 @@ def fs_for(url: str) -> Any:
                 timeout = aiohttp.ClientTimeout(total=CONNECT_TIMEOUT_S + READ_TIMEOUT_S,
                                                 sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
                 fs = fsspec.filesystem(proto, skip_instance_cache=True, client_kwargs={"timeout": timeout})
+            elif proto == "s3":
+                endpoint, _ = s3_endpoint()
+                fs = fsspec.filesystem(proto, skip_instance_cache=True, config_kwargs=S3_CONFIG,
+                                       **({"endpoint_url": endpoint} if endpoint else {}))
+                fs.retries = 1  # gpufeed's Retry is the one retry layer (s3fs's own tries would multiply it)
             else:
                 fs = fsspec.filesystem(proto, skip_instance_cache=True)
         except ImportError as exc:
@@ -169,6 +175,91 @@ def fs_for(url: str) -> Any:
             raise SourceError(f"{url}: {proto}:// is not a protocol this gpufeed reads ({exc})") from None
         _FS[key] = fs
         return fs
+
+
+S3_ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL")
+"""The environment variables that name the S3 endpoint, the first one set wins: the AWS CLI's and boto3's
+(``AWS_ENDPOINT_URL_S3`` before ``AWS_ENDPOINT_URL``, their own order), then s5cmd's ``S3_ENDPOINT_URL``. None set:
+botocore's choice (``endpoint_url`` in ~/.aws/config, else AWS's endpoint for the region)."""
+S3_CONFIG = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+             "retries": {"mode": "standard", "total_max_attempts": 1}}
+"""botocore's client settings for s3: one try per call, as :class:`Retry` retries (botocore's own tries would
+multiply its bound: an unreachable endpoint took a minute to fail)."""
+_ENDPOINT = re.compile(r"https?://[^\s/?#@]+(?:/[^\s?#]*)?", re.IGNORECASE)
+
+
+def s3_endpoint() -> tuple[str | None, str | None]:
+    """``(endpoint URL, the variable it came from)`` from :data:`S3_ENDPOINT_VARS` (the first one set), or
+    ``(None, None)``. A value that is not an ``http(s)://HOST[:PORT][/PATH]`` URL raises SourceError naming the
+    variable."""
+    for var in S3_ENDPOINT_VARS:
+        value = os.environ.get(var, "").strip()
+        if value:
+            if not _ENDPOINT.fullmatch(value):
+                raise SourceError(f"{var}={value[:80]!r} is not an S3 endpoint URL (http:// or https://HOST[:PORT]); "
+                                  f"set it like https://s3.example.com or unset it (gpufeed reads "
+                                  f"{', then '.join(S3_ENDPOINT_VARS)})")
+            return value, var
+    return None, None
+
+
+def _endpoint_note(url: str) -> str:
+    """For an s3 URL, the end of a failure's sentence: the endpoint tried, the variable it came from and the
+    variables gpufeed reads; empty for other URLs."""
+    if not url.startswith("s3://"):
+        return ""
+    from gpufeed.redact import redact
+
+    client = getattr(_FS.get((os.getpid(), "s3")), "_s3", None)
+    tried = getattr(getattr(client, "meta", None), "endpoint_url", None)
+    try:
+        value, var = s3_endpoint()
+    except SourceError:
+        value, var = None, None
+    tried = tried or value
+    where = f"endpoint {redact(tried)}" if tried else "AWS's default endpoint"
+    origin = f" from {var}" if var and tried == value else ""
+    unset = "" if var else ", none of them set"
+    return f" ({where}{origin}; gpufeed reads {', then '.join(S3_ENDPOINT_VARS)}{unset})"
+
+
+_REACHED: set[str] = set()
+"""Endpoints (``scheme://host`` for http(s), the endpoint for s3, the protocol for gs) that answered a request in
+this process (a forked worker inherits the parent's)."""
+
+
+def _endpoint_key(url: str) -> str:
+    if url.startswith(("http://", "https://")):
+        parts = urllib.parse.urlsplit(url)
+        return f"{parts.scheme}://{parts.netloc}"
+    if url.startswith("s3://"):
+        try:
+            return f"s3 {s3_endpoint()[0] or ''}"
+        except SourceError:
+            return "s3"
+    return _protocol(url)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says no connection could be made at all (refused, or the connect timed out)."""
+    if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
+        return _unreachable(exc.__cause__)
+    os_error = getattr(exc, "os_error", None)
+    return (isinstance(exc, ConnectionRefusedError) or isinstance(os_error, ConnectionRefusedError)
+            or type(exc).__name__ in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionTimeoutError",
+                                      "ClientConnectorError"))
+
+
+def _classify_for(url: str, exc: BaseException) -> tuple[bool, str]:
+    """:func:`_classify`, except that an endpoint that never answered in this process and cannot be connected to
+    fails at once (it is unreachable, not busy); the reason of such a failure, or of an unknown host, names the
+    endpoint for s3 (a failure after the retries does too)."""
+    transient, reason = _classify(exc)
+    if transient and _unreachable(exc) and _endpoint_key(url) not in _REACHED:
+        return False, f"cannot connect ({reason}){_endpoint_note(url)}"
+    if reason.startswith("cannot resolve the host"):
+        reason += _endpoint_note(url)
+    return transient, reason
 
 
 def _fs_path(url: str) -> str:
@@ -289,6 +380,7 @@ class RemoteStream(io.RawIOBase):
         while True:
             try:
                 data = _read_range(self._fs, self.url, self._path, got, end)
+                _REACHED.add(_endpoint_key(self.url))
                 parts.append(data)
                 got += len(data)
                 if got >= end:
@@ -299,14 +391,15 @@ class RemoteStream(io.RawIOBase):
             except SourceError:
                 raise
             except Exception as exc:  # noqa: BLE001 - every failure is classified below
-                transient, reason = (True, "stream cut short") if isinstance(exc, _ShortRead) else _classify(exc)
+                transient, reason = ((True, "stream cut short") if isinstance(exc, _ShortRead)
+                                     else _classify_for(self.url, exc))
                 if not transient:
                     raise SourceError(f"{self.url}: {reason}") from None
                 failures += 1
                 if failures >= self.retry.attempts:
                     detail = "" if isinstance(exc, _ShortRead) else f" ({reason})"
                     raise SourceError(f"{self.url}: stream ended at byte {got} of {self.size}{detail} after "
-                                      f"{failures} attempts") from None
+                                      f"{failures} attempts{_endpoint_note(self.url)}") from None
                 time.sleep(waits[failures - 1] if failures - 1 < len(waits) else 0.0)
 
     def readinto(self, b: Any) -> int:
@@ -419,17 +512,18 @@ def remote_size(url: str, retry: Retry | None = None) -> int:
     for attempt in range(1, retry.attempts + 1):
         try:
             size = fs.size(path)
+            _REACHED.add(_endpoint_key(url))
             if not isinstance(size, int) or size < 0:
                 raise SourceError(f"{url}: the server does not report the size")
             return size
         except SourceError:
             raise
         except Exception as exc:  # noqa: BLE001 - classified below
-            transient, reason = _classify(exc)
+            transient, reason = _classify_for(url, exc)
             if not transient:
                 raise SourceError(f"{url}: {reason}") from None
             if attempt >= retry.attempts:
-                raise SourceError(f"{url}: {reason} after {attempt} attempts") from None
+                raise SourceError(f"{url}: {reason} after {attempt} attempts{_endpoint_note(url)}") from None
             time.sleep(waits[attempt - 1])
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -543,12 +637,50 @@ def _remote_root(base: str, root: str | None, where: str) -> str:
     return base + "/" + "/".join(_url_part(base, p) for p in parts)
 
 
+_URL_WORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_REDIRECT = re.compile(r"(?:\d*|&)(?:>>?|<)&?")
+
+
+def _word_name(word: str) -> str:
+    """The file name one word of a location names: the basename of a URL's path (any scheme: the query and
+    fragment are not part of it) or of a path."""
+    if word.startswith(REMOTE_PREFIXES) or _URL_WORD.match(word):
+        word = urllib.parse.unquote(urllib.parse.urlsplit(word).path)
+    return posixpath.basename(word.replace("\\", "/"))
+
+
+def pipe_target(command: str) -> str:
+    """The word of a user-typed ``pipe:`` command that names its shard: the last word (shell quoting undone)
+    whose file name ends in a shard suffix (``.tar``, ``.tgz``, ``.tar.gz``) - the URL of ``aws s3 cp URL -``,
+    ``gsutil cat URL``, ``curl -s URL``, ``curl -fsSL URL``, ``s5cmd cat URL``, the path of ``cat PATH``, wherever
+    it stands among options, ``-`` and redirections - else the last word that is not an option, ``-`` or a
+    redirection. Only compared with manifest names, never changed or run."""
+    import shlex
+
+    try:
+        words = shlex.split(command, comments=False, posix=True)
+    except ValueError:  # unbalanced quotes: the shell will say so when it runs; the name is the plain words'
+        words = command.split()
+    kept, after_redirect = [], False
+    for w in words:  # drop redirections (2>/dev/null, > log, <in) and the word a bare operator takes
+        if after_redirect:
+            after_redirect = False
+        elif _REDIRECT.match(w):
+            after_redirect = _REDIRECT.fullmatch(w) is not None
+        else:
+            kept.append(w)
+    shard_like = [w for w in kept if _word_name(w).endswith(SHARD_SUFFIXES)]
+    if shard_like:
+        return shard_like[-1]
+    plain = [w for w in kept[1:] if w != "-" and not w.startswith(("-", "|", "&", ";"))]
+    return plain[-1] if plain else (words[-1] if words else "")
+
+
 def source_name(location: str) -> str:
-    """The file name a pattern element names: the basename of a URL's path, a local path, or a pipe: command's
-    last word."""
+    """The file name a pattern element names: the basename of a URL's path or a local path; for a ``pipe:``
+    command, that of the word naming its shard (:func:`pipe_target`)."""
     if location.startswith(PIPE_PREFIX):
-        words = location[len(PIPE_PREFIX):].split()
-        location = words[-1] if words else ""
+        return _word_name(pipe_target(location[len(PIPE_PREFIX):]))
     if is_url(location):
         location = urllib.parse.unquote(urllib.parse.urlsplit(location).path)
     return posixpath.basename(location.replace("\\", "/"))

@@ -215,7 +215,8 @@ def join(world: World, environ: Mapping[str, str] | None = None) -> Any:
                         if len(missing) > MAX_NAMED_RANKS:
                             break
                 named = ", ".join(map(str, missing[:MAX_NAMED_RANKS]))
-                more = f" and {world.world_size - joined - MAX_NAMED_RANKS} more" if len(missing) > MAX_NAMED_RANKS else ""
+                extra = world.world_size - joined - MAX_NAMED_RANKS
+                more = f" and {extra} more" if len(missing) > MAX_NAMED_RANKS else ""
                 raise RunError(f"rendezvous: rank{'s' if len(missing) > 1 else ''} {named}{more} of {world.world_size} "
                                f"did not join within {bound:g} s (rank {world.rank} waited at {where})")
             time.sleep(0.1)

@@ -36,12 +36,48 @@ LOADER_ORDER_KNOBS = ("seed", "batch_size", "num_workers", "shuffle_buffer", "wo
 """[loader] fields that decide the sample order: a resume with other values reads another order."""
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` through :func:`gpufeed.records.atomic_writer` (fsync file, rename, fsync folder)."""
-    from gpufeed.records import atomic_writer
+class _KeepWriteError:
+    """The file ``torch.save`` writes to, keeping the first exception a write raised: torch's C++ writer turns
+    it (ENOSPC, EIO, a KeyboardInterrupt) into a RuntimeError ("unexpected pos ...") that names neither the
+    file nor the cause."""
 
-    with atomic_writer(path) as f:
-        torch.save(obj, f)
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except BaseException as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` through :func:`gpufeed.records.atomic_writer` (fsync file, rename, fsync folder), after
+    removing the temporaries a killed write left (:func:`gpufeed.records.remove_stale_temporaries`).
+
+    A failed write is the OSError that caused it, naming ``path`` (a full disk: ``No space left on device
+    (path)``), and a SIGINT during the write is the KeyboardInterrupt, never torch's RuntimeError; the
+    temporary is removed and the previous checkpoint is left as it was."""
+    from gpufeed.records import atomic_writer, remove_stale_temporaries
+
+    remove_stale_temporaries(path)
+    try:
+        with atomic_writer(path) as f:
+            out = _KeepWriteError(f)
+            try:
+                torch.save(obj, out)
+            except RuntimeError:
+                if out.error is None:
+                    raise
+                raise out.error from None
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror or one_line(exc), str(path)) from None
 
 
 def _rng_state(cuda: bool) -> dict[str, Any]:

@@ -4,7 +4,8 @@ The CLI turns every :class:`GpufeedError` into one sentence on stderr (a traceba
 ``gpufeed --verbose``) and exits with the error's ``exit_code``:
 
 - 2: a usage or input error found before the job started (bad option, missing shard, bad manifest);
-- 1: the job started and then failed (:class:`RunError`), or it ran and a check failed (the record's ``ok``).
+- 1: the job started and then failed (:class:`RunError`), or it ran and a check failed (the record's ``ok``);
+- 128 + N: a run stopped by signal N (:class:`Interrupted`: 143 for SIGTERM, 130 for SIGINT).
 """
 
 
@@ -32,6 +33,26 @@ class RunError(GpufeedError):
     """A job that started and then failed (a corrupt shard met mid-run, a rank that died): exit code 1."""
 
     exit_code = 1
+
+
+class Interrupted(RunError):
+    """A run stopped by a signal (a scheduler's SIGTERM, a SIGINT): exit code 128 + the signal's number, as a
+    shell reports a process killed by it (143 for SIGTERM, 130 for SIGINT)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; ``signal N`` for a number this platform does not name."""
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def one_line(exc: BaseException) -> str:

@@ -14,6 +14,14 @@ More than one node (``--nnodes N``): every node runs ``gpufeed train`` with the 
 each launcher checks the data, writes its run folder and starts its node's ranks through torchrun. Rank 0
 writes summary.json into the run folder of its node (node 0); the launchers of the other nodes return
 :func:`not_node_zero_note`. When a rank fails, every node's launcher exits non-zero with one sentence.
+
+Signals: torchrun runs in its own process group. SIGTERM, SIGINT or SIGHUP to the launcher is forwarded to
+that group (torchrun passes it to the ranks; a second signal SIGKILLs them at once); the launcher waits up to
+:data:`STOP_GRACE_S` for torchrun and its ranks, SIGKILLs what is left, and exits with 128 + the signal
+(:class:`gpufeed.errors.Interrupted`). torchrun and every rank die with their parent (``PR_SET_PDEATHSIG``),
+so even a ``kill -9`` of the launcher leaves no rank training. A rank sent SIGTERM stops at its next step
+boundary after a checkpoint (:class:`gpufeed.train.StopRequest`); one sent SIGINT stops at once ("interrupted",
+exit 130).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufeed.config import LayoutConfig, LoaderConfig, TrainConfig, load_config, to_toml
-from gpufeed.errors import ConfigError, GpufeedError, RunError, one_line
+from gpufeed.errors import ConfigError, GpufeedError, Interrupted, RunError, one_line, signal_name
 from gpufeed.records import atomic_write_bytes, make_run_dir, to_jsonable, write_json
 from gpufeed.redact import redact
 from gpufeed.train import check_classes, open_shards, run_loader_config, steps_per_epoch, train
@@ -39,6 +47,11 @@ TORCHRUN_FLAG = "--torchrun"
 """``python -m gpufeed.train --torchrun ARGS``: torchrun with ARGS, run by :func:`main` (see :func:`_torchrun`)."""
 RANK_ERROR = "rank-{rank}.error"
 """A failed rank's one-sentence cause, written next to the run's config.toml (JSON)."""
+STOP_GRACE_S = 45.0
+"""After forwarding a signal to torchrun, how long the launcher waits for it and its ranks (torchrun gives the
+ranks 30 s, then SIGKILLs them) before it SIGKILLs whatever is left; ``GPUFEED_STOP_GRACE_S`` overrides it."""
+FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+"""Signals the launcher passes on to torchrun's process group."""
 
 
 def check_data(cfg: TrainConfig, loader_cfg: LoaderConfig, world_size: int) -> None:
@@ -104,6 +117,10 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
     from gpufeed.layout import warn as warn_layout
     from gpufeed.system import environment_snapshot, usable_cpus
 
+    if not needs_torchrun(cfg):  # this process is the run: refuse a launch environment that would hang it
+        from gpufeed.world import check_launch_env
+
+        check_launch_env()
     check_data(cfg, loader_cfg, _min_world_size(cfg))
     warn_layout(cfg, loader_cfg, layout or LayoutConfig())  # one line on stderr when not the tuned layout
     run_dir = Path(cfg.run_dir) if cfg.run_dir else make_run_dir("train")
@@ -129,13 +146,137 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
     # must not return an old one)
     for old in [*run_dir.glob(RANK_ERROR.format(rank="*")), summary]:
         old.unlink(missing_ok=True)
-    # rank output goes to our stderr, so that stdout stays free for --json
-    proc = subprocess.run(cmd, env=env, stdout=sys.__stderr__, stderr=sys.__stderr__)
-    if proc.returncode != 0:
-        raise rank_failure(run_dir, proc.returncode, multi_node=cfg.nnodes != "1")
+    returncode, signum, killed = run_torchrun(cmd, env)
+    if signum:
+        raise interrupted(run_dir, signum, killed)
+    if returncode != 0:
+        raise rank_failure(run_dir, returncode, multi_node=cfg.nnodes != "1")
     if not summary.exists():
         return {"ok": True, "run_dir": str(run_dir), "notes": [not_node_zero_note(cfg)]}
     return json.loads(summary.read_text(encoding="utf-8"))
+
+
+def _stop_grace_s() -> float:
+    raw = os.environ.get("GPUFEED_STOP_GRACE_S", "")
+    try:
+        value = float(raw) if raw else STOP_GRACE_S
+    except ValueError:
+        raise ConfigError(f"GPUFEED_STOP_GRACE_S={raw[:40]!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise ConfigError(f"GPUFEED_STOP_GRACE_S={raw[:40]!r} is not in (0, 3600] seconds")
+    return value
+
+
+def _descendants(proc: subprocess.Popen) -> list[Any]:
+    """psutil handles of ``proc``'s descendants (empty once it is gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _kill(processes: list[Any]) -> None:
+    import psutil
+
+    for p in processes:
+        try:
+            p.kill()  # psutil checks the process is still the one listed (pid and start time)
+        except psutil.Error:
+            pass
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)  # its own session: the group id is its pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_torchrun(cmd: list[str], env: dict[str, str]) -> tuple[int, int, bool]:
+    """Run ``cmd`` (torchrun) in its own process group, its output on our stderr (stdout stays free for
+    --json), passing on :data:`FORWARDED_SIGNALS`: ``(exit code, the signal received or 0, whether processes had
+    to be SIGKILLed)``.
+
+    After a signal, torchrun and its descendants get :data:`STOP_GRACE_S` to stop (a second signal: none); then
+    the group and every descendant seen are SIGKILLed. Descendants still running once torchrun has exited are
+    orphans and are SIGKILLed too. Handlers are installed only in the main thread and restored on return."""
+    import signal
+    import threading
+
+    grace = _stop_grace_s()
+    got: list[int] = []
+    proc: subprocess.Popen | None = None
+
+    def forward(signum: int, _frame: Any) -> None:
+        got.append(signum)
+        if proc is not None:
+            _signal_group(proc, signum if len(got) == 1 else signal.SIGKILL)
+
+    old: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in FORWARDED_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                old[sig] = signal.signal(sig, forward)
+    seen: list[Any] = []
+    killed = False
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=sys.__stderr__, stderr=sys.__stderr__, start_new_session=True)
+        if got:  # a signal that came while Popen ran
+            _signal_group(proc, got[0])
+        deadline: float | None = None
+        while True:
+            try:
+                returncode = proc.wait(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if not got:
+                continue
+            seen = list({p.pid: p for p in [*seen, *_descendants(proc)]}.values())
+            if deadline is None:
+                deadline = time.perf_counter() + grace
+            if len(got) > 1 or time.perf_counter() >= deadline:
+                _signal_group(proc, signal.SIGKILL)
+                _kill(seen)
+                killed = True
+                returncode = proc.wait()
+                break
+        left = [p for p in seen if p.is_running()]
+        if left:
+            _kill(left)
+            killed = True
+        return returncode, (got[0] if got else 0), killed
+    except BaseException:
+        if proc is not None and proc.poll() is None:
+            rest = _descendants(proc)
+            _signal_group(proc, signal.SIGKILL)
+            _kill(rest)
+            proc.wait()
+        raise
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def interrupted(run_dir: Path, signum: int, killed: bool) -> Interrupted:
+    """The launcher's sentence for a run stopped by ``signum``: what rank 0 said it did (its checkpoint), and
+    whether ranks had to be killed."""
+    head = f"interrupted by {signal_name(signum)}"
+    text = f"{head}; the ranks were stopped"
+    try:
+        with open(run_dir / RANK_ERROR.format(rank=0), "rb") as f:
+            report = json.loads(f.read(65536))
+        message = one_line(str(report["message"]))
+        if message.startswith(f"{head} after step "):  # rank 0 stopped at a step boundary (and saved it)
+            text = f"{head}; the ranks stopped {message[len(head) + 1:]}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if killed:
+        text += f"; processes still running after {_stop_grace_s():.0f} s were killed"
+    return Interrupted(text, signum)
 
 
 def not_node_zero_note(cfg: TrainConfig) -> str:
@@ -171,6 +312,8 @@ def rank_failure(run_dir: Path, returncode: int, *, multi_node: bool = False) ->
     text = f"rank {rank}: {message}"
     if consequence and multi_node:
         text += " (no rank of this node named a cause: see the other nodes' output)"
+    if 128 < code < 160:  # a rank stopped by a signal it was sent (not through this launcher)
+        return Interrupted(text, code - 128)
     return GpufeedError(text) if code == 2 else RunError(text)
 
 
@@ -206,9 +349,13 @@ def _torchrun(args: list[str]) -> int:
     only with GPUFEED_VERBOSE=1."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from gpufeed.system import die_with_parent
+
+    die_with_parent(os.getppid())  # the launcher killed with SIGKILL: torchrun (and so its ranks) go too
     if not _verbose():
         logging.disable(logging.ERROR)
     try:
@@ -216,6 +363,9 @@ def _torchrun(args: list[str]) -> int:
     except ChildFailedError:
         _traceback_if_verbose()
         return 1
+    except SignalException as exc:  # the launcher forwarded a signal; torchrun stopped the ranks with it
+        _traceback_if_verbose()
+        return 128 + int(exc.sigval)
     except Exception as exc:  # noqa: BLE001 - rendezvous and agent failures: one sentence
         _traceback_if_verbose()
         print(redact(f"torchrun: {type(exc).__name__}: {one_line(exc)}"), file=sys.stderr, flush=True)
@@ -235,7 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m gpufeed.train CONFIG.toml (normally started by gpufeed train)", file=sys.stderr)
         return 2
-    rank = int(os.environ.get("RANK", "0"))
+    from gpufeed.system import die_with_parent
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: when it is killed, this rank stops too
+        die_with_parent(os.getppid())
+    raw_rank = os.environ.get("RANK", "0")
+    rank = int(raw_rank) if raw_rank.isdecimal() and len(raw_rank) <= 9 else 0
     report_dir = Path(argv[0]).parent
     try:
         conf = load_config(argv[0])
@@ -243,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         train(conf.train, conf.loader, world, run_dir=conf.train.run_dir)
     except GpufeedError as exc:
         return _rank_failed(report_dir, rank, one_line(exc), exc.exit_code, cause=True)
+    except KeyboardInterrupt:  # SIGINT: stop at once, one word, no traceback
+        return _rank_failed(report_dir, rank, "interrupted", 130, cause=True)
     except Exception as exc:  # noqa: BLE001 - a bug or a consequence (a peer died): one sentence
         return _rank_failed(report_dir, rank, f"unexpected {type(exc).__name__}: {one_line(exc)}", 1, cause=False)
     return 0  # rank 0 wrote summary.json; the launcher sets the exit code from it

@@ -63,6 +63,40 @@ def atomic_writer(path: str | Path, mode: int | None = None) -> Iterator[BinaryI
     fsync_dir(path.parent)
 
 
+MAX_TEMP_SCAN = 100_000
+"""Folder entries :func:`remove_stale_temporaries` looks at, at most."""
+
+
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Remove what :func:`atomic_writer` left of ``path`` when its process was killed mid-write: the files named
+    ``.NAME.XXXXXXXX.tmp`` (mkstemp's 8 characters) in ``path``'s folder, regular files only (a link or a folder
+    of that name is left alone; ``unlink`` never follows a link). Only for a ``path`` that no other process
+    writes at the same time (rank 0's checkpoint). Bounded: at most :data:`MAX_TEMP_SCAN` entries are looked at.
+    Returns the removed paths; a file that cannot be removed is left."""
+    import re
+
+    path = Path(path)
+    ours = re.compile(re.escape(f".{path.name}.") + r"[a-z0-9_]{8}\.tmp")
+    removed: list[Path] = []
+    try:
+        entries = os.scandir(path.parent)
+    except OSError:
+        return removed
+    with entries:
+        for n, entry in enumerate(entries):
+            if n >= MAX_TEMP_SCAN:
+                break
+            if not ours.fullmatch(entry.name):
+                continue
+            try:
+                if entry.is_file(follow_symlinks=False):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+            except OSError:
+                continue
+    return removed
+
+
 def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` with :func:`atomic_writer` (``mode``: its permission bits)."""
     with atomic_writer(path, mode) as f:

@@ -28,7 +28,9 @@ the series (gpu_health.jsonl) and the per-GPU summary (summary.json ``gpu_health
 Checkpoints (:mod:`gpufeed.checkpoint`) are saved on one cadence rule and checked before ``--resume`` loads them.
 
 Failures: a GpufeedError raised before this rank read data or computed (a bad shard set, a refused checkpoint)
-keeps exit code 2; one raised after that (a corrupt shard mid-epoch) becomes a RunError (exit 1).
+keeps exit code 2; one raised after that (a corrupt shard mid-epoch) becomes a RunError (exit 1). SIGTERM is
+noted (:class:`StopRequest`) and acted on at the next step boundary, by every rank at the same step: a checkpoint
+when checkpoints are on, then :class:`gpufeed.errors.Interrupted` (exit 143), and no summary.
 
 Entry points: :func:`train` (inside one rank), :func:`measure` (the three modes in this process, for scripts).
 """
@@ -49,7 +51,7 @@ import torch
 
 from gpufeed.checkpoint import Checkpointer, Resume, RngState
 from gpufeed.config import LoaderConfig, TrainConfig
-from gpufeed.errors import ConfigError, DataError, GpufeedError, RunError
+from gpufeed.errors import ConfigError, DataError, GpufeedError, Interrupted, RunError, signal_name
 from gpufeed.health import HEALTH_NAME, GpuHealth, HealthSampler
 from gpufeed.loader import LoaderPosition
 from gpufeed.records import append_jsonl, utc_now, write_jsonl
@@ -60,6 +62,36 @@ from gpufeed.verdict import VerdictInputs, classify
 from gpufeed.world import World
 
 MODES_MEASURE = ("synthetic", "loader-only", "real")
+
+
+class StopRequest:
+    """SIGTERM (a scheduler's preemption) noted by a handler, acted on at the next step boundary
+    (:meth:`Trainer.stop_signal`): the rank saves a checkpoint there when checkpoints are on, then stops with
+    :class:`gpufeed.errors.Interrupted` (exit 143). Installed in the main thread only (elsewhere ``signum``
+    stays 0 and SIGTERM keeps its handler); :meth:`restore` puts the previous handler back."""
+
+    SIGNALS = ("SIGTERM",)
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.signum = 0
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name)
+                self._old[sig] = signal.signal(sig, self._note)
+
+    def _note(self, signum: int, _frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, old in self._old.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        self._old = {}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -225,6 +257,10 @@ class Trainer:
         """The steps since the last log record."""
         self._synthetic: tuple[torch.Tensor, torch.Tensor] | None = None
         self._progress = None
+        self.stop: StopRequest | None = None
+        """Set by :func:`train`: the SIGTERM this rank was sent, checked at every step boundary."""
+        self._control: Any = None
+        """Under NCCL, the gloo group the stop flag is all-reduced on (no device sync per step)."""
 
     # ---- set-up
     def _set_up_device(self) -> None:
@@ -513,6 +549,10 @@ class Trainer:
                         marks = self.train_step("synthetic" if mode == "synthetic" else "loader", it)
                         self.step += 1
                     self._count_step(mode, marks, meter, last=i == n - 1)
+                    signum = self.stop_signal()
+                    if signum:
+                        raise Interrupted(f"interrupted by {signal_name(signum)} in {mode} mode after step "
+                                          f"{i + 1} of {n}", signum)
         finally:
             del it  # the loader's workers stop here
         return self._aggregate(mode, meter)
@@ -540,14 +580,47 @@ class Trainer:
                             vals.append(self.validate())
                     if epoch_end:
                         self._next_epoch()
-                    if self.checkpointer.should_save(self.step, epoch_end=epoch_end, run_end=run_end):
+                    saved = self.checkpointer.should_save(self.step, epoch_end=epoch_end, run_end=run_end)
+                    if saved:
                         with meter.paused():
                             self.save_checkpoint()
                     if on_step is not None:
                         on_step(self.step)
+                    signum = self.stop_signal() if not run_end else 0  # the last step: the run ends anyway
+                    if signum:
+                        with meter.paused():
+                            self._stop(signum, saved=saved)
         finally:
             self._batches = None
         return self._aggregate("real", meter), vals
+
+    def stop_signal(self) -> int:
+        """At a step boundary: the signal to stop on, 0 to go on. Under DDP every rank's flag is all-reduced
+        (max; one 4-byte all-reduce per step, on a gloo group under NCCL so that nothing waits for the device),
+        so that all ranks stop after the same step, even when the signal reached only some of them."""
+        local = self.stop.signum if self.stop is not None else 0
+        if not self.world.is_distributed:
+            return local
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return local
+        if self._control is None and self.world.backend != "gloo":
+            self._control = dist.new_group(backend="gloo")
+        flag = torch.tensor([local], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control)
+        return int(flag.item())
+
+    def _stop(self, signum: int, *, saved: bool) -> None:
+        """Stop run_real at this step boundary: a checkpoint first, when checkpoints are on and the cadence did
+        not just write one (the same collective save, so the resume from it is exact); then Interrupted."""
+        where = ""
+        if self.checkpointer.path is not None:
+            if not saved:
+                self.save_checkpoint()
+            where = f"; checkpoint at step {self.step} in {self.checkpointer.path} (continue with --resume)"
+        raise Interrupted(f"interrupted by {signal_name(signum)} after step {self.step} of {self.total_steps}{where}",
+                          signum)
 
     def _real_warmup(self) -> int:
         """Timing warm-up steps of run_real: at least one step is timed, however short the run."""
@@ -635,7 +708,12 @@ class Trainer:
 
 
 def _init_distributed(world: World) -> bool:
-    """Join the process group torchrun set up the environment for; True when this call created it."""
+    """Join the process group torchrun set up the environment for; True when this call created it. The launch
+    environment is checked first (:func:`gpufeed.world.check_launch_env`, exit 2) and the rendezvous is bounded
+    (:func:`gpufeed.world.join`: a RunError naming the ranks that did not come)."""
+    from gpufeed.world import check_launch_env, join
+
+    check_launch_env()
     if not world.is_distributed:
         return False
     import torch.distributed as dist
@@ -644,7 +722,8 @@ def _init_distributed(world: World) -> bool:
         return False
     if world.is_cuda:
         torch.cuda.set_device(torch.device(world.device))
-    dist.init_process_group(backend=world.backend)
+    store = join(world)
+    dist.init_process_group(backend=world.backend, store=store, rank=world.rank, world_size=world.world_size)
     return True
 
 
@@ -748,9 +827,11 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
     created = _init_distributed(world)
     trainer: Trainer | None = None
     sampler: HealthSampler | None = None
+    stop: StopRequest | None = None
     try:
         storage = given_storage_rate(cfg) if world.is_main else None
         trainer = Trainer(cfg, loader_cfg, world, run_dir=run_dir)
+        trainer.stop = stop = StopRequest()
         sampler = start_health(world)
         if storage is None and world.is_main:
             storage = probe_storage(cfg)
@@ -787,6 +868,8 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
             raise RunError(f"{exc.strerror or exc}{where}") from exc
         raise
     finally:
+        if stop is not None:
+            stop.restore()
         if sampler is not None:
             sampler.stop()
         if created:

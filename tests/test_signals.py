@@ -237,8 +237,8 @@ def _filling_writer(real):
     import contextlib
 
     @contextlib.contextmanager
-    def writer(path):
-        with real(path) as f, open("/dev/full", "wb", buffering=0) as full:
+    def writer(path, *args, **kwargs):
+        with real(path, *args, **kwargs) as f, open("/dev/full", "wb", buffering=0) as full:
             yield _FillsUp(f, full)
     return writer
 

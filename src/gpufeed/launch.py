@@ -29,7 +29,7 @@ from typing import Any
 
 from gpufeed.config import LayoutConfig, LoaderConfig, TrainConfig, load_config, to_toml
 from gpufeed.errors import ConfigError, GpufeedError, RunError, one_line
-from gpufeed.records import atomic_write_bytes, make_run_dir, to_jsonable, write_json
+from gpufeed.records import atomic_write_bytes, atomic_write_text, make_run_dir, to_jsonable, write_json
 from gpufeed.train import check_classes, open_shards, run_loader_config, steps_per_epoch, train
 from gpufeed.train_records import CONFIG_NAME, SUMMARY_NAME
 from gpufeed.world import World
@@ -109,9 +109,7 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     config_path = run_dir / CONFIG_NAME
-    config_path.write_text(
-        to_toml("loader", loader_cfg, header="Resolved configuration of this run (gpufeed train).") + "\n"
-        + to_toml("train", cfg), encoding="utf-8")
+    write_run_config(config_path, cfg, loader_cfg)
     write_json(run_dir / "environment.json", environment_snapshot())
     if not needs_torchrun(cfg):
         world = World.from_env(cfg.device)
@@ -134,6 +132,13 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
     if not summary.exists():
         return {"ok": True, "run_dir": str(run_dir), "notes": [not_node_zero_note(cfg)]}
     return json.loads(summary.read_text(encoding="utf-8"))
+
+
+def write_run_config(path: Path, cfg: TrainConfig, loader_cfg: LoaderConfig) -> None:
+    """The resolved config.toml of a run folder, written atomically: a link at ``path`` is replaced, never written
+    through (docs/threat-model.md, "Files gpufeed writes, and how")."""
+    atomic_write_text(path, to_toml("loader", loader_cfg, header="Resolved configuration of this run (gpufeed train).")
+                      + "\n" + to_toml("train", cfg))
 
 
 def not_node_zero_note(cfg: TrainConfig) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 from gpufeed.health import HEALTH_NAME, INTERVAL_S, THROTTLE_NOTE_FRACTION, THROTTLE_NOTE_S, slowdowns, throttled
 from gpufeed.nvml import SLOWDOWN_LABELS
-from gpufeed.records import to_jsonable, write_json
+from gpufeed.records import atomic_write_text, to_jsonable, write_json
 from gpufeed.train_records import SUMMARY_NAME, TrainRecord
 from gpufeed.verdict import STALL_FED_PCT, compute_ceiling_name
 
@@ -23,7 +23,7 @@ def write_report(run_dir: Path, record: TrainRecord) -> None:
     write_json(run_dir / SUMMARY_NAME, record)
     summary = to_jsonable(record)
     plot = plot_summary(run_dir, summary)
-    (run_dir / REPORT_NAME).write_text(render_markdown(summary, plot), encoding="utf-8")
+    atomic_write_text(run_dir / REPORT_NAME, render_markdown(summary, plot))  # a link there is replaced
 
 
 def _fmt_rate(m: dict[str, Any]) -> str:
@@ -254,7 +254,10 @@ def plot_summary(run_dir: Path, s: dict[str, Any]) -> str | None:
             fig.suptitle(f"verdict: {v['status']}" + (f" ({v['bound']}-bound)" if v.get("bound") else ""),
                          fontsize=10)
         fig.tight_layout()
-        fig.savefig(run_dir / "throughput.png", dpi=100)
+        from gpufeed.records import atomic_writer
+
+        with atomic_writer(run_dir / "throughput.png") as f:  # never through a link at that name
+            fig.savefig(f, format="png", dpi=100)
         plt.close(fig)
         return "throughput.png"
     except Exception:  # a report without a chart beats a failed run

@@ -1499,9 +1499,9 @@ def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> Tu
     summary = dataclasses.replace(report, trials=[])
     write_json(run / "summary.json", summary)
     text = render(report)
-    (run / "report.md").write_text(
+    atomic_write_bytes(run / "report.md", (  # a link there is replaced, its target untouched
         f"# gpufeed tune\n\n{report.conclusion}\n\n![samples/s](tune.png)\n\n```\n{text}\n```\n\n"
-        "## Search path\n\n" + "".join(f"- {d.sentence}\n" for d in report.decisions), encoding="utf-8")
+        "## Search path\n\n" + "".join(f"- {d.sentence}\n" for d in report.decisions)).encode("utf-8"))
     return report
 
 
@@ -1544,7 +1544,10 @@ def plot_trials(report: TuneReport, path: str | Path) -> Path:
     ax2.set_title("all trials (orange = chosen)")
     fig.suptitle(report.conclusion[:160], fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    from gpufeed.records import atomic_writer
+
+    with atomic_writer(path) as f:  # never through a link at that name
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
     return Path(path)
 

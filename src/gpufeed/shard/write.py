@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from gpufeed.errors import RunError
+from gpufeed.safefs import open_regular
 from gpufeed.shard.dest import STATE_DIR
 from gpufeed.shard.report import _Bar
 from gpufeed.shard.scan import _display
@@ -222,7 +223,7 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
     the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
     write disjoint ranges of one shard; the end-of-archive blocks (and the padding after an image copied by
     ``sendfile``) are the file's zeros. Everything else is gathered in one buffer and written at once."""
-    fd = os.open(tmp, os.O_WRONLY)
+    fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # never through a link (safefs)
     try:
         buf: list[bytes] = []
         start = pos = items[0].offset if items else 0
@@ -308,7 +309,7 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
     pos = nbytes = 0
     src_fd = os.open(src, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = open_regular(tmp, os.O_WRONLY | os.O_TRUNC, what="shard")  # never through a link
     except BaseException:
         os.close(src_fd)
         raise
@@ -399,7 +400,7 @@ class _ShardJob:
         self.hashed_to = 0  # ranges [0, hashed_to) are queued for hashing
         self.submitted = 0
         self.blocks: Any = queue.SimpleQueue()
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = open_regular(self.tmp, os.O_WRONLY | os.O_TRUNC, what="shard")  # never through a link
         try:
             os.ftruncate(fd, self.size)  # holes read as zeros: the padding and the end-of-archive blocks
         finally:

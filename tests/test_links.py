@@ -127,23 +127,18 @@ def test_run_folder_config_report_and_log_links_are_replaced(tmp_path: Path, sec
     assert [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()] == [1, 2]
 
 
-def test_tune_report_and_chart_links_are_replaced(tmp_path: Path, secret: Path) -> None:
-    from gpufeed.records import atomic_writer
-
+def test_a_chart_link_in_a_run_folder_is_replaced(tmp_path: Path, secret: Path, monkeypatch) -> None:
+    """throughput.png: matplotlib's savefig opens a path through a link; gpufeed hands it its atomic file."""
     pytest.importorskip("matplotlib")
-    import matplotlib
+    import gpufeed.train_report as train_report
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # the chart writers hand savefig gpufeed's atomic file, not a path savefig would open through the link
-    os.symlink(secret, tmp_path / "tune.png")
-    fig = plt.figure()
-    with atomic_writer(tmp_path / "tune.png") as f:
-        fig.savefig(f, format="png")
-    plt.close(fig)
+    monkeypatch.setattr(train_report, "chart_data", lambda s: {"rates": [("real", "trained", 10.0)], "stalls": [],
+                                                               "log_scale": False, "stall_mode": "real"})
+    os.symlink(secret, tmp_path / "throughput.png")
+    assert train_report.plot_summary(tmp_path, {}) == "throughput.png"
     _untouched(secret)
-    assert (tmp_path / "tune.png").read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "throughput.png").is_symlink()
+    assert (tmp_path / "throughput.png").read_bytes().startswith(b"\x89PNG")
 
 
 # ---------------------------------------------------------------------------------------- files of a shard set

@@ -102,7 +102,7 @@ def read_json_file(path: str | Path, max_bytes: int, what: str, *, set_root: str
     import stat
 
     from gpufeed.errors import DataError, one_line
-    from gpufeed.safefs import read_set_file, set_link_problem
+    from gpufeed.safefs import open_set_file, set_link_problem
 
     p = Path(path)
     try:
@@ -111,7 +111,8 @@ def read_json_file(path: str | Path, max_bytes: int, what: str, *, set_root: str
         if not stat.S_ISREG(p.stat().st_mode):
             raise DataError(f"{p} is not a regular file, so not {what}")
         if set_root is not None:
-            raw = read_set_file(p, set_root, max_bytes + 1, what=what)
+            with os.fdopen(open_set_file(p, set_root, what=what), "rb") as f:
+                raw = f.read(max_bytes + 1)
         else:
             with open(p, "rb") as f:
                 raw = f.read(max_bytes + 1)

@@ -257,3 +257,24 @@ def test_a_class_folder_linked_out_of_src_gets_a_note(tmp_path: Path, image_fold
     assert notes == [f"class folder {src / 'linked'} is a symbolic link out of {src} (to {elsewhere}); its files are read from there"]
     r = invoke(["shard", src, tmp_path / "dest2", "--workers", "1", "--allow-empty-classes"])
     assert f"warning: class folder {src / 'linked'} is a symbolic link out of {src}" in r.stdout + r.stderr
+
+
+def test_dest_state_files_linked_out_are_not_read(tmp_path: Path, image_folder) -> None:
+    """plan.json and a shard's sidecar in DEST/.gpufeed: a link out of the state folder is not read (a valid plan
+    and a valid sidecar moved out and linked back): the plan is taken as missing, the shard as not complete."""
+    import hashlib
+
+    from gpufeed.shard.shardplan import _read_plan
+    from gpufeed.shard.write import _shard_complete
+
+    dest = tmp_path / "dest"
+    invoke(["shard", image_folder(classes=2, per_class=2), dest, "--quiet", "--workers", "1"])
+    state = dest / ".gpufeed"
+    assert _read_plan(str(state)) is not None
+    os.replace(state / "plan.json", tmp_path / "plan.json")
+    os.symlink(tmp_path / "plan.json", state / "plan.json")
+    assert _read_plan(str(state)) is None
+    (dest / "a.tar").write_bytes(b"x")
+    (tmp_path / "side.json").write_text(json.dumps({"bytes": 1, "sha256": hashlib.sha256(b"x").hexdigest()}))
+    os.symlink(tmp_path / "side.json", state / "a.tar.done.json")
+    assert _shard_complete(str(dest), "a.tar") is None

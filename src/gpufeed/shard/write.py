@@ -18,7 +18,6 @@ import json
 import os
 import tarfile
 from json.encoder import encode_basestring
-from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from gpufeed.errors import RunError
@@ -468,11 +467,14 @@ def _shard_complete(dest: str, name: str) -> dict[str, Any] | None:
     """The sidecar of a complete shard whose file still matches it, else None."""
     side = os.path.join(dest, STATE_DIR, f"{name}.done.json")
     path = os.path.join(dest, name)
-    try:
-        info = json.loads(Path(side).read_text())
+    from gpufeed.errors import DataError
+    from gpufeed.safefs import read_set_file
+
+    try:  # bounded, and never through a link out of the state folder (safefs)
+        info = json.loads(read_set_file(side, os.path.dirname(side), 1 << 16, what="shard sidecar"))
         if os.path.getsize(path) == info["bytes"] and _sha256_file(path) == info["sha256"]:
             return info
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError, DataError):
         pass
     return None
 

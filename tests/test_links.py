@@ -278,3 +278,26 @@ def test_dest_state_files_linked_out_are_not_read(tmp_path: Path, image_folder) 
     (tmp_path / "side.json").write_text(json.dumps({"bytes": 1, "sha256": hashlib.sha256(b"x").hexdigest()}))
     os.symlink(tmp_path / "side.json", state / "a.tar.done.json")
     assert _shard_complete(str(dest), "a.tar") is None
+
+
+def test_tune_run_folder_links_are_replaced(tmp_path: Path, secret: Path, monkeypatch) -> None:
+    """gpufeed tune's run folder: report.md, config.toml and the chart, each a link to the user's file."""
+    import gpufeed.system
+    import gpufeed.tune as tune
+    from gpufeed.config import LoaderConfig, TuneConfig
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("report.md", "config.toml", "tune.png", "summary.json"):
+        os.symlink(secret, run / name)
+    monkeypatch.setattr(gpufeed.system, "environment_snapshot", lambda **kw: {})
+    monkeypatch.setattr(tune, "render", lambda report: "table")
+    report = tune.TuneReport(
+        ok=True, shards="s", run_dir=None, out=None, best=None, best_trial=None, best_samples_per_s=None,
+        baseline=None, baseline_samples_per_s=None, ratio_vs_baseline=None, bound=None, bound_evidence="",
+        stop_reason="", skipped={}, decisions=[], conclusion="done", budget_s=1.0, elapsed_s=1.0, target_rate=None,
+        target_met=None, usable_cpus=1, device="cpu", num_trials=0, trials=[])
+    tune.write_outputs(report, TuneConfig(run_dir=str(run)), LoaderConfig())
+    _untouched(secret)
+    assert not (run / "report.md").is_symlink() and "table" in (run / "report.md").read_text()
+    assert not (run / "config.toml").is_symlink()

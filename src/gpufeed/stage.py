@@ -24,7 +24,9 @@ through :mod:`gpufeed.shardset.source`); DEST is a local folder. In order:
    differ from the manifest is refused (:class:`RunError`, exit 1, naming it) and its temporary file removed;
    the other copies stop at their next chunk. Ctrl-C stops the same way; complete shards are kept.
 6. ``index.parquet`` and ``_info.json`` next to the SRC manifest are copied (atomically) when present (for a
-   remote SRC: when the server has them; a 404 means absent), and last
+   remote SRC: when the server has them; a 404 means absent; for a local SRC each is checked before anything is
+   copied: a regular file of at most ``MAX_SIDE_BYTES``, not a symbolic link out of the SRC folder, else exit 2
+   naming it: :mod:`gpufeed.safefs`), and last
    the manifest is written to ``DEST/manifest.json`` with ``root`` None (the shards sit next to it), the same
    shards and counts otherwise: ``tune``, ``train`` and ``verify`` use DEST directly. While a run copies, a DEST
    manifest from an earlier run is removed first, so its presence still means the set at DEST is complete.

@@ -243,7 +243,7 @@ def test_index_reads_a_classes_file_the_user_named_even_through_a_link(tmp_path:
     assert r["classes_preview"] == ["cat", "dog"]
     os.mkfifo(tmp_path / "fifo.txt")  # still a regular file only: a FIFO would block the read
     r = invoke(["index", folder, "--label", "txt", "--classes", tmp_path / "fifo.txt"], expect=2)
-    assert "fifo.txt is not a regular file" in r.stderr
+    assert "fifo.txt cannot be read: it is not a regular file" in r.stderr
 
 
 def test_a_class_folder_linked_out_of_src_gets_a_note(tmp_path: Path, image_folder) -> None:
@@ -301,3 +301,15 @@ def test_tune_run_folder_links_are_replaced(tmp_path: Path, secret: Path, monkey
     _untouched(secret)
     assert not (run / "report.md").is_symlink() and "table" in (run / "report.md").read_text()
     assert not (run / "config.toml").is_symlink()
+
+
+def test_a_config_file_the_user_named_may_be_a_link_but_not_a_fifo(tmp_path: Path) -> None:
+    from gpufeed.config import read_toml
+    from gpufeed.errors import ConfigError
+
+    (tmp_path / "real.toml").write_text("[loader]\nbatch_size = 8\n")
+    os.symlink(tmp_path / "real.toml", tmp_path / "link.toml")
+    assert read_toml(tmp_path / "link.toml")["loader"]["batch_size"] == 8
+    os.mkfifo(tmp_path / "fifo.toml")
+    with pytest.raises(ConfigError, match="config file .*fifo.toml cannot be read: it is not a regular file"):
+        read_toml(tmp_path / "fifo.toml")  # before: open() waited for a writer forever

@@ -162,9 +162,10 @@ def read_set_file(path: str | os.PathLike, root: str | os.PathLike, max_bytes: i
     return _read_bounded(open_set_file(path, root, max_bytes=max_bytes, what=what), os.fspath(path), max_bytes, what)
 
 
-def read_user_file(path: str | os.PathLike, max_bytes: int, *, what: str = "file") -> bytes:
-    """The bytes of ``path``, a file the user named (it may be a link): a regular file (checked on the open
-    descriptor, so a FIFO never blocks) of at most ``max_bytes``, else DataError naming it."""
+def open_user_file(path: str | os.PathLike, *, what: str = "file", max_bytes: int | None = None) -> int:
+    """A read-only descriptor of ``path``, a file the user named (it may be a link): a regular file (checked on the
+    open descriptor, so a FIFO never blocks) of at most ``max_bytes`` when given, else DataError naming it. A
+    missing file raises FileNotFoundError."""
     p = os.fspath(path)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -175,14 +176,19 @@ def read_user_file(path: str | os.PathLike, max_bytes: int, *, what: str = "file
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise DataError(f"{what} {p} is not a regular file")
-        if st.st_size > max_bytes:
+            raise DataError(f"{what} {p} cannot be read: it is not a regular file")
+        if max_bytes is not None and st.st_size > max_bytes:
             raise DataError(f"{what} {p} is {st.st_size} bytes, more than the {max_bytes} gpufeed reads")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
-    return _read_bounded(fd, p, max_bytes, what)
+    return fd
+
+
+def read_user_file(path: str | os.PathLike, max_bytes: int, *, what: str = "file") -> bytes:
+    """The bytes of ``path``, a file the user named (:func:`open_user_file`), at most ``max_bytes``."""
+    return _read_bounded(open_user_file(path, what=what, max_bytes=max_bytes), os.fspath(path), max_bytes, what)
 
 
 def folder_link_note(folder: str | os.PathLike, root: str | os.PathLike) -> str | None:
@@ -210,4 +216,4 @@ def make_state_folder(path: str | os.PathLike, *, what: str = "state folder") ->
 
 
 __all__ = ["open_regular", "open_append", "open_write", "lock_file", "set_link_problem", "open_set_file",
-           "read_set_file", "read_user_file", "folder_link_note", "make_state_folder"]
+           "read_set_file", "open_user_file", "read_user_file", "folder_link_note", "make_state_folder"]

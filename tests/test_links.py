@@ -313,3 +313,17 @@ def test_a_config_file_the_user_named_may_be_a_link_but_not_a_fifo(tmp_path: Pat
     os.mkfifo(tmp_path / "fifo.toml")
     with pytest.raises(ConfigError, match="config file .*fifo.toml cannot be read: it is not a regular file"):
         read_toml(tmp_path / "fifo.toml")  # before: open() waited for a writer forever
+
+
+def test_a_rank_report_linked_out_of_the_run_folder_or_a_fifo_is_passed_over(tmp_path: Path) -> None:
+    from gpufeed.launch import rank_failure
+
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(json.dumps({"rank": 0, "message": SECRET, "exit_code": 2, "cause": True, "time": 1.0}))
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(outside, run / "rank-0.error")
+    err = rank_failure(run, 1)
+    assert "hunter2" not in str(err) and "no rank reported a cause" in str(err)
+    os.mkfifo(run / "rank-1.error")  # open() would wait for a writer forever
+    assert "no rank reported a cause" in str(rank_failure(run, 1))

@@ -30,6 +30,7 @@ from typing import Any
 from gpufeed.config import LayoutConfig, LoaderConfig, TrainConfig, load_config, to_toml
 from gpufeed.errors import ConfigError, GpufeedError, RunError, one_line
 from gpufeed.records import atomic_write_bytes, atomic_write_text, make_run_dir, to_jsonable, write_json
+from gpufeed.safefs import read_set_file
 from gpufeed.train import check_classes, open_shards, run_loader_config, steps_per_epoch, train
 from gpufeed.train_records import CONFIG_NAME, SUMMARY_NAME
 from gpufeed.world import World
@@ -160,12 +161,11 @@ def rank_failure(run_dir: Path, returncode: int, *, multi_node: bool = False) ->
     sentence points to the other nodes, where the rank that failed first reported it."""
     reports = []
     for path in sorted(run_dir.glob(RANK_ERROR.format(rank="*")))[:4096]:
-        try:
-            with open(path, "rb") as f:
-                r = json.loads(f.read(65536))
+        try:  # the run folder's own file: bounded, never through a link out of it, never a FIFO (safefs)
+            r = json.loads(read_set_file(path, run_dir, 65536, what="rank report"))
             reports.append((not r["cause"], float(r["time"]), int(r["rank"]), one_line(str(r["message"])),
                             int(r["exit_code"])))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, GpufeedError):
             continue  # a half-written or foreign file: the other ranks' reports still count
     if not reports:
         return RunError(f"torchrun exited with {returncode} and no rank reported a cause (killed by a signal or "

@@ -337,10 +337,15 @@ def _local_sides(folder: Path) -> list[_Side]:
     sides = []
     for name in SIDE_FILES:
         path = folder / name
-        if not os.path.lexists(path):
-            continue
-        os.close(open_set_file(path, folder, max_bytes=MAX_SIDE_BYTES, what=f"SRC's {name}"))
-        sides.append(_Side(name, os.stat(path).st_size, _opener(path, folder)))
+        try:
+            fd = open_set_file(path, folder, max_bytes=MAX_SIDE_BYTES, what=f"SRC's {name}")
+        except FileNotFoundError:
+            continue  # absent (or a link inside the set to nothing): not copied, as before
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        sides.append(_Side(name, size, _opener(path, folder)))
     return sides
 
 

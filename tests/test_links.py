@@ -327,3 +327,18 @@ def test_a_rank_report_linked_out_of_the_run_folder_or_a_fifo_is_passed_over(tmp
     assert "hunter2" not in str(err) and "no rank reported a cause" in str(err)
     os.mkfifo(run / "rank-1.error")  # open() would wait for a writer forever
     assert "no rank reported a cause" in str(rank_failure(run, 1))
+
+
+def test_a_transcode_cache_linked_out_of_the_state_folder_never_reaches_a_shard(tmp_path: Path, secret: Path) -> None:
+    from gpufeed.errors import RunError
+    from gpufeed.shard.write import _Item, _write_range
+
+    state = tmp_path / "dest" / ".gpufeed"
+    state.mkdir(parents=True)
+    os.symlink(secret, state / "enc-000000.bin")
+    tmp = tmp_path / "dest" / ".a.tar.tmp"
+    tmp.write_bytes(bytes(4096))
+    item = _Item(0, "k", "jpg", len(SECRET), b"0", b"{}", "", "c/k.jpg", None, str(state / "enc-000000.bin"), 0)
+    with pytest.raises(RunError, match="transcode cache .* is a symbolic link that leads out of the state folder"):
+        _write_range(str(tmp), [item])
+    assert b"hunter2" not in tmp.read_bytes()

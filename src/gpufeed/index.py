@@ -408,7 +408,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         from gpufeed.safefs import read_set_file
 
         try:  # never read through a link out of DEST (its target's text would be quoted below)
-            created_by = json.loads(read_set_file(existing, dest, 1 << 20, what="manifest")).get("created_by")
+            created_by = json.loads(read_set_file(existing, dest, 1 << 20, what="manifest", where="output folder")).get("created_by")
         except (OSError, ValueError, AttributeError, RecursionError, DataError):
             created_by = None
         if created_by != "gpufeed index":

@@ -162,7 +162,7 @@ def rank_failure(run_dir: Path, returncode: int, *, multi_node: bool = False) ->
     reports = []
     for path in sorted(run_dir.glob(RANK_ERROR.format(rank="*")))[:4096]:
         try:  # the run folder's own file: bounded, never through a link out of it, never a FIFO (safefs)
-            r = json.loads(read_set_file(path, run_dir, 65536, what="rank report"))
+            r = json.loads(read_set_file(path, run_dir, 65536, what="rank report", where="run folder"))
             reports.append((not r["cause"], float(r["time"]), int(r["rank"]), one_line(str(r["message"])),
                             int(r["exit_code"])))
         except (OSError, ValueError, KeyError, TypeError, GpufeedError):

@@ -99,9 +99,10 @@ def _inside(target: str, root: str) -> bool:
         return False
 
 
-def set_link_problem(path: str | os.PathLike, root: str | os.PathLike) -> str | None:
+def set_link_problem(path: str | os.PathLike, root: str | os.PathLike, *, where: str = "set folder") -> str | None:
     """Why ``path``, a file of the set in folder ``root``, must not be read: a symbolic link whose target lies
-    outside ``root`` (None: not a link, or a link inside the set). Missing files are not a problem here."""
+    outside ``root`` (None: not a link, or a link inside the set). Missing files are not a problem here.
+    ``where`` names the folder in the sentence ("set folder", "state folder", "run folder")."""
     p = os.fspath(path)
     try:
         if not stat.S_ISLNK(os.lstat(p).st_mode):
@@ -111,18 +112,18 @@ def set_link_problem(path: str | os.PathLike, root: str | os.PathLike) -> str | 
     real_root = os.path.realpath(os.fspath(root))
     if _inside(os.path.realpath(p), real_root):
         return None
-    return (f"is a symbolic link that leads out of the set folder {os.fspath(root)}; gpufeed reads only files inside "
-            f"a set (copy the file into the set instead of linking it)")
+    return (f"is a symbolic link that leads out of the {where} {os.fspath(root)}; gpufeed reads only files inside "
+            f"it (copy the file in instead of linking it)")
 
 
 def open_set_file(path: str | os.PathLike, root: str | os.PathLike, *, max_bytes: int | None = None,
-                  what: str = "file of the set") -> int:
+                  what: str = "file of the set", where: str = "set folder") -> int:
     """A read-only descriptor of ``path``, a file of the set in folder ``root``: refused (DataError naming the file,
     never its contents) when it is a symbolic link out of ``root`` (:func:`set_link_problem`), not a regular file,
     or larger than ``max_bytes``. A link inside the set is opened by its resolved target with ``O_NOFOLLOW``; a
     missing file raises FileNotFoundError."""
     p = os.fspath(path)
-    why = set_link_problem(p, root)
+    why = set_link_problem(p, root, where=where)
     if why:
         raise DataError(f"{what} {p} {why}")
     target = os.path.realpath(p) if os.path.islink(p) else p
@@ -157,9 +158,10 @@ def _read_bounded(fd: int, p: str, max_bytes: int, what: str) -> bytes:
 
 
 def read_set_file(path: str | os.PathLike, root: str | os.PathLike, max_bytes: int, *,
-                  what: str = "file of the set") -> bytes:
+                  what: str = "file of the set", where: str = "set folder") -> bytes:
     """The bytes of ``path``, a file of the set in folder ``root`` (:func:`open_set_file`), at most ``max_bytes``."""
-    return _read_bounded(open_set_file(path, root, max_bytes=max_bytes, what=what), os.fspath(path), max_bytes, what)
+    fd = open_set_file(path, root, max_bytes=max_bytes, what=what, where=where)
+    return _read_bounded(fd, os.fspath(path), max_bytes, what)
 
 
 def open_user_file(path: str | os.PathLike, *, what: str = "file", max_bytes: int | None = None) -> int:

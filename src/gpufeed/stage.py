@@ -535,7 +535,7 @@ def _read_sidecar(path: Path) -> dict[str, Any] | None:
     from gpufeed.safefs import read_set_file
 
     try:  # our own state, still never read through a link out of it (refused: re-hashed instead)
-        raw = read_set_file(path, path.parent, _MAX_SIDECAR_BYTES, what="stage sidecar")
+        raw = read_set_file(path, path.parent, _MAX_SIDECAR_BYTES, what="stage sidecar", where="state folder")
         data = json.loads(raw)
     except (OSError, ValueError, DataError):
         return None

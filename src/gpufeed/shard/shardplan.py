@@ -287,11 +287,12 @@ def _read_plan(state: str) -> _Plan | None:
     from gpufeed.safefs import open_set_file, read_set_file
 
     try:  # never through a link out of the state folder, and bounded (safefs)
-        meta = json.loads(read_set_file(os.path.join(state, PLAN_NAME), state, _MAX_PLAN_JSON_BYTES, what="plan"))
+        meta = json.loads(read_set_file(os.path.join(state, PLAN_NAME), state, _MAX_PLAN_JSON_BYTES, what="plan",
+                                        where="state folder"))
         if not isinstance(meta, dict) or meta.get("plan_version") != PLAN_VERSION:
             return None
         spec = meta["arrays"]
-        with os.fdopen(open_set_file(os.path.join(state, PLAN_ARRAYS_NAME), state, what="plan"), "rb") as f:
+        with os.fdopen(open_set_file(os.path.join(state, PLAN_ARRAYS_NAME), state, what="plan", where="state folder"), "rb") as f:
             # the size comes from plan.json: read only when it is the file's own size (no huge allocation)
             if type(spec["bytes"]) is not int or spec["bytes"] != os.fstat(f.fileno()).st_size:
                 return None

@@ -217,6 +217,19 @@ def _around_image(key: str, ext: str, img_len: int, cls_b: bytes, json_b: bytes)
                      img_h)), b""
 
 
+def _open_cache(path: str) -> Any:
+    """A transcode cache file of the state folder, never through a link out of it (safefs: its target's bytes
+    would go into a shard) and only a regular file; RunError naming it otherwise."""
+    from gpufeed.errors import DataError
+    from gpufeed.safefs import open_set_file
+
+    try:
+        return os.fdopen(open_set_file(path, os.path.dirname(path), what="transcode cache", where="state folder"), "rb")
+    except (DataError, FileNotFoundError) as exc:
+        raise RunError(f"{exc if isinstance(exc, DataError) else f'the transcode cache {path} is missing'}; re-run "
+                       f"with --overwrite") from None
+
+
 def _write_range(tmp: str, items: list[_Item]) -> None:
     """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
     the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
@@ -243,7 +256,7 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
                     assert it.ident is not None
                     data = _read_source(it.path, it.rel, it.img_len, it.ident)
                 else:  # transcoded during validation; read back from the batch cache
-                    with open(it.cache, "rb") as f:
+                    with _open_cache(it.cache) as f:
                         f.seek(it.coff)
                         data = f.read(it.img_len)
                     if len(data) != it.img_len:
@@ -471,7 +484,7 @@ def _shard_complete(dest: str, name: str) -> dict[str, Any] | None:
     from gpufeed.safefs import read_set_file
 
     try:  # bounded, and never through a link out of the state folder (safefs)
-        info = json.loads(read_set_file(side, os.path.dirname(side), 1 << 16, what="shard sidecar"))
+        info = json.loads(read_set_file(side, os.path.dirname(side), 1 << 16, what="shard sidecar", where="state folder"))
         if os.path.getsize(path) == info["bytes"] and _sha256_file(path) == info["sha256"]:
             return info
     except (OSError, ValueError, KeyError, TypeError, DataError):

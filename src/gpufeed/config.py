@@ -624,10 +624,17 @@ class Config:
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file of at most ``MAX_CONFIG_BYTES``, turning every failure into one ConfigError naming it."""
+    import os
+
+    from gpufeed.errors import DataError
+    from gpufeed.safefs import open_user_file
+
     p = Path(path)
-    try:
-        with p.open("rb") as f:
+    try:  # a regular file (a link is fine: the user named it), never a FIFO that would block the read
+        with os.fdopen(open_user_file(p, what="config file"), "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
     except FileNotFoundError:
         raise ConfigError(f"config file {p} does not exist") from None
     except OSError as exc:

@@ -152,11 +152,12 @@ def resolve_shards(spec: str | Path) -> list[Path]:
         raise DataError(f"{text} is neither a folder, a shard file, a glob nor a brace pattern")
     for q in paths:
         _check_name(q)
-    odd = [(q, why) for q in paths if (why := file_problem(q))]
+    # a folder, glob or pattern names a set: no shard may be a link out of its folder; a file typed alone may be
+    odd = [(q, why) for q in paths if (why := file_problem(q, None if len(paths) == 1 and p.is_file() else q.parent))]
     if odd:
         more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
         raise DataError(f"refusing shard file {str(odd[0][0])!r}: it {odd[0][1]}{more}; a shard must be a regular "
-                        f"file - replace it or move it out of the folder")
+                        f"file in the set folder - replace it or move it out of the folder")
     folders = {q.resolve().parent for q in paths}
     if len(folders) > 1:
         raise DataError(f"the shards of {text} are spread over {len(folders)} folders; index one folder at a time")
@@ -285,17 +286,20 @@ def scan_shard(path: Path | str, hash: bool = True, label: str = DEFAULT_LABEL_S
     return scan
 
 
-def read_class_list(path: Path) -> list[str]:
+def read_class_list(path: Path, set_root: Path | None = None) -> list[str]:
     """Class names in label order from a text file, one per line (blank lines skipped): at most
     :data:`MAX_CLASS_MAP_BYTES` of UTF-8, each name at most ``MAX_LABEL_BYTES``, no name twice, at most
-    ``MAX_CLASSES``. Raises DataError naming the file."""
+    ``MAX_CLASSES``. Raises DataError naming the file. ``set_root``: the folder of the set the file came with
+    (``classes.txt``): a symbolic link out of it is refused, its target never read (:mod:`gpufeed.safefs`); a file
+    the user named (``--classes``) may be a link but must be a regular file too."""
+    from gpufeed.safefs import read_set_file, read_user_file
+
     try:
-        if not path.is_file():
-            raise DataError(f"class list {path} is not a regular file")
-        if path.stat().st_size > MAX_CLASS_MAP_BYTES:
-            raise DataError(f"{path} is larger than {MAX_CLASS_MAP_BYTES >> 20} MiB; it is not a class list")
-        with open(path, "rb") as f:
-            text = f.read(MAX_CLASS_MAP_BYTES + 1).decode("utf-8")
+        if set_root is not None:
+            raw = read_set_file(path, set_root, MAX_CLASS_MAP_BYTES, what="class list")
+        else:
+            raw = read_user_file(path, MAX_CLASS_MAP_BYTES, what="class list")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise DataError(f"{path} is not UTF-8 text") from None
     except OSError as exc:
@@ -329,8 +333,8 @@ def _classes(folder: Path, labels: set, label: str, classes_file: Path | None = 
     what = _describe(label)
     texts = {x for x in labels if isinstance(x, str)}
     class_map = classes_file if classes_file is not None else folder / CLASS_MAP_NAME
-    if classes_file is not None or class_map.is_file():
-        names = read_class_list(class_map)
+    if classes_file is not None or os.path.lexists(class_map):
+        names = read_class_list(class_map, None if classes_file is not None else folder)
         position = {c: i for i, c in enumerate(names)}
         for x in sorted(texts):  # read_label reads digits as an index: a class named "7" must be class 7
             if x.isascii() and x.isdigit() and x in position and position[x] != int(x):
@@ -409,10 +413,11 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
     if existing.is_file():
         import json
 
-        try:
-            with open(existing, "rb") as f:
-                created_by = json.loads(f.read(1 << 20)).get("created_by")
-        except (OSError, ValueError, AttributeError, RecursionError):
+        from gpufeed.safefs import read_set_file
+
+        try:  # never read through a link out of DEST (its target's text would be quoted below)
+            created_by = json.loads(read_set_file(existing, dest, 1 << 20, what="manifest", where="output folder")).get("created_by")
+        except (OSError, ValueError, AttributeError, RecursionError, DataError):
             created_by = None
         if created_by != "gpufeed index":
             raise DataError(f"{existing} already exists (created by {str(created_by)[:80]!r}); it is not replaced "

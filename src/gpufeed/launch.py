@@ -39,6 +39,7 @@ from gpufeed.config import LayoutConfig, LoaderConfig, TrainConfig, load_config,
 from gpufeed.errors import ConfigError, GpufeedError, Interrupted, RunError, one_line, signal_name
 from gpufeed.records import atomic_write_bytes, make_run_dir, to_jsonable, write_json
 from gpufeed.redact import redact
+from gpufeed.safefs import read_set_file
 from gpufeed.train import check_classes, open_shards, run_loader_config, steps_per_epoch, train
 from gpufeed.train_records import CONFIG_NAME, SUMMARY_NAME
 from gpufeed.world import World
@@ -127,10 +128,7 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     config_path = run_dir / CONFIG_NAME
-    text = (to_toml("loader", loader_cfg, header="Resolved configuration of this run (gpufeed train).") + "\n"
-            + to_toml("train", cfg))
-    # the ranks read the URLs back as typed, password included: then only this user may read the file
-    atomic_write_bytes(config_path, text.encode("utf-8"), mode=0o600 if redact(text) != text else None)
+    write_run_config(config_path, cfg, loader_cfg)
     write_json(run_dir / "environment.json", environment_snapshot())
     if not needs_torchrun(cfg):
         world = World.from_env(cfg.device)
@@ -279,6 +277,15 @@ def interrupted(run_dir: Path, signum: int, killed: bool) -> Interrupted:
     return Interrupted(text, signum)
 
 
+def write_run_config(path: Path, cfg: TrainConfig, loader_cfg: LoaderConfig) -> None:
+    """The resolved config.toml of a run folder, written atomically: a link at ``path`` is replaced, never written
+    through (docs/threat-model.md, "Files gpufeed writes, and how"). The ranks read the URLs back as typed,
+    password included: then only this user may read the file (0600)."""
+    text = (to_toml("loader", loader_cfg, header="Resolved configuration of this run (gpufeed train).") + "\n"
+            + to_toml("train", cfg))
+    atomic_write_bytes(path, text.encode("utf-8"), mode=0o600 if redact(text) != text else None)
+
+
 def not_node_zero_note(cfg: TrainConfig) -> str:
     """What the launcher of a node without rank 0 says: its ranks ran, and where the summary is."""
     if cfg.rdzv_endpoint:
@@ -298,12 +305,11 @@ def rank_failure(run_dir: Path, returncode: int, *, multi_node: bool = False) ->
     sentence points to the other nodes, where the rank that failed first reported it."""
     reports = []
     for path in sorted(run_dir.glob(RANK_ERROR.format(rank="*")))[:4096]:
-        try:
-            with open(path, "rb") as f:
-                r = json.loads(f.read(65536))
+        try:  # the run folder's own file: bounded, never through a link out of it, never a FIFO (safefs)
+            r = json.loads(read_set_file(path, run_dir, 65536, what="rank report", where="run folder"))
             reports.append((not r["cause"], float(r["time"]), int(r["rank"]), one_line(str(r["message"])),
                             int(r["exit_code"])))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, GpufeedError):
             continue  # a half-written or foreign file: the other ranks' reports still count
     if not reports:
         return RunError(f"torchrun exited with {returncode} and no rank reported a cause (killed by a signal or "

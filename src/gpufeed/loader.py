@@ -78,6 +78,7 @@ from __future__ import annotations
 import hashlib
 import math
 import multiprocessing
+import os
 import random
 import sys
 import tarfile
@@ -689,8 +690,9 @@ class ShardLoader:
         split = split_of(cfg, world)
         self.shards_here = _own_shards(str(shards), self.manifest, world, split)
         """Indices of the shards this rank's node reads: all of them under the global split."""
-        unreadable = [] if shard_set.remote else [(self.paths[i], why) for i in self.shards_here
-                                                  if (why := file_problem(self.paths[i]))]
+        unreadable = [] if shard_set.remote else [  # a set's shards: no link out of its folder
+            (self.paths[i], why) for i in self.shards_here
+            if (why := file_problem(self.paths[i], os.path.dirname(self.paths[i])))]
         if unreadable:
             whose = "" if split.get("node_rank") is None else f" owned by node {world.node_rank}"
             raise DataError(f"{len(unreadable)} shard(s){whose} of the manifest cannot be read, e.g. "

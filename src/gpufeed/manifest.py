@@ -451,7 +451,9 @@ def read_manifest(shards: str | Path) -> Manifest:
             f"{path.parent} has no {MANIFEST_NAME}: the shard set is incomplete or was not written by gpufeed "
             f"(for shards written by other tools, run `gpufeed index {path.parent}`)"
         )
-    data = read_json_file(path, MAX_MANIFEST_BYTES, "a manifest")
+    # found in a set folder, it is a file of the set (no link out of it); a manifest file the user named may be a link
+    inside = path.parent if Path(shards).is_dir() else None
+    data = read_json_file(path, MAX_MANIFEST_BYTES, "a manifest", set_root=inside)
     return Manifest.from_dict(data, where=str(path))
 
 

@@ -132,25 +132,40 @@ def _umask() -> int:
     return mask
 
 
-def read_json_file(path: str | Path, max_bytes: int, what: str) -> Any:
+def read_json_file(path: str | Path, max_bytes: int, what: str, *, set_root: str | Path | None = None) -> Any:
     """The JSON value in ``path``, a file that came with data (a manifest, a run record): it must be a regular
     file (a FIFO would block ``open`` forever) of at most ``max_bytes``, UTF-8 and valid JSON, else a DataError
-    naming it as ``what`` in one sentence."""
+    naming it as ``what`` in one sentence. ``set_root``: the folder of the set ``path`` belongs to; then a
+    symbolic link out of that folder is refused too (:func:`gpufeed.safefs.read_set_file`). The message never
+    quotes the file's contents."""
     import stat
 
     from gpufeed.errors import DataError, one_line
+    from gpufeed.safefs import open_set_file, set_link_problem
 
     p = Path(path)
     try:
+        if set_root is not None and (why := set_link_problem(p, set_root)):
+            raise DataError(f"{p} {why}, so it is not read as {what}")
         if not stat.S_ISREG(p.stat().st_mode):
             raise DataError(f"{p} is not a regular file, so not {what}")
-        with open(p, "rb") as f:
-            raw = f.read(max_bytes + 1)
+        if set_root is not None:
+            with os.fdopen(open_set_file(p, set_root, what=what), "rb") as f:
+                raw = f.read(max_bytes + 1)
+        else:
+            with open(p, "rb") as f:
+                raw = f.read(max_bytes + 1)
         if len(raw) > max_bytes:
             raise DataError(f"{p} is larger than {max_bytes >> 20} MiB; it is not {what}")
         return json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DataError(f"{p} is not readable JSON, so not {what} ({one_line(exc)[:160]})") from None
+        if isinstance(exc, (UnicodeDecodeError, json.JSONDecodeError)):  # never echo the file's bytes
+            why = f"{type(exc).__name__} at byte {getattr(exc, 'start', getattr(exc, 'pos', '?'))}"
+            if isinstance(exc, json.JSONDecodeError):
+                why = f"{exc.msg}: line {exc.lineno} column {exc.colno} (char {exc.pos})"
+        else:
+            why = one_line(exc)[:160]
+        raise DataError(f"{p} is not readable JSON, so not {what} ({why})") from None
 
 
 def dumps(obj: Any, *, indent: int | None = 2, redact: bool = True) -> str:
@@ -177,8 +192,11 @@ def write_jsonl(path: str | Path, records: Iterable[Any]) -> Path:
 
 
 def append_jsonl(path: str | Path, record: Any) -> None:
-    """Append one record (for logs written while a run goes on)."""
-    with open(path, "a", encoding="utf-8") as f:
+    """Append one record (for logs written while a run goes on), never through a link
+    (:func:`gpufeed.safefs.open_append`)."""
+    from gpufeed.safefs import open_append
+
+    with open_append(path, what="log") as f:
         f.write(dumps(record, indent=None) + "\n")
 
 

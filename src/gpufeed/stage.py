@@ -24,7 +24,9 @@ through :mod:`gpufeed.shardset.source`); DEST is a local folder. In order:
    differ from the manifest is refused (:class:`RunError`, exit 1, naming it) and its temporary file removed;
    the other copies stop at their next chunk. Ctrl-C stops the same way; complete shards are kept.
 6. ``index.parquet`` and ``_info.json`` next to the SRC manifest are copied (atomically) when present (for a
-   remote SRC: when the server has them; a 404 means absent), and last
+   remote SRC: when the server has them; a 404 means absent; for a local SRC each is checked before anything is
+   copied: a regular file of at most ``MAX_SIDE_BYTES``, not a symbolic link out of the SRC folder, else exit 2
+   naming it: :mod:`gpufeed.safefs`), and last
    the manifest is written to ``DEST/manifest.json`` with ``root`` None (the shards sit next to it), the same
    shards and counts otherwise: ``tune``, ``train`` and ``verify`` use DEST directly. While a run copies, a DEST
    manifest from an earlier run is removed first, so its presence still means the set at DEST is complete.
@@ -159,22 +161,20 @@ class LocalSource:
     def problem(self, name: str) -> str | None:
         from gpufeed.shardset.tar import file_problem
 
-        return file_problem(self.path(name))
+        return file_problem(self.path(name), self.root)  # a symbolic link out of the set is refused
 
     def size(self, name: str) -> int:
         return os.stat(self.path(name)).st_size
 
     def open(self, name: str) -> BinaryIO:
-        # O_NONBLOCK: a FIFO swapped in after problem() must not block the open; checked to be a file below
-        fd = os.open(self.path(name), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # safefs: a FIFO or a link out of the set swapped in after problem() is refused, never read
+        from gpufeed.safefs import open_set_file
+
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise RunError(f"source shard {self.path(name)} is not a regular file")
-            os.set_blocking(fd, True)
-            return os.fdopen(fd, "rb", buffering=0)
-        except BaseException:
-            os.close(fd)
-            raise
+            fd = open_set_file(self.path(name), self.root, what="source shard")
+        except DataError as exc:
+            raise RunError(str(exc)) from None
+        return os.fdopen(fd, "rb", buffering=0)
 
 
 class RemoteSource:
@@ -290,8 +290,7 @@ def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
         src_root = src_manifest.parent / m.root if m.root else src_manifest.parent
         source = LocalSource(src_root)
         src_label, src_dirs = str(src_manifest), [src_root, src_manifest.parent]
-        sides = [_Side(n, (src_manifest.parent / n).stat().st_size, _opener(src_manifest.parent / n))
-                 for n in SIDE_FILES if (src_manifest.parent / n).is_file()]
+        sides = _local_sides(src_manifest.parent)
         for info in mine:
             why = source.problem(info.name)
             if why:
@@ -304,7 +303,9 @@ def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
     if any(dest.resolve() == d.resolve() for d in src_dirs):
         raise DataError(f"DEST {dest} is the SRC folder; choose another folder")
     state = dest / STATE_DIR
-    state.mkdir(exist_ok=True)
+    from gpufeed.safefs import make_state_folder
+
+    make_state_folder(state, what="stage state folder")  # a link there is refused: its target would get our files
     lock = _lock(state / LOCK_NAME, dest)
     try:
         return _run(cfg, m, src_label, sides, source, dest, state, progress, t0, mine,
@@ -322,8 +323,35 @@ class _Side:
     open: Callable[[], BinaryIO]
 
 
-def _opener(path: Path) -> Callable[[], BinaryIO]:
-    return lambda: open(path, "rb")
+MAX_SIDE_BYTES = 16 << 30
+"""A side file (``index.parquet``, ``_info.json``) of a local SRC larger than this (16 GiB) is refused."""
+
+
+def _local_sides(folder: Path) -> list[_Side]:
+    """The side files next to a local SRC manifest, each checked now (:func:`gpufeed.safefs.open_set_file`: a
+    regular file of at most ``MAX_SIDE_BYTES``, no symbolic link out of ``folder``; refused in one sentence naming
+    it, before anything is copied) and opened the same way when it is copied."""
+    from gpufeed.safefs import open_set_file
+
+    sides = []
+    for name in SIDE_FILES:
+        path = folder / name
+        try:
+            fd = open_set_file(path, folder, max_bytes=MAX_SIDE_BYTES, what=f"SRC's {name}")
+        except FileNotFoundError:
+            continue  # absent (or a link inside the set to nothing): not copied, as before
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        sides.append(_Side(name, size, _opener(path, folder)))
+    return sides
+
+
+def _opener(path: Path, folder: Path) -> Callable[[], BinaryIO]:
+    from gpufeed.safefs import open_set_file
+
+    return lambda: os.fdopen(open_set_file(path, folder, max_bytes=MAX_SIDE_BYTES, what=f"SRC's {path.name}"), "rb")
 
 
 def _node_subset(m: Manifest, node_rank: int, num_nodes: int) -> list[ShardInfo]:
@@ -409,7 +437,12 @@ def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], sour
         _copy_all(source, todo, dest, state, jobs, progress)
     for side in sides:
         with side.open() as f, atomic_writer(dest / side.name) as out:
-            shutil.copyfileobj(f, out, CHUNK_BYTES)
+            copied = 0
+            while data := f.read(min(CHUNK_BYTES, side.size + 1 - copied)):  # never more than it said, plus 1
+                out.write(data)
+                copied += len(data)
+                if copied > side.size:
+                    raise RunError(f"SRC's {side.name} grew while it was copied; it was not staged")
     options = {k: v for k, v in m.options.items() if k != STAGED_NODE}  # a record of SRC's own staging is not ours
     if node_rank is not None:
         options[STAGED_NODE] = {"node_rank": node_rank, "num_nodes": num_nodes, "num_shards": len(mine)}
@@ -498,11 +531,12 @@ def _complete(dest: Path, state: Path, info: ShardInfo) -> bool:
 def _read_sidecar(path: Path) -> dict[str, Any] | None:
     import json
 
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_SIDECAR_BYTES + 1)
-        data = json.loads(raw) if len(raw) <= _MAX_SIDECAR_BYTES else None
-    except (OSError, ValueError):
+    from gpufeed.safefs import read_set_file
+
+    try:  # our own state, still never read through a link out of it (refused: re-hashed instead)
+        raw = read_set_file(path, path.parent, _MAX_SIDECAR_BYTES, what="stage sidecar", where="state folder")
+        data = json.loads(raw)
+    except (OSError, ValueError, DataError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -532,7 +566,9 @@ def _lock(path: Path, dest: Path) -> int:
     its holder. Close-on-exec, so it dies with this process."""
     import fcntl
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    from gpufeed.safefs import lock_file
+
+    fd = lock_file(path, what="stage lock")  # never through a link: a link there is replaced, its target untouched
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -26,7 +26,7 @@ def write_report(run_dir: Path, record: TrainRecord) -> None:
     write_json(run_dir / SUMMARY_NAME, record)
     summary = redact_obj(to_jsonable(record))  # report.md and the chart show what summary.json holds
     plot = plot_summary(run_dir, summary)
-    atomic_write_text(run_dir / REPORT_NAME, render_markdown(summary, plot))
+    atomic_write_text(run_dir / REPORT_NAME, render_markdown(summary, plot))  # a link there is replaced
 
 
 def _fmt_rate(m: dict[str, Any]) -> str:
@@ -258,7 +258,10 @@ def plot_summary(run_dir: Path, s: dict[str, Any]) -> str | None:
             fig.suptitle(f"verdict: {v['status']}" + (f" ({v['bound']}-bound)" if v.get("bound") else ""),
                          fontsize=10)
         fig.tight_layout()
-        fig.savefig(run_dir / "throughput.png", dpi=100)
+        from gpufeed.records import atomic_writer
+
+        with atomic_writer(run_dir / "throughput.png") as f:  # never through a link at that name
+            fig.savefig(f, format="png", dpi=100)
         plt.close(fig)
         return "throughput.png"
     except Exception:  # a report without a chart beats a failed run

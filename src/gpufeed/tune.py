@@ -1471,7 +1471,7 @@ def _f(v: float | None, digits: int) -> str:
 
 def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> TuneReport:
     """Write the run folder and the [loader] TOML; returns the report with their paths set."""
-    from gpufeed.records import atomic_write_bytes, make_run_dir, write_json, write_jsonl, write_parquet
+    from gpufeed.records import atomic_write_bytes, atomic_write_text, make_run_dir, write_json, write_jsonl, write_parquet
     from gpufeed.redact import redact
     from gpufeed.system import environment_snapshot
 
@@ -1511,9 +1511,9 @@ def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> Tu
     summary = dataclasses.replace(report, trials=[])
     write_json(run / "summary.json", summary)
     text = render(report)
-    (run / "report.md").write_text(redact(
+    atomic_write_text(run / "report.md",  # a link there is replaced, its target untouched; passwords hidden
         f"# gpufeed tune\n\n{report.conclusion}\n\n![samples/s](tune.png)\n\n```\n{text}\n```\n\n"
-        "## Search path\n\n" + "".join(f"- {d.sentence}\n" for d in report.decisions)), encoding="utf-8")
+        "## Search path\n\n" + "".join(f"- {d.sentence}\n" for d in report.decisions))
     return report
 
 
@@ -1558,7 +1558,10 @@ def plot_trials(report: TuneReport, path: str | Path) -> Path:
 
     fig.suptitle(redact(report.conclusion)[:160], fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    from gpufeed.records import atomic_writer
+
+    with atomic_writer(path) as f:  # never through a link at that name
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
     return Path(path)
 

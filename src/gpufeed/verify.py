@@ -149,7 +149,7 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
         if remote:  # a URL's size from the server; a pipe: command's is known only once it is read
             size = None if is_pipe(path) else remote_size(path)
         else:
-            why = file_problem(path)
+            why = file_problem(path, os.path.dirname(path))  # a set's shards: no link out of its folder
             if why:
                 return {"name": name, "problems": [(None, f"shard file {why}")], "num_problems": 1, "keys": [],
                         "found": 0, "decoded": 0}

@@ -26,9 +26,11 @@ def _lock(dest: str, cfg: ShardConfig) -> int:
     a lock the next run simply takes."""
     import fcntl
 
+    from gpufeed.safefs import lock_file
+
     path = os.path.join(dest, STATE_DIR, LOCK_NAME)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:  # never through a link: a link there is replaced by a regular file, its target left untouched
+        fd = lock_file(path, what="shard lock")
     except OSError as exc:
         raise DataError(f"{path} cannot be opened ({exc.strerror or exc}); DEST {cfg.dest} is not writable") from None
     try:

@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 
 from gpufeed.config import ShardConfig
 from gpufeed.errors import DataError
+from gpufeed.safefs import make_state_folder, open_regular
 from gpufeed.shard.dest import (LOCK_NAME, STATE_DIR, _atomic_leftover, _cache_bytes, _check_free_space,
                                 _clear_cache, _load_plan, _lock, _os_error)
 from gpufeed.shard.finish import _finish
@@ -48,7 +49,8 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
         created.append(d)
         d = os.path.dirname(d)
     try:
-        os.makedirs(state, exist_ok=True)
+        os.makedirs(dest, exist_ok=True)
+        make_state_folder(state)  # a link there is refused: its target would receive the run's files
     except OSError as exc:
         raise DataError(f"DEST {cfg.dest} cannot be created ({exc.strerror or exc})") from None
     lock = _lock(dest, cfg)
@@ -83,7 +85,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
         if not scan.classes:
             raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder "
                             f"reads)")
-        warn: list[str] = []
+        warn: list[str] = list(scan.notes)  # class folders linked out of SRC
         _check_empty(cfg, scan.classes, scan.class_counts, warn, duplicates=scan.duplicates)
         fingerprint = _fingerprint(scan, options)
         scan.mtimes = None  # 8 bytes a sample, not held through validation
@@ -317,8 +319,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
             outcome[name] = (got.size, got.sha256)
         elif complete:
             complete = False
-            with open(stop, "wb"):
-                pass
+            _touch(stop)
 
     bar.start("validate+write", n)
     try:
@@ -348,8 +349,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
                     _preload(_finish_imports)
             finally:
                 if running:  # leaving on an error (a worker's, or an interrupt): the running shards stop too
-                    with open(stop, "wb"):
-                        pass
+                    _touch(stop)
                 for fut in running:
                     fut.cancel()
                 cf.wait(running)  # a shard being checked and written deletes its temporary file when it stops
@@ -472,3 +472,8 @@ def _noop() -> None:
 def _warm_worker() -> None:
     """Import what validating needs (Pillow) before the first batch arrives."""
     from PIL import Image  # noqa: F401
+
+
+def _touch(path: str) -> None:
+    """Create the (empty) stop file ``path`` in DEST's state folder, never through a link (safefs)."""
+    os.close(open_regular(path, os.O_WRONLY, what="stop file"))

@@ -74,6 +74,9 @@ class _Scan:
     """The class folders' real names (file system access), in label order."""
     duplicates: list[int] = field(default_factory=list)
     """Per class: files rejected because the same file (device, inode) is already stored under another path."""
+    notes: list[str] = field(default_factory=list)
+    """Class folders reached through a symbolic link that leads out of SRC, each named with where it points
+    (:func:`gpufeed.safefs.folder_link_note`); the job reports them as warnings."""
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -167,7 +170,10 @@ def _scan(src: str, pool: Any = None, workers: int = 1) -> _Scan:
     import numpy as np
     from array import array
 
+    from gpufeed.safefs import folder_link_note
+
     classes: list[str] = []
+    notes: list[str] = []
     ignored: list[FileIssue] = []
     rejected: list[FileIssue] = []
     with os.scandir(src) as it:
@@ -177,6 +183,8 @@ def _scan(src: str, pool: Any = None, workers: int = 1) -> _Scan:
             ignored.append(FileIssue(_rel(e.path, src), "hidden (never a class)"))
         elif e.is_dir():
             classes.append(e.name)
+            if e.is_symlink() and (note := folder_link_note(e.path, src)):
+                notes.append(f"class folder {_display(note)}")
         elif e.is_symlink() and not os.path.exists(e.path):
             ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
         else:
@@ -217,7 +225,8 @@ def _scan(src: str, pool: Any = None, workers: int = 1) -> _Scan:
         dup = sorted({c for c in shown if shown.count(c) > 1})
         raise DataError(f"class folders whose names are not valid UTF-8 read the same once shown ({', '.join(dup)}); "
                         f"rename them")
-    return _Scan(shown, paths, lab, siz, mt, ignored, rejected, counts, dirs=classes, duplicates=duplicates)
+    return _Scan(shown, paths, lab, siz, mt, ignored, rejected, counts, dirs=classes, duplicates=duplicates,
+                 notes=notes)
 
 
 def _store_once(paths: _Strings, labels: Any, devs: Any, inos: Any, via: Any, rejected: list[FileIssue],

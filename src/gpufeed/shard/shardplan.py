@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 from gpufeed.config import ShardConfig
@@ -276,17 +275,24 @@ def _paths_inside(blob: bytes, offsets: Any) -> bool:
     return True
 
 
+_MAX_PLAN_JSON_BYTES = 1 << 32
+"""``plan.json`` larger than this (4 GiB: its classes and rejected files; the columns are in plan.bin) is not read."""
+
+
 def _read_plan(state: str) -> _Plan | None:
     """The stored plan, or None when it is missing, of another version, or inconsistent in any way (every size,
     offset and index is checked before use: the state folder is data too)."""
     import numpy as np
 
-    try:
-        meta = json.loads(Path(state, PLAN_NAME).read_text(encoding="utf-8"))
+    from gpufeed.safefs import open_set_file, read_set_file
+
+    try:  # never through a link out of the state folder, and bounded (safefs)
+        meta = json.loads(read_set_file(os.path.join(state, PLAN_NAME), state, _MAX_PLAN_JSON_BYTES, what="plan",
+                                        where="state folder"))
         if not isinstance(meta, dict) or meta.get("plan_version") != PLAN_VERSION:
             return None
         spec = meta["arrays"]
-        with open(os.path.join(state, PLAN_ARRAYS_NAME), "rb") as f:
+        with os.fdopen(open_set_file(os.path.join(state, PLAN_ARRAYS_NAME), state, what="plan", where="state folder"), "rb") as f:
             # the size comes from plan.json: read only when it is the file's own size (no huge allocation)
             if type(spec["bytes"]) is not int or spec["bytes"] != os.fstat(f.fileno()).st_size:
                 return None
@@ -325,7 +331,7 @@ def _read_plan(state: str) -> _Plan | None:
                 or not _plan_fields_sound(meta, arrays, n)):
             return None
         return _Plan(meta, arrays, _Strings(blob.tobytes(), offsets))
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, DataError):
         return None
 
 

@@ -18,10 +18,10 @@ import json
 import os
 import tarfile
 from json.encoder import encode_basestring
-from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from gpufeed.errors import RunError
+from gpufeed.safefs import open_regular
 from gpufeed.shard.dest import STATE_DIR
 from gpufeed.shard.report import _Bar
 from gpufeed.shard.scan import _display
@@ -217,12 +217,25 @@ def _around_image(key: str, ext: str, img_len: int, cls_b: bytes, json_b: bytes)
                      img_h)), b""
 
 
+def _open_cache(path: str) -> Any:
+    """A transcode cache file of the state folder, never through a link out of it (safefs: its target's bytes
+    would go into a shard) and only a regular file; RunError naming it otherwise."""
+    from gpufeed.errors import DataError
+    from gpufeed.safefs import open_set_file
+
+    try:
+        return os.fdopen(open_set_file(path, os.path.dirname(path), what="transcode cache", where="state folder"), "rb")
+    except (DataError, FileNotFoundError) as exc:
+        raise RunError(f"{exc if isinstance(exc, DataError) else f'the transcode cache {path} is missing'}; re-run "
+                       f"with --overwrite") from None
+
+
 def _write_range(tmp: str, items: list[_Item]) -> None:
     """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
     the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
     write disjoint ranges of one shard; the end-of-archive blocks (and the padding after an image copied by
     ``sendfile``) are the file's zeros. Everything else is gathered in one buffer and written at once."""
-    fd = os.open(tmp, os.O_WRONLY)
+    fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # never through a link (safefs)
     try:
         buf: list[bytes] = []
         start = pos = items[0].offset if items else 0
@@ -243,7 +256,7 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
                     assert it.ident is not None
                     data = _read_source(it.path, it.rel, it.img_len, it.ident)
                 else:  # transcoded during validation; read back from the batch cache
-                    with open(it.cache, "rb") as f:
+                    with _open_cache(it.cache) as f:
                         f.seek(it.coff)
                         data = f.read(it.img_len)
                     if len(data) != it.img_len:
@@ -308,7 +321,7 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
     pos = nbytes = 0
     src_fd = os.open(src, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = open_regular(tmp, os.O_WRONLY | os.O_TRUNC, what="shard")  # never through a link
     except BaseException:
         os.close(src_fd)
         raise
@@ -399,7 +412,7 @@ class _ShardJob:
         self.hashed_to = 0  # ranges [0, hashed_to) are queued for hashing
         self.submitted = 0
         self.blocks: Any = queue.SimpleQueue()
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = open_regular(self.tmp, os.O_WRONLY | os.O_TRUNC, what="shard")  # never through a link
         try:
             os.ftruncate(fd, self.size)  # holes read as zeros: the padding and the end-of-archive blocks
         finally:
@@ -467,11 +480,14 @@ def _shard_complete(dest: str, name: str) -> dict[str, Any] | None:
     """The sidecar of a complete shard whose file still matches it, else None."""
     side = os.path.join(dest, STATE_DIR, f"{name}.done.json")
     path = os.path.join(dest, name)
-    try:
-        info = json.loads(Path(side).read_text())
+    from gpufeed.errors import DataError
+    from gpufeed.safefs import read_set_file
+
+    try:  # bounded, and never through a link out of the state folder (safefs)
+        info = json.loads(read_set_file(side, os.path.dirname(side), 1 << 16, what="shard sidecar", where="state folder"))
         if os.path.getsize(path) == info["bytes"] and _sha256_file(path) == info["sha256"]:
             return info
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError, DataError):
         pass
     return None
 

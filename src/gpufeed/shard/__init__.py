@@ -52,7 +52,12 @@ itself (``_plain_jpeg_size``) and leaves every other file to Pillow.
 Input rules
 -----------
 * Classes are the sorted names of the non-hidden folders in SRC (``entry.is_dir()``, symlinks followed), so
-  labels agree with ``torchvision.datasets.ImageFolder`` (which would also count hidden folders as classes).
+  labels agree with ``torchvision.datasets.ImageFolder`` when SRC holds no hidden folder. ImageFolder counts
+  hidden folders (``.ipynb_checkpoints``) as classes, which shifts every label after them: the report warns in
+  one line naming each one. ``classes_like = "imagefolder"`` (``--classes-like imagefolder``) follows
+  ImageFolder exactly (``find_classes``: every folder of SRC, hidden included; ``make_dataset``: hidden files
+  and folders inside a class are candidates too); its empty classes are refused like any other, unless
+  ``allow_empty_classes`` (ImageFolder's ``allow_empty``).
 * Inside a class folder every sub-folder is walked (as ImageFolder does), symlinks followed, each folder
   (device, inode) once per class, so loops end.
   Candidates carry one of ImageFolder's extensions (``.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp``,

@@ -75,7 +75,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     _preload(_early_imports)  # after the pool has forked its workers (numpy may start threads)
     bar = _Bar(progress)
     try:
-        scan = _scan(src, pool, workers)
+        scan = _scan(src, pool, workers, cfg.classes_like)
         one_pass = (_ONE_PASS and opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None)
         if pool is not None and not one_pass:
             for _ in range(workers):  # while this process plans: Pillow, which every check needs
@@ -84,6 +84,12 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder "
                             f"reads)")
         warn: list[str] = []
+        if scan.hidden_dirs:
+            shown = ", ".join(scan.hidden_dirs[:5]) + (f" and {len(scan.hidden_dirs) - 5} more"
+                                                       if len(scan.hidden_dirs) > 5 else "")
+            warn.append(f"hidden folder(s) {shown} in SRC skipped, not classes: torchvision's ImageFolder would count "
+                        f"each as a class and shift the labels after it; pass --classes-like imagefolder for "
+                        f"ImageFolder's labels")
         _check_empty(cfg, scan.classes, scan.class_counts, warn, duplicates=scan.duplicates)
         fingerprint = _fingerprint(scan, options)
         scan.mtimes = None  # 8 bytes a sample, not held through validation

@@ -127,3 +127,214 @@ def test_cli_classes_like_and_note(tmp_path: Path) -> None:
                 "--classes-like", "imagefolder"])
     assert read_manifest(tmp_path / "b").classes[:2] == [".hidden_class", ".ipynb_checkpoints"]
     invoke(["shard", str(src), str(tmp_path / "c"), "--classes-like", "nope"], expect=2)
+
+
+# --------------------------------------------------------------------------- sidecar indexes
+
+
+def read_idx(path: Path) -> list[list[tuple[str, int, int, str]]]:
+    """A DALI v1.2 index file -> per sample, its members as (ext, offset, size, name)."""
+    lines = path.read_bytes().decode("utf-8", "surrogateescape").split("\n")
+    version, n = lines[0].split(" ")
+    assert version == "v1.2" and lines[-1] == "" and len(lines) == int(n) + 2
+    out = []
+    for line in lines[1:-1]:
+        f = line.split(" ")
+        assert len(f) % 4 == 0 and f
+        out.append([(f[i], int(f[i + 1]), int(f[i + 2]), f[i + 3]) for i in range(0, len(f), 4)])
+    return out
+
+
+def check_idx_against_tar(idx: Path, tar: Path) -> int:
+    """Every entry of ``idx`` names a regular member of ``tar`` (as Python's tarfile reads it, a reader
+    independent of gpufeed's) with its data offset and size, in tar order, grouped by base name, and the bytes
+    at that offset are the member's. -> samples."""
+    import tarfile
+
+    with tarfile.open(tar) as tf:
+        regular = [m for m in tf.getmembers() if m.isreg()]
+        want = [(m.name.split("/")[-1].split(".", 1)[1], m.offset_data, m.size, m.name) for m in regular]
+        data = {m.name: tf.extractfile(m).read() for m in regular}
+    samples = read_idx(idx)
+    assert [c for s in samples for c in s] == want
+    for s in samples:
+        assert len({c[3][:c[3].find(".", c[3].rfind("/") + 1)] for c in s}) == 1  # one base name a line
+        for ext, offset, size, name in s:
+            assert offset % 512 == 0
+            with open(tar, "rb") as f:
+                f.seek(offset)
+                assert f.read(size) == data[name]
+    return len(samples)
+
+
+def test_shard_writes_sidecars_that_wids_and_timm_read(image_folder, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("wids")
+    timm_data = pytest.importorskip("timm.data")
+    import pyarrow.parquet as pq
+    import wids
+
+    monkeypatch.setenv("WIDS_CACHE", str(tmp_path / "wids-cache"))
+    src = image_folder(classes=3, per_class=5)
+    dest = tmp_path / "out"
+    rep = shard(src, dest, shard_samples=4)
+    m = read_manifest(dest)
+    assert not [w for w in rep.warnings if "DALI" in w or "wids" in w]
+    for s in m.shards:  # one DALI index per shard, its offsets those of the tar
+        assert check_idx_against_tar(dest / s.name.replace(".tar", ".idx"), dest / s.name) == s.num_samples
+    keys = pq.read_table(dest / "index.parquet", columns=["key", "label"]).to_pydict()
+    ds = wids.ShardListDataset(str(dest / "wids.json"), transformations=[])
+    assert len(ds) == m.num_samples == 15
+    got = [ds[i] for i in range(len(ds))]
+    assert [s["__key__"] for s in got] == keys["key"]
+    assert [int(s[".cls"].read()) for s in got] == keys["label"]
+    assert {s["__shard__"] for s in got} == {str(dest / s.name) for s in m.shards}
+    tds = timm_data.create_dataset("wds/out", root=str(dest), split="train")
+    assert len(tds) == 15
+    assert sorted(y for _, y in tds) == sorted(keys["label"])
+
+
+def foreign_shards(folder: Path, gz: bool = False, long: bool = False) -> list[Path]:
+    """Two shards as other tools write them (Python's tarfile): a directory entry, a member larger than one
+    block, a key with a '/' in it; ``long``: that key is a long name (a GNU or a pax header before it, which wids'
+    own tar reader does not read)."""
+    import io
+    import tarfile
+
+    from tests.conftest import write_image as _w
+
+    img = _w(folder / "_img.jpg", size=(40, 30)).read_bytes()
+    (folder / "_img.jpg").unlink()
+    out = []
+    sub = "k" * 120 if long else "k"
+    for i, fmt in enumerate((tarfile.GNU_FORMAT, tarfile.PAX_FORMAT)):
+        path = folder / (f"data-{i:03d}.tar" + (".gz" if gz else ""))
+        with tarfile.open(path, "w:gz" if gz else "w", format=fmt) as tf:
+            d = tarfile.TarInfo("sub")
+            d.type = tarfile.DIRTYPE
+            tf.addfile(d)
+            for key, label in ((f"a{i}", 0), (f"sub/{sub}{i}", 1), (f"z{i}", 1)):
+                for ext, data in (("jpg", img), ("cls", str(label).encode()), ("txt", b"x" * 700)):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+        out.append(path)
+    return out
+
+
+def test_index_writes_sidecars_relative_to_out(tmp_path: Path, monkeypatch) -> None:
+    wids = pytest.importorskip("wids")
+    timm_data = pytest.importorskip("timm.data")
+    from gpufeed.index import index_shards
+
+    monkeypatch.setenv("WIDS_CACHE", str(tmp_path / "wids-cache"))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    paths = foreign_shards(shards)
+    out = tmp_path / "meta"
+    rep = index_shards(shards, out=out)
+    assert rep.ok and rep.num_samples == 6 and rep.notes == []
+    for p in paths:
+        assert check_idx_against_tar(out / p.name.replace(".tar", ".idx"), p) == 3
+    assert not list(shards.glob("*.idx"))  # the shard folder is left as it was
+    desc = json.loads((out / "wids.json").read_text())
+    assert [s["url"] for s in desc["shardlist"]] == ["../shards/data-000.tar", "../shards/data-001.tar"]
+    ds = wids.ShardListDataset(str(out / "wids.json"), transformations=[])
+    assert len(ds) == 6
+    assert [ds[i]["__key__"] for i in range(6)] == ["a0", "sub/k0", "z0", "a1", "sub/k1", "z1"]
+    assert [int(ds[i][".cls"].read()) for i in range(6)] == [0, 1, 1, 0, 1, 1]
+    info = json.loads((out / "_info.json").read_text())
+    assert info["splits"]["data"]["filenames"] == ["../shards/data-000.tar", "../shards/data-001.tar"]
+    assert info["num_classes"] == 2
+    tds = timm_data.create_dataset("wds/x", root=str(out), split="data")
+    assert len(tds) == 6 and sorted(y for _, y in tds) == [0, 0, 1, 1, 1, 1]
+
+
+def test_dali_index_offsets_after_long_names(tmp_path: Path) -> None:
+    from gpufeed.index import index_shards
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    paths = foreign_shards(shards, long=True)
+    rep = index_shards(shards)
+    assert rep.ok and rep.notes == []
+    for p in paths:  # GNU long-name and pax headers before a member: its data starts after them
+        assert check_idx_against_tar(shards / p.name.replace(".tar", ".idx"), p) == 3
+
+
+def test_index_of_gzip_shards_writes_timm_info_and_says_why_not_the_others(tmp_path: Path) -> None:
+    from gpufeed.index import index_shards, render
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    foreign_shards(shards, gz=True)
+    rep = index_shards(shards)
+    assert json.loads((shards / "_info.json").read_text())["splits"]["data"]["num_samples"] == 6
+    assert not (shards / "wids.json").exists() and not list(shards.glob("*.idx"))
+    assert len(rep.notes) == 1 and "gzip" in rep.notes[0]
+    assert "note: no wids.json" in render(rep)
+
+
+def test_a_member_name_with_white_space_gets_no_dali_index(tmp_path: Path) -> None:
+    from gpufeed.index import index_shards
+    from tests.conftest import write_tar
+
+    img = write_image(tmp_path / "i.jpg").read_bytes()
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_tar(shards / "s-000.tar", [("ok.jpg", img), ("ok.cls", b"0")])
+    write_tar(shards / "s-001.tar", [("has space.jpg", img), ("has space.cls", b"1")])
+    rep = index_shards(shards)
+    assert check_idx_against_tar(shards / "s-000.idx", shards / "s-000.tar") == 1
+    assert not (shards / "s-001.idx").exists()
+    assert rep.notes == ["no DALI index for s-001.tar: member 'has space.jpg' has white space in its name, which "
+                         "the index format cannot hold"]
+    assert (shards / "wids.json").exists()
+
+
+def test_tar_members_refuses_what_every_reader_refuses(tmp_path: Path) -> None:
+    from gpufeed.shardset.tar import TarFormatError
+    from gpufeed.sidecars import tar_members
+    from tests.conftest import write_tar
+
+    good = write_tar(tmp_path / "g.tar", [("a.jpg", b"x" * 1000), ("a.cls", b"1")])
+    assert list(tar_members(str(good))) == [("a.jpg", 512, 1000), ("a.cls", 2048, 1)]
+    data = bytearray(good.read_bytes())
+    data[124:136] = b"77777777777\0"  # a size far past the end of the file
+    bad = tmp_path / "b.tar"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(TarFormatError):
+        list(tar_members(str(bad)))
+    data = bytearray(good.read_bytes())
+    data[0] ^= 1  # checksum no longer matches
+    bad.write_bytes(bytes(data))
+    with pytest.raises(TarFormatError, match="checksum"):
+        list(tar_members(str(bad)))
+
+
+def test_dali_reads_the_index_on_cpu(image_folder, tmp_path: Path) -> None:
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali import fn, pipeline_def
+
+    src = image_folder(classes=2, per_class=3)
+    dest = tmp_path / "out"
+    shard(src, dest, shard_samples=2)
+    m = read_manifest(dest)
+    tars = [str(dest / s.name) for s in m.shards]
+    idxs = [t.replace(".tar", ".idx") for t in tars]
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+    def pipe():
+        jpg, cls = fn.readers.webdataset(paths=tars, index_paths=idxs, ext=["jpg", "cls"], random_shuffle=False)
+        return jpg, cls
+
+    p = pipe()
+    p.build()
+    import pyarrow.parquet as pq
+
+    want = pq.read_table(dest / "index.parquet", columns=["label"]).to_pydict()["label"]
+    got = []
+    for _ in range(m.num_samples):
+        jpg, cls = p.run()
+        got.append(int(bytes(cls.at(0)).decode()))
+        assert bytes(jpg.at(0))[:2] == b"\xff\xd8"
+    assert got == want

@@ -218,7 +218,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     # ---- index, timm info, manifest (last)
     infos = [done[n] for n in names]
     try:
-        manifest = _finish(dest, cfg, plan, infos, options)
+        manifest = _finish(dest, cfg, plan, infos, options, warn)
     except OSError as exc:
         raise _os_error(exc, cfg, None, shards_done=len(infos), writing=True) from None
     _clear_cache(state)  # the transcode cache is only needed until every shard is complete

@@ -338,3 +338,67 @@ def test_dali_reads_the_index_on_cpu(image_folder, tmp_path: Path) -> None:
         got.append(int(bytes(cls.at(0)).decode()))
         assert bytes(jpg.at(0))[:2] == b"\xff\xd8"
     assert got == want
+
+
+def test_stage_writes_the_sidecars_of_the_shards_it_stages(tmp_path: Path, monkeypatch) -> None:
+    wids = pytest.importorskip("wids")
+    from tests.conftest import invoke_json
+    from tests.train_shards import write_tiny_shards
+
+    monkeypatch.setenv("WIDS_CACHE", str(tmp_path / "wids-cache"))
+    src = write_tiny_shards(tmp_path / "src", [6, 5, 7])
+    m = read_manifest(src)
+    for node, mine in ((None, [0, 1, 2]), (1, [1])):
+        dest = tmp_path / f"dest{node}"
+        args = ["stage", str(src), str(dest), "--quiet"]
+        if node is not None:
+            args += ["--num-nodes", "2", "--node-rank", str(node)]
+        invoke_json(args)
+        names = [m.shards[i].name for i in mine]
+        desc = json.loads((dest / "wids.json").read_text())
+        assert [s["url"] for s in desc["shardlist"]] == names  # the shards here, next to it
+        assert len(wids.ShardListDataset(str(dest / "wids.json"), transformations=[])) == \
+            sum(m.shards[i].num_samples for i in mine)
+        info = json.loads((dest / "_info.json").read_text())
+        assert info["splits"][m.prefix]["filenames"] == names
+        assert sorted(p.name for p in dest.glob("*.idx")) == sorted(n.replace(".tar", ".idx") for n in names)
+        for n in names:
+            check_idx_against_tar(dest / n.replace(".tar", ".idx"), dest / n)
+
+
+def mixed_formats(root: Path) -> Path:
+    """jpg sorts before the json member, png and webp after it: both member layouts of a sample."""
+    for i in range(9):
+        fmt, ext = (("JPEG", "jpg"), ("PNG", "png"), ("WEBP", "webp"))[i % 3]
+        write_image(root / f"c{i % 2}" / f"{i}.{ext}", size=(8 + i, 8), fmt=fmt, color=(i * 20, 3, 3))
+    return root
+
+
+@pytest.mark.parametrize("mode", ["whole", "ranges", "one_pass"])
+def test_the_writers_dali_index_is_the_one_its_tar_headers_give(tmp_path: Path, mode: str) -> None:
+    """``gpufeed shard`` writes each shard's .idx from the layout it writes (whole shards in a worker, runs of
+    one shard, the one pass); it must be byte for byte the index read back from the tar's headers."""
+    from gpufeed.sidecars import dali_index, tar_members
+
+    src = mixed_formats(tmp_path / "src")
+    kw = {"whole": {"shard_samples": 2, "workers": 1}, "ranges": {"shard_samples": 9, "workers": 2},
+          "one_pass": {"shard_samples": 2, "workers": 2, "check": "header"}}[mode]
+    dest = tmp_path / "out"
+    shard(src, dest, **kw)
+    m = read_manifest(dest)
+    for s in m.shards:
+        idx = dest / s.name.replace(".tar", ".idx")
+        assert idx.read_bytes() == dali_index(tar_members(str(dest / s.name)))[0]
+        assert check_idx_against_tar(idx, dest / s.name) == s.num_samples
+
+
+def test_resume_rewrites_a_missing_dali_index_from_the_tar(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=2, per_class=4)
+    dest = tmp_path / "out"
+    shard(src, dest, shard_samples=2)
+    before = {p.name: p.read_bytes() for p in dest.glob("*.idx")}
+    assert len(before) == 4
+    (dest / "train-000001.idx").unlink()
+    rep = shard(src, dest, shard_samples=2)
+    assert rep.num_shards_written == 0  # every shard kept
+    assert {p.name: p.read_bytes() for p in dest.glob("*.idx")} == before

@@ -468,8 +468,9 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
             raise PermissionError(f"{dest} is not writable")
         from gpufeed.sidecars import REMOTE_NOTE, write_sidecars
 
-        notes = [REMOTE_NOTE] if remote else write_sidecars(str(dest), manifest, [str(p.resolve()) for p in paths],
-                                                            folder.name or "gpufeed")
+        notes = [REMOTE_NOTE] if remote else write_sidecars(
+            str(dest), infos, [str(p.resolve()) for p in paths], prefix=prefix, num_classes=len(classes),
+            compression=compression, name=folder.name or "gpufeed")
         written = write_manifest(dest, manifest)  # last, after the sidecar indexes
     except OSError as exc:
         hint = "" if out is not None else "; write it elsewhere with --out DIR"

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator
+import re
+from typing import Any, Iterable, Iterator
 
 from gpufeed.shardset.tar import EXTENDED_TYPES, HeaderChain, TarFormatError, check_extended_size, parse_header
 
@@ -87,55 +88,63 @@ def tar_members(path: str) -> Iterator[tuple[str, int, int]]:
             raise TarFormatError(f"truncated header at offset {pos}")
 
 
-def _split_name(name: str) -> tuple[str, str]:
-    """DALI's ``split_name``: the base name up to the first dot after the last '/', and the rest (the whole name
-    as both when there is no such dot, as its C++ reader takes it)."""
-    dot = name.find(".", name.rfind("/") + 1)
-    return (name, name) if dot < 0 else (name[:dot], name[dot + 1:])
+_SPACE = re.compile(r"\s")
 
 
-def dali_index(members: Iterator[tuple[str, int, int]]) -> tuple[bytes | None, str]:
+def dali_index(members: Iterable[tuple[str, int, int]]) -> tuple[bytes | None, str]:
     """A shard's DALI index (``v1.2``) from its regular members -> (the file's bytes, "") or (None, why not)."""
-    lines: list[bytes] = []
-    group: list[bytes] = []
+    lines: list[str] = []
+    group: list[str] = []
     last: str | None = None
     for name, offset, size in members:
-        if any(c.isspace() for c in name):
+        if _SPACE.search(name):
             return None, f"member {name[:200]!r} has white space in its name, which the index format cannot hold"
-        base, ext = _split_name(name)
+        dot = name.find(".", name.rfind("/") + 1)
+        # DALI's split_name: the base name up to the first dot after the last '/', and the rest (the whole name as
+        # both when there is no such dot, as its C++ reader takes it)
+        base, ext = (name, name) if dot < 0 else (name[:dot], name[dot + 1:])
         if not base:
             continue  # DALI skips members whose base name is empty (".x")
         if base != last and group:
-            lines.append(b" ".join(group))
+            lines.append(" ".join(group))
             group = []
         last = base
-        group.append(f"{ext} {offset} {size} {name}".encode("utf-8", "surrogateescape"))
+        group.append(f"{ext} {offset} {size} {name}")
     if group:
-        lines.append(b" ".join(group))
+        lines.append(" ".join(group))
     if not lines:
         return None, "no member to index"
-    return f"{DALI_INDEX_VERSION} {len(lines)}\n".encode() + b"\n".join(lines) + b"\n", ""
+    return dali_file(lines), ""
 
 
-def write_sidecars(dest: str, manifest: Any, shard_paths: list[str], name: str) -> list[str]:
-    """Write ``_info.json``, ``wids.json`` and the ``.idx`` files into the folder ``dest`` (the manifest's
-    folder) for the local shards ``shard_paths`` (in manifest order). ``name``: the dataset's name for timm and
-    wids. -> notes, one sentence each, for what was not written and why."""
+def dali_file(lines: list[str]) -> bytes:
+    """The index file of a shard from its samples' lines (each ``EXT OFFSET SIZE NAME`` a member)."""
+    lines.append("")
+    return f"{DALI_INDEX_VERSION} {len(lines) - 1}\n{chr(10).join(lines)}".encode("utf-8", "surrogateescape")
+
+
+def write_sidecars(dest: str, shards: list[Any], shard_paths: list[str], *, prefix: str, num_classes: int,
+                   compression: str | None, name: str, indexed: set[str] | None = None) -> list[str]:
+    """Write ``_info.json``, ``wids.json`` and the ``.idx`` files into the folder ``dest`` for the local shards
+    ``shard_paths`` (``shards``: their ``manifest.ShardInfo``, in set order). ``prefix`` names timm's split,
+    ``name`` the dataset (timm, wids); ``indexed``: shards whose ``.idx`` is already written (by ``gpufeed
+    shard``'s writer, from the layout it wrote). -> notes, one sentence each, for what was not written and why."""
     from gpufeed.manifest import TIMM_INFO_NAME
     from gpufeed.records import atomic_write_bytes
 
     rel = [os.path.relpath(p, dest).replace(os.sep, "/") for p in shard_paths]
-    counts = [s.num_samples for s in manifest.shards]
+    counts = [s.num_samples for s in shards]
     notes: list[str] = []
-    atomic_write_bytes(os.path.join(dest, TIMM_INFO_NAME),
-                       timm_info(name, manifest.prefix, len(manifest.classes), list(zip(rel, counts))))
-    if manifest.compression:
-        notes.append(f"no {WIDS_NAME} and no DALI {IDX_SUFFIX} files: the shards are {manifest.compression}-"
-                     f"compressed, and wids and DALI read plain tar offsets")
+    atomic_write_bytes(os.path.join(dest, TIMM_INFO_NAME), timm_info(name, prefix, num_classes, list(zip(rel, counts))))
+    if compression:
+        notes.append(f"no {WIDS_NAME} and no DALI {IDX_SUFFIX} files: the shards are {compression}-compressed, and "
+                     f"wids and DALI read plain tar offsets")
         return notes
     atomic_write_bytes(os.path.join(dest, WIDS_NAME),
-                       wids_index(name, [(r, n, s.bytes) for r, n, s in zip(rel, counts, manifest.shards)]))
-    for path, info in zip(shard_paths, manifest.shards):
+                       wids_index(name, [(r, n, s.bytes) for r, n, s in zip(rel, counts, shards)]))
+    for path, info in zip(shard_paths, shards):
+        if indexed and info.name in indexed:
+            continue
         try:
             data, why = dali_index(tar_members(path))
         except TarFormatError as exc:

@@ -106,8 +106,10 @@ def _write_index(path: str, plan: _Plan) -> None:
 
 
 def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
-            options: dict[str, Any], notes: list[str] | None = None) -> Any:
-    """The index, the sidecar indexes (``notes`` gets a sentence for each one not written) and the manifest."""
+            options: dict[str, Any], notes: list[str] | None = None, indexed: set[str] | None = None) -> Any:
+    """The index, the sidecar indexes (``notes`` gets a sentence for each one not written; ``indexed``: the shards
+    whose DALI index the writer wrote from its layout, the others' are read from their tar headers) and the
+    manifest."""
     notes = [] if notes is None else notes
     import pyarrow as pa
 
@@ -136,7 +138,8 @@ def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]
         gpufeed_version=__version__,
     )
     # timm's _info.json, wids.json and DALI's .idx files (gpufeed.sidecars), from the manifest and the shards
-    notes += write_sidecars(dest, manifest, [os.path.join(dest, name) for name in names],
-                            os.path.basename(dest.rstrip("/")) or "gpufeed")
+    notes += write_sidecars(dest, shard_infos, [os.path.join(dest, name) for name in names], prefix=cfg.prefix,
+                            num_classes=len(plan.classes), compression=None,
+                            name=os.path.basename(dest.rstrip("/")) or "gpufeed", indexed=indexed)
     write_manifest(dest, manifest)  # last: its presence means the set is complete
     return manifest

@@ -218,7 +218,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     # ---- index, timm info, manifest (last)
     infos = [done[n] for n in names]
     try:
-        manifest = _finish(dest, cfg, plan, infos, options, warn)
+        manifest = _finish(dest, cfg, plan, infos, options, warn, indexed=set(written))
     except OSError as exc:
         raise _os_error(exc, cfg, None, shards_done=len(infos), writing=True) from None
     _clear_cache(state)  # the transcode cache is only needed until every shard is complete
@@ -309,7 +309,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
 
     results = _Results(n)
     checked = np.zeros(n, dtype=bool)
-    outcome: dict[str, tuple[int, str]] = {}  # shard name -> (size, sha256), in the order they complete
+    outcome: dict[str, tuple[int, str, bytes | None]] = {}  # name -> (size, sha256, DALI index), as they complete
     saved = False
     complete = True
 
@@ -320,7 +320,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
         checked[idx] = True
         bar.update(got.checked, got.nbytes)
         if got.complete:
-            outcome[name] = (got.size, got.sha256)
+            outcome[name] = (got.size, got.sha256, got.idx)
         elif complete:
             complete = False
             with open(stop, "wb"):
@@ -371,7 +371,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
             os.unlink(stop)
         if not saved:
             _remove_temporaries(dest, outcome)
-    return plan, {name: _finish_shard(dest, name, outcome[name][0], count, outcome[name][1])
+    return plan, {name: _finish_shard(dest, name, outcome[name][0], count, outcome[name][1], outcome[name][2])
                   for name, _start, count in shards}
 
 

@@ -402,3 +402,32 @@ def test_resume_rewrites_a_missing_dali_index_from_the_tar(image_folder, tmp_pat
     rep = shard(src, dest, shard_samples=2)
     assert rep.num_shards_written == 0  # every shard kept
     assert {p.name: p.read_bytes() for p in dest.glob("*.idx")} == before
+
+
+def test_dali_reads_the_index_of_an_indexed_foreign_set_on_cpu(tmp_path: Path) -> None:
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali import fn, pipeline_def
+
+    from gpufeed.index import index_shards
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    paths = foreign_shards(shards, long=True)  # GNU long-name and pax headers before members
+    out = tmp_path / "meta"
+    index_shards(shards, out=out)
+    tars = [str(p) for p in paths]
+    idxs = [str(out / p.name.replace(".tar", ".idx")) for p in paths]
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+    def pipe():
+        cls, txt = fn.readers.webdataset(paths=tars, index_paths=idxs, ext=["cls", "txt"], random_shuffle=False)
+        return cls, txt
+
+    p = pipe()
+    p.build()
+    got = []
+    for _ in range(6):
+        cls, txt = p.run()
+        got.append(int(bytes(cls.at(0)).decode()))
+        assert bytes(txt.at(0)) == b"x" * 700
+    assert got == [0, 1, 1, 0, 1, 1]

@@ -431,3 +431,13 @@ def test_dali_reads_the_index_of_an_indexed_foreign_set_on_cpu(tmp_path: Path) -
         got.append(int(bytes(cls.at(0)).decode()))
         assert bytes(txt.at(0)) == b"x" * 700
     assert got == [0, 1, 1, 0, 1, 1]
+
+
+def test_overwrite_clears_the_old_sets_indexes(image_folder, tmp_path: Path) -> None:
+    src = image_folder(classes=2, per_class=4)
+    dest = tmp_path / "out"
+    shard(src, dest, shard_samples=2)
+    assert len(list(dest.glob("*.idx"))) == 4
+    shard(src, dest, shard_samples=4, overwrite=True)
+    assert sorted(p.name for p in dest.glob("*.idx")) == ["train-000000.idx", "train-000001.idx"]
+    assert len(json.loads((dest / "wids.json").read_text())["shardlist"]) == 2

@@ -441,3 +441,26 @@ def test_overwrite_clears_the_old_sets_indexes(image_folder, tmp_path: Path) -> 
     shard(src, dest, shard_samples=4, overwrite=True)
     assert sorted(p.name for p in dest.glob("*.idx")) == ["train-000000.idx", "train-000001.idx"]
     assert len(json.loads((dest / "wids.json").read_text())["shardlist"]) == 2
+
+
+def test_classes_file_sets_the_classes_and_their_order(tmp_path: Path) -> None:
+    src = jupyter_folder(tmp_path / "src")
+    listed = tmp_path / "classes.txt"
+    listed.write_text("eel\n.hidden_class\ncat\n")
+    dest = tmp_path / "out"
+    rep = shard(src, dest, classes_file=str(listed))
+    assert rep.classes == read_manifest(dest).classes == ["eel", ".hidden_class", "cat"]
+    assert not any("ImageFolder" in w for w in rep.warnings)  # the user chose the classes
+    ours = gpufeed_labels(dest)
+    assert ours == {"eel/e.png": 0, ".hidden_class/f.jpg": 1, "cat/a.jpg": 2, "cat/B.JPG": 2}
+    reasons = {i.path: i.reason for i in rep.ignored}
+    assert {reasons[f] for f in ("dog", "empty", ".ipynb_checkpoints")} == {f"folder not in the class list {listed}"}
+
+
+def test_classes_file_naming_what_is_not_a_folder_of_src_is_refused(tmp_path: Path) -> None:
+    src = jupyter_folder(tmp_path / "src")
+    listed = tmp_path / "classes.txt"
+    listed.write_text("cat\n../src\nnope\n")
+    r = invoke(["shard", str(src), str(tmp_path / "out"), "--classes", str(listed), "--quiet"], expect=2)
+    assert f"class list {listed} names '../src', 'nope', not a folder in SRC" in r.output
+    assert not (tmp_path / "out").exists()

@@ -219,6 +219,9 @@ class ShardConfig:
     classes_like: Literal["gpufeed", "imagefolder"] = "gpufeed"
     """Class folders: gpufeed = skip hidden folders (.ipynb_checkpoints) and hidden files; imagefolder = exactly
     torchvision's ImageFolder (every folder in SRC, hidden included, and hidden files in class folders)."""
+    classes_file: str | None = None
+    """Class names in label order, one per line, each a folder of SRC (others are ignored); default: the folders'
+    sorted names."""
 
     def __post_init__(self) -> None:
         check_bounds(self)

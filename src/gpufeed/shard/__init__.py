@@ -57,7 +57,9 @@ Input rules
   one line naming each one. ``classes_like = "imagefolder"`` (``--classes-like imagefolder``) follows
   ImageFolder exactly (``find_classes``: every folder of SRC, hidden included; ``make_dataset``: hidden files
   and folders inside a class are candidates too); its empty classes are refused like any other, unless
-  ``allow_empty_classes`` (ImageFolder's ``allow_empty``).
+  ``allow_empty_classes`` (ImageFolder's ``allow_empty``). ``classes_file`` (``--classes FILE``, read as
+  ``index.read_class_list`` reads a class list) names the class folders in label order instead; other folders
+  are ignored, and a name that is not a folder of SRC is refused.
 * Inside a class folder every sub-folder is walked (as ImageFolder does), symlinks followed, each folder
   (device, inode) once per class, so loops end.
   Candidates carry one of ImageFolder's extensions (``.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp``,

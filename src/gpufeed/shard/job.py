@@ -75,7 +75,14 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     _preload(_early_imports)  # after the pool has forked its workers (numpy may start threads)
     bar = _Bar(progress)
     try:
-        scan = _scan(src, pool, workers, cfg.classes_like)
+        class_list = None
+        if cfg.classes_file is not None:
+            from pathlib import Path
+
+            from gpufeed.index import read_class_list
+
+            class_list = (cfg.classes_file, read_class_list(Path(cfg.classes_file)))
+        scan = _scan(src, pool, workers, cfg.classes_like, class_list)
         one_pass = (_ONE_PASS and opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None)
         if pool is not None and not one_pass:
             for _ in range(workers):  # while this process plans: Pillow, which every check needs

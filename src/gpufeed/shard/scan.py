@@ -168,13 +168,16 @@ def _walked(src: str, classes: list[str], pool: Any, workers: int, hidden: bool 
             fut.cancel()
 
 
-def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpufeed") -> _Scan:
+def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpufeed",
+          class_list: tuple[str, list[str]] | None = None) -> _Scan:
     """Walk SRC (the class folders in the pool's workers when ``pool`` is given) into the candidates' columns.
 
     ``classes_like``: ``"gpufeed"`` skips hidden folders at SRC's root (recorded in ``hidden_dirs``) and hidden
     files and folders inside the classes; ``"imagefolder"`` follows torchvision's ImageFolder exactly: every
     entry of SRC that is a folder (``entry.is_dir()``, symlinks followed, hidden included) is a class, in sorted
-    name order (``find_classes``), and hidden files in class folders are candidates (``make_dataset``)."""
+    name order (``find_classes``), and hidden files in class folders are candidates (``make_dataset``).
+    ``class_list``: (the file it was read from, class names in label order): the classes are those folders of SRC
+    in that order, other folders are ignored; a name that is not a folder of SRC is refused."""
     import numpy as np
     from array import array
 
@@ -185,8 +188,14 @@ def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpu
     rejected: list[FileIssue] = []
     with os.scandir(src) as it:
         entries = sorted(it, key=lambda e: e.name)
+    listed = None if class_list is None else set(class_list[1])
     for e in entries:
-        if e.name.startswith(".") and not like_imagefolder:
+        if listed is not None and e.is_dir():
+            if e.name in listed:
+                classes.append(e.name)
+            else:
+                ignored.append(FileIssue(_rel(e.path, src), f"folder not in the class list {class_list[0]}"))
+        elif e.name.startswith(".") and not like_imagefolder:
             if e.is_dir():
                 hidden_dirs.append(_display(e.name))
                 ignored.append(FileIssue(_rel(e.path, src), "hidden folder (not a class; ImageFolder would count "
@@ -199,6 +208,13 @@ def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpu
             ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
         else:
             ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
+    if class_list is not None:
+        missing = [c for c in class_list[1] if c not in set(classes)]
+        if missing:
+            raise DataError(f"class list {class_list[0]} names {', '.join(repr(c) for c in missing[:5])}"
+                            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}, not a folder in SRC "
+                            f"{src}")
+        classes = list(class_list[1])
     # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here,
     # column by column.
     blob, ends = bytearray(), array("q")
@@ -231,7 +247,7 @@ def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpu
         paths, lab, siz, mt = paths.take(keep), lab[keep], siz[keep], mt[keep]
     counts = np.bincount(lab, minlength=len(classes)).tolist()
     ignored.sort(key=lambda i: i.path)
-    shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them
+    shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them (or listed)
     if len(set(shown)) != len(shown):
         dup = sorted({c for c in shown if shown.count(c) > 1})
         raise DataError(f"class folders whose names are not valid UTF-8 read the same once shown ({', '.join(dup)}); "

@@ -464,3 +464,28 @@ def test_classes_file_naming_what_is_not_a_folder_of_src_is_refused(tmp_path: Pa
     r = invoke(["shard", str(src), str(tmp_path / "out"), "--classes", str(listed), "--quiet"], expect=2)
     assert f"class list {listed} names '../src', 'nope', not a folder in SRC" in r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_index_keeps_the_users_own_timm_info_and_wids_json(tmp_path: Path) -> None:
+    from gpufeed.index import index_shards
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    foreign_shards(shards)
+    theirs = {"name": "mine", "splits": {"train": {}, "validation": {}}}
+    (shards / "_info.json").write_text(json.dumps(theirs))
+    (shards / "wids.json").write_bytes(b"not json")
+    rep = index_shards(shards)
+    assert json.loads((shards / "_info.json").read_text()) == theirs
+    assert (shards / "wids.json").read_bytes() == b"not json"
+    assert len(rep.notes) == 2 and all("is kept as it is (not written by gpufeed index)" in n for n in rep.notes)
+    assert len(list(shards.glob("*.idx"))) == 2
+    # a second index replaces what the first one wrote
+    (shards / "_info.json").unlink()
+    (shards / "wids.json").unlink()
+    index_shards(shards)
+    (shards / "data-001.tar").unlink()
+    rep = index_shards(shards)
+    assert rep.notes == []
+    assert json.loads((shards / "_info.json").read_text())["splits"]["data"]["filenames"] == ["data-000.tar"]
+    assert [s["url"] for s in json.loads((shards / "wids.json").read_text())["shardlist"]] == ["data-000.tar"]

@@ -470,7 +470,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
 
         notes = [REMOTE_NOTE] if remote else write_sidecars(
             str(dest), infos, [str(p.resolve()) for p in paths], prefix=prefix, num_classes=len(classes),
-            compression=compression, name=folder.name or "gpufeed")
+            compression=compression, name=folder.name or "gpufeed", created_by="gpufeed index")
         written = write_manifest(dest, manifest)  # last, after the sidecar indexes
     except OSError as exc:
         hint = "" if out is not None else "; write it elsewhere with --out DIR"

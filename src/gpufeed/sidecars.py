@@ -12,7 +12,9 @@
   (a multiple of 512). Gzip shards get none (DALI reads plain tars; an offset into a gzip stream means nothing to
   it), nor does a shard with a member name holding white space (the format splits on it); the notes say which.
 
-Nothing here imports torch. The offsets are read from the tar files themselves, by one walk over their headers
+Nothing here imports torch. ``gpufeed shard``'s writer builds each shard's index from the layout it writes
+(``shard.write._idx_line``, checked by the tests against the tar's headers). Otherwise (``index``, ``stage``, a
+shard kept from an earlier run) the offsets are read from the tar files themselves, by one walk over their headers
 (``tar_members``) with the checks of every gpufeed tar reader (``shardset.tar.parse_header``, ``HeaderChain``):
 a shard is untrusted data, so each header moves the walk forward and every size is checked against the file.
 """
@@ -34,18 +36,26 @@ REMOTE_NOTE = "no _info.json, wids.json or DALI .idx files for a remote set (eac
 _BLOCK = 512
 
 
-def timm_info(name: str, split: str, num_classes: int, shards: list[tuple[str, int]]) -> bytes:
-    """timm's ``_info.json``: ``shards`` is (file name relative to the info's folder, samples) in set order."""
-    info = {"name": name, "num_classes": num_classes,
-            "splits": {split: {"name": split, "num_samples": sum(n for _, n in shards),
-                               "filenames": [f for f, _ in shards], "shard_lengths": [n for _, n in shards]}}}
+def timm_info(name: str, split: str, num_classes: int, shards: list[tuple[str, int]],
+              created_by: str | None = None) -> bytes:
+    """timm's ``_info.json``: ``shards`` is (file name relative to the info's folder, samples) in set order;
+    ``created_by``, when given, is recorded (timm reads no other key)."""
+    info: dict[str, Any] = {"name": name, "num_classes": num_classes,
+                            "splits": {split: {"name": split, "num_samples": sum(n for _, n in shards),
+                                               "filenames": [f for f, _ in shards],
+                                               "shard_lengths": [n for _, n in shards]}}}
+    if created_by is not None:
+        info["created_by"] = created_by
     return (json.dumps(info, indent=2) + "\n").encode()
 
 
-def wids_index(name: str, shards: list[tuple[str, int, int]]) -> bytes:
-    """wids' shard index: ``shards`` is (url relative to the index's folder, samples, bytes) in set order."""
-    desc = {"wids_version": 1, "name": name,
-            "shardlist": [{"url": url, "nsamples": n, "filesize": size} for url, n, size in shards]}
+def wids_index(name: str, shards: list[tuple[str, int, int]], created_by: str | None = None) -> bytes:
+    """wids' shard index: ``shards`` is (url relative to the index's folder, samples, bytes) in set order;
+    ``created_by``, when given, is recorded (wids reads no such key)."""
+    desc: dict[str, Any] = {"wids_version": 1, "name": name,
+                            "shardlist": [{"url": url, "nsamples": n, "filesize": size} for url, n, size in shards]}
+    if created_by is not None:
+        desc["created_by"] = created_by
     return (json.dumps(desc, indent=2) + "\n").encode()
 
 
@@ -124,24 +134,34 @@ def dali_file(lines: list[str]) -> bytes:
 
 
 def write_sidecars(dest: str, shards: list[Any], shard_paths: list[str], *, prefix: str, num_classes: int,
-                   compression: str | None, name: str, indexed: set[str] | None = None) -> list[str]:
+                   compression: str | None, name: str, indexed: set[str] | None = None,
+                   created_by: str | None = None) -> list[str]:
     """Write ``_info.json``, ``wids.json`` and the ``.idx`` files into the folder ``dest`` for the local shards
     ``shard_paths`` (``shards``: their ``manifest.ShardInfo``, in set order). ``prefix`` names timm's split,
     ``name`` the dataset (timm, wids); ``indexed``: shards whose ``.idx`` is already written (by ``gpufeed
-    shard``'s writer, from the layout it wrote). -> notes, one sentence each, for what was not written and why."""
+    shard``'s writer, from the layout it wrote). ``created_by`` (``gpufeed index``, which writes into a folder
+    it does not own): recorded in ``_info.json`` and ``wids.json``, and such a file that does not record it (the
+    user's own) is kept, not replaced. -> notes, one sentence each, for what was not written and why."""
     from gpufeed.manifest import TIMM_INFO_NAME
     from gpufeed.records import atomic_write_bytes
 
     rel = [os.path.relpath(p, dest).replace(os.sep, "/") for p in shard_paths]
     counts = [s.num_samples for s in shards]
     notes: list[str] = []
-    atomic_write_bytes(os.path.join(dest, TIMM_INFO_NAME), timm_info(name, prefix, num_classes, list(zip(rel, counts))))
+
+    def write(file: str, data: bytes) -> None:
+        path = os.path.join(dest, file)
+        if created_by is not None and _created_by(path) not in (None, created_by):
+            notes.append(f"{path} is kept as it is (not written by {created_by}); this set's {file} is not written")
+            return
+        atomic_write_bytes(path, data)
+
+    write(TIMM_INFO_NAME, timm_info(name, prefix, num_classes, list(zip(rel, counts)), created_by))
     if compression:
         notes.append(f"no {WIDS_NAME} and no DALI {IDX_SUFFIX} files: the shards are {compression}-compressed, and "
                      f"wids and DALI read plain tar offsets")
         return notes
-    atomic_write_bytes(os.path.join(dest, WIDS_NAME),
-                       wids_index(name, [(r, n, s.bytes) for r, n, s in zip(rel, counts, shards)]))
+    write(WIDS_NAME, wids_index(name, [(r, n, s.bytes) for r, n, s in zip(rel, counts, shards)], created_by))
     for path, info in zip(shard_paths, shards):
         if indexed and info.name in indexed:
             continue
@@ -157,3 +177,19 @@ def write_sidecars(dest: str, shards: list[Any], shard_paths: list[str], *, pref
             continue
         atomic_write_bytes(target, data)
     return notes
+
+
+_FOREIGN = "someone else"
+
+
+def _created_by(path: str) -> str | None:
+    """The ``created_by`` a JSON sidecar at ``path`` records: None when there is no file, ``_FOREIGN`` when it
+    records none or cannot be read (read at most 1 MiB)."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            got = json.loads(f.read(1 << 20)).get("created_by")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return _FOREIGN
+    return got if isinstance(got, str) else _FOREIGN

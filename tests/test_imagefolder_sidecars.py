@@ -489,3 +489,15 @@ def test_index_keeps_the_users_own_timm_info_and_wids_json(tmp_path: Path) -> No
     assert rep.notes == []
     assert json.loads((shards / "_info.json").read_text())["splits"]["data"]["filenames"] == ["data-000.tar"]
     assert [s["url"] for s in json.loads((shards / "wids.json").read_text())["shardlist"]] == ["data-000.tar"]
+
+
+def test_verify_and_index_pass_over_the_sidecars(image_folder, tmp_path: Path) -> None:
+    from gpufeed.index import resolve_shards
+    from tests.conftest import invoke_json
+
+    dest = tmp_path / "out"
+    shard(image_folder(classes=2, per_class=3), dest, shard_samples=2)
+    assert (dest / "wids.json").exists() and list(dest.glob("*.idx"))
+    r = invoke_json(["verify", str(dest), "--no-decode"])
+    assert r["ok"] and r["warnings"] == []
+    assert [p.name for p in resolve_shards(dest)] == [f"train-{i:06d}.tar" for i in range(3)]

@@ -1,7 +1,9 @@
 """``gpufeed shard SRC DEST``: an ImageFolder -> deterministic WebDataset tar shards + manifest.
 
 Pipeline (the format it writes: docs/design.md §2): scan -> validate (parallel, batched per task) -> plan
-(seeded shuffle, N equal shards) -> write -> ``index.parquet``, timm's ``_info.json`` and, last and atomically, ``manifest.json``.
+(seeded shuffle, N equal shards) -> write -> ``index.parquet``, the other readers' indexes (timm's ``_info.json``,
+``wids.json``, DALI's ``.idx`` per shard, written from the layout the writer wrote: ``gpufeed.sidecars``) and, last
+and atomically, ``manifest.json``.
 With ``--check header`` and no transcoding option, validate, plan and write are first tried as one pass ("One
 pass" below).
 No torch import anywhere on this path.
@@ -18,7 +20,7 @@ Phase map (one module a step; this package's ``__init__`` only re-exports the pu
 * ``write.py``: the shards' bytes: worker write tasks (``_write_range``, ``_write_shard``, the one pass's
   ``_check_and_write_shard``), member layout and
   in-order hashing (``_ShardJob``), each shard renamed with its ``.done.json`` sidecar (``_finish_shard``).
-* ``finish.py``: ``index.parquet``, ``_info.json`` and ``manifest.json`` (``_finish``).
+* ``finish.py``: ``index.parquet``, the sidecar indexes and ``manifest.json`` (``_finish``).
 * ``dest.py``: DEST's state folder: the lock, resume or refuse what is there, cache housekeeping, free space,
   OS errors as one sentence.
 * ``report.py``: ``ShardReport``, ``FileIssue``, ``render_shard`` and the progress bar.

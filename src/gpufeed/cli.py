@@ -322,20 +322,23 @@ def index_cmd(shards: str, out: str | None, no_hash: bool, label: str, classes_f
 @click.option("--overwrite/--no-overwrite", default=None)
 @click.option("--allow-empty-classes/--no-allow-empty-classes", default=None)
 @click.option("--max-pixels", type=int)
+@click.option("--classes-like", type=click.Choice(["gpufeed", "imagefolder"]))
+@click.option("--classes", "classes_file", type=click.Path(dir_okay=False))
 @quiet_option
 @config_option
 @json_option
 def shard(src: str, dest: str, workers: int | None, seed: int | None, shard_samples: int | None,
           shard_bytes: str | None, multiple_of: int | None, prefix: str | None, max_size: int | None,
           quality: int | None, check: str | None, strict: bool | None, overwrite: bool | None,
-          allow_empty_classes: bool | None, max_pixels: int | None, config_path: str | None,
-          as_json: bool) -> None:
+          allow_empty_classes: bool | None, max_pixels: int | None, classes_like: str | None,
+          classes_file: str | None, config_path: str | None, as_json: bool) -> None:
     """Image folder SRC (one sub-folder per class) -> deterministic WebDataset shards + manifest in DEST."""
     cfg = load(config_path, "shard", {
         "src": src, "dest": dest, "workers": workers, "seed": seed, "shard_samples": shard_samples,
         "shard_bytes": shard_bytes, "multiple_of": multiple_of, "prefix": prefix, "max_size": max_size,
         "quality": quality, "check": check, "strict": strict, "overwrite": overwrite,
-        "allow_empty_classes": allow_empty_classes, "max_pixels": max_pixels})
+        "allow_empty_classes": allow_empty_classes, "max_pixels": max_pixels, "classes_like": classes_like,
+        "classes_file": classes_file})
 
     def job() -> Any:
         from gpufeed.shard import write_shards

@@ -216,6 +216,12 @@ class ShardConfig:
     """Keep empty class folders as classes (with a warning) instead of refusing the input."""
     max_pixels: int = bounded(89_478_485, 1, MAX_PIXELS_LIMIT)
     """Decompression-bomb limit in pixels (Pillow's default); larger images are rejected."""
+    classes_like: Literal["gpufeed", "imagefolder"] = "gpufeed"
+    """Class folders: gpufeed = skip hidden folders (.ipynb_checkpoints) and hidden files; imagefolder = exactly
+    torchvision's ImageFolder (every folder in SRC, hidden included, and hidden files in class folders)."""
+    classes_file: str | None = None
+    """Class names in label order, one per line, each a folder of SRC (others are ignored); default: the folders'
+    sorted names."""
 
     def __post_init__(self) -> None:
         check_bounds(self)

@@ -29,6 +29,9 @@ image members and label members) and writes a :class:`gpufeed.manifest.Manifest`
   name to its index). A set without any label and without a class list is refused.
 - The manifest goes to ``--out DIR`` (default: the shard folder). When DIR is not the shard folder, the
   manifest's ``root`` holds the shard folder's absolute path.
+- The sidecar indexes of other readers (timm's ``_info.json``, ``wids.json``, DALI's ``.idx`` per plain tar:
+  :mod:`gpufeed.sidecars`) go to DIR too, before the manifest, for a local set; their shard paths are relative
+  to DIR.
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ class IndexReport:
     img2dataset: Img2DatasetRecords | None = None
     """img2dataset's own records beside the shards (``NNNNN_stats.json``, ``NNNNN.parquet``), when there are any:
     URLs tried, downloaded and failed (:mod:`gpufeed.img2dataset`)."""
+    notes: list[str] = field(default_factory=list)
+    """The sidecar indexes (``gpufeed.sidecars``) not written, and why."""
 
 
 def _check_name(path: Path) -> None:
@@ -475,7 +480,12 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         dest.mkdir(parents=True, exist_ok=True)
         if not os.access(dest, os.W_OK):
             raise PermissionError(f"{dest} is not writable")
-        written = write_manifest(dest, manifest)
+        from gpufeed.sidecars import REMOTE_NOTE, write_sidecars
+
+        notes = [REMOTE_NOTE] if remote else write_sidecars(
+            str(dest), infos, [str(p.resolve()) for p in paths], prefix=prefix, num_classes=len(classes),
+            compression=compression, name=folder.name or "gpufeed", created_by="gpufeed index")
+        written = write_manifest(dest, manifest)  # last, after the sidecar indexes
     except OSError as exc:
         hint = "" if out is not None else "; write it elsewhere with --out DIR"
         raise DataError(f"cannot write {dest / MANIFEST_NAME} ({exc.strerror or exc}){hint}") from None
@@ -487,7 +497,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         unlabeled=unlabeled.examples, num_bad_labels=bad_labels.count, bad_labels=bad_labels.examples,
         num_dropped_images=dropped.count, dropped_images=dropped.examples,
         num_duplicate_members=duplicates.count, duplicate_members=duplicates.examples,
-        num_ungrouped_keys=ungrouped.count, ungrouped_keys=ungrouped.examples, label=label,
+        num_ungrouped_keys=ungrouped.count, ungrouped_keys=ungrouped.examples, label=label, notes=notes,
         ok=not (unlabeled.count or bad_labels.count or dropped.count or duplicates.count or ungrouped.count
                 or (records is not None and (records.num_unreadable or records.num_mismatched))),
         img2dataset=records,
@@ -513,6 +523,7 @@ def render(report: IndexReport) -> str:
     ]
     if r.num_ignored_keys:
         lines.append(f"ignored {r.num_ignored_keys} key(s) without an image member")
+    lines += [f"note: {n}" for n in r.notes]
     for what, count, examples in (
         (f"sample(s) have no {_describe(r.label)} label; the loader will reject them", r.num_unlabeled, r.unlabeled),
         ("sample(s) have a label the loader rejects", r.num_bad_labels, r.bad_labels),

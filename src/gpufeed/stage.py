@@ -26,7 +26,9 @@ through :mod:`gpufeed.shardset.source`); DEST is a local folder. In order:
 6. ``index.parquet`` and ``_info.json`` next to the SRC manifest are copied (atomically) when present (for a
    remote SRC: when the server has them; a 404 means absent; for a local SRC each is checked before anything is
    copied: a regular file of at most ``MAX_SIDE_BYTES``, not a symbolic link out of the SRC folder, else exit 2
-   naming it: :mod:`gpufeed.safefs`), and last
+   naming it: :mod:`gpufeed.safefs`); the other readers' indexes (``_info.json``,
+   ``wids.json``, DALI's ``.idx`` files: :mod:`gpufeed.sidecars`) are then written for the shards staged here,
+   and last
    the manifest is written to ``DEST/manifest.json`` with ``root`` None (the shards sit next to it), the same
    shards and counts otherwise: ``tune``, ``train`` and ``verify`` use DEST directly. While a run copies, a DEST
    manifest from an earlier run is removed first, so its presence still means the set at DEST is complete.
@@ -443,6 +445,11 @@ def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], sour
                 copied += len(data)
                 if copied > side.size:
                     raise RunError(f"SRC's {side.name} grew while it was copied; it was not staged")
+    from gpufeed.sidecars import write_sidecars
+
+    # the other readers' indexes, for the shards staged here (their paths relative to DEST; _info.json rewritten)
+    warnings += write_sidecars(str(dest), mine, [str(dest / i.name) for i in mine], prefix=m.prefix,
+                               num_classes=len(m.classes), compression=m.compression, name=dest.name or "gpufeed")
     options = {k: v for k, v in m.options.items() if k != STAGED_NODE}  # a record of SRC's own staging is not ours
     if node_rank is not None:
         options[STAGED_NODE] = {"node_rank": node_rank, "num_nodes": num_nodes, "num_shards": len(mine)}

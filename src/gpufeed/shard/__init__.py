@@ -1,7 +1,9 @@
 """``gpufeed shard SRC DEST``: an ImageFolder -> deterministic WebDataset tar shards + manifest.
 
 Pipeline (the format it writes: docs/design.md §2): scan -> validate (parallel, batched per task) -> plan
-(seeded shuffle, N equal shards) -> write -> ``index.parquet``, timm's ``_info.json`` and, last and atomically, ``manifest.json``.
+(seeded shuffle, N equal shards) -> write -> ``index.parquet``, the other readers' indexes (timm's ``_info.json``,
+``wids.json``, DALI's ``.idx`` per shard, written from the layout the writer wrote: ``gpufeed.sidecars``) and, last
+and atomically, ``manifest.json``.
 With ``--check header`` and no transcoding option, validate, plan and write are first tried as one pass ("One
 pass" below).
 No torch import anywhere on this path.
@@ -18,7 +20,7 @@ Phase map (one module a step; this package's ``__init__`` only re-exports the pu
 * ``write.py``: the shards' bytes: worker write tasks (``_write_range``, ``_write_shard``, the one pass's
   ``_check_and_write_shard``), member layout and
   in-order hashing (``_ShardJob``), each shard renamed with its ``.done.json`` sidecar (``_finish_shard``).
-* ``finish.py``: ``index.parquet``, ``_info.json`` and ``manifest.json`` (``_finish``).
+* ``finish.py``: ``index.parquet``, the sidecar indexes and ``manifest.json`` (``_finish``).
 * ``dest.py``: DEST's state folder: the lock, resume or refuse what is there, cache housekeeping, free space,
   OS errors as one sentence.
 * ``report.py``: ``ShardReport``, ``FileIssue``, ``render_shard`` and the progress bar.
@@ -52,7 +54,14 @@ itself (``_plain_jpeg_size``) and leaves every other file to Pillow.
 Input rules
 -----------
 * Classes are the sorted names of the non-hidden folders in SRC (``entry.is_dir()``, symlinks followed), so
-  labels agree with ``torchvision.datasets.ImageFolder`` (which would also count hidden folders as classes).
+  labels agree with ``torchvision.datasets.ImageFolder`` when SRC holds no hidden folder. ImageFolder counts
+  hidden folders (``.ipynb_checkpoints``) as classes, which shifts every label after them: the report warns in
+  one line naming each one. ``classes_like = "imagefolder"`` (``--classes-like imagefolder``) follows
+  ImageFolder exactly (``find_classes``: every folder of SRC, hidden included; ``make_dataset``: hidden files
+  and folders inside a class are candidates too); its empty classes are refused like any other, unless
+  ``allow_empty_classes`` (ImageFolder's ``allow_empty``). ``classes_file`` (``--classes FILE``, read as
+  ``index.read_class_list`` reads a class list) names the class folders in label order instead; other folders
+  are ignored, and a name that is not a folder of SRC is refused.
 * Inside a class folder every sub-folder is walked (as ImageFolder does), symlinks followed, each folder
   (device, inode) once per class, so loops end.
   Candidates carry one of ImageFolder's extensions (``.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp``,

@@ -6,6 +6,7 @@ space")."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 from gpufeed.config import ShardConfig
@@ -13,6 +14,9 @@ from gpufeed.errors import DataError, GpufeedError, RunError
 from gpufeed.shard.shardplan import _SHARD_RE, PLAN_NAME, _Plan, _read_plan
 
 STATE_DIR = ".gpufeed"
+_IDX_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.idx$")
+"""A shard's DALI index (``gpufeed.sidecars``): one of our outputs."""
+_IDX_TMP_RE = re.compile(r"^\.[A-Za-z0-9_-]+-\d{6}\.idx\..*\.tmp$")
 LOCK_NAME = "lock"
 
 _LOCK_PID_BYTES = 32
@@ -49,8 +53,8 @@ def _lock(dest: str, cfg: ShardConfig) -> int:
 def _our_outputs(dest: str) -> list[str]:
     out = []
     for name in sorted(os.listdir(dest)):
-        if name in ("manifest.json", "index.parquet", "_info.json", STATE_DIR) or _SHARD_RE.match(name) \
-                or (name.startswith(".") and name.endswith(".tar.tmp")):
+        if name in ("manifest.json", "index.parquet", "_info.json", "wids.json", STATE_DIR) or _SHARD_RE.match(name) \
+                or _IDX_RE.match(name) or (name.startswith(".") and name.endswith(".tar.tmp")):
             out.append(name)
     return out
 
@@ -97,8 +101,9 @@ def _remove(dest: str, name: str) -> None:
 
 def _atomic_leftover(name: str) -> bool:
     """A temporary file that ``records.atomic_write_bytes`` left in DEST when a run was killed mid-write."""
-    return name.endswith(".tmp") and name.startswith(tuple(f".{n}." for n in ("manifest.json", "index.parquet",
-                                                                               "_info.json")))
+    return name.endswith(".tmp") and (name.startswith(tuple(f".{n}." for n in ("manifest.json", "index.parquet",
+                                                                                "_info.json", "wids.json")))
+                                      or bool(_IDX_TMP_RE.match(name)))
 
 
 def _clear_cache(state: str) -> None:

@@ -1,9 +1,9 @@
 """Phase 5, finish: once every shard is complete, ``index.parquet`` (built and written a row group at a time),
-timm's ``_info.json`` and, last and atomically, ``manifest.json`` (docs/design.md §2)."""
+the sidecar indexes (timm's ``_info.json``, wids' ``wids.json``, DALI's ``.idx`` files: ``gpufeed.sidecars``) and,
+last and atomically, ``manifest.json`` (docs/design.md §2)."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -106,12 +106,16 @@ def _write_index(path: str, plan: _Plan) -> None:
 
 
 def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
-            options: dict[str, Any]) -> Any:
+            options: dict[str, Any], notes: list[str] | None = None, indexed: set[str] | None = None) -> Any:
+    """The index, the sidecar indexes (``notes`` gets a sentence for each one not written; ``indexed``: the shards
+    whose DALI index the writer wrote from its layout, the others' are read from their tar headers) and the
+    manifest."""
+    notes = [] if notes is None else notes
     import pyarrow as pa
 
     from gpufeed import __version__
-    from gpufeed.manifest import INDEX_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
-    from gpufeed.records import atomic_write_bytes
+    from gpufeed.manifest import INDEX_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
+    from gpufeed.sidecars import write_sidecars
 
     # The index's arrays come from the system allocator (``_map_large_blocks``: its large blocks go back to the OS
     # when freed); pyarrow's default pool (mimalloc or jemalloc) keeps what it frees for a while.
@@ -127,15 +131,15 @@ def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]
                    for i in infos]
     total = sum(i["bytes"] for i in infos)
     n = sum(i["num_samples"] for i in infos)
-    timm = {"name": os.path.basename(dest.rstrip("/")) or "gpufeed", "num_classes": len(plan.classes),
-            "splits": {cfg.prefix: {"name": cfg.prefix, "num_samples": n, "filenames": names,
-                                    "shard_lengths": [i["num_samples"] for i in infos]}}}
-    atomic_write_bytes(os.path.join(dest, TIMM_INFO_NAME), (json.dumps(timm, indent=2) + "\n").encode())
     manifest = Manifest(
         prefix=cfg.prefix, classes=list(plan.classes), shards=shard_infos, num_samples=n,
         num_rejected=len(plan.rejected), total_bytes=total, mean_sample_bytes=total / n if n else 0.0,
         url_pattern=brace_pattern(names), options=options, created_by="gpufeed shard",
         gpufeed_version=__version__,
     )
+    # timm's _info.json, wids.json and DALI's .idx files (gpufeed.sidecars), from the manifest and the shards
+    notes += write_sidecars(dest, shard_infos, [os.path.join(dest, name) for name in names], prefix=cfg.prefix,
+                            num_classes=len(plan.classes), compression=None,
+                            name=os.path.basename(dest.rstrip("/")) or "gpufeed", indexed=indexed)
     write_manifest(dest, manifest)  # last: its presence means the set is complete
     return manifest

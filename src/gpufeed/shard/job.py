@@ -77,7 +77,14 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     _preload(_early_imports)  # after the pool has forked its workers (numpy may start threads)
     bar = _Bar(progress)
     try:
-        scan = _scan(src, pool, workers)
+        class_list = None
+        if cfg.classes_file is not None:
+            from pathlib import Path
+
+            from gpufeed.index import read_class_list
+
+            class_list = (cfg.classes_file, read_class_list(Path(cfg.classes_file)))
+        scan = _scan(src, pool, workers, cfg.classes_like, class_list)
         one_pass = (_ONE_PASS and opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None)
         if pool is not None and not one_pass:
             for _ in range(workers):  # while this process plans: Pillow, which every check needs
@@ -86,6 +93,12 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
             raise DataError(f"SRC {cfg.src} has no class folders (expected SRC/<class>/<image>, as ImageFolder "
                             f"reads)")
         warn: list[str] = list(scan.notes)  # class folders linked out of SRC
+        if scan.hidden_dirs:
+            shown = ", ".join(scan.hidden_dirs[:5]) + (f" and {len(scan.hidden_dirs) - 5} more"
+                                                       if len(scan.hidden_dirs) > 5 else "")
+            warn.append(f"hidden folder(s) {shown} in SRC skipped, not classes: torchvision's ImageFolder would count "
+                        f"each as a class and shift the labels after it; pass --classes-like imagefolder for "
+                        f"ImageFolder's labels")
         _check_empty(cfg, scan.classes, scan.class_counts, warn, duplicates=scan.duplicates)
         fingerprint = _fingerprint(scan, options)
         scan.mtimes = None  # 8 bytes a sample, not held through validation
@@ -214,7 +227,7 @@ def _run(cfg: ShardConfig, src: str, dest: str, workers: int, options: dict[str,
     # ---- index, timm info, manifest (last)
     infos = [done[n] for n in names]
     try:
-        manifest = _finish(dest, cfg, plan, infos, options)
+        manifest = _finish(dest, cfg, plan, infos, options, warn, indexed=set(written))
     except OSError as exc:
         raise _os_error(exc, cfg, None, shards_done=len(infos), writing=True) from None
     _clear_cache(state)  # the transcode cache is only needed until every shard is complete
@@ -305,7 +318,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
 
     results = _Results(n)
     checked = np.zeros(n, dtype=bool)
-    outcome: dict[str, tuple[int, str]] = {}  # shard name -> (size, sha256), in the order they complete
+    outcome: dict[str, tuple[int, str, bytes | None]] = {}  # name -> (size, sha256, DALI index), as they complete
     saved = False
     complete = True
 
@@ -316,7 +329,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
         checked[idx] = True
         bar.update(got.checked, got.nbytes)
         if got.complete:
-            outcome[name] = (got.size, got.sha256)
+            outcome[name] = (got.size, got.sha256, got.idx)
         elif complete:
             complete = False
             _touch(stop)
@@ -365,7 +378,7 @@ def _one_pass(cfg: ShardConfig, scan: Any, src: str, dest: str, opts: dict[str, 
             os.unlink(stop)
         if not saved:
             _remove_temporaries(dest, outcome)
-    return plan, {name: _finish_shard(dest, name, outcome[name][0], count, outcome[name][1])
+    return plan, {name: _finish_shard(dest, name, outcome[name][0], count, outcome[name][1], outcome[name][2])
                   for name, _start, count in shards}
 
 

@@ -77,6 +77,9 @@ class _Scan:
     notes: list[str] = field(default_factory=list)
     """Class folders reached through a symbolic link that leads out of SRC, each named with where it points
     (:func:`gpufeed.safefs.folder_link_note`); the job reports them as warnings."""
+    hidden_dirs: list[str] = field(default_factory=list)
+    """Hidden folders at SRC's root that were not made classes (``classes_like = "gpufeed"``), as recorded:
+    ImageFolder would count each as a class."""
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -99,16 +102,18 @@ _Found = tuple  # (path relative to SRC (real name), size, mtime_ns, device, ino
 _FS_UTF8 = codecs.lookup(sys.getfilesystemencoding()).name == "utf-8"
 
 
-def _class_columns(src: str, name: str) -> tuple[tuple[Any, ...], list[FileIssue], list[FileIssue]]:
+def _class_columns(src: str, name: str,
+                   hidden: bool = False) -> tuple[tuple[Any, ...], list[FileIssue], list[FileIssue]]:
     """Walk one class folder (``_walk_class``) -> its candidates in path order as columns (names ``fsencode``d
     as one blob, their lengths, sizes, mtimes, devices, inodes, reached-via-a-link flags), then what was
-    ignored and rejected. Runs in a worker process when the job has a pool: compact to send back."""
+    ignored and rejected. Runs in a worker process when the job has a pool: compact to send back. ``hidden``:
+    hidden files and folders are candidates too (``classes_like = "imagefolder"``)."""
     from array import array
 
     found: list[_Found] = []
     ignored: list[FileIssue] = []
     rejected: list[FileIssue] = []
-    _walk_class(src, os.path.join(src, name), found, ignored, rejected)
+    _walk_class(src, os.path.join(src, name), found, ignored, rejected, hidden)
     if not found:
         return (b"", array("q"), array("q"), array("q"), array("Q"), array("Q"), b""), ignored, rejected
     found.sort()  # by path: unique, so the other fields are never compared
@@ -132,12 +137,13 @@ _SCAN_GROUP_MAX = 64
 """Class folders walked by one task, at most."""
 
 
-def _group_columns(src: str, names: list[str]) -> list[tuple[tuple[Any, ...], list[FileIssue], list[FileIssue]]]:
+def _group_columns(src: str, names: list[str],
+                   hidden: bool = False) -> list[tuple[tuple[Any, ...], list[FileIssue], list[FileIssue]]]:
     """``_class_columns`` of a few consecutive class folders (one worker task)."""
-    return [_class_columns(src, name) for name in names]
+    return [_class_columns(src, name, hidden) for name in names]
 
 
-def _walked(src: str, classes: list[str], pool: Any, workers: int) -> Any:
+def _walked(src: str, classes: list[str], pool: Any, workers: int, hidden: bool = False) -> Any:
     """``_class_columns`` of each class folder, in label order: walked by the pool's workers (a few tasks in
     flight each, so the results are never all held at once) or, without a pool, here. A task walks a group of
     consecutive classes (about ``workers * 8`` groups, at most ``_SCAN_GROUP_MAX`` classes each): every task is a
@@ -145,7 +151,7 @@ def _walked(src: str, classes: list[str], pool: Any, workers: int) -> Any:
     while the workers, given one small class at a time, would wait for them."""
     if pool is None:
         for name in classes:
-            yield _class_columns(src, name)
+            yield _class_columns(src, name, hidden)
         return
     ex = pool[0]
     size = max(1, min(_SCAN_GROUP_MAX, len(classes) // (workers * 8)))
@@ -154,7 +160,7 @@ def _walked(src: str, classes: list[str], pool: Any, workers: int) -> Any:
     try:
         while True:
             for group in pending:
-                running.append(ex.submit(_group_columns, src, group))
+                running.append(ex.submit(_group_columns, src, group, hidden))
                 if len(running) >= _SCAN_DEPTH * workers:
                     break
             if not running:
@@ -165,22 +171,43 @@ def _walked(src: str, classes: list[str], pool: Any, workers: int) -> Any:
             fut.cancel()
 
 
-def _scan(src: str, pool: Any = None, workers: int = 1) -> _Scan:
-    """Walk SRC (the class folders in the pool's workers when ``pool`` is given) into the candidates' columns."""
+def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpufeed",
+          class_list: tuple[str, list[str]] | None = None) -> _Scan:
+    """Walk SRC (the class folders in the pool's workers when ``pool`` is given) into the candidates' columns.
+
+    ``classes_like``: ``"gpufeed"`` skips hidden folders at SRC's root (recorded in ``hidden_dirs``) and hidden
+    files and folders inside the classes; ``"imagefolder"`` follows torchvision's ImageFolder exactly: every
+    entry of SRC that is a folder (``entry.is_dir()``, symlinks followed, hidden included) is a class, in sorted
+    name order (``find_classes``), and hidden files in class folders are candidates (``make_dataset``).
+    ``class_list``: (the file it was read from, class names in label order): the classes are those folders of SRC
+    in that order, other folders are ignored; a name that is not a folder of SRC is refused."""
     import numpy as np
     from array import array
 
     from gpufeed.safefs import folder_link_note
 
+    like_imagefolder = classes_like == "imagefolder"
     classes: list[str] = []
+    hidden_dirs: list[str] = []
     notes: list[str] = []
     ignored: list[FileIssue] = []
     rejected: list[FileIssue] = []
     with os.scandir(src) as it:
         entries = sorted(it, key=lambda e: e.name)
+    listed = None if class_list is None else set(class_list[1])
     for e in entries:
-        if e.name.startswith("."):
-            ignored.append(FileIssue(_rel(e.path, src), "hidden (never a class)"))
+        if listed is not None and e.is_dir():
+            if e.name in listed:
+                classes.append(e.name)
+            else:
+                ignored.append(FileIssue(_rel(e.path, src), f"folder not in the class list {class_list[0]}"))
+        elif e.name.startswith(".") and not like_imagefolder:
+            if e.is_dir():
+                hidden_dirs.append(_display(e.name))
+                ignored.append(FileIssue(_rel(e.path, src), "hidden folder (not a class; ImageFolder would count "
+                                                            "it as one)"))
+            else:
+                ignored.append(FileIssue(_rel(e.path, src), "hidden (never a class)"))
         elif e.is_dir():
             classes.append(e.name)
             if e.is_symlink() and (note := folder_link_note(e.path, src)):
@@ -189,11 +216,19 @@ def _scan(src: str, pool: Any = None, workers: int = 1) -> _Scan:
             ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
         else:
             ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
+    if class_list is not None:
+        missing = [c for c in class_list[1] if c not in set(classes)]
+        if missing:
+            raise DataError(f"class list {class_list[0]} names {', '.join(repr(c) for c in missing[:5])}"
+                            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}, not a folder in SRC "
+                            f"{src}")
+        classes = list(class_list[1])
     # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here,
     # column by column.
     blob, ends = bytearray(), array("q")
     labels, sizes, mtimes, devs, inos, via = array("i"), array("q"), array("q"), array("Q"), array("Q"), bytearray()
-    for label, (cols, class_ignored, class_rejected) in enumerate(_walked(src, classes, pool, workers)):
+    for label, (cols, class_ignored, class_rejected) in enumerate(_walked(src, classes, pool, workers,
+                                                                          like_imagefolder)):
         ignored += class_ignored
         rejected += class_rejected
         names, lengths, size, mtime, dev, ino, link = cols
@@ -220,13 +255,13 @@ def _scan(src: str, pool: Any = None, workers: int = 1) -> _Scan:
         paths, lab, siz, mt = paths.take(keep), lab[keep], siz[keep], mt[keep]
     counts = np.bincount(lab, minlength=len(classes)).tolist()
     ignored.sort(key=lambda i: i.path)
-    shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them
+    shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them (or listed)
     if len(set(shown)) != len(shown):
         dup = sorted({c for c in shown if shown.count(c) > 1})
         raise DataError(f"class folders whose names are not valid UTF-8 read the same once shown ({', '.join(dup)}); "
                         f"rename them")
     return _Scan(shown, paths, lab, siz, mt, ignored, rejected, counts, dirs=classes, duplicates=duplicates,
-                 notes=notes)
+                 notes=notes, hidden_dirs=hidden_dirs)
 
 
 def _store_once(paths: _Strings, labels: Any, devs: Any, inos: Any, via: Any, rejected: list[FileIssue],
@@ -256,10 +291,11 @@ def _store_once(paths: _Strings, labels: Any, devs: Any, inos: Any, via: Any, re
     return np.nonzero(kept == pos)[0], duplicates
 
 
-def _walk_class(src: str, top: str, out: list[_Found], ignored: list, rejected: list) -> None:
+def _walk_class(src: str, top: str, out: list[_Found], ignored: list, rejected: list, hidden: bool = False) -> None:
     """Collect a class' candidate files into ``out``. Sub-folders are followed through symlinks, each folder (device, inode) once, so
     loops end; folders reached without a symlink are walked first, so a folder also linked from elsewhere in the
-    class is listed under its own path."""
+    class is listed under its own path. ``hidden``: hidden files and folders are walked like the others (as
+    ImageFolder's ``os.walk`` does)."""
     seen: set[tuple[int, int]] = set()
     stack = [(top, os.path.islink(top))]  # real folders: walked first
     linked: list[tuple[str, bool]] = []  # folders reached through a symlink: walked once ``stack`` is empty
@@ -284,7 +320,7 @@ def _walk_class(src: str, top: str, out: list[_Found], ignored: list, rejected: 
         base = os.path.relpath(d, src) + os.sep  # + an entry's name = its path relative to SRC, real name
         for e in entries:
             name = e.name
-            if name.startswith("."):
+            if name.startswith(".") and not hidden:
                 ignored.append(FileIssue(_display(base + name), "hidden file or folder"))
                 continue
             is_image_name = name.lower().endswith(CANDIDATE_EXTENSIONS)

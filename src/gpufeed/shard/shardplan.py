@@ -32,10 +32,13 @@ _PLAN_COLUMNS = {**_COLUMNS, "label": ("<i4", ()), "bytes": ("<i8", ()), "order"
 
 
 def _options(cfg: ShardConfig) -> dict[str, Any]:
-    return {"seed": cfg.seed, "shard_samples": cfg.shard_samples, "shard_bytes": cfg.shard_bytes,
-            "multiple_of": cfg.multiple_of, "prefix": cfg.prefix, "max_size": cfg.max_size,
-            "quality": cfg.quality, "check": cfg.check, "max_pixels": cfg.max_pixels,
-            "allow_empty_classes": cfg.allow_empty_classes}
+    options = {"seed": cfg.seed, "shard_samples": cfg.shard_samples, "shard_bytes": cfg.shard_bytes,
+               "multiple_of": cfg.multiple_of, "prefix": cfg.prefix, "max_size": cfg.max_size,
+               "quality": cfg.quality, "check": cfg.check, "max_pixels": cfg.max_pixels,
+               "allow_empty_classes": cfg.allow_empty_classes}
+    if cfg.classes_like != "gpufeed":  # recorded only when set: a default set's manifest and plan stay as before
+        options["classes_like"] = cfg.classes_like
+    return options
 
 
 def _fingerprint(scan: _Scan, options: dict[str, Any]) -> str:

@@ -230,6 +230,26 @@ def _open_cache(path: str) -> Any:
                        f"with --overwrite") from None
 
 
+def _idx_line(key: str, ext: str, offset: int, img_len: int, cls_len: int, json_len: int) -> str:
+    """The DALI index line (``gpufeed.sidecars``: ``EXT OFFSET SIZE NAME`` a member, OFFSET where its data starts)
+    of one sample written at ``offset``, its members laid out as ``_around_image`` lays them (each behind one
+    512-byte header). The tests check it against the index read back from the tar's headers."""
+    cls_at = offset + 512
+    first = cls_at + _padded(cls_len) + 512
+    if ext < "json":
+        return (f"cls {cls_at} {cls_len} {key}.cls {ext} {first} {img_len} {key}.{ext} "
+                f"json {first + _padded(img_len) + 512} {json_len} {key}.json")
+    return (f"cls {cls_at} {cls_len} {key}.cls json {first} {json_len} {key}.json "
+            f"{ext} {first + _padded(json_len) + 512} {img_len} {key}.{ext}")
+
+
+def _dali_index(lines: list[str]) -> bytes | None:
+    """A shard's DALI index from its samples' ``_idx_line``."""
+    from gpufeed.sidecars import dali_file
+
+    return dali_file(lines) if lines else None
+
+
 def _write_range(tmp: str, items: list[_Item]) -> None:
     """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
     the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
@@ -273,14 +293,15 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
         os.close(fd)
 
 
-def _write_shard(dest: str, src: str, name: str, part: dict[str, Any]) -> tuple[int, str, int]:
+def _write_shard(dest: str, src: str, name: str, part: dict[str, Any]) -> tuple[int, str, int, bytes | None]:
     """Write one whole shard in this (worker) process: records, layout, bytes, then its sha256 -> (size, sha256,
-    image bytes). The same layout and writer as the parallel runs of ``_write_all``, so the same bytes."""
+    image bytes, DALI index). The same layout and writer as the parallel runs of ``_write_all``, so the same
+    bytes."""
     job = _ShardJob(dest, name, _samples_of(part, src, os.path.join(dest, STATE_DIR)))
     try:
         for items, _end, _nbytes in job.ranges:
             _write_range(job.tmp, items)
-        return job.size, _sha256_file(job.tmp), sum(r[2] for r in job.ranges)
+        return job.size, _sha256_file(job.tmp), sum(r[2] for r in job.ranges), job.idx
     except BaseException:
         job.abort()
         raise
@@ -301,6 +322,8 @@ class _OnePassShard(NamedTuple):
     columns: dict[str, Any]
     size: int = 0
     sha256: str = ""
+    idx: bytes | None = None
+    """The shard's DALI index (``gpufeed.sidecars``)."""
 
 
 def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
@@ -317,6 +340,7 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
     tmp = os.path.join(dest, f".{name}.tmp")
     classes = part["classes"]
     checked = []
+    members = []  # each sample's _idx_line
     h = hashlib.sha256()
     pos = nbytes = 0
     src_fd = os.open(src, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -350,7 +374,9 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
                 cj = cname_json[label] = encode_basestring(classes[label])
             json_b = _meta_json(cj, label, ext, r.width, r.height, r.sha256.hex(), encode_basestring(_display(raw)),
                                 r.orientation)
-            head, tail = _around_image(f"{label:05d}_{n:07d}", ext, size, cls_b[label], json_b)
+            key = f"{label:05d}_{n:07d}"
+            members.append(_idx_line(key, ext, pos + held, size, len(cls_b[label]), len(json_b)))
+            head, tail = _around_image(key, ext, size, cls_b[label], json_b)
             pad = _ZEROS[:-size % 512]
             buf += (head, data, pad, tail)
             held += len(head) + size + len(pad) + len(tail)
@@ -362,7 +388,8 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
         buf.append(bytes(1024 + (-end % tarfile.RECORDSIZE)))  # end-of-archive, padded like tarfile
         pos = _write_hashed(fd, h, buf, pos)
         ok = True
-        return _OnePassShard(True, len(checked), nbytes, _batch_columns(checked), pos, h.hexdigest())
+        return _OnePassShard(True, len(checked), nbytes, _batch_columns(checked), pos, h.hexdigest(),
+                             _dali_index(members))
     finally:
         os.close(fd)
         os.close(src_fd)
@@ -392,13 +419,17 @@ class _ShardJob:
         self.final = os.path.join(dest, name)
         self.tmp = os.path.join(dest, f".{name}.tmp")
         items = []
+        members = []
         pos = 0
         for s in samples:
             json_b = _sample_json(s)
             cls_b = str(s.label).encode("ascii")
             items.append(_Item(pos, s.key, s.ext, s.img_len, cls_b, json_b, s.path, s.source, s.ident, s.cache,
                                s.coff))
+            members.append(_idx_line(s.key, s.ext, pos, s.img_len, len(cls_b), len(json_b)))
             pos += 3 * 512 + _padded(s.img_len) + _padded(len(cls_b)) + _padded(len(json_b))
+        self.idx = _dali_index(members)
+        """The shard's DALI index (``gpufeed.sidecars``), from the layout."""
         self.size = pos + 1024 + (-(pos + 1024) % tarfile.RECORDSIZE)  # end-of-archive, padded like tarfile
         # Contiguous runs of samples, each one write task: [(items, end offset, image bytes)].
         self.ranges: list[tuple[list[_Item], int, int]] = []
@@ -452,15 +483,20 @@ def _hash_file_ranges(path: str, blocks: Any) -> str:
     return h.hexdigest()
 
 
-def _finish_shard(dest: str, name: str, size: int, num_samples: int, digest: str) -> dict[str, Any]:
-    """Rename a fully written and hashed shard into place, then leave its ``.done.json`` sidecar.
+def _finish_shard(dest: str, name: str, size: int, num_samples: int, digest: str,
+                  idx: bytes | None = None) -> dict[str, Any]:
+    """Rename a fully written and hashed shard into place, then leave its ``.done.json`` sidecar. ``idx``: its
+    DALI index, written first (``DEST/<shard>.idx``).
 
     No fsync of the shard: the rename makes it atomic against a killed process; after a power loss, resume and
     verify compare the file with the sha256 its (durable) sidecar records, so a torn shard is rewritten, never
     trusted.
     """
     from gpufeed.records import atomic_write_bytes
+    from gpufeed.sidecars import idx_name
 
+    if idx is not None:
+        atomic_write_bytes(os.path.join(dest, idx_name(name)), idx)
     os.replace(os.path.join(dest, f".{name}.tmp"), os.path.join(dest, name))
     result = {"name": name, "num_samples": num_samples, "bytes": size, "sha256": digest}
     # One C-encoder call: json.dump streams through the pure-Python encoder.
@@ -537,8 +573,8 @@ def _write_whole(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on
             finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
             for fut in finished:
                 name, count = running.pop(fut)
-                size, digest, nbytes = fut.result()
-                out[name] = _finish_shard(dest, name, size, count, digest)
+                size, digest, nbytes, idx = fut.result()
+                out[name] = _finish_shard(dest, name, size, count, digest, idx)
                 on_done(name)
                 bar.update(count, nbytes)
     except BaseException:
@@ -586,7 +622,7 @@ def _write_ranges(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, o
                     bar.update(len(items), nbytes)
                 else:
                     job = hashing.pop(fut)
-                    out[job.name] = _finish_shard(dest, job.name, job.size, job.num_samples, fut.result())
+                    out[job.name] = _finish_shard(dest, job.name, job.size, job.num_samples, fut.result(), job.idx)
                     jobs.remove(job)
                     on_done(job.name)
     except BaseException:

@@ -171,11 +171,12 @@ def test_stage_refuses_proc_environ_behind_info_json(tmp_path: Path, monkeypatch
 
 def test_stage_copies_a_side_file_linked_inside_the_set(tmp_path: Path) -> None:
     src = write_tiny_shards(tmp_path / "src", [3])
-    (src / "info-v1.json").write_text('{"name": "tiny"}\n')
-    os.symlink("info-v1.json", src / "_info.json")  # a link that stays in the set folder is followed
+    (src / "index-v1.parquet").write_bytes(b"PAR1 the index, as copied PAR1")
+    os.symlink("index-v1.parquet", src / "index.parquet")  # a link that stays in the set folder is followed
     dest = tmp_path / "dest"
     invoke(["stage", src, dest, "--quiet"])
-    assert not (dest / "_info.json").is_symlink() and (dest / "_info.json").read_text() == '{"name": "tiny"}\n'
+    assert not (dest / "index.parquet").is_symlink()
+    assert (dest / "index.parquet").read_bytes() == (src / "index-v1.parquet").read_bytes()
 
 
 def test_a_shard_linked_out_of_the_set_is_refused_by_stage_index_and_the_loader(tmp_path: Path,

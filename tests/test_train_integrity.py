@@ -92,10 +92,10 @@ def test_shard_and_index_record_key_digests_the_loader_agrees_with(image_folder,
         assert len(ids) == 12 and loader.num_skipped == 0
     # and a gpufeed shard set's swapped shard is found by its keys
     a, b = dest / "train-000000.tar", dest / "train-000001.tar"
-    if a.stat().st_size == b.stat().st_size:
-        shutil.copyfile(a, b)
-        with pytest.raises(DataError, match=r"train-000001\.tar holds other samples than the manifest lists"):
-            _load(dest)
+    assert a.stat().st_size == b.stat().st_size  # images of one size: shards of one size
+    shutil.copyfile(a, b)
+    with pytest.raises(DataError, match=r"train-000001\.tar holds other samples than the manifest lists"):
+        _load(dest)
 
 
 # --------------------------------------------------------------------------- a shard that is not the manifest's
@@ -113,6 +113,18 @@ def test_a_shard_swapped_for_a_copy_of_another_is_refused(tmp_path, fast):
     loader, ids = _load(folder, fast=fast, on_error="skip")
     assert len(ids) == 12 and set(ids) <= set(range(6))  # samples 6..11 were never read...
     assert loader.num_skipped == 6  # ...and every one of them is counted
+
+
+def test_workers_whose_ranges_start_and_end_inside_shards_check_each_shard_once_read_to_its_end(tmp_path):
+    """3 workers over 2 shards of 6 (batches of 2): ranges 0..3 | 4..5 + 0..1 | 2..5 of the shards, read whole into
+    the shuffle buffer. A clean set reads clean (a range that stops inside a shard compares no digest), and the
+    swapped shard is found by the worker that reads it to its end."""
+    folder = _indexed(tmp_path / "set")
+    loader, ids = _load(folder, num_workers=3, batch_size=2, shuffle_buffer=8, on_error="raise")
+    assert sorted(ids) == list(range(12)) and loader.num_skipped == 0
+    shutil.copyfile(folder / "train-000000.tar", folder / "train-000001.tar")
+    with pytest.raises(DataError, match=r"train-000001\.tar holds other samples than the manifest lists"):
+        _load(folder, num_workers=3, batch_size=2, shuffle_buffer=8)
 
 
 @pytest.mark.parametrize("workers", [0, 1])

@@ -470,7 +470,7 @@ class ShardStream(IterableDataset):
             elif surplus:
                 self._refuse(f"shard {_text(path)} holds {promised + surplus} samples, the manifest says {promised}",
                              surplus, tally)
-            elif (why := self._other_samples(seg.shard, read)) is not None:
+            elif total[0] >= 0 and (why := self._other_samples(seg.shard, read)) is not None:  # read to its end
                 # found at the end: what went out came from another shard than the manifest's, so none of the
                 # segment's promised samples was read (the held-back last one is not handed out)
                 last = None

@@ -11,7 +11,7 @@ import pytest
 
 from gpufeed.errors import DataError
 from gpufeed.world import World
-from tests.test_loader import cfg, write_set
+from tests.test_loader import cfg, sizes_as_found, write_set
 
 
 def _ids_set(tmp_path: Path, sizes=(6, 6)) -> Path:
@@ -26,17 +26,6 @@ def _load(shards: Path, fast: bool = True, **kw):
     loader._dataset.fast_tar = fast
     ids = [int(x) for _, labels in loader for x in labels]
     return loader, ids
-
-
-def _sizes_as_found(shards: Path) -> None:
-    """Record each shard's size as it is now in the manifest: a shard damaged in a way its size does not show (the
-    loader refuses a local shard of another size before reading it), so that the reader's own checks must find it."""
-    path = shards / "manifest.json"
-    d = json.loads(path.read_text())
-    for s in d["shards"]:
-        s["bytes"] = (shards / s["name"]).stat().st_size
-    d["total_bytes"] = sum(s["bytes"] for s in d["shards"])
-    path.write_text(json.dumps(d))
 
 
 def _member_offset(path: Path, name: str) -> int:
@@ -63,7 +52,7 @@ def test_shard_cut_at_a_member_boundary(tmp_path, fast):
     shards = _ids_set(tmp_path)
     p = shards / "train-000001.tar"
     p.write_bytes(p.read_bytes()[: _member_offset(p, "s00009.jpg")])
-    _sizes_as_found(shards)
+    sizes_as_found(shards)
     with pytest.raises(DataError, match=r"train-000001\.tar holds 3 samples, the manifest says 6"):
         _load(shards, fast)
     loader, ids = _load(shards, fast, on_error="skip")
@@ -77,7 +66,7 @@ def test_truncated_member_counts_every_lost_sample(tmp_path):
     shards = _ids_set(tmp_path)
     p = shards / "train-000001.tar"
     p.write_bytes(p.read_bytes()[: _member_offset(p, "s00008.jpg") + 512 + 10])
-    _sizes_as_found(shards)
+    sizes_as_found(shards)
     with pytest.raises(DataError, match=r"train-000001\.tar.*'s00008\.jpg'"):
         _load(shards)
     loader, ids = _load(shards, on_error="skip")
@@ -106,7 +95,7 @@ def test_truncated_gzip_shard_counts_every_lost_sample(tmp_path):
                             compression="gzip")
     (shards / "manifest.json").unlink()
     write_manifest(shards, m)
-    _sizes_as_found(shards)
+    sizes_as_found(shards)
     with pytest.raises(DataError, match=r"train-000001\.tgz"):
         _load(shards)
     loader, ids = _load(shards, on_error="skip")
@@ -164,7 +153,7 @@ def test_worker_error_is_one_sentence(tmp_path, worker_batching):
 def test_worker_shard_error_is_one_sentence(tmp_path):
     shards = _ids_set(tmp_path)
     (shards / "train-000001.tar").write_bytes(b"")
-    _sizes_as_found(shards)
+    sizes_as_found(shards)
     with pytest.raises(DataError) as info:
         _load(shards, num_workers=1)
     assert "\n" not in str(info.value)

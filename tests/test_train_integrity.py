@@ -227,6 +227,18 @@ def test_a_remote_manifest_with_a_false_sha256_is_refused_by_check_sha256_and_st
     assert "train-000000.tar" in r.stderr and "sha256" in r.stderr
 
 
+def test_a_larger_remote_shard_with_the_same_count_is_refused(http_server, tmp_path):
+    """Never read past the manifest's size, a larger object reads as a shard without its end."""
+    folder = _indexed(http_server.root / "set")
+    big = write_set(tmp_path / "big", SIZES, num_classes=12, size=(320, 240))
+    shutil.copyfile(big / "train-000001.tar", folder / "train-000001.tar")
+    url = f"{http_server.url}/set"
+    with pytest.raises(DataError, match=r"train-000001\.tar"):
+        _load(url)
+    loader, ids = _load(url, on_error="skip")
+    assert len(ids) == 12 and set(ids) == set(range(6)) and loader.num_skipped == 6
+
+
 def test_a_remote_shard_swapped_for_a_copy_of_another_is_refused(http_server):
     folder = _indexed(http_server.root / "set")
     shutil.copyfile(folder / "train-000000.tar", folder / "train-000001.tar")

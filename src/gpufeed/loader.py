@@ -26,6 +26,12 @@ promised is a :class:`DataError` under ``on_error = "raise"``; under ``"skip"`` 
 counted (``num_skipped``: a corrupt sample counts 1, an unreadable rest of a segment counts each of its
 samples, surplus samples count each), and samples re-read to fill a worker's quota are counted apart
 (``num_repeated``). Images larger than ``max_pixels`` are refused from their header, before decoding.
+That the shard is the manifest's is checked too (``[loader] check``, docs/design.md §3): a shard of another size
+(local: fstat; URL: the size its store reports) is refused before it is read, and one whose size or mtime changes while it is read from that sample on; a
+shard read to its end must have the manifest's ``keys_sha256`` (the digest of its key sequence) and, with
+``check = "sha256"``, its sha256 (then each shard is streamed whole and hashed the first time a process reads it to
+its end). Under ``"skip"`` the promised samples are counted: all of a size mismatch, the rest after a change, the
+whole range of a key or sha256 mismatch (what went out came from another shard).
 A data error met in a DataLoader worker reaches the main process as one sentence (shard, member, reason).
 
 Randomness. The shuffle buffer draws from one RNG per (seed, epoch, rank, worker slot). A training sample's
@@ -97,7 +103,7 @@ from gpufeed.config import LoaderConfig
 from gpufeed.errors import DataError, GpufeedError, one_line
 from gpufeed.manifest import DEFAULT_LABEL_SOURCE, Manifest, label_member, manifest_path, read_label
 from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS
-from gpufeed.shardset.source import ShardSet, SourceError, is_remote, open_set, open_shard
+from gpufeed.shardset.source import ShardSet, SourceError, is_pipe, is_remote, open_set, open_shard, remote_size
 from gpufeed.shardset.tar import ShardRead, file_problem, iter_samples
 from gpufeed.world import World, node_shards
 
@@ -503,10 +509,20 @@ class ShardStream(IterableDataset):
 
         A local shard whose size is not the manifest's raises :class:`_ShardMismatch` before anything is read, and
         so does one whose size or modification time changes while it is read (checked before each sample goes
-        out: one ``fstat``). A remote one is never read past the manifest's size, so a larger object reads as a
-        shard without its end (refused), a shorter one as a stream cut short."""
+        out: one ``fstat``). So does a URL shard whose size, as the store reports it (one size query), is not the
+        manifest's; where none is reported it is never read past the manifest's size anyway, so a larger object
+        reads as a shard without its end (refused), a shorter one as a stream cut short."""
         path = self.paths[shard]
+        want = self.sizes[shard] if self.sizes is not None else None
         if is_remote(path):
+            if want is not None and not is_pipe(path):
+                try:  # one size query per shard read: the length the store reports
+                    found = remote_size(path)
+                except SourceError:  # no size reported (or not reachable): the stream read says what is wrong
+                    found = None
+                if found is not None and found != want:
+                    raise _ShardMismatch(f"shard {_text(path)} is {found} bytes, the manifest says {want}: it is not "
+                                         f"the shard the manifest lists (replaced or rewritten)")
             fileobj = open_shard(path, size=self.sizes[shard] if self.sizes is not None else None,
                                  streams=self.cfg.remote_streams)
             yield from iter_samples(path, self.read_extensions, READ_IMAGE_EXTENSIONS, start, stop, total,
@@ -515,7 +531,6 @@ class ShardStream(IterableDataset):
         f = open(path, "rb", buffering=1 << 20)
         try:
             first = os.fstat(f.fileno())
-            want = self.sizes[shard] if self.sizes is not None else None
             if want is not None and first.st_size != want:
                 raise _ShardMismatch(f"shard {_text(path)} is {first.st_size} bytes, the manifest says {want}: it is "
                                      f"not the shard the manifest lists (replaced or rewritten)")

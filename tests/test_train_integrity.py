@@ -336,3 +336,21 @@ def test_the_options_are_checked_config_fields():
     assert dataclasses.replace(LoaderConfig(), check="sha256").check == "sha256"
     with pytest.raises(ConfigError):
         load_config(None, {"loader.check": "md5"})
+
+
+def test_the_cli_refuses_another_set_in_one_sentence_and_resumes_with_resume_other_set(two_sets, checkpoint_of_forty,
+                                                                                       tmp_path):
+    from tests.conftest import invoke_json
+    from tests.test_train import TINY_ARGS
+
+    ck = tmp_path / "ck"
+    shutil.copytree(checkpoint_of_forty, ck)
+    args = ["train", "--shards", two_sets[1], *TINY_ARGS, "--batch-size", "4", "--steps", "5", "--checkpoint-dir", ck,
+            "--resume"]
+    res = invoke([*args, "--run-dir", tmp_path / "refused"], expect=2)
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and "was written for another shard set (40 samples in 2 shard(s) -> 60 in 3" in err[0]
+    assert "Traceback" not in res.stderr
+    rec = invoke_json([*args, "--resume-other-set", "--run-dir", tmp_path / "resumed"])
+    assert rec["start_step"] == 4 and rec["step"] == 5
+    assert any("another shard set" in n and "from its beginning" in n for n in rec["notes"])

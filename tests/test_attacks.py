@@ -275,7 +275,7 @@ def test_a_member_over_the_cap_is_refused_before_it_is_read(tmp_path, monkeypatc
     from gpufeed.loader import build_loader
     from gpufeed.manifest import read_manifest, write_manifest
     from gpufeed.world import World
-    from tests.test_loader import cfg, encode, smooth_image, write_set
+    from tests.test_loader import cfg, encode, sizes_as_found, smooth_image, write_set
 
     monkeypatch.setattr(tar, "MAX_MEMBER_BYTES", 1 << 20)
     shards = write_set(tmp_path / "set", [4], num_classes=4, size=(16, 12),
@@ -290,6 +290,7 @@ def test_a_member_over_the_cap_is_refused_before_it_is_read(tmp_path, monkeypatc
             m, shards=[dataclasses.replace(m.shards[0], name="train-000000.tgz")], compression="gzip"))
         name = "train-000000.tgz"
         assert (shards / name).stat().st_size < 64 << 10  # 2 MiB of zeros, compressed
+    sizes_as_found(shards)  # a crafted shard comes with a manifest that matches it
     with pytest.raises(DataError, match=re.escape(name) + r" is malformed .*'s00002\.jpg'.*member is 2097152 "
                                         r"bytes, more than the 1048576") as err:
         list(build_loader(shards, cfg(batch_size=1, shuffle_buffer=0), World.single(), train=False))
@@ -439,7 +440,7 @@ def _loader_tar_member(name: str, data: bytes, typ: bytes = b"0") -> bytes:
 
 def _loader_bad_shard(tmp_path, bad: bytes):
     """A 4-sample set: samples 0 and 1 good, then ``bad`` (headers of sample 2), then sample 3."""
-    from tests.test_loader import encode, smooth_image, write_set
+    from tests.test_loader import encode, sizes_as_found, smooth_image, write_set
 
     shards = write_set(tmp_path / "set", [4], num_classes=2, size=(16, 12))
     jpg = encode(smooth_image(16, 12, 0))
@@ -447,6 +448,7 @@ def _loader_bad_shard(tmp_path, bad: bytes):
                     for ext, data in (("jpg", jpg), ("cls", b"1")))
     last = b"".join(_loader_tar_member(f"s00003.{ext}", data) for ext, data in (("jpg", jpg), ("cls", b"0")))
     (shards / "train-000000.tar").write_bytes(good + bad + last + bytes(1024))
+    sizes_as_found(shards)  # a crafted shard comes with a manifest that matches it
     return shards
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from gpufeed.errors import DataError
 from gpufeed.world import World
-from tests.test_loader import cfg, write_set
+from tests.test_loader import cfg, sizes_as_found, write_set
 
 
 def _ids_set(tmp_path: Path, sizes=(6, 6)) -> Path:
@@ -52,6 +52,7 @@ def test_shard_cut_at_a_member_boundary(tmp_path, fast):
     shards = _ids_set(tmp_path)
     p = shards / "train-000001.tar"
     p.write_bytes(p.read_bytes()[: _member_offset(p, "s00009.jpg")])
+    sizes_as_found(shards)
     with pytest.raises(DataError, match=r"train-000001\.tar holds 3 samples, the manifest says 6"):
         _load(shards, fast)
     loader, ids = _load(shards, fast, on_error="skip")
@@ -65,6 +66,7 @@ def test_truncated_member_counts_every_lost_sample(tmp_path):
     shards = _ids_set(tmp_path)
     p = shards / "train-000001.tar"
     p.write_bytes(p.read_bytes()[: _member_offset(p, "s00008.jpg") + 512 + 10])
+    sizes_as_found(shards)
     with pytest.raises(DataError, match=r"train-000001\.tar.*'s00008\.jpg'"):
         _load(shards)
     loader, ids = _load(shards, on_error="skip")
@@ -93,6 +95,7 @@ def test_truncated_gzip_shard_counts_every_lost_sample(tmp_path):
                             compression="gzip")
     (shards / "manifest.json").unlink()
     write_manifest(shards, m)
+    sizes_as_found(shards)
     with pytest.raises(DataError, match=r"train-000001\.tgz"):
         _load(shards)
     loader, ids = _load(shards, on_error="skip")
@@ -150,6 +153,7 @@ def test_worker_error_is_one_sentence(tmp_path, worker_batching):
 def test_worker_shard_error_is_one_sentence(tmp_path):
     shards = _ids_set(tmp_path)
     (shards / "train-000001.tar").write_bytes(b"")
+    sizes_as_found(shards)
     with pytest.raises(DataError) as info:
         _load(shards, num_workers=1)
     assert "\n" not in str(info.value)

@@ -965,12 +965,13 @@ def mixed_folder(root: Path) -> Path:
 # sha256 of every output file for mixed_folder, written by the code before the plan became columnar (commit
 # bb927f7, Pillow 13): the plan's in-memory and on-disk form may change, the output bytes may not. The one
 # deliberate change since: index.parquet dictionary-encodes only its shard and class columns
-# (manifest.INDEX_DICTIONARY_COLUMNS; same table, other bytes).
+# (manifest.INDEX_DICTIONARY_COLUMNS; same table, other bytes), and manifest.json lists each shard's keys_sha256
+# (the loader's key check; every other file is unchanged).
 MIXED_GOLDEN = {
     "default": {
         "_info.json": "ce746bc0422fff7b7c32bd70841c8c7e710a7723e2cb5a1ce47d950a21aaa8d4",
         "index.parquet": "675e09d50a28ed8f7227f110dfeed20dc5922e580ad86c8f4aaee3492b5e18b8",
-        "manifest.json": "9896db642ac1340a106835626632502097e61e293c4e28b8604a3f6bc88f166e",
+        "manifest.json": "52f64ce5f918eae48ff9c577bea61b5a872396d53fdd79de8c1beaba3f1ef931",
         "train-000000.tar": "95d37549ecf69322bf340dddc4848fa839d98ae37d78a4194745d62d6d0ae125",
         "train-000001.tar": "8fd8820f48be21a66928002df083e7c76514f3bb165265020dd08e067c9ce797",
         "train-000002.tar": "350f3f772b1688e165074a232d8884cba18d5d4e33ed1569990b346a981f6ffe",
@@ -979,7 +980,7 @@ MIXED_GOLDEN = {
     "max_size": {
         "_info.json": "dbb8275ac8ad5617bdc4b7fde594867e2ddbe9c213835c165a9b29a314136f46",
         "index.parquet": "5c3251ee6cf63a0f273d47812702212cbefbb210c290ad5c27b8b6f3f7d955d5",
-        "manifest.json": "9df3beb6a3bca149d950f0b952da682fea0c4a789cbea4e34476ff5783e140cd",
+        "manifest.json": "640363bc4f927ced6fa770dbb9cb331e21d3eb4a5c62b218b6e3a2dd40dfd3bd",
         "train-000000.tar": "97ddfac815efb2ca724ac5a097299c3aecd5228a6697f09904d46a7b6fe32c3f",
         "train-000001.tar": "62ce31f127abbb24ceef0a52796bb9326891200bd9c913e47791edfc6246b2a5",
         "train-000002.tar": "95f282c84371558ad8cfdbafe6a02f09255daa607bb90f488ac403eb2efb3093",
@@ -987,7 +988,7 @@ MIXED_GOLDEN = {
     "header_w2": {
         "_info.json": "de4f6da3605e36c1d4ccc1515d871c155c64ad089516af4f5de4ea76b2223b84",
         "index.parquet": "be2429ab6fc8ca02b3ab01d76182bd7355b8bbc811b4b285934513038133de2b",
-        "manifest.json": "431918aa1944ef4b382cd79288a437541a338550b9d4afa4e0bc3e191250a401",
+        "manifest.json": "265fbb3b10754258cc0c6ed57e0c4a3bc640430030304df1dada4c82265fe0e2",
         "train-000000.tar": "a0d51174cca539a32dbd2be26d5991ca7fc7202a8593466aea87748b949509d0",
         "train-000001.tar": "1430559f0f3e29b8d792f9a6d240bbe5cb29f8b838c05f488f34bfb4567bcbe4",
         "train-000002.tar": "897e57450c18e261dca9bc92ceaf087fe787e2873892d0aa0e324e00afd3ef75",
@@ -997,7 +998,7 @@ MIXED_GOLDEN = {
     "range_w2": {
         "_info.json": "67cdedb78b8b8d70d23c4745147eb85a7cce3c8c302540ba9e61d50c5f9ff330",
         "index.parquet": "6179638a24a459e7e1854eb8f2431f10cd44ffbede6e6c9940898da8c805be60",
-        "manifest.json": "14b6db2c411034e2fb4be1fc06bae3b06f438ca381c50f7d47a3e64dcbc14214",
+        "manifest.json": "99db2411f64aeb791dbae202def6c346bd358a274690b53942c0a3253f8e5035",
         "train-000000.tar": "d207092e9cee1660312bccbf41551ed6bbb999d8b260877224a2efec0f2cb1ae",
         "train-000001.tar": "3bc5092ee3517d5be14eb8b9fb0eac17ed27fceab5a15e3fa181578d66ab9d41",
     },

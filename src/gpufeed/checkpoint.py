@@ -273,6 +273,31 @@ def _check_like(value: Any, template: Any, what: str) -> None:
 
 
 
+def set_identity(manifest: Any) -> dict[str, Any]:
+    """The shard set a run trains on, as its checkpoint records it: the sha256 of the canonical shard list (each
+    shard's name, sample count, bytes and sha256, in manifest order; not the manifest's bytes, so a staged copy of
+    the same set is the same set), its samples and shards (for the message when they differ)."""
+    import hashlib
+    import json
+
+    listing = [[s.name, s.num_samples, s.bytes, s.sha256] for s in manifest.shards]
+    digest = hashlib.sha256(json.dumps(listing, separators=(",", ":")).encode("utf-8", "surrogatepass")).hexdigest()
+    return {"sha256": digest, "num_samples": int(manifest.num_samples), "num_shards": len(manifest.shards)}
+
+
+def _saved_identity(state: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    """The checkpoint's ``shard_set`` (None when written before the field), checked: untrusted input."""
+    saved = state.get("shard_set")
+    if saved is None:
+        return None
+    if not (isinstance(saved, dict) and set(saved) == {"sha256", "num_samples", "num_shards"}
+            and isinstance(saved["sha256"], str) and len(saved["sha256"]) == 64):
+        raise DataError(f"{path}: shard_set is {_short(saved)}, not a shard-set identity")
+    for k in ("num_samples", "num_shards"):
+        _count(saved, k, path)
+    return saved
+
+
 @dataclass(frozen=True)
 class Resume:
     """Where a checked checkpoint puts the run back; its model, optimizer and scaler states are loaded already."""
@@ -295,13 +320,16 @@ class Checkpointer:
 
     def __init__(self, cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, num_classes: int,
-                 total_steps: int, gather: Callable[[Any], list[Any]], notes: list[str]) -> None:
+                 total_steps: int, gather: Callable[[Any], list[Any]], notes: list[str],
+                 shard_set: dict[str, Any] | None = None) -> None:
         self.path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir else None
         self.every = cfg.checkpoint_every
         self.cfg, self.loader_cfg, self.world = cfg, loader_cfg, world
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.num_classes, self.total_steps = num_classes, total_steps
         self.gather, self.notes = gather, notes
+        self.shard_set = shard_set
+        """:func:`set_identity` of the training set (None: no shard set, e.g. synthetic)."""
 
     def should_save(self, step: int, *, epoch_end: bool, run_end: bool) -> bool:
         """THE cadence, asked once after every optimizer step: with a checkpoint folder, save every
@@ -328,7 +356,7 @@ class Checkpointer:
                 "loader_position": LoaderPosition(epoch, step_in_epoch * self.cfg.accum_steps).to_dict(),
                 "rng": rngs, "world_size": self.world.world_size,
                 "config": redact_obj(to_jsonable(self.cfg)), "loader_config": to_jsonable(self.loader_cfg),
-                "total_steps": self.total_steps,
+                "total_steps": self.total_steps, "shard_set": self.shard_set,
             }
             _atomic_torch_save(state, self.path)
         if self.world.is_distributed:
@@ -361,6 +389,8 @@ class Checkpointer:
         if position != LoaderPosition(epoch, step_in_epoch * self.cfg.accum_steps):
             raise DataError(f"{path}: loader_position {position.to_dict()} does not match epoch {epoch}, step "
                             f"{step_in_epoch} of it, x {self.cfg.accum_steps} micro-batches")
+        if not self._same_set(state, path, epoch, step_in_epoch):  # resume_other_set: this epoch from its start
+            step_in_epoch, position = 0, LoaderPosition(epoch, 0)
         rng = self._rank_rng(state, path)
         scaler = state.get("scaler")
         try:
@@ -378,6 +408,31 @@ class Checkpointer:
             self.notes.append("resume: the checkpoint has no fp16 loss scale; the GradScaler starts afresh")
         self._note_changes(state)
         return Resume(step=step, epoch=epoch, step_in_epoch=step_in_epoch, rng=rng, position=position)
+
+    def _same_set(self, state: dict[str, Any], path: Path, epoch: int, step_in_epoch: int) -> bool:
+        """Whether the checkpoint was written for this run's shard set. Another set is refused (DataError) unless
+        ``resume_other_set``: then False and a note (the epoch restarts); a checkpoint from before the identity was
+        recorded resumes with a note that it was not checked."""
+        saved = _saved_identity(state, path)
+        ours = self.shard_set
+        if saved is None or ours is None:
+            if saved is None and ours is not None:
+                self.notes.append("resume: the checkpoint records no shard-set identity (written by an older "
+                                  "gpufeed), so it is not checked that it trained on this set")
+            return True
+        if saved["sha256"] == ours["sha256"]:
+            return True
+        change = (f"{saved['num_samples']} samples in {saved['num_shards']} shard(s) -> {ours['num_samples']} in "
+                  f"{ours['num_shards']}")
+        if not getattr(self.cfg, "resume_other_set", False):
+            raise DataError(f"{path} was written for another shard set ({change}, other shards): resuming at step "
+                            f"{step_in_epoch} of epoch {epoch} would pass over samples of this set never trained on; "
+                            f"pass --resume-other-set to keep the step, weights and LR and read epoch {epoch} of this "
+                            f"set from its beginning, or start without --resume")
+        self.notes.append(f"resume: the checkpoint was written for another shard set ({change}); with "
+                          f"resume_other_set epoch {epoch} of this set is read from its beginning (the checkpoint "
+                          f"had trained {step_in_epoch} step(s) of its epoch)")
+        return False
 
     def _rank_rng(self, state: dict[str, Any], path: Path) -> RngState:
         """This rank's RNG states (rank 0's when the checkpoint was written by another number of ranks)."""

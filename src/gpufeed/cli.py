@@ -498,6 +498,7 @@ def synth(dest: str, images: int | None, classes: int | None, seed: int | None, 
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False))
 @click.option("--checkpoint-every", type=int)
 @click.option("--resume/--no-resume", default=None)
+@click.option("--resume-other-set/--no-resume-other-set", default=None)
 @click.option("--seed", type=int)
 @click.option("--synthetic", "mode", flag_value="synthetic", default=None,
               help="Fixed batch already on the device: the compute ceiling (of the GPU, or of the CPU without one).")

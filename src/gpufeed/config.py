@@ -253,6 +253,12 @@ class LoaderConfig:
     """Output side in pixels."""
     on_error: Literal["raise", "skip"] = "raise"
     """Corrupt sample policy: raise, or skip and count it."""
+    check: Literal["keys", "sha256"] = "keys"
+    """What the loader compares with the manifest as it reads each shard, besides the sample count: keys = each
+    local shard's size before it is read (and that it does not change while read) and the digest of its key
+    sequence (keys_sha256) at its end, at no extra cost; sha256 = also the whole file's sha256 the first time a
+    worker reads the shard to its end (the shard is then streamed whole: it reads the bytes a worker's range
+    skips, and costs hashing). A mismatch is a refusal or, with on_error = skip, the shard's samples counted."""
     seed: int = bounded(0, 0, MAX_SEED)
     """Seed for shard order, shuffle buffer and random crops."""
     crop_ratio: float = bounded(0.875, 0.0, 1.0, min_open=True)
@@ -408,6 +414,9 @@ class TrainConfig:
     """Checkpoint every N optimizer steps (0 = at epoch ends and at the end of the run only)."""
     resume: bool = False
     """Continue from checkpoint_dir/last.pt (same step, LR, optimizer and loader position)."""
+    resume_other_set: bool = False
+    """With resume: accept a checkpoint written for another shard set (its identity is recorded in it): keep its
+    step, weights and LR, and read its epoch of this set from the beginning. Without it such a resume is refused."""
     seed: int = bounded(0, 0, MAX_SEED)
     """Seed for model init and data order."""
     mode: Literal["real", "synthetic", "loader-only", "measure"] = "real"

@@ -51,7 +51,7 @@ from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_CLASSES, 
                               label_member, label_member_bytes, label_source_problem, label_value, manifest_path,
                               shard_name_problem, write_manifest)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, TEXT_EXTENSION,
-                                   UNGROUPED_FIX, SampleGrouper, dotted_image, split_member)
+                                   UNGROUPED_FIX, KeyDigest, SampleGrouper, dotted_image, split_member)
 from gpufeed.redact import redact
 from gpufeed.shardset.source import SourceError, expand_pattern, is_pipe, is_remote, open_shard, source_name
 from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
@@ -218,6 +218,8 @@ class ShardScan:
     ungrouped: Problems = field(default_factory=Problems)
     bytes: int = 0
     """Bytes of the shard file (all of it is read)."""
+    keys: KeyDigest = field(default_factory=KeyDigest)
+    """The digest of its samples' keys in order (the manifest's ``keys_sha256``, which the loader checks)."""
 
 
 def scan_shard(path: Path | str, hash: bool = True, label: str = DEFAULT_LABEL_SOURCE) -> ShardScan:
@@ -249,6 +251,7 @@ def scan_shard(path: Path | str, hash: bool = True, label: str = DEFAULT_LABEL_S
                 scan.dropped.add(f"{name}: {member} (a dot in its key)")
             return
         scan.samples += 1
+        scan.keys.update(key)
         for e in images[1:]:
             scan.dropped.add(f"{name}: {key}.{e} (a second image; the loader reads {key}.{images[0]})")
         scan.label_members.update(e for e in (LABEL_EXTENSION, TEXT_EXTENSION, META_EXTENSION) if e in parts)
@@ -449,7 +452,8 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
                              (duplicates, scan.duplicates), (ungrouped, scan.ungrouped)):
             mine.merge(theirs)
         infos.append(ShardInfo(name=source_name(p) if remote else p.name, num_samples=scan.samples,
-                               bytes=scan.bytes if remote else p.stat().st_size, sha256=scan.sha256))
+                               bytes=scan.bytes if remote else p.stat().st_size, sha256=scan.sha256,
+                               keys_sha256=scan.keys.hexdigest()))
     if total == 0:
         raise DataError(f"{shards}: no sample with an image member ({', '.join(READ_IMAGE_EXTENSIONS)}) in "
                         f"{len(paths)} shard(s)")

@@ -26,6 +26,12 @@ promised is a :class:`DataError` under ``on_error = "raise"``; under ``"skip"`` 
 counted (``num_skipped``: a corrupt sample counts 1, an unreadable rest of a segment counts each of its
 samples, surplus samples count each), and samples re-read to fill a worker's quota are counted apart
 (``num_repeated``). Images larger than ``max_pixels`` are refused from their header, before decoding.
+That the shard is the manifest's is checked too (``[loader] check``, docs/design.md §3): a shard of another size
+(local: fstat; URL: the size its store reports) is refused before it is read, and one whose size or mtime changes while it is read from that sample on; a
+shard read to its end must have the manifest's ``keys_sha256`` (the digest of its key sequence) and, with
+``check = "sha256"``, its sha256 (then each shard is streamed whole and hashed the first time a process reads it to
+its end). Under ``"skip"`` the promised samples are counted: all of a size mismatch, the rest after a change, the
+whole range of a key or sha256 mismatch (what went out came from another shard).
 A data error met in a DataLoader worker reaches the main process as one sentence (shard, member, reason).
 
 Randomness. The shuffle buffer draws from one RNG per (seed, epoch, rank, worker slot). A training sample's
@@ -97,8 +103,8 @@ from gpufeed.config import LoaderConfig
 from gpufeed.errors import DataError, GpufeedError, one_line
 from gpufeed.manifest import DEFAULT_LABEL_SOURCE, Manifest, label_member, manifest_path, read_label
 from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS
-from gpufeed.shardset.source import ShardSet, SourceError, is_remote, open_set, open_shard
-from gpufeed.shardset.tar import file_problem, iter_samples
+from gpufeed.shardset.source import ShardSet, SourceError, is_pipe, is_remote, open_set, open_shard, remote_size
+from gpufeed.shardset.tar import ShardRead, file_problem, iter_samples
 from gpufeed.world import World, node_shards
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -317,6 +323,10 @@ class _Tally:
         self.lost = 0
 
 
+class _ShardMismatch(Exception):
+    """The shard file is not the one the manifest lists (another size), or it changed while it was read."""
+
+
 class _WorkerFailure:
     """What a worker yields instead of a batch after a data error: the one-sentence message.
 
@@ -372,12 +382,21 @@ class ShardStream(IterableDataset):
 
     def __init__(self, paths: list[str], counts: list[int], classes: list[str], cfg: LoaderConfig, world: World,
                  train: bool, epoch_value: Any, start_value: Any, label: str = DEFAULT_LABEL_SOURCE,
-                 sizes: list[int] | None = None):
+                 sizes: list[int] | None = None, keys: list[str | None] | None = None,
+                 sha256: list[str | None] | None = None):
         self.paths = paths
         """One per shard: an absolute local path, or a URL / ``pipe:`` command (:mod:`gpufeed.shardset.source`)."""
         self.counts = counts
         self.sizes = sizes
-        """The manifest's byte size of each shard (a remote shard is read up to it, never past)."""
+        """The manifest's byte size of each shard (a remote shard is read up to it, never past; a local one of
+        another size is refused before it is read)."""
+        self.keys = keys
+        """The manifest's ``keys_sha256`` of each shard (None: not recorded), compared when a shard is read to its end."""
+        self.sha256 = sha256
+        """The manifest's ``sha256`` of each shard, compared with ``cfg.check = "sha256"``."""
+        self._hashed: set[int] = set()
+        """Shards whose sha256 this process has checked (each is hashed once per process, the first time it is
+        read to its end)."""
         self.classes = list(classes)
         self.class_index = {c: i for i, c in enumerate(classes)}
         self.label = label
@@ -421,8 +440,10 @@ class ShardStream(IterableDataset):
         total = [-1]  # the shard's sample count, set when the reader reaches its end
         got = surplus = 0
         last = None
+        read = ShardRead(sha256=to_end and getattr(self.cfg, "check", "keys") == "sha256" and self.sha256 is not None
+                         and self.sha256[seg.shard] is not None and seg.shard not in self._hashed)
         try:
-            for sample in self._shard_samples(seg.shard, seg.start, None if to_end else seg.stop, total):
+            for sample in self._shard_samples(seg.shard, seg.start, None if to_end else seg.stop, total, read):
                 if got >= planned:
                     surplus += 1  # not yielded: read on only to count them
                     continue
@@ -433,6 +454,9 @@ class ShardStream(IterableDataset):
                     last = sample
                 else:
                     yield sample
+        except _ShardMismatch as exc:  # another file than the manifest's, or one rewritten while it was read
+            lost = planned - got
+            self._refuse(f"{exc}; {lost} of its samples {seg.start}..{seg.stop - 1} are not read", lost, tally)
         except SourceError as exc:  # a remote shard that cannot be read (after the retries, or not found)
             lost = planned - got
             self._refuse(f"{one_line(exc)}; {lost} of its samples {seg.start}..{seg.stop - 1} cannot be read",
@@ -452,23 +476,79 @@ class ShardStream(IterableDataset):
             elif surplus:
                 self._refuse(f"shard {_text(path)} holds {promised + surplus} samples, the manifest says {promised}",
                              surplus, tally)
+            elif total[0] >= 0 and (why := self._other_samples(seg.shard, read)) is not None:  # read to its end
+                # found at the end: what went out came from another shard than the manifest's, so none of the
+                # segment's promised samples was read (the held-back last one is not handed out)
+                last = None
+                self._refuse(f"shard {_text(path)} {why}; its {planned} samples {seg.start}..{seg.stop - 1} are "
+                             f"not the manifest's", planned, tally)
         if last is not None:
             yield last
 
-    def _shard_samples(self, shard: int, start: int, stop: int | None, total: list[int]) -> Iterator[dict]:
+    def _other_samples(self, shard: int, read: ShardRead) -> str | None:
+        """After a shard was read to its end with the promised count: why it is not the manifest's shard (its key
+        sequence, or with ``check = "sha256"`` its sha256, differs from the manifest's), or None."""
+        want = self.keys[shard] if self.keys is not None else None
+        if want is not None and read.keys.hexdigest() != want:
+            return ("holds other samples than the manifest lists (its keys differ from the manifest's keys_sha256: "
+                    "a copy of another shard, or a shard rewritten since the manifest was written)")
+        if read.want_sha256:
+            want = self.sha256[shard] if self.sha256 is not None else None
+            if read.sha256 != want:
+                return (f"has sha256 {str(read.sha256)[:16]}..., the manifest says {str(want)[:16]}... (check = "
+                        f"\"sha256\")")
+            self._hashed.add(shard)
+        return None
+
+    def _shard_samples(self, shard: int, start: int, stop: int | None, total: list[int],
+                       read: ShardRead | None = None) -> Iterator[dict]:
         """Image samples ``[start, stop)`` (``stop`` None: to the end) of shard ``shard``, plain or
         gzip-compressed (:func:`gpufeed.shardset.tar.iter_samples`): a local file is opened by path; a URL or
         ``pipe:`` command through :func:`gpufeed.shardset.source.open_shard`, streamed from its start (a URL with
-        ``cfg.remote_streams`` range requests in flight)."""
+        ``cfg.remote_streams`` range requests in flight).
+
+        A local shard whose size is not the manifest's raises :class:`_ShardMismatch` before anything is read, and
+        so does one whose size or modification time changes while it is read (checked before each sample goes
+        out: one ``fstat``). So does a URL shard whose size, as the store reports it (one size query), is not the
+        manifest's; where none is reported it is never read past the manifest's size anyway, so a larger object
+        reads as a shard without its end (refused), a shorter one as a stream cut short."""
         path = self.paths[shard]
+        want = self.sizes[shard] if self.sizes is not None else None
         if is_remote(path):
+            if want is not None and not is_pipe(path):
+                try:  # one size query per shard read: the length the store reports
+                    found = remote_size(path)
+                except SourceError:  # no size reported (or not reachable): the stream read says what is wrong
+                    found = None
+                if found is not None and found != want:
+                    raise _ShardMismatch(f"shard {_text(path)} is {found} bytes, the manifest says {want}: it is not "
+                                         f"the shard the manifest lists (replaced or rewritten)")
             fileobj = open_shard(path, size=self.sizes[shard] if self.sizes is not None else None,
                                  streams=self.cfg.remote_streams)
             yield from iter_samples(path, self.read_extensions, READ_IMAGE_EXTENSIONS, start, stop, total,
-                                    fileobj=fileobj)
+                                    fileobj=fileobj, read=read)
             return
-        yield from iter_samples(path, self.read_extensions, READ_IMAGE_EXTENSIONS, start, stop, total,
-                                stream=not self.fast_tar)
+        f = open(path, "rb", buffering=1 << 20)
+        try:
+            first = os.fstat(f.fileno())
+            if want is not None and first.st_size != want:
+                raise _ShardMismatch(f"shard {_text(path)} is {first.st_size} bytes, the manifest says {want}: it is "
+                                     f"not the shard the manifest lists (replaced or rewritten)")
+        except BaseException:
+            f.close()
+            raise
+        samples = iter_samples(path, self.read_extensions, READ_IMAGE_EXTENSIONS, start, stop, total,
+                               stream=not self.fast_tar, fileobj=f, seekable=True, read=read)
+        try:
+            for sample in samples:
+                now = os.fstat(f.fileno())
+                if (now.st_size, now.st_mtime_ns) != (first.st_size, first.st_mtime_ns):
+                    raise _ShardMismatch(f"shard {_text(path)} changed while it was read ({first.st_size} -> "
+                                         f"{now.st_size} bytes, modified)")
+                yield sample
+        finally:
+            samples.close()
+            f.close()
 
     def _shuffled(self, items: Iterator[dict], rng: random.Random) -> Iterator[dict]:
         size = self.cfg.shuffle_buffer if self.train else 0
@@ -726,7 +806,9 @@ class ShardLoader:
         self._consumed = 0
         self._dataset = ShardStream(self.paths, counts, self.manifest.classes, cfg, world, train, self._epoch,
                                     self._start, label=self.manifest.label,
-                                    sizes=[s.bytes for s in self.manifest.shards])
+                                    sizes=[s.bytes for s in self.manifest.shards],
+                                    keys=[s.keys_sha256 for s in self.manifest.shards],
+                                    sha256=[s.sha256 for s in self.manifest.shards])
         nw = cfg.num_workers
         self._pin = bool(cfg.pin_memory and world.is_cuda and torch.cuda.is_available())
         self._loader = DataLoader(

@@ -68,6 +68,9 @@ class ShardInfo:
     """Size of the shard file."""
     sha256: str | None
     """Hex digest of the whole shard file (None only for a foreign set indexed with --no-hash)."""
+    keys_sha256: str | None = None
+    """Optional: the digest of the shard's key sequence (:class:`gpufeed.shardset.keys.KeyDigest`), which the
+    loader compares as it reads the shard; None in manifests written before the field (not checked then)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,9 @@ class Manifest:
 
         d = to_jsonable(self)
         d["num_classes"] = self.num_classes
+        for s in d["shards"]:  # optional: a manifest without key digests stays as it was before the field
+            if s.get("keys_sha256") is None:
+                s.pop("keys_sha256", None)
         if self.label == DEFAULT_LABEL_SOURCE:  # optional: a .cls set's manifest stays as it was before the field
             del d["label"]
             d["format_version"] = 1
@@ -153,10 +159,13 @@ class Manifest:
             sha = s.get("sha256")
             if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
                 raise DataError(f"{where}: shard {name!r} has a sha256 that is not 64 lower-case hex digits")
+            keys_sha = s.get("keys_sha256")
+            if keys_sha is not None and not (isinstance(keys_sha, str) and re.fullmatch(r"[0-9a-f]{64}", keys_sha)):
+                raise DataError(f"{where}: shard {name!r} has a keys_sha256 that is not 64 lower-case hex digits")
             shards.append(ShardInfo(name=name, num_samples=_count(s, "num_samples", f"{where}: shard {name!r}",
                                                                   MAX_NUM_SAMPLES),
                                     bytes=_count(s, "bytes", f"{where}: shard {name!r}", MAX_SHARD_BYTES),
-                                    sha256=sha))
+                                    sha256=sha, keys_sha256=keys_sha))
         num_samples = _count(d, "num_samples", where, MAX_NUM_SAMPLES)
         listed = sum(s.num_samples for s in shards)
         if listed != num_samples:

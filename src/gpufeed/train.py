@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gpufeed.checkpoint import Checkpointer, Resume, RngState
+from gpufeed.checkpoint import Checkpointer, Resume, RngState, set_identity
 from gpufeed.config import LoaderConfig, TrainConfig
 from gpufeed.errors import ConfigError, DataError, GpufeedError, Interrupted, RunError, signal_name
 from gpufeed.health import HEALTH_NAME, GpuHealth, HealthSampler
@@ -236,7 +236,8 @@ class Trainer:
         self.scheduler = self._schedule(0)
         self.checkpointer = Checkpointer(cfg, self.loader_cfg, world, model=self.module, optimizer=self.optimizer,
                                          scaler=self.scaler, num_classes=self.num_classes,
-                                         total_steps=self.total_steps, gather=self.gather, notes=self.notes)
+                                         total_steps=self.total_steps, gather=self.gather, notes=self.notes,
+                                         shard_set=set_identity(self.manifest) if self.manifest is not None else None)
 
         self.step = 0
         self.epoch = 0

@@ -63,18 +63,21 @@ def _index_sources(plan: _Plan, rows: Any, names: Any) -> Any:
                                       pa.string()) for b in range(0, len(rows), _INDEX_BLOCK)])
 
 
-def _write_index(path: str, plan: _Plan) -> None:
+def _write_index(path: str, plan: _Plan) -> list[str]:
     """``index.parquet`` in plan order (shard by shard: the shards are consecutive slices of ``order``), built
     and written a row group of ``_INDEX_BLOCK`` rows at a time, so only one block's columns are held besides
-    the plan."""
+    the plan. Returns each shard's key digest (the manifest's ``keys_sha256``: members are written in plan order,
+    so a shard's keys are its slice of the index)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from gpufeed.manifest import INDEX_DICTIONARY_COLUMNS, index_table
     from gpufeed.records import atomic_writer
+    from gpufeed.shardset.keys import KeyDigest
 
     order = plan.cols["order"]
+    digests = [KeyDigest() for _ in plan.shards]
     starts = np.array([s["start"] for s in plan.shards], dtype=np.int64)
     shard_names = pa.array([s["name"] for s in plan.shards], pa.string())
     class_names = pa.array(plan.classes, pa.string())
@@ -86,8 +89,12 @@ def _write_index(path: str, plan: _Plan) -> None:
             shard_of = np.searchsorted(starts, np.arange(b, b + len(rows)), side="right") - 1
             labels = plan.cols["label"][rows]
             nbytes, width, height = plan.stored(rows)
+            keys = _index_keys(plan, rows, labels)
+            cuts = np.flatnonzero(np.diff(shard_of)) + 1  # the block's shard slices
+            for a, z in zip([0, *cuts.tolist()], [*cuts.tolist(), len(rows)]):
+                digests[int(shard_of[a])].update_arrow(keys.slice(a, z - a))
             table = index_table({
-                "key": _index_keys(plan, rows, labels),
+                "key": keys,
                 "shard": shard_names.take(pa.array(shard_of)),
                 "class": class_names.take(pa.array(labels)),
                 "label": pa.array(labels.astype(np.int64), pa.int64()),
@@ -103,6 +110,7 @@ def _write_index(path: str, plan: _Plan) -> None:
             del table
         assert writer is not None  # a plan has at least one sample
         writer.close()
+    return [d.hexdigest() for d in digests]
 
 
 def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
@@ -122,13 +130,14 @@ def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]
     pool = pa.default_memory_pool()
     pa.set_memory_pool(pa.system_memory_pool())
     try:
-        _write_index(os.path.join(dest, INDEX_NAME), plan)
+        key_digests = _write_index(os.path.join(dest, INDEX_NAME), plan)
     finally:
         pa.set_memory_pool(pool)
 
     names = [i["name"] for i in infos]
-    shard_infos = [ShardInfo(name=i["name"], num_samples=i["num_samples"], bytes=i["bytes"], sha256=i["sha256"])
-                   for i in infos]
+    keys_of = {s["name"]: d for s, d in zip(plan.shards, key_digests)}
+    shard_infos = [ShardInfo(name=i["name"], num_samples=i["num_samples"], bytes=i["bytes"], sha256=i["sha256"],
+                             keys_sha256=keys_of.get(i["name"])) for i in infos]
     total = sum(i["bytes"] for i in infos)
     n = sum(i["num_samples"] for i in infos)
     manifest = Manifest(

@@ -124,3 +124,43 @@ class SampleGrouper:
         done = (self.key, self.parts) if self.key is not None else None
         self.key, self.parts = None, {}
         return done
+
+
+class KeyDigest:
+    """The digest of a shard's key sequence (the manifest's per-shard ``keys_sha256``): the keys of its samples
+    (keys with an image member) in tar order. ``sha256(sha256(each key's UTF-8 length as 4 little-endian bytes)
+    || sha256(the keys' UTF-8 bytes, concatenated))``, so the sequence is unambiguous whatever bytes a key holds,
+    and it can be fed a key at a time (the loader, ``gpufeed index``) or a column at a time (``gpufeed shard``'s
+    index, :meth:`update_arrow`), with the same result."""
+
+    def __init__(self) -> None:
+        import hashlib
+
+        self._lengths = hashlib.sha256()
+        self._data = hashlib.sha256()
+        self.count = 0
+
+    def update(self, key: str) -> None:
+        b = key.encode("utf-8", "surrogateescape")  # tar names are decoded with surrogateescape: the stored bytes
+        self._lengths.update(len(b).to_bytes(4, "little"))
+        self._data.update(b)
+        self.count += 1
+
+    def update_arrow(self, keys: Any) -> None:
+        """Feed a pyarrow ``string`` array of keys, in order (its buffers, no per-key Python work)."""
+        import numpy as np
+
+        n = len(keys)
+        if not n:
+            return
+        bufs = keys.buffers()
+        offsets = np.frombuffer(bufs[1], dtype=np.int32)[keys.offset: keys.offset + n + 1]
+        self._lengths.update(np.diff(offsets).astype("<u4").tobytes())
+        if bufs[2] is not None:
+            self._data.update(memoryview(bufs[2])[int(offsets[0]): int(offsets[-1])])
+        self.count += n
+
+    def hexdigest(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(self._lengths.digest() + self._data.digest()).hexdigest()

@@ -33,7 +33,7 @@ import re
 import tarfile
 from typing import Any, BinaryIO, Callable, Iterator
 
-from gpufeed.shardset.keys import is_metadata, split_member, wanted
+from gpufeed.shardset.keys import KeyDigest, is_metadata, split_member, wanted
 
 _BLOCK = 512
 _OCTAL = re.compile(rb"[0-7]+")
@@ -330,9 +330,21 @@ def check_extended_size(typ: bytes, size: int, where: str) -> None:
                              f"is outside 0..{bound}")
 
 
+class ShardRead:
+    """What one read of a shard by :func:`iter_samples` found, for the loader to compare with the manifest: the
+    digest of every key it passed (``keys``, from the shard's first sample, those before ``start`` included) and,
+    when asked (``sha256=True``: the shard is then streamed whole), the file's sha256 once the end is read."""
+
+    def __init__(self, sha256: bool = False) -> None:
+        self.keys = KeyDigest()
+        self.want_sha256 = sha256
+        self.sha256: str | None = None
+
+
 def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[str, ...], start: int = 0,
                  stop: int | None = None, total: list[int] | None = None, stream: bool = False,
-                 fileobj: BinaryIO | None = None) -> Iterator[dict]:
+                 fileobj: BinaryIO | None = None, seekable: bool = False,
+                 read: ShardRead | None = None) -> Iterator[dict]:
     """Samples ``[start, stop)`` of a tar shard, counting only keys with an image member: the local file at
     ``path``, or ``fileobj`` (a shard opened by :func:`gpufeed.shardset.source.open_shard`, read in one pass
     from its start and closed at the end; ``path`` then only names it).
@@ -346,6 +358,9 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
     :meth:`TarPass.members` (the same header checks, tarfile's reading, the same member cap); a plain one through
     :func:`iter_members`. Both group members with the same key rule, so both yield the same samples. Raises
     TarFormatError on a malformed shard, and what :class:`TarPass` documents on a gzip or stream read.
+
+    ``seekable``: ``fileobj`` is a local file the caller opened (read like ``path``: by seeking when plain).
+    ``read``: a :class:`ShardRead` fed every sample key (and the sha256, when it asks for it).
     """
     index = 0  # samples (keys with an image member) completed so far
     key: str | None = None
@@ -363,7 +378,9 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
 
     with (open(path, "rb", buffering=1 << 20) if fileobj is None else fileobj) as f:
         gzip = path.endswith((".tgz", ".tar.gz"))
-        tar_pass = TarPass(f, gzip, hash=False) if gzip or stream or fileobj is not None else None
+        hash_file = read is not None and read.want_sha256
+        piped = fileobj is not None and not seekable
+        tar_pass = TarPass(f, gzip, hash=hash_file) if gzip or stream or piped or hash_file else None
         if tar_pass is not None:
             members: Iterator[tuple[str, bytes | None]] = (
                 (name, data) for name, _, data in tar_pass.members(lambda name, _: want(name)))
@@ -376,6 +393,8 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
             prefix, ext = split
             if prefix != key:
                 if key is not None and has_image:
+                    if read is not None:
+                        read.keys.update(key)
                     if index >= start:
                         yield sample
                     index += 1
@@ -392,7 +411,11 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
         # read to the end: a stream must also end as index and verify demand (end blocks, nothing but zeros after
         # them, the gzip CRC and length intact); checked before the last sample goes out, raised after it
         problem = tar_pass.end_problem() if tar_pass is not None else None
+        if read is not None and tar_pass is not None and problem is None:
+            read.sha256 = tar_pass.sha256
         if key is not None and has_image:
+            if read is not None:
+                read.keys.update(key)
             if index >= start and (stop is None or index < stop):
                 yield sample
             index += 1

@@ -226,8 +226,9 @@ def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, mon
     rep, validated = both("rejected")
     assert validated == 1 and rep.num_samples == 26 and [i.path for i in rep.rejected] == ["c2/text.jpg"]
     # The files the stopped one pass checked (whole shards before the one that holds text.jpg, and part of
-    # that one) are not validated again: 19 with one worker; two stop at a moment that depends on timing.
-    assert calls[0] == 19 if workers == 1 else calls[0] >= 10
+    # that one) are not validated again: 19 with one worker. Two workers stop at a moment that depends on the
+    # machine's timing (seen from 0 to 19 on a loaded machine): only the byte identity above holds for them.
+    assert calls[0] == 19 if workers == 1 else 0 <= calls[0] <= 27
     (src / "c2" / "text.jpg").unlink()
     write_image(src / "c2" / "cmyk.jpg", mode="CMYK")  # transcoded
     rep, validated = both("cmyk")

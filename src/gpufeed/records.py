@@ -93,13 +93,12 @@ def _umask() -> int:
     return mask
 
 
-def read_json_file(path: str | Path, max_bytes: int, what: str) -> Any:
-    """The JSON value in ``path``, a file that came with data (a manifest, a run record): it must be a regular
-    file (a FIFO would block ``open`` forever) of at most ``max_bytes``, UTF-8 and valid JSON, else a DataError
-    naming it as ``what`` in one sentence."""
+def read_file_bytes(path: str | Path, max_bytes: int, what: str) -> bytes:
+    """The bytes of ``path``, a file that came with data (a manifest, a run record): it must be a regular file (a
+    FIFO would block ``open`` forever) of at most ``max_bytes``, else a DataError naming it as ``what``."""
     import stat
 
-    from gpufeed.errors import DataError, one_line
+    from gpufeed.errors import DataError
 
     p = Path(path)
     try:
@@ -107,11 +106,23 @@ def read_json_file(path: str | Path, max_bytes: int, what: str) -> Any:
             raise DataError(f"{p} is not a regular file, so not {what}")
         with open(p, "rb") as f:
             raw = f.read(max_bytes + 1)
-        if len(raw) > max_bytes:
-            raise DataError(f"{p} is larger than {max_bytes >> 20} MiB; it is not {what}")
+    except OSError as exc:
+        raise DataError(f"{p} is not readable, so not {what} ({exc.strerror or exc})") from None
+    if len(raw) > max_bytes:
+        raise DataError(f"{p} is larger than {max_bytes >> 20} MiB; it is not {what}")
+    return raw
+
+
+def read_json_file(path: str | Path, max_bytes: int, what: str) -> Any:
+    """The JSON value in ``path`` (read by :func:`read_file_bytes`): UTF-8 and valid JSON, else a DataError naming
+    it as ``what`` in one sentence."""
+    from gpufeed.errors import DataError, one_line
+
+    raw = read_file_bytes(path, max_bytes, what)
+    try:
         return json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DataError(f"{p} is not readable JSON, so not {what} ({one_line(exc)[:160]})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DataError(f"{Path(path)} is not readable JSON, so not {what} ({one_line(exc)[:160]})") from None
 
 
 def dumps(obj: Any, *, indent: int | None = 2) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import io
 import itertools
-import json
 import os
 import posixpath
 import re
@@ -33,7 +32,8 @@ from typing import Any, BinaryIO
 
 from gpufeed.errors import DataError
 from gpufeed.manifest import (
-    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, Manifest, manifest_path, read_manifest, root_problem,
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, Manifest, manifest_path, parse_manifest, read_manifest,
+    root_problem,
 )
 
 REMOTE_PREFIXES = ("http://", "https://", "s3://", "gs://")
@@ -456,12 +456,7 @@ def read_bytes(url: str, limit: int, what: str = "file", retry: Retry | None = N
 
 
 def _load_manifest(url: str, retry: Retry | None = None) -> Manifest:
-    data = read_bytes(url, MAX_MANIFEST_BYTES, "manifest", retry)
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DataError(f"{url}: the manifest is not UTF-8 JSON ({_short(exc)[:80]})") from None
-    return Manifest.from_dict(obj, where=url)
+    return parse_manifest(read_bytes(url, MAX_MANIFEST_BYTES, "manifest", retry), url)
 
 
 # ---------------------------------------------------------------------------------------------- shard sets

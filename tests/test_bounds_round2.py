@@ -236,3 +236,163 @@ def test_dev_shm_is_still_a_data_path() -> None:
 
     assert not d.pseudo_path("/dev/shm/set", "tmpfs")
     assert d.pseudo_path("/dev/disk", "tmpfs") and d.pseudo_path("/x", "proc") and d.pseudo_path("/sys/fs", "sysfs")
+
+
+# ------------------------------------------------------------------------------------- remote waits and replies
+
+class RawServer:
+    """A loopback HTTP server that answers each request on each of at most ``max_conns`` connections with
+    ``respond(request) -> [(bytes, seconds to wait after sending them), ...]`` (bounded loops: a connection ends
+    when the client closes it or the server is closed)."""
+
+    def __init__(self, respond, max_conns: int = 16) -> None:
+        import socket
+        import threading
+
+        self.respond, self.max_conns = respond, max_conns
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests: list[bytes] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        for _ in range(self.max_conns):
+            while not self.stopped.is_set():
+                try:
+                    conn, _ = self.sock.accept()
+                    break
+                except socket.timeout:
+                    continue
+                except OSError:
+                    return
+            else:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        import time
+
+        conn.settimeout(5)
+        try:
+            for _ in range(16):  # requests on one connection
+                req = b""
+                while b"\r\n\r\n" not in req and len(req) < 65536:
+                    data = conn.recv(4096)
+                    if not data:
+                        return
+                    req += data
+                self.requests.append(req.split(b"\r\n", 1)[0])
+                for data, pause in self.respond(req):
+                    if self.stopped.is_set():
+                        return
+                    conn.sendall(data)
+                    time.sleep(pause)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.sock.close()
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def raw_server():
+    made = []
+
+    def make(respond):
+        made.append(RawServer(respond))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _head_ok(size: int) -> bytes:
+    return f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nAccept-Ranges: bytes\r\n\r\n".encode()
+
+
+def test_a_manifest_dribbled_at_one_byte_a_tick_fails_at_the_minimum_rate_bound(raw_server, monkeypatch,
+                                                                                 fast_retry) -> None:
+    from gpufeed.shardset import source
+
+    monkeypatch.setattr(source, "READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(source, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(source, "RETRY", source.Retry(attempts=50, first_wait_s=0.01, max_wait_s=5.0))
+    size = 400
+
+    def dribble(req: bytes):
+        if req.startswith(b"HEAD"):
+            return [(_head_ok(size), 0)]
+        return [(_head_ok(size), 0)] + [(b" ", 0.02)] * size  # 50 bytes/s, well under 64 KiB/s
+
+    server = raw_server(dribble)
+    with pytest.raises(DataError, match=r"the manifest came slower than 64 KiB/s .*0.5 s to connect, 0.5 s of read"):
+        source.read_bytes(server.url + "/manifest.json", 1 << 20, "manifest")
+    assert sum(r.startswith(b"GET") for r in server.requests) <= 2  # not 50 tries of 0.5 s: the deadline ended it
+
+
+def test_a_jobs_deadline_bounds_every_remote_read_and_says_whose(raw_server, fast_retry) -> None:
+    import time
+
+    from gpufeed.shardset import source
+
+    size = 4 << 20
+
+    def slow(req: bytes):
+        if req.startswith(b"HEAD"):
+            return [(_head_ok(size), 0)]
+        return [(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1048576\r\nContent-Range: bytes 0-1048575/"
+                  + str(size).encode() + b"\r\n\r\n", 0)] + [(b"\0" * 100, 0.05)] * 40
+
+    server = raw_server(slow)
+    with source.reads_bounded_by(time.monotonic() + 0.5, "tune's budget of 0.5 s ran out"):
+        with pytest.raises(DataError, match=r"tune's budget of 0.5 s ran out \(at byte 0 of 4194304"):
+            with source.open_shard(server.url + "/a.tar") as f:
+                f.read(1 << 20)
+    assert source._JOB_DEADLINE is None
+
+
+def test_tune_budget_bounds_its_wait_on_a_slow_source(http_server, fast_retry) -> None:
+    from gpufeed.config import TuneConfig
+    from gpufeed.tune import tune
+
+    write_tiny_shards(http_server.root / "set", [4, 4])
+    http_server.faults.bandwidth = 100  # bytes/s: the manifest alone takes over 10 s
+    with pytest.raises(DataError, match=r"tune's budget of 1 s \(plus its 0 s storage probe\) ran out"):
+        tune(TuneConfig(shards=http_server.url + "/set", budget_s=1.0, storage_probe_s=0.0), write=False)
+
+
+def test_a_redirect_to_file_is_refused_with_the_reason(raw_server, fast_retry) -> None:
+    from gpufeed.shardset import source
+
+    server = raw_server(lambda req: [(b"HTTP/1.1 302 Found\r\nLocation: file:///etc/passwd\r\n"
+                                      b"Content-Length: 0\r\n\r\n", 0)])
+    with pytest.raises(DataError, match=r"redirects to file:// are refused: gpufeed follows a redirect only to an "
+                                        r"http\(s\) URL \(the server redirected to 'file:///etc/passwd'\)"):
+        source.read_bytes(server.url + "/manifest.json", 1 << 20, "manifest")
+
+
+def test_a_body_longer_than_its_content_length_is_not_reported_as_http_400(raw_server, fast_retry) -> None:
+    from gpufeed.shardset import source
+
+    def longer(req: bytes):
+        if req.startswith(b"HEAD"):
+            return [(_head_ok(10), 0)]
+        return [(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789 AND TWENTY MORE BYTES", 0)]
+
+    server = raw_server(longer)
+    with pytest.raises(DataError) as err:
+        source.read_bytes(server.url + "/manifest.json", 1 << 20, "manifest")
+    assert "HTTP 400" not in str(err.value) and "not valid HTTP" in str(err.value)

@@ -396,3 +396,19 @@ def test_a_body_longer_than_its_content_length_is_not_reported_as_http_400(raw_s
     with pytest.raises(DataError) as err:
         source.read_bytes(server.url + "/manifest.json", 1 << 20, "manifest")
     assert "HTTP 400" not in str(err.value) and "not valid HTTP" in str(err.value)
+
+
+def test_tune_budget_bounds_the_reads_of_its_trials_and_their_workers(http_server, fast_retry) -> None:
+    """The manifest is local (fast); the shards come at 100 bytes/s: the trials' loaders (in the process, and in a
+    forked worker) stop reading when the budget runs out, saying so, instead of minutes of timeouts and retries."""
+    from gpufeed.config import TuneConfig
+    from gpufeed.tune import tune
+
+    src = write_tiny_shards(http_server.root / "set", [40, 40])
+    http_server.faults.bandwidth = 100
+    r = tune(TuneConfig(shards=http_server.url + "/set/train-{000000..000001}.tar",
+                        manifest=str(src / "manifest.json"), budget_s=2.0, storage_probe_s=0.0, max_workers=1,
+                        batch_size=8, image_size=16), check_shards=None, write=False)
+    assert r.trials and all(not t.ok for t in r.trials)
+    assert all("tune's budget of 2 s (plus its 0 s storage probe) ran out" in t.error for t in r.trials)
+    assert {t.num_workers for t in r.trials} <= {0, 1}

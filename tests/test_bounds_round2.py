@@ -371,7 +371,8 @@ def test_tune_budget_bounds_its_wait_on_a_slow_source(http_server, fast_retry) -
     write_tiny_shards(http_server.root / "set", [4, 4])
     http_server.faults.bandwidth = 100  # bytes/s: the manifest alone takes over 10 s
     with pytest.raises(DataError, match=r"tune's budget of 1 s \(plus its 0 s storage probe\) ran out"):
-        tune(TuneConfig(shards=http_server.url + "/set", budget_s=1.0, storage_probe_s=0.0), write=False)
+        tune(TuneConfig(shards=http_server.url + "/set", budget_s=1.0, storage_probe_s=0.0, batch_size=8,
+                        image_size=16), write=False)
 
 
 def test_a_redirect_to_file_is_refused_with_the_reason(raw_server, fast_retry) -> None:

@@ -467,8 +467,8 @@ MANIFEST_BYTES_PER_VALUE = 8
 :data:`MANIFEST_FREE_VALUES`): gpufeed writes one per indented line."""
 MANIFEST_FREE_VALUES = 65_536
 """Containers and values any manifest may hold whatever its size (a small set's compact class list)."""
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b"{}[],")
+_JSON_STRING = re.compile(rb'"[^"]*"')
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"{}[],')
 _INNERMOST = re.compile(rb"\[\]|\{\}")
 
 
@@ -480,7 +480,10 @@ def json_structure_problem(raw: bytes, *, depth: int = MAX_MANIFEST_DEPTH,
     found before it is parsed, at C speed: strings are cut out (a compiled pattern), what remains is reduced to
     its brackets and commas, which are counted, and innermost pairs are removed pass by pass, at most ``depth``
     passes. Text that is not JSON is left for the parser to refuse."""
-    rest = _JSON_STRING.sub(b"", raw).translate(None, _NOT_STRUCTURE)
+    # escapes first (left to right, as JSON reads them), so every '"' left opens or closes a string; then only
+    # quotes, brackets and commas are kept, and the strings (now empty or holding brackets) cut out
+    rest = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    rest = _JSON_STRING.sub(b"", rest)
     containers = rest.count(b"{") + rest.count(b"[")
     if containers > free + len(raw) // bytes_per_container:
         return (f"it holds {containers:,} objects and lists in {len(raw):,} bytes; a manifest holds at most one per "

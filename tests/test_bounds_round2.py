@@ -180,7 +180,8 @@ def test_a_full_disk_during_stage_is_a_failed_run_naming_the_file(tmp_path: Path
             self.f.close()
             super().close()
 
-    monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: Full(fd) if "w" in mode else real(fd, mode, *a, **k))
+    monkeypatch.setattr(os, "fdopen",
+                        lambda fd, mode="r", *a, **k: Full(fd) if "w" in mode else real(fd, mode, *a, **k))
     r = invoke(["stage", src, dest, "--quiet", "--jobs", "1"], expect=1)
     assert "No space left on device" in r.stderr and ".train-00000" in r.stderr and ".tar.tmp" in r.stderr
     assert str(dest) in r.stderr and "was not staged" in r.stderr

@@ -23,6 +23,12 @@ NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs"
                         "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.goofys", "fuse.rclone", "9p", "afs"})
 """Filesystem types read over the network: a loader reading shards there is bound by the network."""
 RAM_FS = frozenset({"tmpfs", "ramfs"})
+PSEUDO_FS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+                       "securityfs", "configfs", "pstore", "bpf", "mqueue", "efivarfs", "fusectl", "binfmt_misc"})
+"""Kernel file systems that hold no data set (a path there is refused by ``doctor``), as are paths under
+``/proc``, ``/sys`` and ``/dev`` (but ``/dev/shm``, a RAM disk for staged sets)."""
+DATA_FILE_TYPES = ("directory", "regular file")
+"""What a data path may be: a shard-set folder, or a file (its ``manifest.json``)."""
 MIN_NOFILE = 4096
 """Below this soft RLIMIT_NOFILE a DataLoader with many workers (file-descriptor sharing) can fail."""
 MIN_CORES_PER_GPU = 4
@@ -81,6 +87,8 @@ class PathFacts:
     """Total bytes of the shard set from its manifest (of the shards staged there, for a set staged for one node);
     None when the path holds no readable manifest."""
     manifest_error: str | None = None
+    file_type: str = "directory"
+    """What the path is (:func:`_file_type`): ``directory``, ``regular file``, ``FIFO``, ``character device``..."""
 
 
 @dataclass(frozen=True)
@@ -240,6 +248,9 @@ def _path_facts(path: str, mounts: list[tuple[str, str, str]]) -> PathFacts:
         return PathFacts(path=path, exists=False)
     real = os.path.realpath(path)
     source, mount, fs_type = mount_of(real, mounts)
+    kind = _file_type(os.stat(real).st_mode)
+    if kind not in DATA_FILE_TYPES or pseudo_path(real, fs_type):  # nothing there to open or read (a FIFO blocks)
+        return PathFacts(path=path, exists=True, fs_type=fs_type, mount=mount, source=source, file_type=kind)
     try:
         st = os.statvfs(real)
         free: int | None = st.f_bavail * st.f_frsize
@@ -257,6 +268,24 @@ def _path_facts(path: str, mounts: list[tuple[str, str, str]]) -> PathFacts:
             error = str(exc).splitlines()[0]
     return PathFacts(path=path, exists=True, fs_type=fs_type, mount=mount, source=source, free_bytes=free,
                      set_bytes=set_bytes, manifest_error=error)
+
+
+def _file_type(mode: int) -> str:
+    import stat
+
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISREG, "regular file"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def pseudo_path(real: str, fs_type: str) -> bool:
+    """Whether the resolved path ``real`` is on a kernel file system (:data:`PSEUDO_FS`) or under ``/proc``,
+    ``/sys`` or ``/dev`` other than ``/dev/shm``: no data set lives there."""
+    under = lambda root: real == root or real.startswith(root + "/")  # noqa: E731
+    return (fs_type in PSEUDO_FS or under("/proc") or under("/sys")
+            or (under("/dev") and not under("/dev/shm")))
 
 
 # --------------------------------------------------------------------------- checks (pure functions of Facts)
@@ -431,6 +460,12 @@ def check_path(p: PathFacts, f: Facts) -> list[Check]:
     name = f"data {p.path}"
     if not p.exists:
         return [Check(name, "fail", f"{p.path} does not exist", "check the path")]
+    if p.file_type not in DATA_FILE_TYPES:
+        return [Check(name, "fail", f"{p.path} is a {p.file_type}, not a shard-set folder or file",
+                      "give the folder of a shard set (or its manifest.json)")]
+    if pseudo_path(p.path, p.fs_type):
+        return [Check(name, "fail", f"{p.path} is on {p.fs_type} ({p.mount or '?'}), a kernel file system, not "
+                      f"storage that holds data", "give the folder of a shard set")]
     if p.fs_type in RAM_FS:
         kind = "RAM disk"
     elif p.fs_type in NETWORK_FS or p.fs_type.startswith("fuse."):
@@ -462,7 +497,21 @@ def check_path(p: PathFacts, f: Facts) -> list[Check]:
     return out
 
 
+def omp_threads_problem(value: str) -> str | None:
+    """Why an ``OMP_NUM_THREADS`` value is not a thread count (None when it is): a positive integer, or a comma
+    list of them (one per nesting level)."""
+    parts = value.strip().split(",")
+    if all(x.strip().isascii() and x.strip().isdigit() and int(x) > 0 for x in parts):
+        return None
+    return "it is not a positive whole number of threads (OpenMP ignores it or fails, and torch warns)"
+
+
 def check_env(f: Facts) -> Check:
+    omp = f.env.get("OMP_NUM_THREADS")
+    why = None if omp is None else omp_threads_problem(omp)
+    if why:
+        return Check("environment", "fail", f"OMP_NUM_THREADS={omp[:40]!r}: {why}",
+                     "unset OMP_NUM_THREADS or set it to a positive integer (e.g. 1 per loader worker)")
     if not f.env:
         return Check("environment", "ok", "no NCCL_*, CUDA_VISIBLE_DEVICES or OMP_NUM_THREADS set")
     shown = ", ".join(f"{k}={v}" for k, v in f.env.items())

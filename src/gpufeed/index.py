@@ -47,9 +47,9 @@ from typing import Any
 from gpufeed.errors import DataError
 from gpufeed.img2dataset import Img2DatasetRecords, read_records, render_lines
 from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, SHARD_SUFFIXES,
-                              LabelError, Manifest, MissingLabel, ShardInfo, first_duplicate, label_index,
-                              label_member, label_member_bytes, label_source_problem, label_value, manifest_path,
-                              shard_name_problem, write_manifest)
+                              LabelError, Manifest, MissingLabel, ShardInfo, class_count_problem, first_duplicate,
+                              label_index, label_member, label_member_bytes, label_source_problem, label_value,
+                              manifest_path, shard_name_problem, write_manifest)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, TEXT_EXTENSION,
                                    UNGROUPED_FIX, KeyDigest, SampleGrouper, dotted_image, split_member)
 from gpufeed.redact import redact
@@ -294,6 +294,14 @@ def scan_shard(path: Path | str, hash: bool = True, label: str = DEFAULT_LABEL_S
     return scan
 
 
+def class_lines(text: str) -> list[str]:
+    """The class names of a class-list text, one per line: a UTF-8 byte-order mark at its start is dropped, lines
+    end only at ``\\n`` (and ``\\r\\n``), never at U+2028, U+0085 or another character ``str.splitlines`` takes for
+    a line end (a class name may hold them), and surrounding white space and blank lines are skipped."""
+    text = text[1:] if text.startswith("\ufeff") else text
+    return [n for n in (line.strip() for line in text.split("\n")) if n]
+
+
 def read_class_list(path: Path, set_root: Path | None = None) -> list[str]:
     """Class names in label order from a text file, one per line (blank lines skipped): at most
     :data:`MAX_CLASS_MAP_BYTES` of UTF-8, each name at most ``MAX_LABEL_BYTES``, no name twice, at most
@@ -314,7 +322,7 @@ def read_class_list(path: Path, set_root: Path | None = None) -> list[str]:
         raise DataError(f"cannot read class list {path} ({exc.strerror or exc})") from None
     if len(text) > MAX_CLASS_MAP_BYTES:
         raise DataError(f"{path} is larger than {MAX_CLASS_MAP_BYTES >> 20} MiB; it is not a class list")
-    names = [line.strip() for line in text.splitlines() if line.strip()]
+    names = class_lines(text)
     if not names:
         raise DataError(f"{path} lists no class name; write one name per line")
     if len(names) > MAX_CLASSES:
@@ -334,10 +342,12 @@ def _describe(label: str) -> str:
 
 
 def _classes(folder: Path, labels: set, label: str, classes_file: Path | None = None,
-             hint: str = "") -> tuple[list[str], str]:
+             hint: str = "", labelled: int | None = None) -> tuple[list[str], str]:
     """The class list and where it came from: ``classes_file``, else ``classes.txt`` next to the shards, else
     derived from the distinct label values (texts and JSON integers). ``hint`` ends the sentence that refuses
-    a set without any label."""
+    a set without any label. An index label at or above :data:`MAX_CLASSES` (or below 0) is no class: it is left
+    out here, so it counts as a bad label. Derived integer classes ``0..max`` are refused when ``max + 1`` is more
+    than :func:`gpufeed.manifest.class_count_problem` allows for the ``labelled`` samples carrying a label."""
     what = _describe(label)
     texts = {x for x in labels if isinstance(x, str)}
     class_map = classes_file if classes_file is not None else folder / CLASS_MAP_NAME
@@ -349,10 +359,14 @@ def _classes(folder: Path, labels: set, label: str, classes_file: Path | None = 
                 raise DataError(f"{class_map} names class {x!r} at index {position[x]}, but a {what} label {x!r} "
                                 f"reads as class index {int(x)}; the label is ambiguous")
         return names, str(classes_file) if classes_file is not None else CLASS_MAP_NAME
-    numbers = {str(x) for x in labels if isinstance(x, int) and x >= 0} | {
-        x for x in texts if x.isascii() and x.isdigit()}
-    names = texts - numbers
+    digits = {x for x in texts if x.isascii() and x.isdigit()}
+    numbers = {str(x) for x in labels if isinstance(x, int) and 0 <= x < MAX_CLASSES} | {
+        x for x in digits if len(x.lstrip("0")) <= len(str(MAX_CLASSES)) and int(x) < MAX_CLASSES}
+    names = texts - digits
     if not numbers and not names:
+        if digits or any(isinstance(x, int) for x in labels):
+            raise DataError(f"no {what} label in {folder} is a class index below {MAX_CLASSES:,} or a class name, "
+                            f"so there are no classes to train on")
         raise DataError(f"no sample in {folder} has a {what} label, so there are no classes to train on{hint}")
     if numbers and names:
         name = next(iter(sorted(names)))
@@ -360,11 +374,12 @@ def _classes(folder: Path, labels: set, label: str, classes_file: Path | None = 
                         f"names ({name[:80]!r}), so an index cannot be told from a name; write the class names in "
                         f"order to {CLASS_MAP_NAME} next to the shards or pass them with --classes FILE")
     if numbers:
-        top = max(numbers, key=lambda x: (len(x.lstrip("0")), x.lstrip("0")))
-        if len(top.lstrip("0")) > len(str(MAX_CLASSES)) or int(top) >= MAX_CLASSES:
-            shown = top if len(top) <= 40 else f"{top[:40]}..."
-            raise DataError(f"a {what} label in {folder} is {shown!r}: class indices must be below {MAX_CLASSES:,}")
-        return [str(i) for i in range(int(top) + 1)], f"integer {what}"
+        top = max(int(x) for x in numbers)
+        why = class_count_problem(top + 1, labelled if labelled is not None else len(numbers))
+        if why:
+            raise DataError(f"a {what} label in {folder} is {top}, so its classes would be 0..{top}: {why}; pass the "
+                            f"class names with --classes FILE (or write {CLASS_MAP_NAME} next to the shards)")
+        return [str(i) for i in range(top + 1)], f"integer {what}"
     return sorted(names), f"text {what}"
 
 
@@ -459,7 +474,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
                         f"{len(paths)} shard(s)")
     classes, class_source = _classes(folder, set(labels), label,
                                      None if classes_file is None else Path(classes_file),
-                                     hint=_no_label_hint(label, members, unlabeled))
+                                     hint=_no_label_hint(label, members, unlabeled), labelled=sum(labels.values()))
     class_index = {c: i for i, c in enumerate(classes)}
     bad_labels = Problems()
     for value, n in labels.items():  # the loader's rule decides which labels the manifest's classes accept

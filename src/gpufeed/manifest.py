@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufeed.errors import DataError
-from gpufeed.records import read_json_file, write_json
+from gpufeed.records import read_file_bytes, write_json
 
 FORMAT_NAME = "gpufeed-shards"
 FORMAT_VERSION = 2
@@ -226,6 +226,9 @@ MAX_SHARD_BYTES = 2 ** 44
 """Largest shard file size (16 TiB) a manifest may record."""
 MAX_CLASSES = 10_000_000
 """Most classes a manifest may list."""
+CLASS_ALLOWANCE = 65_536
+"""Classes any set may have whatever its sample count; more classes than that need as many samples (a class list
+far larger than the samples carrying its labels is one bad label away from a huge model head)."""
 MAX_SHARD_NAME_BYTES = 255
 """Longest shard file name in UTF-8 bytes (the usual file-system limit)."""
 MAX_ROOT_CHARS = 4096
@@ -236,6 +239,17 @@ URL_SYNTAX = frozenset(':/\\{}[]*?#|;&$<>`\'"')
 """Characters refused in shard names: path separators, URL scheme and query syntax (``pipe:``, ``s3://``,
 ``?``, ``#``), webdataset's brace expansion, glob and shell syntax. A shard name is a plain local file name."""
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def class_count_problem(num_classes: int, num_samples: int) -> str | None:
+    """Why ``num_classes`` classes are absurd for a set of ``num_samples`` (labelled) samples, None when they are
+    not: at most :data:`MAX_CLASSES`, and more than :data:`CLASS_ALLOWANCE` only with as many samples."""
+    if num_classes > MAX_CLASSES:
+        return f"{num_classes:,} classes are more than the {MAX_CLASSES:,} a set may have"
+    if num_classes > max(CLASS_ALLOWANCE, num_samples):
+        return (f"{num_classes:,} classes for {num_samples:,} samples; a set has at most {CLASS_ALLOWANCE:,} "
+                f"classes or one per sample")
+    return None
 
 
 def shard_name_problem(name: str) -> str | None:
@@ -450,6 +464,72 @@ def first_duplicate(items: list[str]) -> str | None:
     return None
 
 
+MAX_MANIFEST_DEPTH = 64
+"""Deepest nesting of objects and lists a manifest may hold (a valid one nests 3 deep, its ``options`` a few
+more); counted before parsing, so no reader or writer of a manifest ever recurses deeper."""
+MANIFEST_BYTES_PER_CONTAINER = 32
+"""A manifest holds at most one object or list per this many bytes (plus :data:`MANIFEST_FREE_VALUES`): a shard
+record, the smallest container of a valid manifest, is over 40 bytes; ``{},{},...`` would cost ~27 bytes of
+memory per byte read."""
+MANIFEST_BYTES_PER_VALUE = 8
+"""A manifest holds at most one value (list item or object entry) per this many bytes (plus
+:data:`MANIFEST_FREE_VALUES`): gpufeed writes one per indented line."""
+MANIFEST_FREE_VALUES = 65_536
+"""Containers and values any manifest may hold whatever its size (a small set's compact class list)."""
+_JSON_STRING = re.compile(rb'"[^"]*"')
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"{}[],')
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+
+
+def json_structure_problem(raw: bytes, *, depth: int = MAX_MANIFEST_DEPTH,
+                           bytes_per_container: int = MANIFEST_BYTES_PER_CONTAINER,
+                           bytes_per_value: int = MANIFEST_BYTES_PER_VALUE,
+                           free: int = MANIFEST_FREE_VALUES) -> str | None:
+    """Why the JSON text ``raw`` holds more structure than a manifest of its size may (None when it does not),
+    found before it is parsed, at C speed: strings are cut out (a compiled pattern), what remains is reduced to
+    its brackets and commas, which are counted, and innermost pairs are removed pass by pass, at most ``depth``
+    passes. Text that is not JSON is left for the parser to refuse."""
+    # escapes first (left to right, as JSON reads them), so every '"' left opens or closes a string; then only
+    # quotes, brackets and commas are kept, and the strings (now empty or holding brackets) cut out
+    rest = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    rest = _JSON_STRING.sub(b"", rest)
+    containers = rest.count(b"{") + rest.count(b"[")
+    if containers > free + len(raw) // bytes_per_container:
+        return (f"it holds {containers:,} objects and lists in {len(raw):,} bytes; a manifest holds at most one per "
+                f"{bytes_per_container} bytes")
+    values = rest.count(b",") + containers
+    if values > free + len(raw) // bytes_per_value:
+        return (f"it holds {values:,} values in {len(raw):,} bytes; a manifest holds at most one per "
+                f"{bytes_per_value} bytes")
+    rest = rest.translate(None, b",")
+    for _ in range(depth):
+        if not rest:
+            return None
+        shorter = _INNERMOST.sub(b"", rest)
+        if len(shorter) == len(rest):
+            return None  # unbalanced: not JSON, which the parser says
+        rest = shorter
+    if rest and len(_INNERMOST.sub(b"", rest)) < len(rest):
+        return f"its objects and lists nest deeper than {depth} levels"
+    return None
+
+
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """The checked manifest in the bytes ``raw`` (read from ``where``, at most :data:`MAX_MANIFEST_BYTES`): its
+    structure bounded (:func:`json_structure_problem`) before it is parsed, then every field checked
+    (:meth:`Manifest.from_dict`). Every manifest reader, local or remote, calls it. Raises DataError."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise DataError(f"{where} is larger than {MAX_MANIFEST_BYTES >> 20} MiB; it is not a manifest")
+    why = json_structure_problem(raw)
+    if why:
+        raise DataError(f"{where} is refused as a manifest: {why}")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DataError(f"{where} is not readable JSON, so not a manifest ({str(exc)[:160]})") from None
+    return Manifest.from_dict(data, where=where)
+
+
 def read_manifest(shards: str | Path) -> Manifest:
     """Load and check a shard set's manifest. Raises DataError with a fix when it is missing or bad."""
     path = manifest_path(shards)
@@ -462,8 +542,7 @@ def read_manifest(shards: str | Path) -> Manifest:
         )
     # found in a set folder, it is a file of the set (no link out of it); a manifest file the user named may be a link
     inside = path.parent if Path(shards).is_dir() else None
-    data = read_json_file(path, MAX_MANIFEST_BYTES, "a manifest", set_root=inside)
-    return Manifest.from_dict(data, where=str(path))
+    return parse_manifest(read_file_bytes(path, MAX_MANIFEST_BYTES, "a manifest", set_root=inside), str(path))
 
 
 def write_manifest(folder: str | Path, manifest: Manifest) -> Path:

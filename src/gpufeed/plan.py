@@ -358,10 +358,26 @@ def max_fitting_batch(fixed: float, per_sample: float, usable: float) -> int:
 # --------------------------------------------------------------------------- cores
 
 
+MIN_MEASURED = 1e-6
+"""The smallest rate (samples/s, per core or not) or core count a record may hold: anything smaller (a denormal
+such as 5e-324 included) is not a measurement, and dividing by it would ask for infinitely many cores."""
+
+
 def _number(value: Any, lo: float = 0.0, hi: float = 1e12) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value) if lo < value <= hi else None
+
+
+def _measured(d: dict, key: str, path: str) -> float | None:
+    """``d[key]``, a rate or core count measured by a run: None when absent or not a number; a DataError in one
+    sentence when it is a number but not a measurement (below :data:`MIN_MEASURED`, over 1e12, inf or NaN)."""
+    value = d.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if not (math.isfinite(value) and MIN_MEASURED <= value <= 1e12):
+        raise DataError(f"{path}: {key} is {value:g}, not a measured rate (a number from {MIN_MEASURED:g} to 1e12)")
+    return float(value)
 
 
 def _per_core(value: float, path: str) -> float:
@@ -383,13 +399,13 @@ def loader_rates(path: str) -> tuple[float, str, float | None, str | None]:
     if isinstance(data.get("modes"), dict):  # train
         modes = data["modes"]
         lonly = modes.get("loader-only") if isinstance(modes.get("loader-only"), dict) else {}
-        rate, cores = _number(lonly.get("samples_per_s")), _number(lonly.get("loader_cores_used"))
+        rate, cores = _measured(lonly, "samples_per_s", path), _measured(lonly, "loader_cores_used", path)
         if rate is None or cores is None:
             raise DataError(f"{path} holds no loader-only samples/s and cores used (run gpufeed train --mode "
                             "measure to record them)")
         per_core = _per_core(rate / cores, path)
         synth = modes.get("synthetic") if isinstance(modes.get("synthetic"), dict) else {}
-        gpu_rate = _number(synth.get("samples_per_s"))
+        gpu_rate = _measured(synth, "samples_per_s", path)
         ranks = data.get("world_size")
         ranks = ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and 1 <= ranks <= 1 << 20 else 1
         where = f"{path} (train loader-only: {rate:.1f} samples/s on {cores:.2f} cores)"
@@ -404,9 +420,9 @@ def loader_rates(path: str) -> tuple[float, str, float | None, str | None]:
         trial = next((t for t in trials if valid and isinstance(t, dict) and t.get("trial") == best), None)
         if trial is None:
             raise DataError(f"{path} is a tune summary without a successful best trial")
-        per_core = _number(trial.get("samples_per_core_s"))
+        per_core = _measured(trial, "samples_per_core_s", path)
         if per_core is None:
-            rate, cores = _number(trial.get("samples_per_s")), _number(trial.get("tree_cores_used"))
+            rate, cores = _measured(trial, "samples_per_s", path), _measured(trial, "tree_cores_used", path)
             if rate is None or cores is None:
                 raise DataError(f"{path}: the best tune trial recorded no samples/s per core")
             per_core = _per_core(rate / cores, path)

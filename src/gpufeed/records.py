@@ -132,15 +132,14 @@ def _umask() -> int:
     return mask
 
 
-def read_json_file(path: str | Path, max_bytes: int, what: str, *, set_root: str | Path | None = None) -> Any:
-    """The JSON value in ``path``, a file that came with data (a manifest, a run record): it must be a regular
-    file (a FIFO would block ``open`` forever) of at most ``max_bytes``, UTF-8 and valid JSON, else a DataError
-    naming it as ``what`` in one sentence. ``set_root``: the folder of the set ``path`` belongs to; then a
-    symbolic link out of that folder is refused too (:func:`gpufeed.safefs.read_set_file`). The message never
-    quotes the file's contents."""
+def read_file_bytes(path: str | Path, max_bytes: int, what: str, *, set_root: str | Path | None = None) -> bytes:
+    """The bytes of ``path``, a file that came with data (a manifest, a run record): it must be a regular file (a
+    FIFO would block ``open`` forever) of at most ``max_bytes``, else a DataError naming it as ``what`` in one
+    sentence. ``set_root``: the folder of the set ``path`` belongs to; then a symbolic link out of that folder is
+    refused too (:func:`gpufeed.safefs.read_set_file`). The message never quotes the file's contents."""
     import stat
 
-    from gpufeed.errors import DataError, one_line
+    from gpufeed.errors import DataError
     from gpufeed.safefs import open_set_file, set_link_problem
 
     p = Path(path)
@@ -155,17 +154,29 @@ def read_json_file(path: str | Path, max_bytes: int, what: str, *, set_root: str
         else:
             with open(p, "rb") as f:
                 raw = f.read(max_bytes + 1)
-        if len(raw) > max_bytes:
-            raise DataError(f"{p} is larger than {max_bytes >> 20} MiB; it is not {what}")
+    except OSError as exc:
+        raise DataError(f"{p} is not readable, so not {what} ({exc.strerror or exc})") from None
+    if len(raw) > max_bytes:
+        raise DataError(f"{p} is larger than {max_bytes >> 20} MiB; it is not {what}")
+    return raw
+
+
+def read_json_file(path: str | Path, max_bytes: int, what: str, *, set_root: str | Path | None = None) -> Any:
+    """The JSON value in ``path`` (read by :func:`read_file_bytes`): UTF-8 and valid JSON, else a DataError naming
+    it as ``what`` in one sentence that never quotes the file's bytes."""
+    from gpufeed.errors import DataError, one_line
+
+    raw = read_file_bytes(path, max_bytes, what, set_root=set_root)
+    try:
         return json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        if isinstance(exc, (UnicodeDecodeError, json.JSONDecodeError)):  # never echo the file's bytes
-            why = f"{type(exc).__name__} at byte {getattr(exc, 'start', getattr(exc, 'pos', '?'))}"
-            if isinstance(exc, json.JSONDecodeError):
-                why = f"{exc.msg}: line {exc.lineno} column {exc.colno} (char {exc.pos})"
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        if isinstance(exc, json.JSONDecodeError):  # never echo the file's bytes
+            why = f"{exc.msg}: line {exc.lineno} column {exc.colno} (char {exc.pos})"
+        elif isinstance(exc, UnicodeDecodeError):
+            why = f"{type(exc).__name__} at byte {exc.start}"
         else:
             why = one_line(exc)[:160]
-        raise DataError(f"{p} is not readable JSON, so not {what} ({why})") from None
+        raise DataError(f"{Path(path)} is not readable JSON, so not {what} ({why})") from None
 
 
 def dumps(obj: Any, *, indent: int | None = 2, redact: bool = True) -> str:

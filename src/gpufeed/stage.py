@@ -54,6 +54,7 @@ file names; a remote shard's URL is the user's URL plus the quoted name (``open_
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -63,7 +64,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
 from gpufeed.config import MAX_NODES, StageConfig
 from gpufeed.errors import DataError, RunError
@@ -218,6 +219,16 @@ def chunk_bytes() -> int:
     return max(1, min(int(raw), CHUNK_BYTES)) if raw.isdigit() else CHUNK_BYTES
 
 
+@contextlib.contextmanager
+def _writing(path: Path, outcome: str) -> Iterator[None]:
+    """Turn an OSError met while writing ``path`` (a full disk, a quota, an I/O error) into the RunError of a
+    started run (exit 1) naming the file and the reason, ending with ``outcome``."""
+    try:
+        yield
+    except OSError as exc:
+        raise RunError(f"cannot write {exc.filename or path} ({exc.strerror or exc}); {outcome}") from None
+
+
 def copy_shard(source: LocalSource | RemoteSource, info: ShardInfo, dest: Path, *, chunk: int, stop: threading.Event,
                progress: Callable[[int], None]) -> str:
     """Copy one shard to ``dest/.<name>.tmp`` (hashing as it reads), fsync, check size and sha256 against
@@ -233,7 +244,8 @@ def copy_shard(source: LocalSource | RemoteSource, info: ShardInfo, dest: Path, 
     limit = info.bytes + 1  # read at most one byte past the promised size: a grown source is refused, not copied
     try:
         with source.open(info.name) as src:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            with _writing(tmp, f"{info.name} was not staged"):
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             with os.fdopen(fd, "wb") as out:
                 while got < limit:
                     if stop.is_set():
@@ -245,11 +257,13 @@ def copy_shard(source: LocalSource | RemoteSource, info: ShardInfo, dest: Path, 
                     if not data:
                         break
                     h.update(data)
-                    out.write(data)
+                    with _writing(tmp, f"{info.name} was not staged"):
+                        out.write(data)
                     got += len(data)
                     progress(len(data))
-                out.flush()
-                os.fsync(out.fileno())
+                with _writing(tmp, f"{info.name} was not staged"):
+                    out.flush()
+                    os.fsync(out.fileno())
         if got != info.bytes:
             size = "grew past" if got > info.bytes else f"is {got} bytes, not"
             raise RunError(f"source shard {source.path(info.name)} {size} the {info.bytes} bytes the manifest says; "
@@ -258,7 +272,8 @@ def copy_shard(source: LocalSource | RemoteSource, info: ShardInfo, dest: Path, 
         if info.sha256 is not None and digest != info.sha256:
             raise RunError(f"source shard {source.path(info.name)} has sha256 {digest[:16]}..., the manifest says "
                            f"{info.sha256[:16]}...; it is corrupt and was not staged")
-        os.replace(tmp, final)
+        with _writing(final, f"{info.name} was not staged"):
+            os.replace(tmp, final)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -438,22 +453,26 @@ def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], sour
             pass
         _copy_all(source, todo, dest, state, jobs, progress)
     for side in sides:
-        with side.open() as f, atomic_writer(dest / side.name) as out:
-            copied = 0
-            while data := f.read(min(CHUNK_BYTES, side.size + 1 - copied)):  # never more than it said, plus 1
-                out.write(data)
-                copied += len(data)
-                if copied > side.size:
-                    raise RunError(f"SRC's {side.name} grew while it was copied; it was not staged")
+        with _writing(dest / side.name, "the set at DEST is incomplete"):
+            with side.open() as f, atomic_writer(dest / side.name) as out:
+                copied = 0
+                while data := f.read(min(CHUNK_BYTES, side.size + 1 - copied)):  # never more than it said, plus 1
+                    out.write(data)
+                    copied += len(data)
+                    if copied > side.size:
+                        raise RunError(f"SRC's {side.name} grew while it was copied; it was not staged")
     from gpufeed.sidecars import write_sidecars
 
     # the other readers' indexes, for the shards staged here (their paths relative to DEST; _info.json rewritten)
-    warnings += write_sidecars(str(dest), mine, [str(dest / i.name) for i in mine], prefix=m.prefix,
-                               num_classes=len(m.classes), compression=m.compression, name=dest.name or "gpufeed")
+    with _writing(dest, "the set at DEST is incomplete"):
+        warnings += write_sidecars(str(dest), mine, [str(dest / i.name) for i in mine], prefix=m.prefix,
+                                   num_classes=len(m.classes), compression=m.compression,
+                                   name=dest.name or "gpufeed")
     options = {k: v for k, v in m.options.items() if k != STAGED_NODE}  # a record of SRC's own staging is not ours
     if node_rank is not None:
         options[STAGED_NODE] = {"node_rank": node_rank, "num_nodes": num_nodes, "num_shards": len(mine)}
-    out_manifest = write_manifest(dest, replace(m, root=None, options=options))
+    with _writing(dest / MANIFEST_NAME, "the set at DEST is incomplete"):
+        out_manifest = write_manifest(dest, replace(m, root=None, options=options))
     elapsed = time.perf_counter() - t0
     copied = sum(i.bytes for i in todo)
     return StageReport(
@@ -487,8 +506,9 @@ def _copy_all(source: LocalSource | RemoteSource, todo: list[ShardInfo], dest: P
     def one(info: ShardInfo) -> None:
         digest = copy_shard(source, info, dest, chunk=chunk, stop=stop, progress=tick)
         st = os.stat(dest / info.name)
-        write_json(state / f"{info.name}.done.json",
-                   {"name": info.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest})
+        with _writing(state / f"{info.name}.done.json", f"{info.name} was staged but its record was not written"):
+            write_json(state / f"{info.name}.done.json",
+                       {"name": info.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest})
 
     pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="gpufeed-stage")
     try:

@@ -155,6 +155,12 @@ def check_classes(cfg: TrainConfig, train: Any, val: Any) -> None:
     """The model's outputs cover every label of the training set, and the validation set uses the same class
     list in the same order (its labels index its own list): else labels would be out of range mid-run or top-1
     silently wrong. ``train``/``val`` are manifests or None. Raises ConfigError/DataError (exit 2)."""
+    from gpufeed.manifest import class_count_problem
+
+    why = None if train is None else class_count_problem(train.num_classes, train.num_samples)
+    if why:
+        raise DataError(f"{cfg.shards} lists {why}; the model's head would be sized for classes no sample has "
+                        f"(index the set again with the right --classes)")
     if train is not None and cfg.num_classes is not None and cfg.num_classes < train.num_classes:
         raise ConfigError(f"num_classes = {cfg.num_classes} is fewer than the {train.num_classes} classes of "
                           f"{cfg.shards}; labels would be out of range")

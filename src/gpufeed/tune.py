@@ -936,9 +936,23 @@ class Search:
         return max(ok, key=lambda t: t.samples_per_s) if ok else None
 
 
-def tune(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureFn = measure_node,
-         measure_baseline: MeasureFn = measure_imagefolder, check_shards: CheckFn | None = check_shard_set,
-         world: World | None = None, progress: Callable[[str], None] | None = None, write: bool = True) -> TuneReport:
+def tune(cfg: TuneConfig, base: LoaderConfig | None = None, **kw: Any) -> TuneReport:
+    """:func:`tune_within` with every remote read of the job (the shard-set check, the storage probe, the trials'
+    loaders and their forked workers) ending by ``cfg.storage_probe_s + cfg.budget_s`` from now
+    (:func:`gpufeed.shardset.source.reads_bounded_by`): a source too slow for the budget fails the read saying so,
+    instead of holding the job for minutes of read timeouts and retries."""
+    from gpufeed.shardset.source import reads_bounded_by
+
+    bound = cfg.storage_probe_s + cfg.budget_s
+    with reads_bounded_by(time.monotonic() + bound, f"tune's budget of {cfg.budget_s:g} s (plus its "
+                          f"{cfg.storage_probe_s:g} s storage probe) ran out while it waited on the shard set"):
+        return tune_within(cfg, base, **kw)
+
+
+def tune_within(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: MeasureFn = measure_node,
+                measure_baseline: MeasureFn = measure_imagefolder, check_shards: CheckFn | None = check_shard_set,
+                world: World | None = None, progress: Callable[[str], None] | None = None,
+                write: bool = True) -> TuneReport:
     """Search the fastest LoaderConfig for ``cfg.shards`` on this machine within ``cfg.budget_s``.
 
     ``base`` (the [loader] section) supplies the knobs the tuner does not move (seed, on_error, ...), the

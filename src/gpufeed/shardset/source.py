@@ -15,9 +15,9 @@ Torch-free; fsspec (and aiohttp, s3fs, gcsfs) are imported only when a remote lo
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import itertools
-import json
 import os
 import posixpath
 import re
@@ -29,11 +29,12 @@ import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 from gpufeed.errors import DataError
 from gpufeed.manifest import (
-    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, SHARD_SUFFIXES, Manifest, manifest_path, read_manifest,
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, SHARD_SUFFIXES, Manifest, manifest_path, parse_manifest,
+    read_manifest,
     root_problem,
 )
 
@@ -87,6 +88,44 @@ class Retry:
 
 RETRY = Retry()
 """The retry bound :func:`open_shard` and :func:`open_set` use when not given one (tests set a small one)."""
+
+Deadline = tuple[float, str]
+"""``(time.monotonic() deadline, the sentence saying which bound it is)``: a remote read still waiting then fails
+with that sentence. Linux's monotonic clock is the machine's, so a forked loader worker keeps its parent's."""
+_JOB_DEADLINE: Deadline | None = None
+
+
+@contextlib.contextmanager
+def reads_bounded_by(deadline: float, why: str) -> Iterator[None]:
+    """Within the block, and in loader workers forked within it, every remote read (size query, range request,
+    retry wait) ends by ``deadline`` (``time.monotonic()``), failing with SourceError ``why``: a job's own
+    budget (``gpufeed tune --budget``) bounds its waits on a slow source."""
+    global _JOB_DEADLINE
+    before = _JOB_DEADLINE
+    if before is None or deadline < before[0]:
+        _JOB_DEADLINE = (deadline, why)
+    try:
+        yield
+    finally:
+        _JOB_DEADLINE = before
+
+
+def _earliest(own: Deadline | None) -> Deadline | None:
+    """The earlier of ``own`` and the job's deadline (:func:`reads_bounded_by`)."""
+    job = _JOB_DEADLINE
+    if own is None or (job is not None and job[0] < own[0]):
+        return job
+    return own
+
+
+def _left(bound: Deadline | None, url: str, where: str = "") -> float | None:
+    """Seconds left before ``bound`` (None: unbounded); a SourceError naming ``url`` and the bound when none."""
+    if bound is None:
+        return None
+    left = bound[0] - time.monotonic()
+    if left <= 0:
+        raise SourceError(f"{url}: {bound[1]}{where}")
+    return left
 
 
 class SourceError(DataError):
@@ -282,6 +321,20 @@ def _classify(exc: BaseException) -> tuple[bool, str]:
         return _classify(exc.__cause__)  # fsspec's http info() turns every failure into FileNotFoundError
     if type(exc).__name__ == "TooManyRedirects":  # aiohttp's, with status 0
         return False, "too many redirects"
+    kinds = {k.__name__ for k in type(exc).__mro__}
+    if "RedirectClientError" in kinds:  # aiohttp's: a redirect to file://, data:, or no URL at all
+        target = _short(exc)
+        scheme = target.split(":", 1)[0].lower() if ":" in target else ""
+        what = f"redirects to {scheme}://" if scheme and scheme.isascii() and scheme.isalpha() else "such redirects"
+        return False, (f"{what} are refused: gpufeed follows a redirect only to an http(s) URL (the server "
+                       f"redirected to {target[:80]!r})")
+    cause = exc.__cause__
+    if ("ClientResponseError" in kinds and cause is not None
+            and "HttpProcessingError" in {k.__name__ for k in type(cause).__mro__}):
+        # aiohttp reports a reply it cannot parse as a ClientResponseError of status 400: no server sent it
+        detail = " ".join(str(getattr(cause, "message", "") or cause).split())[:100]
+        return False, (f"the server's reply is not valid HTTP, not an HTTP error it sent ({detail}; bytes past "
+                       f"the Content-Length a reply announced read so)")
     status = getattr(exc, "status", None)  # aiohttp's ClientResponseError
     response = getattr(exc, "response", None)  # botocore's ClientError (S3)
     if isinstance(response, dict):
@@ -341,9 +394,11 @@ class RemoteStream(io.RawIOBase):
     denied, unknown host), reads raise :class:`SourceError` naming the URL. Never reads past ``size``."""
 
     def __init__(self, url: str, size: int, offset: int = 0, retry: Retry | None = None,
-                 chunk_bytes: int | None = None, streams: int | None = None) -> None:
+                 chunk_bytes: int | None = None, streams: int | None = None, deadline: Deadline | None = None) -> None:
         super().__init__()
         self.url = url
+        self.deadline = _earliest(deadline)
+        """Reads still waiting then fail (:data:`Deadline`; the earlier of ``deadline`` and the job's)."""
         self.size = size
         self.pos = offset
         self.retry = retry or RETRY
@@ -378,8 +433,9 @@ class RemoteStream(io.RawIOBase):
         waits = self.retry.waits()
         failures = 0
         while True:
+            left = _left(self.deadline, self.url, f" (at byte {got} of {self.size})")
             try:
-                data = _read_range(self._fs, self.url, self._path, got, end)
+                data = _read_range(self._fs, self.url, self._path, got, end, left)
                 _REACHED.add(_endpoint_key(self.url))
                 parts.append(data)
                 got += len(data)
@@ -396,11 +452,13 @@ class RemoteStream(io.RawIOBase):
                 if not transient:
                     raise SourceError(f"{self.url}: {reason}") from None
                 failures += 1
+                left = _left(self.deadline, self.url, f" (at byte {got} of {self.size}, {reason})")
                 if failures >= self.retry.attempts:
                     detail = "" if isinstance(exc, _ShortRead) else f" ({reason})"
                     raise SourceError(f"{self.url}: stream ended at byte {got} of {self.size}{detail} after "
                                       f"{failures} attempts{_endpoint_note(self.url)}") from None
-                time.sleep(waits[failures - 1] if failures - 1 < len(waits) else 0.0)
+                wait_s = waits[failures - 1] if failures - 1 < len(waits) else 0.0
+                time.sleep(wait_s if left is None else min(wait_s, left))
 
     def readinto(self, b: Any) -> int:
         if self.closed:
@@ -427,19 +485,21 @@ class RemoteStream(io.RawIOBase):
         super().close()
 
 
-def _read_range(fs: Any, url: str, path: str, start: int, end: int) -> bytes:
+def _read_range(fs: Any, url: str, path: str, start: int, end: int, limit_s: float | None = None) -> bytes:
     """Bytes ``[start, end)`` of a remote object, or fewer when the response ends early. An http(s) range is read
     here as it arrives (raw bytes: no content encoding is accepted; at most one byte past the range is read before
     a server that ignores the range is refused; the request is bounded in time by :data:`MIN_BYTES_PER_S`);
-    s3 and gs through their fsspec driver. Raises SourceError, or what the driver raises."""
+    s3 and gs through their fsspec driver. ``limit_s`` (seconds left to the caller's deadline) shortens the http(s)
+    request's time bound. Raises SourceError, or what the driver raises."""
     if not _is_http(url):
         return fs.cat_file(path, start=start, end=end)
     import aiohttp
     from fsspec.asyn import sync
 
     want = end - start
-    timeout = aiohttp.ClientTimeout(total=READ_TIMEOUT_S + want / MIN_BYTES_PER_S, sock_connect=CONNECT_TIMEOUT_S,
-                                    sock_read=READ_TIMEOUT_S)
+    total = READ_TIMEOUT_S + want / MIN_BYTES_PER_S
+    timeout = aiohttp.ClientTimeout(total=total if limit_s is None else max(min(total, limit_s), 0.001),
+                                    sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
 
     async def get() -> bytes:
         session = await fs.set_session()
@@ -503,13 +563,16 @@ class _PipeStream(io.RawIOBase):
         super().close()
 
 
-def remote_size(url: str, retry: Retry | None = None) -> int:
-    """The size in bytes of the remote object at ``url`` (retried within the bound). Raises SourceError."""
+def remote_size(url: str, retry: Retry | None = None, deadline: Deadline | None = None) -> int:
+    """The size in bytes of the remote object at ``url`` (retried within the bound, no try started after
+    ``deadline`` or the job's). Raises SourceError."""
     url = normal_url(url)
     fs, path = fs_for(url), _fs_path(url)
     retry = retry or RETRY
     waits = retry.waits()
+    bound = _earliest(deadline)
     for attempt in range(1, retry.attempts + 1):
+        _left(bound, url, " (asking for its size)")
         try:
             size = fs.size(path)
             _REACHED.add(_endpoint_key(url))
@@ -522,14 +585,16 @@ def remote_size(url: str, retry: Retry | None = None) -> int:
             transient, reason = _classify_for(url, exc)
             if not transient:
                 raise SourceError(f"{url}: {reason}") from None
+            left = _left(bound, url, f" (asking for its size: {reason})")
             if attempt >= retry.attempts:
                 raise SourceError(f"{url}: {reason} after {attempt} attempts{_endpoint_note(url)}") from None
-            time.sleep(waits[attempt - 1])
+            time.sleep(waits[attempt - 1] if left is None else min(waits[attempt - 1], left))
     raise AssertionError("unreachable")  # pragma: no cover
 
 
 def open_shard(url: str, *, size: int | None = None, offset: int = 0, retry: Retry | None = None,
-               chunk_bytes: int | None = None, streams: int | None = None) -> BinaryIO:
+               chunk_bytes: int | None = None, streams: int | None = None,
+               deadline: Deadline | None = None) -> BinaryIO:
     """Open one shard for reading from ``offset``: a local path (a plain file), a ``pipe:`` command (its output;
     ``offset`` must be 0) or a remote URL (:class:`RemoteStream` with ``streams`` range requests in flight,
     buffered; ``size`` unknown is asked of the server); ``streams`` is ignored for a local path or a command.
@@ -542,10 +607,10 @@ def open_shard(url: str, *, size: int | None = None, offset: int = 0, retry: Ret
         return io.BufferedReader(_PipeStream(url[len(PIPE_PREFIX):]), 1 << 20)  # type: ignore[return-value]
     if is_url(url):
         if size is None:
-            size = remote_size(url, retry)
+            size = remote_size(url, retry, deadline)
         if not 0 <= offset <= size:
             raise SourceError(f"{url}: offset {offset} is outside the shard's {size} bytes")
-        stream = RemoteStream(url, size, offset, retry, chunk_bytes, streams)
+        stream = RemoteStream(url, size, offset, retry, chunk_bytes, streams, deadline)
         return io.BufferedReader(stream, 1 << 20)  # type: ignore[return-value]
     f = open(url, "rb", buffering=1 << 20)
     if offset:
@@ -556,16 +621,24 @@ def open_shard(url: str, *, size: int | None = None, offset: int = 0, retry: Ret
 def read_bytes(url: str, limit: int, what: str = "file", retry: Retry | None = None) -> bytes:
     """The whole of a small user-named file (a manifest), local or remote, refused when over ``limit`` bytes."""
     url = normal_url(url)
+    deadline = None
     if not is_url(url):
         p = Path(url)
         if not p.is_file():
             raise SourceError(f"{url}: no such {what}")
         size = p.stat().st_size
     else:
-        size = remote_size(url, retry)
+        t0 = time.monotonic()
+        size = remote_size(url, retry, (t0 + CONNECT_TIMEOUT_S + READ_TIMEOUT_S, f"the {what} did not answer"
+                                        f" within {CONNECT_TIMEOUT_S + READ_TIMEOUT_S:g} s"))
+        if size <= limit:  # the whole read, retries included, ends by this: a trickling server cannot hold it
+            total = CONNECT_TIMEOUT_S + READ_TIMEOUT_S + size / MIN_BYTES_PER_S
+            deadline = (t0 + total, f"the {what} came slower than {MIN_BYTES_PER_S >> 10} KiB/s (not all of its "
+                                    f"{size} bytes in {total:.1f} s: {CONNECT_TIMEOUT_S:g} s to connect, "
+                                    f"{READ_TIMEOUT_S:g} s of read timeout, and its size at that rate)")
     if size > limit:
         raise SourceError(f"{url}: the {what} is {size} bytes, more than the {limit} gpufeed reads")
-    with open_shard(url, size=size, retry=retry) as f:
+    with open_shard(url, size=size, retry=retry, deadline=deadline) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise SourceError(f"{url}: the {what} is more than the {limit} bytes gpufeed reads")
@@ -573,12 +646,7 @@ def read_bytes(url: str, limit: int, what: str = "file", retry: Retry | None = N
 
 
 def _load_manifest(url: str, retry: Retry | None = None) -> Manifest:
-    data = read_bytes(url, MAX_MANIFEST_BYTES, "manifest", retry)
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DataError(f"{url}: the manifest is not UTF-8 JSON ({_short(exc)[:80]})") from None
-    return Manifest.from_dict(obj, where=url)
+    return parse_manifest(read_bytes(url, MAX_MANIFEST_BYTES, "manifest", retry), url)
 
 
 # ---------------------------------------------------------------------------------------------- shard sets

@@ -182,6 +182,7 @@ def test_an_unreachable_endpoint_fails_at_once_naming_it_and_the_variables(s3_se
     class Clock:  # gpufeed's retry waits, recorded instead of slept
         sleep = waits.append
         perf_counter = time.perf_counter
+        monotonic = time.monotonic  # the read deadlines
 
     monkeypatch.setattr(source, "time", Clock)
     res = invoke(["verify", "s3://data/set"], expect=2)

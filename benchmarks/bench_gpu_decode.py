@@ -52,7 +52,7 @@ def measure(shards: Path, device: str, epochs: int, **kw) -> dict:
 
     from gpufeed.config import LoaderConfig
     from gpufeed.loader import build_loader, normalize
-    from gpufeed.world import World
+    from gpufeed.core.world import World
 
     cfg = LoaderConfig(**kw)
     world = World.single(device)

@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from gpufeed.config import LoaderConfig, TuneConfig, load_config  # noqa: E402
-from gpufeed.metrics import Stat  # noqa: E402
-from gpufeed.records import write_json  # noqa: E402
-from gpufeed.system import usable_cpus  # noqa: E402
+from gpufeed.measure.metrics import Stat  # noqa: E402
+from gpufeed.core.records import write_json  # noqa: E402
+from gpufeed.core.system import usable_cpus  # noqa: E402
 from gpufeed.tune import describe, measure_ranks, tune  # noqa: E402
-from gpufeed.world import World  # noqa: E402
+from gpufeed.core.world import World  # noqa: E402
 
 
 def log(msg: str) -> None:

@@ -37,11 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from gpufeed.config import LoaderConfig, TuneConfig  # noqa: E402
-from gpufeed.metrics import Stat  # noqa: E402
-from gpufeed.records import write_json  # noqa: E402
+from gpufeed.measure.metrics import Stat  # noqa: E402
+from gpufeed.core.records import write_json  # noqa: E402
 from gpufeed.tune import (TrialRecord, describe, measure_imagefolder, measure_loader, measure_stream,  # noqa: E402
                           trial_record, tune)
-from gpufeed.world import World  # noqa: E402
+from gpufeed.core.world import World  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -79,7 +79,7 @@ def measure_wds_recipe(shards: Path, cfg: LoaderConfig, world: World, **kw: Any)
         from torchvision import transforms
 
         if "loader" not in holder:
-            from gpufeed.manifest import read_manifest
+            from gpufeed.shardset.manifest import read_manifest
 
             urls = [str(p) for p in read_manifest(shards).shard_paths(shards)]
             tf = transforms.Compose([transforms.RandomResizedCrop(cfg.image_size), transforms.RandomHorizontalFlip(),
@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
 
-    from gpufeed.system import environment_snapshot, usable_cpus
+    from gpufeed.core.system import environment_snapshot, usable_cpus
 
     t_start = time.monotonic()
     usable = usable_cpus()

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
 from gpufeed.config import LoaderConfig  # noqa: E402
-from gpufeed.records import write_json  # noqa: E402
-from gpufeed.world import World  # noqa: E402
+from gpufeed.core.records import write_json  # noqa: E402
+from gpufeed.core.world import World  # noqa: E402
 from tests.netserver import LoopbackServer  # noqa: E402
 from tests.train_shards import write_tiny_shards  # noqa: E402
 

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                    "header_2sh, w1_2sh, w2_2sh, which write two shards).")
     a = p.parse_args(argv)
 
-    from gpufeed.system import environment_snapshot, usable_cpus
+    from gpufeed.core.system import environment_snapshot, usable_cpus
 
     if a.data_dir:
         src = Path(a.data_dir).resolve()

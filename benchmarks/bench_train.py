@@ -26,8 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from gpufeed.records import write_json  # noqa: E402
-from gpufeed.system import environment_snapshot  # noqa: E402
+from gpufeed.core.records import write_json  # noqa: E402
+from gpufeed.core.system import environment_snapshot  # noqa: E402
 
 
 def log(msg: str) -> None:

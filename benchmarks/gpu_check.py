@@ -59,7 +59,7 @@ def main() -> int:
     t_start = time.perf_counter()
 
     def save() -> None:
-        from gpufeed.records import to_jsonable
+        from gpufeed.core.records import to_jsonable
 
         (out / "gpu_check.json").write_text(json.dumps(to_jsonable(results), indent=2))
 
@@ -78,7 +78,7 @@ def main() -> int:
         save()
         return value
 
-    from gpufeed.system import environment_snapshot, usable_cpus
+    from gpufeed.core.system import environment_snapshot, usable_cpus
 
     env = step("environment", lambda: environment_snapshot())
     cpus = usable_cpus()
@@ -116,7 +116,7 @@ def main() -> int:
 
     from gpufeed.config import LoaderConfig, TrainConfig
     from gpufeed.tune import measure_loader
-    from gpufeed.world import World
+    from gpufeed.core.world import World
 
     world = World.from_env(args.device)
     results["device"] = world.device
@@ -169,7 +169,7 @@ def main() -> int:
                                   progress=False, log_every=10, timing_warmup_steps=5)
                 rec = measure(cfg, loader_cfg(dec, w), world, steps_per_mode=args.steps,
                               run_dir=out / f"train-{set_dir.name}-{dec}")
-                from gpufeed.records import to_jsonable
+                from gpufeed.core.records import to_jsonable
 
                 d = to_jsonable(rec)
                 for mode, m in (d.get("modes") or {}).items():

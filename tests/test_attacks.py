@@ -19,7 +19,7 @@ def test_remote_manifest_naming_a_command_or_url_is_refused(http_server, tmp_pat
     opened; nothing runs and nothing but the manifest is fetched (names are never URLs or commands)."""
     import json as json_module
 
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.shardset.source import open_set
     from tests.conftest import invoke
     from tests.train_shards import write_tiny_shards
@@ -53,8 +53,8 @@ def test_loader_reads_a_pipe_named_shard_as_a_local_file(tmp_path, monkeypatch):
     that file by its local path; webdataset's gopen would have run ``touch PWNED`` in the shell."""
     from gpufeed.config import LoaderConfig
     from gpufeed.loader import ShardLoader
-    from gpufeed.manifest import Manifest, ShardInfo
-    from gpufeed.world import World
+    from gpufeed.shardset.manifest import Manifest, ShardInfo
+    from gpufeed.core.world import World
 
     name = "pipe:touch PWNED;cat x.tgz"
     _loader_gzip_shard(tmp_path / name)
@@ -108,8 +108,8 @@ def _manifest(folder, **changes):
                                   "../data.tgz", "-data.tgz", "data\x00.tgz", "|data.tgz", "data.zip",
                                   "a" * 300 + ".tgz"])
 def test_manifest_refuses_shard_names_that_are_not_plain_file_names(tmp_path, monkeypatch, name):
-    from gpufeed.errors import DataError
-    from gpufeed.manifest import read_manifest
+    from gpufeed.core.errors import DataError
+    from gpufeed.shardset.manifest import read_manifest
 
     monkeypatch.chdir(tmp_path)
     _manifest(tmp_path, shards=[{"name": name, "num_samples": 90, "bytes": 1, "sha256": None}])
@@ -121,8 +121,8 @@ def test_manifest_refuses_shard_names_that_are_not_plain_file_names(tmp_path, mo
 
 @pytest.mark.parametrize("root", ["pipe:touch PWNED;cat", "s3://bucket/set", "file://x", "/data/{a,b}", 7])
 def test_manifest_refuses_a_root_that_is_not_a_local_folder(tmp_path, root):
-    from gpufeed.errors import DataError
-    from gpufeed.manifest import read_manifest
+    from gpufeed.core.errors import DataError
+    from gpufeed.shardset.manifest import read_manifest
 
     _manifest(tmp_path, root=root)
     with pytest.raises(DataError, match="root .* is refused"):
@@ -133,9 +133,9 @@ def test_manifest_naming_a_pipe_shard_never_reaches_the_loader(tmp_path, monkeyp
     import shutil
 
     from gpufeed.config import LoaderConfig
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
-    from gpufeed.world import World
+    from gpufeed.core.world import World
     from tests.conftest import WDS_SAMPLE, invoke
 
     shutil.copy(WDS_SAMPLE, tmp_path / PIPE_NAME)
@@ -152,8 +152,8 @@ def test_manifest_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
     """open() of a FIFO blocks until a writer comes: a shard set must not be able to hang every reader."""
     import os
 
-    from gpufeed.errors import DataError
-    from gpufeed.manifest import first_duplicate, read_manifest
+    from gpufeed.core.errors import DataError
+    from gpufeed.shardset.manifest import first_duplicate, read_manifest
 
     os.mkfifo(tmp_path / "manifest.json")
     with pytest.raises(DataError, match="manifest.json is not a regular file"):
@@ -211,8 +211,8 @@ def test_resume_refuses_a_compressed_checkpoint_before_inflating_it(tmp_path):
 
     import torch
 
-    from gpufeed.errors import DataError
-    from gpufeed.checkpoint import read_checkpoint
+    from gpufeed.core.errors import DataError
+    from gpufeed.train.checkpoint import read_checkpoint
 
     plain, bomb = tmp_path / "plain.pt", tmp_path / "last.pt"
     torch.save({"format": "gpufeed-train-checkpoint", "junk": torch.zeros(64 << 20, dtype=torch.uint8)}, plain)
@@ -226,7 +226,7 @@ def test_resume_refuses_a_compressed_checkpoint_before_inflating_it(tmp_path):
 
 def test_values_from_a_checkpoint_are_shown_bounded():
     """A checkpoint can hold a list nested 100,000 deep; naming it in a message must not recurse."""
-    from gpufeed.checkpoint import _short
+    from gpufeed.train.checkpoint import _short
 
     deep: list = []
     for _ in range(100_000):
@@ -271,10 +271,10 @@ def test_a_member_over_the_cap_is_refused_before_it_is_read(tmp_path, monkeypatc
     import gzip
 
     import gpufeed.shardset.tar as tar
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
-    from gpufeed.manifest import read_manifest, write_manifest
-    from gpufeed.world import World
+    from gpufeed.shardset.manifest import read_manifest, write_manifest
+    from gpufeed.core.world import World
     from tests.test_loader import cfg, encode, sizes_as_found, smooth_image, write_set
 
     monkeypatch.setattr(tar, "MAX_MEMBER_BYTES", 1 << 20)
@@ -342,10 +342,10 @@ def _agree_three(folder, reason: str | None, num_samples: int = 4):
     ``num_samples`` samples."""
     import shutil
 
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
-    from gpufeed.manifest import Manifest, ShardInfo, write_manifest
-    from gpufeed.world import World
+    from gpufeed.shardset.manifest import Manifest, ShardInfo, write_manifest
+    from gpufeed.core.world import World
     from tests.conftest import invoke
     from tests.test_loader import cfg
 
@@ -481,9 +481,9 @@ _LOADER_BAD_HEADERS = {
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("attack", sorted(_LOADER_BAD_HEADERS))
 def test_loader_malformed_tar_header_is_a_data_error(tmp_path, attack):
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
-    from gpufeed.world import World
+    from gpufeed.core.world import World
     from tests.test_loader import cfg
 
     bad, reason = _LOADER_BAD_HEADERS[attack]
@@ -514,9 +514,9 @@ def _loader_bomb_png() -> bytes:
 
 @pytest.mark.parametrize("decode", ["pil", "pil-draft", "simplejpeg", "gpu"])
 def test_loader_refuses_an_image_over_max_pixels_before_decoding(tmp_path, _loader_bomb_png, decode):
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
-    from gpufeed.world import World
+    from gpufeed.core.world import World
     from tests.test_loader import cfg, encode, smooth_image, write_set
 
     if decode == "simplejpeg":
@@ -537,9 +537,9 @@ def test_loader_refuses_an_image_over_max_pixels_before_decoding(tmp_path, _load
 
 def test_loader_max_pixels_is_configurable_on_the_gpu_path(tmp_path):
     """A JPEG the device would decode is refused from its header too (here a 40 x 32 JPEG over max_pixels 1000)."""
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
-    from gpufeed.world import World
+    from gpufeed.core.world import World
     from tests.test_loader import cfg, write_set
 
     shards = write_set(tmp_path / "set", [4], num_classes=2)  # 40 x 32 JPEGs
@@ -600,9 +600,9 @@ def test_a_member_declaring_more_data_than_the_file_holds_is_refused_not_waited_
     import gzip
 
     from gpufeed.config import LoaderConfig
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
-    from gpufeed.world import World
+    from gpufeed.core.world import World
     from tests.conftest import invoke
     from tests.test_loader import encode, smooth_image
 
@@ -619,7 +619,7 @@ def test_a_member_declaring_more_data_than_the_file_holds_is_refused_not_waited_
     assert "the tar ends" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     import json
 
-    from gpufeed.manifest import FORMAT_NAME
+    from gpufeed.shardset.manifest import FORMAT_NAME
 
     size = (d / name).stat().st_size
     (d / "manifest.json").write_text(json.dumps({
@@ -643,10 +643,10 @@ def test_loader_checks_a_gzip_shard_to_its_end_as_index_and_verify_do(tmp_path, 
     import json
 
     from gpufeed.config import LoaderConfig
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
-    from gpufeed.manifest import FORMAT_NAME
-    from gpufeed.world import World
+    from gpufeed.shardset.manifest import FORMAT_NAME
+    from gpufeed.core.world import World
     from tests.conftest import write_tar
     from tests.test_loader import encode, smooth_image
 

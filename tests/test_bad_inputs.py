@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from gpufeed.config import ShardConfig
-from gpufeed.errors import DataError
+from gpufeed.core.errors import DataError
 from gpufeed.shard import write_shards
 from tests.conftest import invoke, write_image
 
@@ -249,7 +249,7 @@ def test_file_name_that_is_not_utf8(tmp_path: Path) -> None:
 def test_class_folder_name_that_is_not_utf8(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
-    from gpufeed.manifest import read_manifest
+    from gpufeed.shardset.manifest import read_manifest
     from gpufeed.shard import render_shard
 
     src = tmp_path / "src"

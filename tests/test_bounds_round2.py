@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.errors import DataError
+from gpufeed.core.errors import DataError
 from tests.conftest import invoke, invoke_json, write_tar
 from tests.train_shards import write_tiny_shards
 
@@ -49,7 +49,7 @@ def _deep_options(src: Path, levels: int) -> Path:
 
 
 def test_structure_check_counts_containers_values_and_depth_outside_strings() -> None:
-    from gpufeed.manifest import json_structure_problem
+    from gpufeed.shardset.manifest import json_structure_problem
 
     assert json_structure_problem(b'{"a": [1, 2, {"b": "}}]]\\"{{{[[["}], "c": "x\\\\"}') is None
     assert "objects and lists" in json_structure_problem(b"[" + b"{}," * 100_000 + b"{}]")
@@ -61,7 +61,7 @@ def test_structure_check_counts_containers_values_and_depth_outside_strings() ->
 
 
 def test_a_manifest_of_empty_objects_is_refused_before_it_is_parsed(tmp_path: Path, monkeypatch) -> None:
-    from gpufeed import manifest
+    from gpufeed.shardset import manifest
 
     src = write_tiny_shards(tmp_path / "src", [3, 3])
     d = json.loads((src / "manifest.json").read_text())
@@ -118,7 +118,7 @@ def test_a_json_label_of_10_to_the_30_is_counted_and_the_manifest_written(tmp_pa
     r = invoke_json(["index", folder, "--label", "json:y"], expect=1)
     assert r["num_classes"] == 2 and r["num_bad_labels"] == 2 and r["num_samples"] == 5
     assert any("1000000000" in b and "outside 0..1" in b for b in r["bad_labels"])
-    from gpufeed.manifest import read_manifest
+    from gpufeed.shardset.manifest import read_manifest
 
     assert read_manifest(folder).classes == ["0", "1"]
 
@@ -131,7 +131,7 @@ def test_digit_text_labels_past_the_class_limit_are_counted_too(tmp_path: Path) 
 
 def test_train_refuses_a_manifest_with_classes_no_sample_has(tmp_path: Path) -> None:
     from gpufeed.config import TrainConfig
-    from gpufeed.manifest import Manifest, ShardInfo
+    from gpufeed.shardset.manifest import Manifest, ShardInfo
     from gpufeed.train import check_classes
 
     m = Manifest(prefix="t", classes=[str(i) for i in range(10_000_000)],
@@ -154,7 +154,7 @@ def test_class_file_with_a_bom_and_a_u2028_name_labels_like_its_lines(tmp_path: 
     folder = _set(tmp_path / "set", [b"cat", "sea\u2028lion".encode(), b"dog"])
     r = invoke_json(["index", folder, "--classes", f])
     assert r["ok"] and r["num_classes"] == 4
-    from gpufeed.manifest import read_manifest
+    from gpufeed.shardset.manifest import read_manifest
 
     assert read_manifest(folder).classes == names  # cat -> 0, sea lion -> 1, dog -> 3, as the file's lines say
 

@@ -57,7 +57,7 @@ class _Tty(io.StringIO):
 
 
 def test_progress_bars_are_drawn_only_on_a_terminal_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpufeed.progress import PROGRESS_ENV, bar, progress_enabled
+    from gpufeed.core.progress import PROGRESS_ENV, bar, progress_enabled
 
     monkeypatch.delenv(PROGRESS_ENV, raising=False)
     assert progress_enabled(stream=_Tty()) and not progress_enabled(stream=io.StringIO())
@@ -77,7 +77,7 @@ def test_every_tqdm_bar_is_made_by_the_progress_helper() -> None:
     """One decision point: no module but gpufeed/progress.py constructs a tqdm bar."""
     offenders = []
     for path in SRC.rglob("*.py"):
-        if path.name == "progress.py" and path.parent == SRC:
+        if path.name == "progress.py" and path.parent == SRC / "core":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call):
@@ -166,7 +166,7 @@ def test_json_failed_checks_are_one_json_object_with_exit_1(shard_set: Path, ima
     assert res.exit_code == 1 and one_json(res.stdout)["ok"] is False
     # a started run that fails (RunError, exit 1) is the error object
     from gpufeed import verify
-    from gpufeed.errors import RunError
+    from gpufeed.core.errors import RunError
 
     def broken(*_a, **_k):
         raise RunError("shard x.tar: the disk went away")
@@ -262,7 +262,7 @@ def test_tune_says_page_cache_when_no_read_reached_the_device() -> None:
     import dataclasses
 
     from gpufeed.config import LoaderConfig
-    from gpufeed.storage import StorageRate
+    from gpufeed.measure.storage_rate import StorageRate
     from gpufeed.tune import TuneReport, render, trial_record
 
     cfg = LoaderConfig(batch_size=8)
@@ -285,7 +285,7 @@ def test_tune_says_page_cache_when_no_read_reached_the_device() -> None:
 
 
 def test_train_says_page_cache_when_the_loader_read_nothing_from_the_device() -> None:
-    from gpufeed.train_report import storage_line
+    from gpufeed.train.report import storage_line
 
     s = {"storage": {"bytes_per_s": 2e8, "source": "probe", "readers": 2, "cache": "cold"},
          "loader_read_bytes_per_s": 0.0, "modes": {"loader-only": {"samples_per_s": 500.0, "read_bytes_per_s": 0.0}}}
@@ -330,7 +330,7 @@ def test_every_third_party_import_is_declared() -> None:
 
 
 def test_tested_versions_are_constraints_txt() -> None:
-    from gpufeed.tested import TESTED_VERSIONS
+    from gpufeed.core.tested import TESTED_VERSIONS
 
     pins = dict(re.findall(r"^([A-Za-z0-9._-]+)==(\S+)", (ROOT / "constraints.txt").read_text(), re.MULTILINE))
     assert {k: pins[k] for k in ("torch", "torchvision")} == TESTED_VERSIONS
@@ -339,7 +339,7 @@ def test_tested_versions_are_constraints_txt() -> None:
 def test_doctor_notes_torch_other_than_the_tested_version() -> None:
     from gpufeed import doctor as d
     from gpufeed.config import LoaderConfig
-    from gpufeed.tested import TESTED_VERSIONS
+    from gpufeed.core.tested import TESTED_VERSIONS
 
     same = {k: f"{v}+cu130" for k, v in TESTED_VERSIONS.items()}
     assert d.check_tested(d.Facts(versions=same)).status == "ok"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import LoaderConfig, ShardConfig, load_config, parse_size, read_toml, to_toml
-from gpufeed.errors import ConfigError
+from gpufeed.core.errors import ConfigError
 
 
 def test_defaults_without_file() -> None:

@@ -73,7 +73,7 @@ def test_shm_too_small_fails_with_the_formula_and_docker_fix() -> None:
 
 
 def test_cgroup_quota_of_2_on_a_64_core_host(monkeypatch) -> None:
-    from gpufeed import system
+    from gpufeed.core import system
 
     import psutil
 
@@ -136,7 +136,7 @@ def test_shard_set_larger_than_ram_warns_page_cache() -> None:
 
 
 def test_manifest_size_is_read_from_a_real_shard_set(tmp_path) -> None:
-    from gpufeed.manifest import Manifest, ShardInfo, write_manifest
+    from gpufeed.shardset.manifest import Manifest, ShardInfo, write_manifest
 
     (tmp_path / "train-000000.tar").write_bytes(b"\0" * 10240)
     write_manifest(tmp_path, Manifest(prefix="train", classes=["a"], num_samples=1, total_bytes=10240,

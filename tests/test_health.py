@@ -1,4 +1,4 @@
-"""GPU health during train (gpufeed.health, gpufeed.nvml) with a scripted fake pynvml: no GPU needed."""
+"""GPU health during train (gpufeed.measure.health, gpufeed.measure.nvml) with a scripted fake pynvml: no GPU needed."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpufeed.health import HealthSampler, slowdowns, throttled
-from gpufeed.nvml import THROTTLE_BITS, decode_reasons, read_health, read_reasons
-from gpufeed.records import to_jsonable
-from gpufeed.train_records import TrainRecord
-from gpufeed.train_report import health_markdown, render, render_markdown, throttle_notes, write_report
+from gpufeed.measure.health import HealthSampler, slowdowns, throttled
+from gpufeed.measure.nvml import THROTTLE_BITS, decode_reasons, read_health, read_reasons
+from gpufeed.core.records import to_jsonable
+from gpufeed.train.records import TrainRecord
+from gpufeed.train.report import health_markdown, render, render_markdown, throttle_notes, write_report
 
 
 class NVMLError(Exception):
@@ -202,7 +202,7 @@ def test_the_sampler_thread_samples_until_stopped_and_shuts_nvml_down() -> None:
 
 
 def _summary(tmp_path: Path, health: list, verdict: bool = True) -> dict:
-    from gpufeed.verdict import Verdict
+    from gpufeed.measure.verdict import Verdict
 
     v = Verdict(status="fed", reason="stall 1.0 % < 5 %", bound=None) \
         if verdict else None
@@ -273,7 +273,7 @@ def test_no_gpu_sampled_is_one_line(tmp_path: Path) -> None:
 
 def test_start_health_samples_a_cuda_ranks_gpu_and_none_without_nvml(monkeypatch) -> None:
     from gpufeed.train import start_health
-    from gpufeed.world import World
+    from gpufeed.core.world import World
 
     assert start_health(World.single("cpu")) is None
     fake = FakeNvml([step()])

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import ShardConfig
-from gpufeed.errors import DataError
-from gpufeed.manifest import read_manifest
+from gpufeed.core.errors import DataError
+from gpufeed.shardset.manifest import read_manifest
 from gpufeed.shard import CANDIDATE_EXTENSIONS, write_shards
 from tests.conftest import invoke, write_image
 
@@ -293,7 +293,7 @@ def test_a_member_name_with_white_space_gets_no_dali_index(tmp_path: Path) -> No
 
 def test_tar_members_refuses_what_every_reader_refuses(tmp_path: Path) -> None:
     from gpufeed.shardset.tar import TarFormatError
-    from gpufeed.sidecars import tar_members
+    from gpufeed.shardset.sidecars import tar_members
     from tests.conftest import write_tar
 
     good = write_tar(tmp_path / "g.tar", [("a.jpg", b"x" * 1000), ("a.cls", b"1")])
@@ -378,7 +378,7 @@ def mixed_formats(root: Path) -> Path:
 def test_the_writers_dali_index_is_the_one_its_tar_headers_give(tmp_path: Path, mode: str) -> None:
     """``gpufeed shard`` writes each shard's .idx from the layout it writes (whole shards in a worker, runs of
     one shard, the one pass); it must be byte for byte the index read back from the tar's headers."""
-    from gpufeed.sidecars import dali_index, tar_members
+    from gpufeed.shardset.sidecars import dali_index, tar_members
 
     src = mixed_formats(tmp_path / "src")
     kw = {"whole": {"shard_samples": 2, "workers": 1}, "ranges": {"shard_samples": 9, "workers": 2},

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from gpufeed.config import LoaderConfig
-from gpufeed.errors import DataError
-from gpufeed.manifest import read_manifest
-from gpufeed.world import World
+from gpufeed.core.errors import DataError
+from gpufeed.shardset.manifest import read_manifest
+from gpufeed.core.world import World
 from tests.conftest import WDS_SAMPLE, invoke, invoke_json, write_tar
 
 FIXTURE = WDS_SAMPLE
@@ -300,7 +300,7 @@ def test_manifest_fields_are_checked(tmp_path, changes, message):
 
 
 def test_manifest_size_is_bounded_before_parsing(tmp_path, monkeypatch):
-    import gpufeed.manifest as manifest
+    import gpufeed.shardset.manifest as manifest
 
     d = _write_manifest_json(tmp_path / "m")
     assert read_manifest(d).num_samples == 5
@@ -323,7 +323,7 @@ def test_index_and_verify_import_no_torch(sample_set):
 def test_shard_that_is_a_fifo_or_folder_is_named_not_skipped(tmp_path):
     import os
 
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.index import resolve_shards
     from gpufeed.shardset.tar import file_problem
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import LoaderConfig
-from gpufeed.errors import DataError
-from gpufeed.manifest import (MAX_LABEL_JSON_BYTES, LabelError, MissingLabel, read_label, read_manifest)
-from gpufeed.world import World
+from gpufeed.core.errors import DataError
+from gpufeed.shardset.manifest import (MAX_LABEL_JSON_BYTES, LabelError, MissingLabel, read_label, read_manifest)
+from gpufeed.core.world import World
 from tests.conftest import invoke, invoke_json, write_image, write_tar
 
 # (key, caption/.txt class name, json "label", json "label_id") as img2dataset-like samples, in tar order
@@ -196,7 +196,7 @@ def test_a_manifest_with_a_label_source_it_does_not_know_is_refused(tmp_path, so
 
 
 def test_a_manifest_label_source_is_read_and_defaults_to_cls(tmp_path):
-    from gpufeed.manifest import write_manifest
+    from gpufeed.shardset.manifest import write_manifest
 
     assert read_manifest(_manifest_json(tmp_path / "a")).label == "cls"
     m = read_manifest(_manifest_json(tmp_path / "w", label="cls"))
@@ -218,7 +218,7 @@ def test_index_refuses_a_label_option_it_cannot_read(tmp_path, source):
 
 def test_a_set_labelled_from_txt_or_json_is_format_version_2_and_a_cls_set_stays_1():
     """A reader from before `label` refuses version 2 instead of labelling by .cls members the set may also hold."""
-    from gpufeed.manifest import Manifest, ShardInfo
+    from gpufeed.shardset.manifest import Manifest, ShardInfo
 
     def manifest(label: str) -> dict:
         return Manifest(prefix="a", classes=["cat", "dog"], shards=[ShardInfo("a.tar", 2, 10, None)], num_samples=2,

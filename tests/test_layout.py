@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpufeed.config import LayoutConfig, LoaderConfig, TrainConfig, load_config
-from gpufeed.errors import ConfigError
+from gpufeed.core.errors import ConfigError
 from gpufeed.layout import check, loader_cores, worker_ceiling
 
 
@@ -79,20 +79,20 @@ def test_layout_section_is_bounded_and_typed(tmp_path: Path) -> None:
 def test_launch_prints_the_warning_once_before_it_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """The [layout] of a tuned config reaches launch(), which names the mismatch on stderr, then runs."""
-    import gpufeed.launch
-    import gpufeed.system
+    import gpufeed.train.launch
+    import gpufeed.core.system
 
     ran: list[Any] = []
-    monkeypatch.setattr(gpufeed.launch, "train", lambda cfg, lc, world, run_dir: ran.append(cfg) or {"ok": True})
-    monkeypatch.setattr(gpufeed.system, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(gpufeed.train.launch, "train", lambda cfg, lc, world, run_dir: ran.append(cfg) or {"ok": True})
+    monkeypatch.setattr(gpufeed.core.system, "usable_cpus", lambda: 16)
     path = tmp_path / "tuned.toml"
     path.write_text("[loader]\nnum_workers = 15\n\n"
                     '[layout]\nranks_per_node = 8\nusable_cores = 16\ntrainer_cores = 1\ndevice = "cpu"\n')
     conf = load_config(path, {"train.mode": "synthetic", "train.device": "cpu", "train.run_dir": str(tmp_path / "r")})
-    gpufeed.launch.launch(conf.train, conf.loader, conf.layout)
+    gpufeed.train.launch.launch(conf.train, conf.loader, conf.layout)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["warning: [loader] was tuned for 8 ranks per node on 16 usable cores (cpu), this run has 1 rank "
                    "on 16 (cpu); re-tune with gpufeed tune --nproc-per-node 1"]
     assert len(ran) == 1
-    gpufeed.launch.launch(TrainConfig(mode="synthetic", device="cpu", run_dir=str(tmp_path / "r2")), conf.loader)
+    gpufeed.train.launch.launch(TrainConfig(mode="synthetic", device="cpu", run_dir=str(tmp_path / "r2")), conf.loader)
     assert capsys.readouterr().err == ""  # no [layout], one rank: nothing to say

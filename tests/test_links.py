@@ -1,6 +1,6 @@
 """Links in DEST, run folders and shard sets (docs/threat-model.md, "Files gpufeed writes, and how" and "Files read
 from a set"): gpufeed never writes through a symbolic link it finds where it writes, and never reads a set's file
-through a link that leads out of the set. Each test failed before :mod:`gpufeed.safefs` was routed in."""
+through a link that leads out of the set. Each test failed before :mod:`gpufeed.core.safefs` was routed in."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.errors import DataError
+from gpufeed.core.errors import DataError
 from tests.conftest import invoke, invoke_json, write_tar
 from tests.train_shards import write_tiny_shards
 
@@ -87,7 +87,7 @@ def test_a_state_folder_that_is_a_link_is_refused(tmp_path: Path, image_folder, 
 
 
 def test_a_fifo_where_gpufeed_writes_is_refused_not_waited_on(tmp_path: Path) -> None:
-    from gpufeed.safefs import lock_file, open_append
+    from gpufeed.core.safefs import lock_file, open_append
 
     os.mkfifo(tmp_path / "lock")
     with pytest.raises(DataError, match="lock is not a regular file, so gpufeed does not write its lock there"):
@@ -103,10 +103,10 @@ def test_a_fifo_where_gpufeed_writes_is_refused_not_waited_on(tmp_path: Path) ->
 def test_run_folder_config_report_and_log_links_are_replaced(tmp_path: Path, secret: Path, monkeypatch) -> None:
     """config.toml (launch), report.md and throughput.png (train_report), log.jsonl (records.append_jsonl, which the
     training loop appends to): each a link to the user's file in a run folder someone else prepared."""
-    import gpufeed.train_report as train_report
+    import gpufeed.train.report as train_report
     from gpufeed.config import LoaderConfig, TrainConfig
-    from gpufeed.launch import write_run_config
-    from gpufeed.records import append_jsonl
+    from gpufeed.train.launch import write_run_config
+    from gpufeed.core.records import append_jsonl
 
     run = tmp_path / "run"
     run.mkdir()
@@ -130,7 +130,7 @@ def test_run_folder_config_report_and_log_links_are_replaced(tmp_path: Path, sec
 def test_a_chart_link_in_a_run_folder_is_replaced(tmp_path: Path, secret: Path, monkeypatch) -> None:
     """throughput.png: matplotlib's savefig opens a path through a link; gpufeed hands it its atomic file."""
     pytest.importorskip("matplotlib")
-    import gpufeed.train_report as train_report
+    import gpufeed.train.report as train_report
 
     monkeypatch.setattr(train_report, "chart_data", lambda s: {"rates": [("real", "trained", 10.0)], "stalls": [],
                                                                "log_scale": False, "stall_mode": "real"})
@@ -194,7 +194,7 @@ def test_a_shard_linked_out_of_the_set_is_refused_by_stage_index_and_the_loader(
 
     from gpufeed.config import LoaderConfig
     from gpufeed.loader import build_loader
-    from gpufeed.world import World
+    from gpufeed.core.world import World
 
     with pytest.raises(DataError, match="is a symbolic link that leads out of the set folder"):
         build_loader(src, LoaderConfig(batch_size=2, num_workers=0, decode="pil", image_size=16), World.single(),
@@ -204,7 +204,7 @@ def test_a_shard_linked_out_of_the_set_is_refused_by_stage_index_and_the_loader(
 
 
 def test_a_manifest_linked_out_of_its_folder_is_refused_unless_the_user_named_it(tmp_path: Path) -> None:
-    from gpufeed.manifest import read_manifest
+    from gpufeed.shardset.manifest import read_manifest
 
     real = write_tiny_shards(tmp_path / "real", [3])
     other = tmp_path / "other"
@@ -283,7 +283,7 @@ def test_dest_state_files_linked_out_are_not_read(tmp_path: Path, image_folder) 
 
 def test_tune_run_folder_links_are_replaced(tmp_path: Path, secret: Path, monkeypatch) -> None:
     """gpufeed tune's run folder: report.md, config.toml and the chart, each a link to the user's file."""
-    import gpufeed.system
+    import gpufeed.core.system
     import gpufeed.tune as tune
     from gpufeed.config import LoaderConfig, TuneConfig
 
@@ -291,7 +291,7 @@ def test_tune_run_folder_links_are_replaced(tmp_path: Path, secret: Path, monkey
     run.mkdir()
     for name in ("report.md", "config.toml", "tune.png", "summary.json"):
         os.symlink(secret, run / name)
-    monkeypatch.setattr(gpufeed.system, "environment_snapshot", lambda **kw: {})
+    monkeypatch.setattr(gpufeed.core.system, "environment_snapshot", lambda **kw: {})
     monkeypatch.setattr(tune, "render", lambda report: "table")
     report = tune.TuneReport(
         ok=True, shards="s", run_dir=None, out=None, best=None, best_trial=None, best_samples_per_s=None,
@@ -306,7 +306,7 @@ def test_tune_run_folder_links_are_replaced(tmp_path: Path, secret: Path, monkey
 
 def test_a_config_file_the_user_named_may_be_a_link_but_not_a_fifo(tmp_path: Path) -> None:
     from gpufeed.config import read_toml
-    from gpufeed.errors import ConfigError
+    from gpufeed.core.errors import ConfigError
 
     (tmp_path / "real.toml").write_text("[loader]\nbatch_size = 8\n")
     os.symlink(tmp_path / "real.toml", tmp_path / "link.toml")
@@ -317,7 +317,7 @@ def test_a_config_file_the_user_named_may_be_a_link_but_not_a_fifo(tmp_path: Pat
 
 
 def test_a_rank_report_linked_out_of_the_run_folder_or_a_fifo_is_passed_over(tmp_path: Path) -> None:
-    from gpufeed.launch import rank_failure
+    from gpufeed.train.launch import rank_failure
 
     outside = tmp_path / "elsewhere.json"
     outside.write_text(json.dumps({"rank": 0, "message": SECRET, "exit_code": 2, "cause": True, "time": 1.0}))
@@ -331,7 +331,7 @@ def test_a_rank_report_linked_out_of_the_run_folder_or_a_fifo_is_passed_over(tmp
 
 
 def test_a_transcode_cache_linked_out_of_the_state_folder_never_reaches_a_shard(tmp_path: Path, secret: Path) -> None:
-    from gpufeed.errors import RunError
+    from gpufeed.core.errors import RunError
     from gpufeed.shard.write import _Item, _write_range
 
     state = tmp_path / "dest" / ".gpufeed"

@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 from gpufeed.config import LoaderConfig
-from gpufeed.errors import DataError
-from gpufeed.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
-from gpufeed.world import World
+from gpufeed.core.errors import DataError
+from gpufeed.shardset.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
+from gpufeed.core.world import World
 from tests.conftest import write_tar
 
 
@@ -213,7 +213,7 @@ def test_decode_paths_agree_with_torchvision_pil(method, tol, resize):
     """
     if method == "simplejpeg":
         pytest.importorskip("simplejpeg")
-    from gpufeed import decode as dec
+    from gpufeed.loader import decode as dec
 
     S = 32
     for seed, (w, h) in enumerate([(300, 200), (150, 210), (97, 61), (64, 64)]):
@@ -230,7 +230,7 @@ def test_train_crop_matches_torchvision_random_resized_crop(resize):
     """Same crop box as torchvision's RandomResizedCrop + flip; same pixels but at the box edges (mean <= 0.1)."""
     import torchvision.transforms.functional as TF
 
-    from gpufeed import decode as dec
+    from gpufeed.loader import decode as dec
 
     S = 24
     data = encode(smooth_image(120, 90, 3), quality=95)
@@ -249,7 +249,7 @@ def test_train_crop_matches_torchvision_random_resized_crop(resize):
 
 
 def test_crop_params_follow_torchvision_rules():
-    from gpufeed.decode import random_resized_crop_params
+    from gpufeed.loader.decode import random_resized_crop_params
 
     rng = random.Random(0)
     for _ in range(300):
@@ -264,15 +264,15 @@ def test_crop_params_follow_torchvision_rules():
 
 
 def test_decode_leaves_the_warning_filters_alone():
-    """Importing gpufeed.decode adds no process-wide filter; its resize of a read-only array (np.asarray of a PIL
+    """Importing gpufeed.loader.decode adds no process-wide filter; its resize of a read-only array (np.asarray of a PIL
     image) silences torch's 'not writable' warning at that call only, so it passes even with warnings as errors."""
     import subprocess
     import sys
 
     code = "\n".join([
-        "import warnings, numpy as np, PIL.Image, gpufeed.config, gpufeed.errors",  # they add their own filters
+        "import warnings, numpy as np, PIL.Image, torch, gpufeed.config, gpufeed.core.errors",  # they add their own filters
         "before = list(warnings.filters)",
-        "from gpufeed import decode as dec",
+        "from gpufeed.loader import decode as dec",
         "assert warnings.filters == before, [f for f in warnings.filters if f not in before]",
         "warnings.simplefilter('error')",
         "arr = np.asarray(PIL.Image.new('RGB', (24, 20), (9, 99, 199)))",
@@ -287,7 +287,7 @@ def test_decode_leaves_the_warning_filters_alone():
 
 @pytest.mark.parametrize("mode", ["L", "CMYK", "P", "RGBA"])
 def test_every_mode_becomes_rgb(mode):
-    from gpufeed import decode as dec
+    from gpufeed.loader import decode as dec
 
     img = smooth_image(60, 50, 1)
     fmt = "PNG" if mode in ("P", "RGBA") else "JPEG"
@@ -304,7 +304,7 @@ def test_every_mode_becomes_rgb(mode):
 @pytest.mark.parametrize("subsampling", [0, 2])
 def test_cmyk_jpeg_with_any_sampling_decodes_on_every_path(subsampling):
     """TurboJPEG's header parser rejects CMYK JPEGs with 4:2:0 sampling: simplejpeg must fall back to PIL."""
-    from gpufeed import decode as dec
+    from gpufeed.loader import decode as dec
 
     buf = io.BytesIO()
     smooth_image(60, 50, 2).convert("CMYK").save(buf, "JPEG", quality=95, subsampling=subsampling)
@@ -506,7 +506,7 @@ def test_gpu_decode_crops_before_padding(monkeypatch):
     padding whole images (within 1 level), while roi_align sees a buffer bounded by the crops, not the images."""
     import torchvision.ops
 
-    from gpufeed import decode as dec
+    from gpufeed.loader import decode as dec
     from gpufeed.loader import EncodedBatch, crop_buffer_shape, crop_window, gpu_decode
 
     S = 16

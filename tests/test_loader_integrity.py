@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.errors import DataError
-from gpufeed.world import World
+from gpufeed.core.errors import DataError
+from gpufeed.core.world import World
 from tests.test_loader import cfg, sizes_as_found, write_set
 
 
@@ -78,7 +78,7 @@ def test_truncated_gzip_shard_counts_every_lost_sample(tmp_path):
     """The gzip path (TarPass): whatever it could not deliver is counted, sample by sample."""
     import gzip
 
-    from gpufeed.manifest import read_manifest, write_manifest
+    from gpufeed.shardset.manifest import read_manifest, write_manifest
 
     shards = _ids_set(tmp_path)
     m = read_manifest(shards)
@@ -165,10 +165,10 @@ def test_a_sample_with_a_member_twice_is_refused_not_silently_one_of_them(tmp_pa
     import json
 
     from gpufeed.config import LoaderConfig
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
-    from gpufeed.manifest import FORMAT_NAME
-    from gpufeed.world import World
+    from gpufeed.shardset.manifest import FORMAT_NAME
+    from gpufeed.core.world import World
     from tests.conftest import write_tar
     from tests.test_loader import encode, smooth_image
 

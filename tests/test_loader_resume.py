@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from gpufeed.errors import DataError, GpufeedError
-from gpufeed.world import World
+from gpufeed.core.errors import DataError, GpufeedError
+from gpufeed.core.world import World
 from tests.test_loader import cfg, write_set
 
 BAD = {3, 10, 17}
@@ -62,7 +62,7 @@ def test_start_batch_yields_the_rest_of_the_uninterrupted_epoch(tmp_path, worker
 
 @pytest.mark.parametrize("worker_batching", [True, False])
 def test_skipped_batches_are_not_decoded(tmp_path, monkeypatch, worker_batching):
-    from gpufeed import decode as dec
+    from gpufeed.loader import decode as dec
 
     shards = write_set(tmp_path / "set", [7, 5, 6, 4])  # 22 samples, 5 batches of 4
     calls = []
@@ -152,7 +152,7 @@ def test_items_taken_follows_torch_dataloader_order():
 @pytest.mark.parametrize("worker_batching", [True, False])
 def test_main_process_sets_threads_once_per_batch(tmp_path, monkeypatch, worker_batching):
     """num_workers = 0: one intra-op thread while a batch is made, the caller's setting between batches."""
-    from gpufeed import decode as dec
+    from gpufeed.loader import decode as dec
 
     shards = write_set(tmp_path / "set", [7, 5, 6, 4])
     prev = torch.get_num_threads()

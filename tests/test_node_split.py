@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpufeed.errors import DataError
-from gpufeed.world import World, node_from_env, node_shards
+from gpufeed.core.errors import DataError
+from gpufeed.core.world import World, node_from_env, node_shards
 from tests.test_loader import cfg, write_set
 
 
@@ -170,7 +170,7 @@ def test_node_split_refuses_worlds_it_cannot_serve(tmp_path):
 
 def test_shard_split_is_a_validated_loader_knob(tmp_path):
     from gpufeed.config import load_config
-    from gpufeed.errors import ConfigError
+    from gpufeed.core.errors import ConfigError
 
     path = tmp_path / "c.toml"
     path.write_text('[loader]\nshard_split = "node"\n')
@@ -184,7 +184,7 @@ def test_shard_split_is_a_validated_loader_knob(tmp_path):
 def test_world_from_env_without_group_rank_takes_the_node_from_the_rank(monkeypatch):
     """A launcher that sets RANK/LOCAL_WORLD_SIZE but not torchrun's GROUP_RANK: rank 3 of 2 nodes x 2 ranks is on
     node 1, not node 0 (node 0 for every rank would make both nodes read node 0's shards under the node split)."""
-    from gpufeed.errors import ConfigError
+    from gpufeed.core.errors import ConfigError
 
     for k in ("GROUP_RANK", "GROUP_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
@@ -242,7 +242,7 @@ def test_launch_check_under_the_node_split_takes_a_brace_pattern_as_the_loader_d
     """A local brace pattern with its manifest.json next to the shards: the loader opens it, so the launcher's
     check under shard_split = "node" must too (it read the pattern as a folder: "shard folder ... does not exist")."""
     from gpufeed.config import TrainConfig
-    from gpufeed.launch import check_data
+    from gpufeed.train.launch import check_data
 
     shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
     pattern = str(shards / "train-{000000..000003}.tar")
@@ -255,7 +255,7 @@ def test_launch_check_under_the_node_split_takes_a_brace_pattern_as_the_loader_d
 def test_a_resume_that_changes_the_shard_split_says_the_order_differs():
     """global -> node reads other shards in another order from the resume point on: the resume notes it as it notes
     a changed seed or batch size."""
-    from gpufeed.checkpoint import Checkpointer
+    from gpufeed.train.checkpoint import Checkpointer
     from gpufeed.config import LoaderConfig, TrainConfig
 
     notes: list[str] = []
@@ -287,11 +287,11 @@ def test_the_stage_fix_of_a_node_split_run_stages_each_nodes_share(tmp_path):
     """A storage-bound run under shard_split = "node" on 2 nodes: each node reads only its shards, so the fix is
     ``gpufeed stage ... --num-nodes 2`` sized by the largest node's share, not the whole set."""
     from gpufeed.config import LoaderConfig, TrainConfig
-    from gpufeed.storage import StorageRate
-    from gpufeed.manifest import read_manifest
+    from gpufeed.measure.storage_rate import StorageRate
+    from gpufeed.shardset.manifest import read_manifest
     from gpufeed.train import verdict_inputs
-    from gpufeed.train_records import aggregate
-    from gpufeed.verdict import classify
+    from gpufeed.train.records import aggregate
+    from gpufeed.measure.verdict import classify
     from tests.test_storage_verdict import _timing
 
     shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import PlanConfig
-from gpufeed.errors import ConfigError, DataError
+from gpufeed.core.errors import ConfigError, DataError
 from tests.conftest import invoke, invoke_json
 
 GIB = 1 << 30
@@ -21,7 +21,7 @@ GIB = 1 << 30
 
 @pytest.fixture(scope="module")
 def report():  # type: ignore[no-untyped-def]
-    from gpufeed.plan import plan
+    from gpufeed.memplan import plan
 
     return plan(PlanConfig(arch="resnet18", num_classes=10, batch_size=64, image_size=32, device="cpu",
                            measure_batches=(128, 256), check_batch=384, gpu_memory=GIB))
@@ -75,7 +75,7 @@ def test_the_parts_are_the_real_tensors_and_add_up_to_the_peak(report) -> None: 
 def test_adamw_state_is_two_tensors_per_parameter_and_a_step_count() -> None:
     import torch
 
-    from gpufeed.plan import Stepper
+    from gpufeed.memplan import Stepper
 
     s = Stepper(PlanConfig(arch="resnet18", num_classes=10, image_size=16, optimizer="adamw"), torch.device("cpu"),
                 "off")
@@ -89,7 +89,7 @@ def test_adamw_state_is_two_tensors_per_parameter_and_a_step_count() -> None:
 
 
 def test_the_largest_fitting_batch_follows_the_line_and_the_headroom(report) -> None:  # type: ignore[no-untyped-def]
-    from gpufeed.plan import max_fitting_batch
+    from gpufeed.memplan import max_fitting_batch
 
     assert report.usable_memory_bytes == int(GIB * 0.9)
     b = report.max_batch_size
@@ -102,7 +102,7 @@ def test_the_largest_fitting_batch_follows_the_line_and_the_headroom(report) -> 
 def test_the_floor_line_lifts_an_estimate_whose_measured_line_is_nearly_flat() -> None:
     """Where the gradients set both measured peaks, the line through them is nearly flat; at a large batch the
     estimate must still hold weights + optimizer state + activations, which the floor line carries."""
-    from gpufeed.plan import peak_estimate
+    from gpufeed.memplan import peak_estimate
 
     # measured peaks 100 MB + 0.1 MB x b; floor 60 MB + 1 MB x b: the floor wins from b = 45 on
     assert peak_estimate(100e6, 0.1e6, 60e6, 1e6, 4) == 100_400_000
@@ -112,7 +112,7 @@ def test_the_floor_line_lifts_an_estimate_whose_measured_line_is_nearly_flat() -
 def test_a_measured_estimate_is_the_higher_line_and_holds_the_forward_pass() -> None:
     """Which line is higher at 32 px depends on the CPU's allocator (Intel and AMD differ): the estimate is the
     higher of the two, whichever that is, and never below weights + optimizer state + activations."""
-    from gpufeed.plan import plan
+    from gpufeed.memplan import plan
 
     r = plan(PlanConfig(arch="resnet18", num_classes=10, batch_size=512, image_size=32, device="cpu",
                         measure_batches=(2, 4), check_batch=0))
@@ -123,7 +123,7 @@ def test_a_measured_estimate_is_the_higher_line_and_holds_the_forward_pass() -> 
 
 
 def test_default_measure_batches_start_where_activations_outweigh_gradients() -> None:
-    from gpufeed.plan import default_measure_batches
+    from gpufeed.memplan import default_measure_batches
 
     # 45 MB of gradients, 1.4 MB of activations per sample: 2 x 45 / 1.4 = 64.3 -> 128
     assert default_measure_batches("cpu", 45_000_000, 1_400_000) == (128, 256)
@@ -149,8 +149,8 @@ def _train_record(tmp_path: Path) -> Path:
 
 
 def test_cores_per_gpu_from_a_tune_record_and_a_target_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpufeed import system
-    from gpufeed.plan import plan_cores
+    from gpufeed.core import system
+    from gpufeed.memplan import plan_cores
 
     monkeypatch.setattr(system, "usable_cpus", lambda: 16)
     c = plan_cores(PlanConfig(record=str(_tune_record(tmp_path)), target_rate=1000.0), gpus=2)
@@ -162,8 +162,8 @@ def test_cores_per_gpu_from_a_tune_record_and_a_target_rate(tmp_path: Path, monk
 
 
 def test_cores_per_gpu_from_a_train_record_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpufeed import system
-    from gpufeed.plan import plan_cores
+    from gpufeed.core import system
+    from gpufeed.memplan import plan_cores
 
     monkeypatch.setattr(system, "usable_cpus", lambda: 4)
     c = plan_cores(PlanConfig(record=str(_train_record(tmp_path))), gpus=1)
@@ -173,7 +173,7 @@ def test_cores_per_gpu_from_a_train_record_alone(tmp_path: Path, monkeypatch: py
 
 
 def test_a_record_that_is_neither_tune_nor_train_is_refused(tmp_path: Path) -> None:
-    from gpufeed.plan import plan_cores
+    from gpufeed.memplan import plan_cores
 
     p = tmp_path / "x.json"
     p.write_text('{"trials": "no", "modes": 3}')
@@ -244,7 +244,7 @@ def test_a_plan_section_in_a_config_file(tmp_path: Path) -> None:
 def test_the_check_is_never_one_of_the_measured_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """The line goes through the two measured batches: a check at one of them would print an error near 0% that
     checks nothing. The derived measure batches are known only after the warm-up step: refused then, exit 2."""
-    from gpufeed import plan as plan_mod
+    from gpufeed import memplan as plan_mod
 
     monkeypatch.setattr(plan_mod, "default_measure_batches", lambda *a: (2, 4))
     with pytest.raises(ConfigError, match="check_batch 2 is one of the measured batches 2 and 4"):
@@ -255,7 +255,7 @@ def test_the_check_is_never_one_of_the_measured_batches(monkeypatch: pytest.Monk
 def test_a_record_whose_rate_per_core_is_not_finite_is_refused(tmp_path: Path) -> None:
     """Each number of the record is within bounds, but 1e12 samples/s on 1e-300 cores is an infinite rate per
     core: refused in one sentence, not "inf samples/s per core" and Infinity in --json."""
-    from gpufeed.plan import loader_rates
+    from gpufeed.memplan import loader_rates
 
     p = tmp_path / "summary.json"
     p.write_text(json.dumps({"modes": {"loader-only": {"samples_per_s": 1e12, "loader_cores_used": 1e-300}}}))
@@ -272,7 +272,7 @@ def test_a_cuda_index_beyond_the_devices_is_refused_before_measuring(monkeypatch
     deep in the first step, an 'unexpected' exit 1)."""
     import torch
 
-    from gpufeed.plan import plan
+    from gpufeed.memplan import plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -1,5 +1,5 @@
 """Passwords in user-typed URLs never reach the terminal, a record or a written file (issue 16): the parsing
-:func:`gpufeed.redact.redact` over many password shapes, case-insensitive schemes, and the real ``io``, ``tune`` and
+:func:`gpufeed.core.redact.redact` over many password shapes, case-insensitive schemes, and the real ``io``, ``tune`` and
 ``train`` commands against a loopback HTTP server, every file of their run folders walked (only the 0600 run-folder
 config.toml of ``train``, which its ranks read back, holds the URL as typed)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpufeed.redact import redact
+from gpufeed.core.redact import redact
 from tests.conftest import invoke
 from tests.train_shards import write_tiny_shards
 
@@ -42,7 +42,7 @@ def _random_password(rng: random.Random) -> str:
 
 @pytest.mark.parametrize("pw", SHAPES + [_random_password(random.Random(seed)) for seed in range(40)])
 def test_no_password_shape_survives_any_context(pw: str) -> None:
-    from gpufeed.redact import split_url
+    from gpufeed.core.redact import split_url
 
     for scheme in ("http", "https", "HTTP", "S3", "gs", "git+ssh"):
         for host, path in (("127.0.0.1:8080", "/set"), ("bucket", "/a/b.tar"), ("host.example", ""),
@@ -67,7 +67,7 @@ def test_redact_leaves_text_without_userinfo_alone() -> None:
 
 
 def test_redact_obj_hides_every_string_of_a_record_keys_included() -> None:
-    from gpufeed.redact import redact_obj
+    from gpufeed.core.redact import redact_obj
 
     rec = {"path": "http://u:PW1@h/x", "notes": ["fine", "s3://k:PW2@b/y"], "http://t:PW3@h": 1, "n": 3.5}
     out = json.dumps(redact_obj(rec))
@@ -96,7 +96,7 @@ def test_upper_case_schemes_are_urls_not_paths() -> None:
 def test_errors_and_the_cli_say_no_password(capsys: pytest.CaptureFixture[str]) -> None:
     """A GpufeedError, an OSError naming a URL and an unexpected exception all end as one redacted sentence."""
     from gpufeed.cli import run_job
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
 
     assert "pw@" not in str(DataError('http://u:"pw@x@h/set: no manifest'))
 
@@ -118,7 +118,7 @@ def test_errors_and_the_cli_say_no_password(capsys: pytest.CaptureFixture[str]) 
 def test_a_manifest_keeps_its_classes_and_hides_its_options(tmp_path: Path) -> None:
     """manifest.json is data read back: its class names are written as they are, only ``options`` (the record of
     how the set was made) has URL passwords hidden."""
-    from gpufeed.manifest import read_manifest, write_manifest
+    from gpufeed.shardset.manifest import read_manifest, write_manifest
 
     folder = write_tiny_shards(tmp_path / "set", [2, 2])
     m = read_manifest(folder)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpufeed.errors import DataError
-from gpufeed.world import World
+from gpufeed.core.errors import DataError
+from gpufeed.core.world import World
 from tests.conftest import invoke, invoke_json
 from tests.netserver import closed_port
 from tests.test_loader import cfg, write_set

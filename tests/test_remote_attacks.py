@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gpufeed.errors import DataError
+from gpufeed.core.errors import DataError
 from gpufeed.shardset import source
 
 
@@ -171,7 +171,7 @@ def test_a_brace_pattern_of_a_billion_shards_is_refused_before_expanding():
     code = textwrap.dedent("""
         import resource, sys
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-        from gpufeed.errors import DataError
+        from gpufeed.core.errors import DataError
         from gpufeed.shardset.source import expand_pattern
         for p in ("http://h/a-{0..999999999}.tar", "http://h/a-{0..9999}-{0..9999}.tar"):
             try:
@@ -247,7 +247,7 @@ def test_an_s3_shard_name_with_a_space_and_unicode_is_read(s3_server, tmp_path):
 # Finding F (run records): train's summary.json records the user-typed shards location; JSON records (and
 # --json output) go through records.dumps, which must not write a URL's password.
 def test_json_records_do_not_hold_a_password(tmp_path):
-    from gpufeed.records import write_json
+    from gpufeed.core.records import write_json
 
     record = {"shards": "https://alice:s3cr3t@h/set/", "other": "x://y", "at": "c@d"}
     out = write_json(tmp_path / "summary.json", record)

@@ -77,7 +77,7 @@ def test_remote_io_of_a_missing_manifest_is_one_sentence_exit_2(http_server) -> 
 
 def test_an_io_record_of_a_url_gives_the_remote_rate_for_that_url(served, tmp_path: Path) -> None:
     from gpufeed.config import IoConfig
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
     from gpufeed.storage import io_record_rate, measure_io
 
     server, folder, url = served

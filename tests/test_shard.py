@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from gpufeed.config import ShardConfig
-from gpufeed.errors import DataError, RunError
-from gpufeed.manifest import read_manifest
+from gpufeed.core.errors import DataError, RunError
+from gpufeed.shardset.manifest import read_manifest
 from gpufeed.shard import plan_num_shards, split_sizes, write_shards
 from tests.conftest import invoke, invoke_json, write_image
 
@@ -73,7 +73,7 @@ def test_round_trip_with_plain_webdataset(image_folder, tmp_path: Path) -> None:
     # index.parquet and timm's _info.json
     import pyarrow.parquet as pq
 
-    from gpufeed.manifest import INDEX_COLUMNS
+    from gpufeed.shardset.manifest import INDEX_COLUMNS
 
     table = pq.read_table(dest / "index.parquet")
     assert tuple(table.column_names) == INDEX_COLUMNS and table.num_rows == 15
@@ -852,7 +852,7 @@ def test_refused_run_leaves_no_dest_behind(image_folder, tmp_path: Path) -> None
 def test_atomic_writer_syncs_file_and_folder(tmp_path: Path, monkeypatch) -> None:
     import stat
 
-    from gpufeed import records
+    from gpufeed.core import records
 
     synced = []
     real_fsync = os.fsync
@@ -898,7 +898,7 @@ def test_disk_full_at_finish_names_no_made_up_need(image_folder, tmp_path: Path,
 def test_disk_full_while_reencoding_names_gpufeeds_own_cache(tmp_path: Path, monkeypatch) -> None:
     import errno
 
-    from gpufeed import records
+    from gpufeed.core import records
 
     src = noise_folder(tmp_path / "src", per_class=24)  # 48 images: two validation batches, two cache files
     dest = tmp_path / "out"

@@ -82,7 +82,7 @@ def test_spawned_pool_workers_die_with_their_parent(tmp_path: Path) -> None:
     """verify's pool (spawn) uses the same initializer: its workers die with a parent killed by -9."""
     code = (
         "import concurrent.futures as cf, multiprocessing as mp, os, sys, time\n"
-        "from gpufeed.system import die_with_parent\n"
+        "from gpufeed.core.system import die_with_parent\n"
         "if __name__ == '__main__':\n"
         "    ex = cf.ProcessPoolExecutor(1, mp_context=mp.get_context('spawn'), initializer=die_with_parent,\n"
         "                                initargs=(os.getpid(),))\n"
@@ -110,6 +110,6 @@ def test_spawned_pool_workers_die_with_their_parent(tmp_path: Path) -> None:
 
 
 def test_a_worker_whose_parent_is_already_gone_exits() -> None:
-    code = "from gpufeed.system import die_with_parent\ndie_with_parent(parent_pid=-1)\nprint('working')\n"
+    code = "from gpufeed.core.system import die_with_parent\ndie_with_parent(parent_pid=-1)\nprint('working')\n"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and res.stdout == ""

@@ -1,4 +1,4 @@
-"""The shard-set format home (gpufeed.shardset, gpufeed.manifest): one key rule, one header writer, one index
+"""The shard-set format home (gpufeed.shardset, gpufeed.shardset.manifest): one key rule, one header writer, one index
 schema, and the jobs that read shards import it rather than each other."""
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def test_index_table_has_the_schema(tmp_path: Path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from gpufeed.manifest import INDEX_COLUMNS, index_table
+    from gpufeed.shardset.manifest import INDEX_COLUMNS, index_table
 
     cols = {"key": ["00000_0000000"], "shard": ["train-000000.tar"], "class": ["cat"], "label": [0],
             "source": ["cat/a.jpg"], "bytes": [1234], "width": [32], "height": [24]}

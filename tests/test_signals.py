@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from gpufeed.config import LoaderConfig, TrainConfig
-from gpufeed.errors import ConfigError, RunError
-from gpufeed.world import World, check_launch_env, join
+from gpufeed.core.errors import ConfigError, RunError
+from gpufeed.core.world import World, check_launch_env, join
 from tests.conftest import invoke
 from tests.test_multinode import free_port, kill_tree
 from tests.train_shards import write_tiny_shards
@@ -172,7 +172,7 @@ def test_sigterm_to_one_process_checkpoints_at_the_step_boundary_and_resumes_exa
 ])
 def test_an_inconsistent_launch_environment_is_refused_before_any_rendezvous(shards, tmp_path: Path, clean_env,
                                                                             capsys, env, says) -> None:
-    from gpufeed.launch import main
+    from gpufeed.train.launch import main
 
     for k, v in env.items():
         clean_env.setenv(k, v)
@@ -233,7 +233,7 @@ class _FillsUp:
 
 
 def _filling_writer(real):
-    """``gpufeed.records.atomic_writer`` whose temporary fills up (:class:`_FillsUp`)."""
+    """``gpufeed.core.records.atomic_writer`` whose temporary fills up (:class:`_FillsUp`)."""
     import contextlib
 
     @contextlib.contextmanager
@@ -247,7 +247,7 @@ def _filling_writer(real):
 @pytest.mark.timeout(120)
 def test_a_full_disk_during_a_checkpoint_write_is_one_sentence_naming_the_file(shards, tmp_path: Path,
                                                                               clean_env) -> None:
-    import gpufeed.records as records
+    import gpufeed.core.records as records
 
     clean_env.setattr(records, "atomic_writer", _filling_writer(records.atomic_writer))
     ck = tmp_path / "ck"
@@ -259,7 +259,7 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_sentence_naming_the_file(s
 
 @pytest.mark.timeout(60)
 def test_sigint_during_a_checkpoint_write_is_interrupted_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    from gpufeed.checkpoint import _atomic_torch_save
+    from gpufeed.train.checkpoint import _atomic_torch_save
 
     path = tmp_path / "last.pt"
     _atomic_torch_save({"step": 1, "w": torch.zeros(10)}, path)
@@ -278,7 +278,7 @@ def test_sigint_during_a_checkpoint_write_is_interrupted_and_keeps_the_previous_
         def flush(self):
             self.f.flush()
 
-    import gpufeed.checkpoint as ckpt
+    import gpufeed.train.checkpoint as ckpt
 
     real = ckpt._KeepWriteError
     with pytest.MonkeyPatch.context() as mp:
@@ -290,7 +290,7 @@ def test_sigint_during_a_checkpoint_write_is_interrupted_and_keeps_the_previous_
 
 
 def test_the_cli_says_interrupted_with_exit_130(shards, tmp_path: Path, clean_env) -> None:
-    import gpufeed.checkpoint as ckpt
+    import gpufeed.train.checkpoint as ckpt
 
     def interrupted(obj, path):
         raise KeyboardInterrupt
@@ -302,7 +302,7 @@ def test_the_cli_says_interrupted_with_exit_130(shards, tmp_path: Path, clean_en
 
 
 def test_a_stale_checkpoint_temporary_is_removed_by_the_next_write_links_and_others_are_kept(tmp_path: Path) -> None:
-    from gpufeed.checkpoint import _atomic_torch_save
+    from gpufeed.train.checkpoint import _atomic_torch_save
 
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -342,7 +342,7 @@ def test_the_launcher_kills_what_ignores_the_forwarded_signal_after_its_bound(tm
 
     import psutil
 
-    from gpufeed.launch import run_torchrun
+    from gpufeed.train.launch import run_torchrun
 
     clean_env.setenv("GPUFEED_STOP_GRACE_S", "1")
     marker = tmp_path / "rank.pid"
@@ -365,8 +365,8 @@ def test_the_launcher_kills_what_ignores_the_forwarded_signal_after_its_bound(tm
 
 def test_a_rank_stopped_by_a_signal_keeps_its_exit_code_through_the_launcher(tmp_path: Path) -> None:
     """SIGTERM sent to the ranks directly (a scheduler signalling every process): the launcher repeats 143."""
-    from gpufeed.errors import Interrupted
-    from gpufeed.launch import rank_failure
+    from gpufeed.core.errors import Interrupted
+    from gpufeed.train.launch import rank_failure
 
     for rank in (0, 1):
         (tmp_path / f"rank-{rank}.error").write_text(json.dumps(
@@ -389,7 +389,7 @@ def _rank_config(shards: Path, tmp_path: Path) -> Path:
 @pytest.mark.timeout(60)
 def test_a_rank_alone_in_a_world_of_two_says_which_rank_did_not_come(shards, tmp_path: Path, clean_env,
                                                                      capsys) -> None:
-    from gpufeed.launch import main
+    from gpufeed.train.launch import main
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(free_port()), "GPUFEED_RENDEZVOUS_TIMEOUT_S": "2"}.items():
@@ -402,7 +402,7 @@ def test_a_rank_alone_in_a_world_of_two_says_which_rank_did_not_come(shards, tmp
 
 def test_sigint_in_a_rank_is_interrupted_exit_130_without_a_traceback(shards, tmp_path: Path, clean_env,
                                                                       capsys) -> None:
-    import gpufeed.launch as launch
+    import gpufeed.train.launch as launch
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt

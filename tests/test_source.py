@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.errors import DataError
+from gpufeed.core.errors import DataError
 from gpufeed.shardset import source
 from gpufeed.shardset.source import Retry, SourceError, is_remote, open_set, open_shard
 from tests.netserver import closed_port

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.errors import DataError
+from gpufeed.core.errors import DataError
 from tests.conftest import invoke, invoke_json
 from tests.train_shards import write_tiny_shards
 
@@ -46,7 +46,7 @@ def test_stage_copies_a_set_that_verifies_and_loads(src: Path, tmp_path: Path) -
 
     from gpufeed.config import LoaderConfig
     from gpufeed.loader import build_loader
-    from gpufeed.world import World
+    from gpufeed.core.world import World
 
     loader = build_loader(dest, LoaderConfig(batch_size=4, num_workers=0, decode="pil", image_size=16),
                           World.single(), train=False)
@@ -187,7 +187,7 @@ def test_two_nodes_each_stage_their_own_shards_and_read_them(tmp_path: Path) -> 
 
         from gpufeed.config import LoaderConfig
         from gpufeed.loader import build_loader
-        from gpufeed.world import World
+        from gpufeed.core.world import World
 
         world = World(rank=node, world_size=2, node_rank=node, num_nodes=2)
         c = LoaderConfig(batch_size=2, num_workers=0, decode="pil", image_size=16, shard_split="node")

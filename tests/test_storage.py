@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import IoConfig
-from gpufeed.manifest import read_manifest
+from gpufeed.shardset.manifest import read_manifest
 from gpufeed.storage import filesystem_of, measure_io, reader_ladder
 from tests.conftest import invoke, invoke_json
 from tests.train_shards import write_tiny_shards

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import IoConfig, LoaderConfig, TrainConfig
-from gpufeed.errors import DataError
-from gpufeed.storage import RAM_FILESYSTEMS, StorageRate, filesystem_of, io_record_rate, local_open, measure_io, probe
-from gpufeed.train_records import RankTiming, aggregate
-from gpufeed.verdict import classify
-from gpufeed.world import World
+from gpufeed.core.errors import DataError
+from gpufeed.measure.storage_rate import StorageRate
+from gpufeed.storage import RAM_FILESYSTEMS, filesystem_of, io_record_rate, local_open, measure_io, probe
+from gpufeed.train.records import RankTiming, aggregate
+from gpufeed.measure.verdict import classify
+from gpufeed.core.world import World
 from tests.conftest import invoke
 from tests.train_shards import write_tiny_shards
 

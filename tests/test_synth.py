@@ -12,7 +12,7 @@ from tests.conftest import invoke, invoke_json
 pytest.importorskip("skimage")
 
 from gpufeed.config import SynthConfig  # noqa: E402
-from gpufeed.errors import ConfigError, DataError  # noqa: E402
+from gpufeed.core.errors import ConfigError, DataError  # noqa: E402
 from gpufeed.synth import render_synth, synthesize  # noqa: E402
 
 

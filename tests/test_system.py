@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gpufeed.system import process_pool
+from gpufeed.core.system import process_pool
 
 _INIT: list[str] = []
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.telemetry import Telemetry
+from gpufeed.measure.telemetry import Telemetry
 
 
 def _read_all(path: str) -> None:

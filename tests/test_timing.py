@@ -1,4 +1,4 @@
-"""Step timing on the device timeline (gpufeed.timing), tested on the CPU with a simulated device queue."""
+"""Step timing on the device timeline (gpufeed.measure.timing), tested on the CPU with a simulated device queue."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gpufeed.config import LoaderConfig, TrainConfig
-from gpufeed.timing import HostClock, Meter, StepMarks, resolve
+from gpufeed.measure.timing import HostClock, Meter, StepMarks, resolve
 from gpufeed.train import Trainer
-from gpufeed.world import World
+from gpufeed.core.world import World
 
 
 class FakeDevice:

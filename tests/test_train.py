@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gpufeed.config import LoaderConfig, TrainConfig
-from gpufeed.errors import ConfigError
-from gpufeed.launch import launch, torchrun_command
+from gpufeed.core.errors import ConfigError
+from gpufeed.train.launch import launch, torchrun_command
 from gpufeed.train import Trainer, lr_at, train
-from gpufeed.world import World
+from gpufeed.core.world import World
 from tests.conftest import invoke
 from tests.train_shards import write_tiny_shards
 
@@ -63,7 +63,7 @@ def test_torchrun_command_rendezvous_options(tmp_path: Path) -> None:
 
 
 def test_the_note_of_a_node_without_rank_0_names_node_0() -> None:
-    from gpufeed.launch import not_node_zero_note
+    from gpufeed.train.launch import not_node_zero_note
 
     static = tiny(nproc_per_node=4, nnodes="2", master_addr="10.0.0.1", node_rank=1)
     assert not_node_zero_note(static) == ("this node (node rank 1) ran its ranks; the summary and verdict are in "
@@ -196,7 +196,7 @@ def test_resume_after_a_killed_run_continues_at_the_same_step_lr_and_state(shard
 
     run = tmp_path / "resumed"
     run.mkdir()
-    import gpufeed.decode as dec
+    import gpufeed.loader.decode as dec
 
     decoded = []
     real_decode = dec.decode_into
@@ -320,8 +320,8 @@ def test_timing_window_drains_the_worker_backlog() -> None:
 
 
 def test_meter_leaves_paused_time_out_of_the_rate() -> None:
-    from gpufeed.timing import HostClock, Meter, StepMarks
-    from gpufeed.world import World
+    from gpufeed.measure.timing import HostClock, Meter, StepMarks
+    from gpufeed.core.world import World
 
     now = [0.0]
     clock = HostClock(now=iter([0.0, 0.05]).__next__)
@@ -378,9 +378,9 @@ def test_world_from_env_takes_the_node_from_torchrun(monkeypatch) -> None:
 
 def test_per_node_records_sum_each_nodes_ranks_and_show_in_the_report() -> None:
     """4 ranks on 2 nodes; node 1's rank 3 waits for data: its node's stall shows what the mean hides."""
-    from gpufeed.records import to_jsonable
-    from gpufeed.train_records import RankTiming, aggregate
-    from gpufeed.train_report import render, render_markdown
+    from gpufeed.core.records import to_jsonable
+    from gpufeed.train.records import RankTiming, aggregate
+    from gpufeed.train.report import render, render_markdown
 
     def rank(r: int, node: int, wait: float, cores: float) -> RankTiming:
         return RankTiming(rank=r, num_steps=10, num_samples=100, wall_s=2.0 + wait, step_s=2.0 + wait,
@@ -471,7 +471,7 @@ def test_resume_refuses_a_checkpoint_that_does_not_fit(shards, checkpoint, tmp_p
 
 def test_resume_checks_the_checkpoint_before_loading_it(checkpoint, tmp_path: Path) -> None:
     """The checks, one by one, on the Trainer (no CLI): each one is a DataError naming the file."""
-    from gpufeed.errors import DataError
+    from gpufeed.core.errors import DataError
 
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -551,8 +551,8 @@ def test_a_missing_shard_is_exit_2_before_any_rank_starts(shards, tmp_path: Path
 
 
 def test_rank_failure_reports_the_first_cause_with_its_exit_code(tmp_path: Path) -> None:
-    from gpufeed.errors import GpufeedError, RunError
-    from gpufeed.launch import rank_failure
+    from gpufeed.core.errors import GpufeedError, RunError
+    from gpufeed.train.launch import rank_failure
 
     def report(rank: int, message: str, code: int, cause: bool, t: float) -> None:
         (tmp_path / f"rank-{rank}.error").write_text(json.dumps(
@@ -574,8 +574,8 @@ def test_rank_failure_reports_the_first_cause_with_its_exit_code(tmp_path: Path)
 
 def test_rank_failure_on_a_node_without_the_cause_points_to_the_other_nodes(tmp_path: Path) -> None:
     """Each node's launcher reads only its own ranks' files: a peer's death is all this node saw."""
-    from gpufeed.errors import RunError
-    from gpufeed.launch import rank_failure
+    from gpufeed.core.errors import RunError
+    from gpufeed.train.launch import rank_failure
 
     (tmp_path / "rank-0.error").write_text(json.dumps(
         {"rank": 0, "message": "unexpected RuntimeError: Connection closed by peer", "exit_code": 1, "cause": False,
@@ -590,7 +590,7 @@ def test_rank_failure_on_a_node_without_the_cause_points_to_the_other_nodes(tmp_
 def test_rank_entry_point_prints_one_sentence_and_writes_its_cause(shards, tmp_path: Path, capsys) -> None:
     """What each rank does under torchrun, in this process: a refused checkpoint (before the first step) -> 2."""
     from gpufeed.config import to_toml
-    from gpufeed.launch import main
+    from gpufeed.train.launch import main
 
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -607,7 +607,7 @@ def test_rank_entry_point_prints_one_sentence_and_writes_its_cause(shards, tmp_p
 
 
 def test_rank_entry_point_shows_a_traceback_only_when_verbose(tmp_path: Path, capsys, monkeypatch) -> None:
-    import gpufeed.launch as launch_module
+    import gpufeed.train.launch as launch_module
     from gpufeed.config import to_toml
 
     def crash(*args, **kwargs):
@@ -659,7 +659,7 @@ def test_amp_auto_resolves_per_device(monkeypatch) -> None:
 
 
 def test_amp_auto_on_cpu_trains_in_float32_and_says_so(tmp_path: Path) -> None:
-    from gpufeed.train_report import render
+    from gpufeed.train.report import render
 
     cfg = tiny(mode="synthetic", steps=1, timing_warmup_steps=0, amp="auto", num_classes=4, batch_size=2,
                image_size=16)
@@ -679,7 +679,7 @@ def _summary(device: str, rates: dict[str, float], stalls: list[float], verdict:
 
 
 def test_chart_data_puts_the_rates_side_by_side_and_the_stall_per_rank() -> None:
-    from gpufeed.train_report import chart_data
+    from gpufeed.train.report import chart_data
 
     s = _summary("cpu", {"synthetic": 3.0, "loader-only": 1500.0, "real": 2.9}, [1.0, 7.5])
     d = chart_data(s)
@@ -694,7 +694,7 @@ def test_chart_data_puts_the_rates_side_by_side_and_the_stall_per_rank() -> None
 
 
 def test_plot_summary_writes_the_png(tmp_path: Path) -> None:
-    from gpufeed.train_report import plot_summary
+    from gpufeed.train.report import plot_summary
 
     s = _summary("cpu", {"synthetic": 3.0, "loader-only": 1500.0, "real": 2.9}, [1.0, 7.5],
                  {"status": "starved", "bound": "rank imbalance"})
@@ -730,7 +730,7 @@ def test_class_lists_must_fit_the_model_and_agree_with_validation(shards, tmp_pa
 def test_a_full_disk_while_checkpointing_is_a_failed_run_exit_1(shards, tmp_path: Path, monkeypatch) -> None:
     import errno
 
-    import gpufeed.checkpoint as ck
+    import gpufeed.train.checkpoint as ck
 
     from tests.conftest import invoke
 

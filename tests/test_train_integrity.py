@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.errors import DataError
-from gpufeed.world import World
+from gpufeed.core.errors import DataError
+from gpufeed.core.world import World
 from tests.conftest import invoke, write_tar
 from tests.test_loader import cfg, write_set
 
@@ -330,7 +330,7 @@ def test_a_malformed_set_identity_is_refused(two_sets, checkpoint_of_forty, tmp_
 
 def test_the_options_are_checked_config_fields():
     from gpufeed.config import LoaderConfig, TrainConfig, load_config
-    from gpufeed.errors import ConfigError
+    from gpufeed.core.errors import ConfigError
 
     assert TrainConfig(resume_other_set=True).resume_other_set is True
     assert dataclasses.replace(LoaderConfig(), check="sha256").check == "sha256"

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from gpufeed.config import LoaderConfig, TuneConfig, load_config
-from gpufeed.errors import DataError
+from gpufeed.core.errors import DataError
 from gpufeed.tune import Decision, TrialRecord, TuneReport, trial_record, tune
-from gpufeed.world import World
+from gpufeed.core.world import World
 from tests.conftest import invoke_json, write_tar
 
 
@@ -30,7 +30,7 @@ def make_shards(dest: Path, *, classes: int = 3, per_class: int = 16, size: tupl
     import numpy as np
     from PIL import Image
 
-    from gpufeed.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
+    from gpufeed.shardset.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
 
     dest.mkdir(parents=True, exist_ok=True)
     samples = []
@@ -114,9 +114,9 @@ class ToyPipeline:
 @pytest.fixture
 def four_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """The toy pipeline models a 4-core machine; the tuner must see the same."""
-    import gpufeed.system
+    import gpufeed.core.system
 
-    monkeypatch.setattr(gpufeed.system, "usable_cpus", lambda: ToyPipeline.cores)
+    monkeypatch.setattr(gpufeed.core.system, "usable_cpus", lambda: ToyPipeline.cores)
 
 
 FAKE: dict[str, Any] = {"world": World.single(), "check_shards": None}
@@ -312,7 +312,7 @@ def test_written_config_loads_back_into_the_same_loader_config(tmp_path: Path) -
     assert pq.read_table(run / "trials.parquet").num_rows == report.num_trials
     load_config(run / "config.toml")  # the resolved config is itself a valid config file
     # gpufeed plan --record reads this run folder: summary.json names the best trial, trials.jsonl holds it
-    from gpufeed.plan import loader_rates
+    from gpufeed.memplan import loader_rates
 
     assert summary["trials"] == [] and summary["best_trial"] is not None
     best = next(t for t in report.trials if t.trial == report.best_trial)
@@ -396,7 +396,7 @@ def test_trials_take_batch_and_image_size_from_the_loader_section_unless_tune_se
 
 def test_a_fake_measure_does_not_switch_off_the_shard_set_check(tmp_path: Path) -> None:
     """The check before the first trial is its own parameter, not a test seam on the measure function."""
-    from gpufeed.errors import GpufeedError
+    from gpufeed.core.errors import GpufeedError
 
     toy = ToyPipeline()
     with pytest.raises(GpufeedError) as info:
@@ -573,7 +573,7 @@ def test_render_shows_trial_errors_and_sample_counters_in_one_line_each(tmp_path
 
 
 def test_the_storage_line_says_whether_the_best_trial_reads_at_the_storage_limit() -> None:
-    from gpufeed.storage import StorageRate
+    from gpufeed.measure.storage_rate import StorageRate
     from gpufeed.tune import render
 
     cfg = LoaderConfig(batch_size=8)
@@ -713,7 +713,7 @@ def test_cli_tune_two_ranks_fits_the_cores_and_its_aggregate_matches_an_independ
     concurrent loaders of that config, measured interleaved with tune's own 2-rank measurement."""
     import statistics
 
-    from gpufeed.system import usable_cpus
+    from gpufeed.core.system import usable_cpus
     from gpufeed.tune import measure_ranks
 
     out = tmp_path / "t.toml"

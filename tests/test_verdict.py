@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gpufeed.verdict import Verdict, VerdictInputs, classify
+from gpufeed.measure.verdict import Verdict, VerdictInputs, classify
 
 
 def test_fed_when_stall_low_and_near_the_lower_ceiling() -> None:
@@ -197,11 +197,11 @@ def test_gpu_decode_time_is_not_blamed_on_the_copy() -> None:
     assert v.bound == "copy"
 
 
-# --------------------------------------------------------------------------- gpufeed.bounds (shared with tune)
+# --------------------------------------------------------------------------- gpufeed.measure.bounds (shared with tune)
 
 
 def test_bounds_predicates_at_their_thresholds() -> None:
-    from gpufeed import bounds
+    from gpufeed.measure import bounds
 
     assert bounds.copy_limited(5.0, 10.0) and not bounds.copy_limited(4.9, 10.0)  # half of the stall
     assert not bounds.copy_limited(0.9, 1.0) and not bounds.copy_limited(None, 10.0)  # under 1 %: noise

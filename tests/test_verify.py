@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import ShardConfig
-from gpufeed.errors import DataError
-from gpufeed.manifest import Manifest, ShardInfo, write_manifest
+from gpufeed.core.errors import DataError
+from gpufeed.shardset.manifest import Manifest, ShardInfo, write_manifest
 from gpufeed.shard import write_shards
 from gpufeed.verify import render_verify, verify_shards
 from tests.conftest import WDS_SAMPLE, invoke, invoke_json, write_image, write_tar
@@ -168,7 +168,7 @@ def test_verify_reads_shards_from_the_manifest_root(tmp_path: Path) -> None:
 
 
 def test_gpufeed_set_needs_its_json_members_and_index(shard_set: Path) -> None:
-    from gpufeed.manifest import read_manifest
+    from gpufeed.shardset.manifest import read_manifest
 
     first = shard_set / "train-000000.tar"
     with tarfile.open(first) as tar:

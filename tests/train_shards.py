@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from gpufeed.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
+from gpufeed.shardset.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
 from tests.conftest import write_tar
 
 

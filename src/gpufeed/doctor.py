@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 from gpufeed.config import LoaderConfig
-from gpufeed.nvml import BENIGN_THROTTLE, decode_reasons, get, power_limit_w, read_reasons
-from gpufeed.system import mount_of
-from gpufeed.system import mounts as system_mounts
+from gpufeed.measure.nvml import BENIGN_THROTTLE, decode_reasons, get, power_limit_w, read_reasons
+from gpufeed.core.system import mount_of
+from gpufeed.core.system import mounts as system_mounts
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -123,7 +123,9 @@ def gather_facts(paths: Sequence[str] = ()) -> Facts:
     """Read the machine once. Every probe is guarded: a missing library or file becomes a fact, not an error."""
     import psutil
 
-    from gpufeed import __version__, system
+    from gpufeed import __version__
+
+    from gpufeed.core import system
 
     versions: dict[str, str | None] = {"python": sys.version.split()[0], "gpufeed": __version__}
     torch_error = None
@@ -239,10 +241,10 @@ def _nvml() -> tuple[str | None, str | None, list[GpuFacts], str | None]:
 
 
 def _path_facts(path: str, mounts: list[tuple[str, str, str]]) -> PathFacts:
-    from gpufeed.errors import GpufeedError
-    from gpufeed.manifest import manifest_path, read_manifest
-    from gpufeed.stage import staged_node
-    from gpufeed.world import node_shards
+    from gpufeed.core.errors import GpufeedError
+    from gpufeed.shardset.manifest import manifest_path, read_manifest
+    from gpufeed.shardset.manifest import staged_node
+    from gpufeed.core.world import node_shards
 
     if not os.path.exists(path):
         return PathFacts(path=path, exists=False)
@@ -318,8 +320,8 @@ def check_versions(f: Facts) -> Check:
 
 def check_tested(f: Facts) -> Check:
     """A note (warn, never a failure) when the installed torch or torchvision is not the release the test suite
-    ran with (``gpufeed.tested``, constraints.txt); the local build label (``+cu130``) is ignored."""
-    from gpufeed.tested import TESTED_VERSIONS, base_version
+    ran with (``gpufeed.core.tested``, constraints.txt); the local build label (``+cu130``) is ignored."""
+    from gpufeed.core.tested import TESTED_VERSIONS, base_version
 
     tested = ", ".join(f"{k} {v}" for k, v in TESTED_VERSIONS.items())
     differ = [f"{k} {f.versions[k]}" for k, v in TESTED_VERSIONS.items()

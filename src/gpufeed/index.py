@@ -2,25 +2,25 @@
 
 Users often already have WebDataset shards (written by webdataset's ``TarWriter``/``ShardWriter``,
 img2dataset, ...). This scans them the way the loader reads them (webdataset's key grouping, only
-image members and label members) and writes a :class:`gpufeed.manifest.Manifest` so that the loader,
+image members and label members) and writes a :class:`gpufeed.shardset.manifest.Manifest` so that the loader,
 ``tune``, ``train`` and ``verify`` work on them.
 
 - SHARDS is a folder (its ``*.tar``, ``*.tgz``, ``*.tar.gz``), a glob, a brace pattern
   (``data-{000..009}.tar``) or one file. All shards must sit in one folder.
-- Shard file names are plain local file names (:func:`gpufeed.manifest.shard_name_problem`): a shard-looking
+- Shard file names are plain local file names (:func:`gpufeed.shardset.manifest.shard_name_problem`): a shard-looking
   file whose name holds URL or shell syntax (``pipe:...``) is refused with a sentence asking to rename it.
 - Each shard is read once (sha256 included) with :class:`gpufeed.shardset.tar.TarPass` and grouped with
   :class:`gpufeed.shardset.keys.SampleGrouper`, as verify reads it, so index and verify read a shard alike: a
   tar without its end-of-archive blocks (cut short) or with a bad header after a member is refused, not
   indexed in part.
-- Labels are taken where ``--label`` says (the manifest's ``label``, :func:`gpufeed.manifest.read_label`):
+- Labels are taken where ``--label`` says (the manifest's ``label``, :func:`gpufeed.shardset.manifest.read_label`):
   ``cls`` (default, the ``.cls`` member), ``txt`` (the ``.txt`` member, as img2dataset writes captions or
   class names) or ``json:FIELD`` (a top-level FIELD of the ``.json`` member: an integer is a class index, a
   string a class name).
 - A sample is a key with an image member (``shardset.keys.READ_IMAGE_EXTENSIONS``); keys without one are
   not counted (the loader ignores them too). Counted and listed (and the exit status is 1, as verify would
   fail them): samples without a label (no label member, or no FIELD in the ``.json``), samples whose label
-  :func:`gpufeed.manifest.read_label` refuses, images no reader sees (behind a dot in the key, or a second
+  :func:`gpufeed.shardset.manifest.read_label` refuses, images no reader sees (behind a dot in the key, or a second
   image in a sample), members a sample holds twice and keys that come back after other keys. The manifest
   is written all the same.
 - Classes: ``--classes FILE``, else a ``classes.txt`` next to the shards (one name per line, in label
@@ -30,7 +30,7 @@ image members and label members) and writes a :class:`gpufeed.manifest.Manifest`
 - The manifest goes to ``--out DIR`` (default: the shard folder). When DIR is not the shard folder, the
   manifest's ``root`` holds the shard folder's absolute path.
 - The sidecar indexes of other readers (timm's ``_info.json``, ``wids.json``, DALI's ``.idx`` per plain tar:
-  :mod:`gpufeed.sidecars`) go to DIR too, before the manifest, for a local set; their shard paths are relative
+  :mod:`gpufeed.shardset.sidecars`) go to DIR too, before the manifest, for a local set; their shard paths are relative
   to DIR.
 """
 
@@ -44,15 +44,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpufeed.errors import DataError
-from gpufeed.img2dataset import Img2DatasetRecords, read_records, render_lines
-from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, SHARD_SUFFIXES,
+from gpufeed.core.errors import DataError
+from gpufeed.shardset.img2dataset import Img2DatasetRecords, read_records, render_lines
+from gpufeed.shardset.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_CLASSES, MAX_LABEL_BYTES, SHARD_SUFFIXES,
                               LabelError, Manifest, MissingLabel, ShardInfo, class_count_problem, first_duplicate,
                               label_index, label_member, label_member_bytes, label_source_problem, label_value,
                               manifest_path, shard_name_problem, write_manifest)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, TEXT_EXTENSION,
                                    UNGROUPED_FIX, KeyDigest, SampleGrouper, dotted_image, split_member)
-from gpufeed.redact import redact
+from gpufeed.core.redact import redact
 from gpufeed.shardset.source import SourceError, expand_pattern, is_pipe, is_remote, open_shard, source_name
 from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
 
@@ -116,9 +116,9 @@ class IndexReport:
     ok: bool = True
     img2dataset: Img2DatasetRecords | None = None
     """img2dataset's own records beside the shards (``NNNNN_stats.json``, ``NNNNN.parquet``), when there are any:
-    URLs tried, downloaded and failed (:mod:`gpufeed.img2dataset`)."""
+    URLs tried, downloaded and failed (:mod:`gpufeed.shardset.img2dataset`)."""
     notes: list[str] = field(default_factory=list)
-    """The sidecar indexes (``gpufeed.sidecars``) not written, and why."""
+    """The sidecar indexes (``gpufeed.shardset.sidecars``) not written, and why."""
 
 
 def _check_name(path: Path) -> None:
@@ -205,7 +205,7 @@ class ShardScan:
     """Keys without an image member."""
     sha256: str | None = None
     labels: Counter = field(default_factory=Counter)
-    """Label value (:func:`gpufeed.manifest.label_value`: a text or a JSON integer) -> samples with it."""
+    """Label value (:func:`gpufeed.shardset.manifest.label_value`: a text or a JSON integer) -> samples with it."""
     label_examples: dict = field(default_factory=dict)
     """Label value -> the first sample carrying it (``shard: key.ext``)."""
     unlabeled: Problems = field(default_factory=Problems)
@@ -306,9 +306,9 @@ def read_class_list(path: Path, set_root: Path | None = None) -> list[str]:
     """Class names in label order from a text file, one per line (blank lines skipped): at most
     :data:`MAX_CLASS_MAP_BYTES` of UTF-8, each name at most ``MAX_LABEL_BYTES``, no name twice, at most
     ``MAX_CLASSES``. Raises DataError naming the file. ``set_root``: the folder of the set the file came with
-    (``classes.txt``): a symbolic link out of it is refused, its target never read (:mod:`gpufeed.safefs`); a file
+    (``classes.txt``): a symbolic link out of it is refused, its target never read (:mod:`gpufeed.core.safefs`); a file
     the user named (``--classes``) may be a link but must be a regular file too."""
-    from gpufeed.safefs import read_set_file, read_user_file
+    from gpufeed.core.safefs import read_set_file, read_user_file
 
     try:
         if set_root is not None:
@@ -347,7 +347,7 @@ def _classes(folder: Path, labels: set, label: str, classes_file: Path | None = 
     derived from the distinct label values (texts and JSON integers). ``hint`` ends the sentence that refuses
     a set without any label. An index label at or above :data:`MAX_CLASSES` (or below 0) is no class: it is left
     out here, so it counts as a bad label. Derived integer classes ``0..max`` are refused when ``max + 1`` is more
-    than :func:`gpufeed.manifest.class_count_problem` allows for the ``labelled`` samples carrying a label."""
+    than :func:`gpufeed.shardset.manifest.class_count_problem` allows for the ``labelled`` samples carrying a label."""
     what = _describe(label)
     texts = {x for x in labels if isinstance(x, str)}
     class_map = classes_file if classes_file is not None else folder / CLASS_MAP_NAME
@@ -436,7 +436,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
     if existing.is_file():
         import json
 
-        from gpufeed.safefs import read_set_file
+        from gpufeed.core.safefs import read_set_file
 
         try:  # never read through a link out of DEST (its target's text would be quoted below)
             created_by = json.loads(read_set_file(existing, dest, 1 << 20, what="manifest", where="output folder")).get("created_by")
@@ -499,7 +499,7 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         dest.mkdir(parents=True, exist_ok=True)
         if not os.access(dest, os.W_OK):
             raise PermissionError(f"{dest} is not writable")
-        from gpufeed.sidecars import REMOTE_NOTE, write_sidecars
+        from gpufeed.shardset.sidecars import REMOTE_NOTE, write_sidecars
 
         notes = [REMOTE_NOTE] if remote else write_sidecars(
             str(dest), infos, [str(p.resolve()) for p in paths], prefix=prefix, num_classes=len(classes),

@@ -74,7 +74,7 @@ def _ranks(n: object) -> str:
 
 def warn(cfg: TrainConfig, loader: LoaderConfig, layout: LayoutConfig) -> str | None:
     """Print :func:`check` for a ``gpufeed train`` run on this node to stderr (one line) and return it."""
-    from gpufeed.system import usable_cpus
+    from gpufeed.core.system import usable_cpus
 
     device = cfg.device
     if device == "auto":

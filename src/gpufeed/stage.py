@@ -26,8 +26,8 @@ through :mod:`gpufeed.shardset.source`); DEST is a local folder. In order:
 6. ``index.parquet`` and ``_info.json`` next to the SRC manifest are copied (atomically) when present (for a
    remote SRC: when the server has them; a 404 means absent; for a local SRC each is checked before anything is
    copied: a regular file of at most ``MAX_SIDE_BYTES``, not a symbolic link out of the SRC folder, else exit 2
-   naming it: :mod:`gpufeed.safefs`); the other readers' indexes (``_info.json``,
-   ``wids.json``, DALI's ``.idx`` files: :mod:`gpufeed.sidecars`) are then written for the shards staged here,
+   naming it: :mod:`gpufeed.core.safefs`); the other readers' indexes (``_info.json``,
+   ``wids.json``, DALI's ``.idx`` files: :mod:`gpufeed.shardset.sidecars`) are then written for the shards staged here,
    and last
    the manifest is written to ``DEST/manifest.json`` with ``root`` None (the shards sit next to it), the same
    shards and counts otherwise: ``tune``, ``train`` and ``verify`` use DEST directly. While a run copies, a DEST
@@ -36,7 +36,7 @@ through :mod:`gpufeed.shardset.source`); DEST is a local folder. In order:
 Node subsets: with ``--num-nodes N`` (N > 1) and ``--node-rank n`` (each taken from the launcher's environment
 when not given: torchrun's GROUP_RANK / GROUP_WORLD_SIZE, else SLURM's SLURM_NODEID / SLURM_JOB_NUM_NODES; the
 command line wins) only node n's shards are checked, counted for free space and copied: the shards ``i`` with
-``i % N == n`` (:func:`gpufeed.world.node_shards`, the rule the loader's ``shard_split = "node"`` reads by). DEST's
+``i % N == n`` (:func:`gpufeed.core.world.node_shards`, the rule the loader's ``shard_split = "node"`` reads by). DEST's
 manifest still lists every shard of the set (counts, sizes and sha256 unchanged, so every node's loader computes
 the same batch count) and records the node in ``options["staged_node"]`` (``{"node_rank", "num_nodes",
 "num_shards"}``, read back by :func:`staged_node`, which validates it). The loader refuses such a set under
@@ -67,11 +67,12 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
 from gpufeed.config import MAX_NODES, StageConfig
-from gpufeed.errors import DataError, RunError
-from gpufeed.manifest import INDEX_NAME, MANIFEST_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, manifest_path, \
+from gpufeed.core.errors import DataError, RunError
+from gpufeed.shardset.manifest import INDEX_NAME, MANIFEST_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, manifest_path, \
     read_manifest, write_manifest
-from gpufeed.records import atomic_writer, fsync_dir, write_json
-from gpufeed.world import node_from_env, node_shards
+from gpufeed.core.records import atomic_writer, fsync_dir, write_json
+from gpufeed.core.world import node_from_env, node_shards
+from gpufeed.shardset.manifest import STAGED_NODE
 
 STATE_DIR = ".gpufeed-stage"
 LOCK_NAME = "lock"
@@ -85,8 +86,6 @@ SIDE_FILES = (INDEX_NAME, TIMM_INFO_NAME)
 """Files next to the SRC manifest that are copied along when present."""
 _RAM_FS = ("tmpfs", "ramfs")
 _MAX_SIDECAR_BYTES = 4096
-STAGED_NODE = "staged_node"
-"""The key of a node-staged DEST manifest's ``options`` that records the node (:func:`staged_node`)."""
 NODE_REMINDER = ('train with [loader] shard_split = "node" (the global split refuses this set: the other nodes\' '
                  'shards are not here)')
 
@@ -120,25 +119,11 @@ class StageReport:
     """Shards of the whole set (``num_shards`` counts those staged here)."""
 
 
-def staged_node(m: Manifest, where: str = "manifest") -> tuple[int, int] | None:
-    """``(node_rank, num_nodes)`` of a DEST staged for one node (its manifest's ``options["staged_node"]``), None
-    for a whole set. The record is untrusted: a malformed one is a DataError (one sentence naming ``where``)."""
-    rec = m.options.get(STAGED_NODE) if isinstance(m.options, dict) else None
-    if rec is None:
-        return None
-    keys = ("node_rank", "num_nodes", "num_shards")
-    if not isinstance(rec, dict) or set(rec) != set(keys) or any(type(rec[k]) is not int for k in keys):
-        raise DataError(f"{where}: options.{STAGED_NODE} must be an object of the integers {', '.join(keys)}")
-    n, N, k = rec["node_rank"], rec["num_nodes"], rec["num_shards"]
-    if not (2 <= N <= len(m.shards) and 0 <= n < N) or k != len(node_shards(len(m.shards), n, N)):
-        raise DataError(f"{where}: options.{STAGED_NODE} (node {n} of {N}, {k} shards) does not fit the manifest's "
-                        f"{len(m.shards)} shards")
-    return n, N
 
 
 def node_of(cfg: StageConfig, environ: dict[str, str] | None = None) -> tuple[int, int]:
     """``(node_rank, num_nodes)`` to stage for: the command line's, each missing one from the launcher's environment
-    (:func:`gpufeed.world.node_from_env`; ignored when its node count differs from the command line's), else node 0
+    (:func:`gpufeed.core.world.node_from_env`; ignored when its node count differs from the command line's), else node 0
     of 1. Refuses a rank outside 0..num_nodes-1."""
     env_rank, env_nodes = node_from_env(environ)
     if cfg.num_nodes is not None and env_nodes != cfg.num_nodes:
@@ -171,7 +156,7 @@ class LocalSource:
 
     def open(self, name: str) -> BinaryIO:
         # safefs: a FIFO or a link out of the set swapped in after problem() is refused, never read
-        from gpufeed.safefs import open_set_file
+        from gpufeed.core.safefs import open_set_file
 
         try:
             fd = open_set_file(self.path(name), self.root, what="source shard")
@@ -320,7 +305,7 @@ def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
     if any(dest.resolve() == d.resolve() for d in src_dirs):
         raise DataError(f"DEST {dest} is the SRC folder; choose another folder")
     state = dest / STATE_DIR
-    from gpufeed.safefs import make_state_folder
+    from gpufeed.core.safefs import make_state_folder
 
     make_state_folder(state, what="stage state folder")  # a link there is refused: its target would get our files
     lock = _lock(state / LOCK_NAME, dest)
@@ -345,10 +330,10 @@ MAX_SIDE_BYTES = 16 << 30
 
 
 def _local_sides(folder: Path) -> list[_Side]:
-    """The side files next to a local SRC manifest, each checked now (:func:`gpufeed.safefs.open_set_file`: a
+    """The side files next to a local SRC manifest, each checked now (:func:`gpufeed.core.safefs.open_set_file`: a
     regular file of at most ``MAX_SIDE_BYTES``, no symbolic link out of ``folder``; refused in one sentence naming
     it, before anything is copied) and opened the same way when it is copied."""
-    from gpufeed.safefs import open_set_file
+    from gpufeed.core.safefs import open_set_file
 
     sides = []
     for name in SIDE_FILES:
@@ -366,7 +351,7 @@ def _local_sides(folder: Path) -> list[_Side]:
 
 
 def _opener(path: Path, folder: Path) -> Callable[[], BinaryIO]:
-    from gpufeed.safefs import open_set_file
+    from gpufeed.core.safefs import open_set_file
 
     return lambda: os.fdopen(open_set_file(path, folder, max_bytes=MAX_SIDE_BYTES, what=f"SRC's {path.name}"), "rb")
 
@@ -461,7 +446,7 @@ def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], sour
                     copied += len(data)
                     if copied > side.size:
                         raise RunError(f"SRC's {side.name} grew while it was copied; it was not staged")
-    from gpufeed.sidecars import write_sidecars
+    from gpufeed.shardset.sidecars import write_sidecars
 
     # the other readers' indexes, for the shards staged here (their paths relative to DEST; _info.json rewritten)
     with _writing(dest, "the set at DEST is incomplete"):
@@ -489,7 +474,7 @@ def _copy_all(source: LocalSource | RemoteSource, todo: list[ShardInfo], dest: P
     is raised once they have cleaned up."""
     bar = None
     if progress:
-        from gpufeed.progress import bar as progress_bar
+        from gpufeed.core.progress import bar as progress_bar
 
         bar = progress_bar(total=sum(i.bytes for i in todo), desc="stage", unit="B", unit_scale=True,
                            unit_divisor=1000, smoothing=0.1)
@@ -558,7 +543,7 @@ def _complete(dest: Path, state: Path, info: ShardInfo) -> bool:
 def _read_sidecar(path: Path) -> dict[str, Any] | None:
     import json
 
-    from gpufeed.safefs import read_set_file
+    from gpufeed.core.safefs import read_set_file
 
     try:  # our own state, still never read through a link out of it (refused: re-hashed instead)
         raw = read_set_file(path, path.parent, _MAX_SIDECAR_BYTES, what="stage sidecar", where="state folder")
@@ -582,8 +567,8 @@ def _refuse_other_set(dest: Path, m: Manifest) -> None:
 
 
 def _on_ram_fs(path: Path) -> bool:
-    """Whether ``path`` is on tmpfs or ramfs (:func:`gpufeed.system.mount_of`); False where unknown."""
-    from gpufeed.system import mount_of
+    """Whether ``path`` is on tmpfs or ramfs (:func:`gpufeed.core.system.mount_of`); False where unknown."""
+    from gpufeed.core.system import mount_of
 
     return mount_of(path)[2] in _RAM_FS
 
@@ -593,7 +578,7 @@ def _lock(path: Path, dest: Path) -> int:
     its holder. Close-on-exec, so it dies with this process."""
     import fcntl
 
-    from gpufeed.safefs import lock_file
+    from gpufeed.core.safefs import lock_file
 
     fd = lock_file(path, what="stage lock")  # never through a link: a link there is replaced, its target untouched
     try:

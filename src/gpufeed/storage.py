@@ -57,8 +57,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from gpufeed.config import IoConfig
-from gpufeed.errors import DataError
-from gpufeed.records import read_json_file
+from gpufeed.measure.storage_rate import StorageRate
+from gpufeed.core.errors import DataError
+from gpufeed.core.records import read_json_file
 
 READ_SIZE = 8 << 20
 """Bytes per read of a sequential reader (and of a large image file)."""
@@ -207,15 +208,15 @@ def _shards_here(m: Any, where: str) -> list[int]:
     """Indices of the shards a set holds: all of them, or for a set staged for one node (``gpufeed stage
     --num-nodes``, :func:`gpufeed.stage.staged_node`) that node's own, the only ones there and the only ones its
     loader reads."""
-    from gpufeed.stage import staged_node
-    from gpufeed.world import node_shards
+    from gpufeed.shardset.manifest import staged_node
+    from gpufeed.core.world import node_shards
 
     staged = staged_node(m, where)
     return list(range(len(m.shards))) if staged is None else node_shards(len(m.shards), *staged)
 
 
 def _shard_location(path: Path) -> _Location:
-    from gpufeed.manifest import manifest_path, read_manifest
+    from gpufeed.shardset.manifest import manifest_path, read_manifest
 
     m = read_manifest(path)
     root = manifest_path(path).parent
@@ -280,12 +281,12 @@ def resolve_location(path: str | Path, max_files: int) -> _Location:
 
 
 def filesystem_of(path: str | Path) -> tuple[str, str]:
-    """(filesystem type, mount point) of ``path`` (:func:`gpufeed.system.mount_of`); ("unknown", "") where
+    """(filesystem type, mount point) of ``path`` (:func:`gpufeed.core.system.mount_of`); ("unknown", "") where
     /proc/mounts cannot be read. For a URL: (its scheme, its host or bucket)."""
-    from gpufeed.system import mount_of
+    from gpufeed.core.system import mount_of
 
     if isinstance(path, str) and "://" in path:
-        from gpufeed.redact import split_url
+        from gpufeed.core.redact import split_url
 
         scheme, _, host, _ = split_url(path)  # the host only: a password is no part of a record
         return scheme, host
@@ -483,7 +484,7 @@ def reader_ladder(max_readers: int) -> list[int]:
 
 
 def default_max_readers() -> int:
-    from gpufeed.system import usable_cpus
+    from gpufeed.core.system import usable_cpus
 
     return min(16, 4 * usable_cpus())
 
@@ -604,8 +605,8 @@ def measure_io(paths: list[str], cfg: IoConfig, *, opener: Opener = local_open,
 def _write_run(report: IoReport, cfg: IoConfig) -> IoReport:
     import dataclasses
 
-    from gpufeed.records import atomic_write_text, make_run_dir, write_json
-    from gpufeed.system import environment_snapshot
+    from gpufeed.core.records import atomic_write_text, make_run_dir, write_json
+    from gpufeed.core.system import environment_snapshot
 
     run = Path(cfg.run_dir) if cfg.run_dir else make_run_dir("io")
     run.mkdir(parents=True, exist_ok=True)
@@ -615,7 +616,7 @@ def _write_run(report: IoReport, cfg: IoConfig) -> IoReport:
     try:
         plot_io(report, run / CHART_NAME)
     except Exception as exc:  # a chart failure is noted, the records stand
-        from gpufeed.errors import one_line
+        from gpufeed.core.errors import one_line
 
         chart = None
         report = dataclasses.replace(report, notes=[*report.notes, f"no chart: {one_line(exc)}"])
@@ -663,7 +664,7 @@ def plot_io(report: IoReport, path: str | Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    from gpufeed.records import atomic_writer
+    from gpufeed.core.records import atomic_writer
 
     try:
         with atomic_writer(path) as f:
@@ -728,25 +729,6 @@ PROBE_BYTES = 1 << 30
 """Bytes a probe reads at most, over all its steps."""
 
 
-@dataclass(frozen=True)
-class StorageRate:
-    """What the storage of a shard set delivers, as ``train --measure`` and ``tune`` record it (``storage`` in
-    their summary.json)."""
-
-    bytes_per_s: float
-    """The best rate of the ladder (cold where cold was measured)."""
-    source: str
-    """probe, io record or --storage-rate."""
-    readers: int | None = None
-    """Parallel readers of the best rate (None: --storage-rate)."""
-    cache: str | None = None
-    """cold or warm: the page cache state the rate was read in; remote for a remote set (None: --storage-rate)."""
-    seconds: float | None = None
-    """The probe's reading time, all steps (None: not a probe)."""
-    ladder: list[tuple[int, float]] = field(default_factory=list)
-    """(readers, bytes/s) of each step, reader counts ascending."""
-    path: str | None = None
-    """The location measured."""
 
 
 def probe(location: str | Path, seconds: float = 3.0, *, max_readers: int | None = None,
@@ -847,7 +829,7 @@ def io_record_rate(record_path: str | Path, shards: str | Path) -> StorageRate:
 def _folder(path: str | Path) -> str:
     """The real folder of a shard set given as its folder or its manifest .json (a URL: the folder URL, its
     password hidden as records hide it, so the URL typed matches the one an io record holds)."""
-    from gpufeed.redact import redact
+    from gpufeed.core.redact import redact
     from gpufeed.shardset.source import is_url, normal_url
 
     if is_url(path):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufeed.config import SynthConfig
-from gpufeed.errors import ConfigError, DataError
+from gpufeed.core.errors import ConfigError, DataError
 
 # Colour photographs bundled with scikit-image (no download needed).
 _COLOUR_SOURCES = (
@@ -93,7 +93,7 @@ class _ImageStat:
 
 def synthesize(cfg: SynthConfig) -> SynthReport:
     """Write ``cfg.images`` JPEGs in ``cfg.classes`` class folders under ``cfg.dest``."""
-    from gpufeed.system import usable_cpus
+    from gpufeed.core.system import usable_cpus
 
     if not cfg.dest:
         raise ConfigError("synth needs a destination folder (DEST)")
@@ -114,7 +114,7 @@ def synthesize(cfg: SynthConfig) -> SynthReport:
         for job in jobs:
             stats.extend(_render_range(job))
     else:
-        from gpufeed.system import process_pool
+        from gpufeed.core.system import process_pool
 
         with process_pool(workers, initializer=_load_sources) as pool:
             for part in pool.map(_render_range, jobs):

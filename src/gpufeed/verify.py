@@ -6,7 +6,7 @@ reads to the end and ends with its end-of-archive blocks (gzip shards of foreign
 count matches, every member name is ``KEY.ext``, keys are unique across the whole set and each key's members
 are consecutive (grouped), no sample holds a member twice, each sample has exactly one image member and a
 label, where the manifest's label source says (``.cls``, ``.txt`` or a field of ``.json``), that
-:func:`gpufeed.manifest.read_label` accepts (the loader's rule), every image is at most
+:func:`gpufeed.shardset.manifest.read_label` accepts (the loader's rule), every image is at most
 ``max_pixels`` (width x height, read from its header before any pixel is decoded) and (``decode``, default on)
 decodes to 3-channel RGB with Pillow. For sets written by ``gpufeed shard``, each sample must have a ``KEY.json``
 that parses, names the class of the label, and carries the sha256 of the image member, which pins a flipped bit
@@ -17,7 +17,7 @@ samples. The shards are looked up in the manifest's ``root`` when it has one. Ev
 shard, member and reason; ``ok`` is True when there is none. Shard-like files in the set's folder that the
 manifest does not list are a warning (the loader never reads them), not a failure. A set staged for one node
 (``gpufeed stage --num-nodes N --node-rank n``; its manifest's ``options["staged_node"]``) is checked for the
-shards staged there only (:func:`gpufeed.world.node_shards`): the other nodes' shards are absent by design, and
+shards staged there only (:func:`gpufeed.core.world.node_shards`): the other nodes' shards are absent by design, and
 index.parquet's rows and the sample count are compared for those shards only.
 
 Shards are read with :class:`gpufeed.shardset.tar.TarPass` and grouped with
@@ -39,16 +39,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from gpufeed.config import LoaderConfig
-from gpufeed.errors import one_line
-from gpufeed.manifest import (DEFAULT_LABEL_SOURCE, INDEX_NAME, SHARD_SUFFIXES, LabelError, MissingLabel, label_member,
+from gpufeed.core.errors import one_line
+from gpufeed.shardset.manifest import (DEFAULT_LABEL_SOURCE, INDEX_NAME, SHARD_SUFFIXES, LabelError, MissingLabel, label_member,
                               manifest_path, read_label)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image,
                                    split_member)
-from gpufeed.redact import redact
+from gpufeed.core.redact import redact
 from gpufeed.shardset.source import SourceError, is_pipe, is_remote, open_set, open_shard, remote_size
 from gpufeed.shardset.tar import MAX_MEMBER_BYTES, TarFormatError, TarPass, TruncatedMember, file_problem
-from gpufeed.stage import staged_node
-from gpufeed.world import node_shards
+from gpufeed.shardset.manifest import staged_node
+from gpufeed.core.world import node_shards
 
 _KNOWN = set(READ_IMAGE_EXTENSIONS) | {LABEL_EXTENSION, META_EXTENSION, "txt", "cls2", "pth", "npy", "id"}
 
@@ -259,7 +259,7 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
                   max_pixels: int = DEFAULT_MAX_PIXELS, manifest: str | Path | None = None) -> VerifyReport:
     """Verify the shard set at ``path``: any spec :func:`gpufeed.shardset.source.open_set` takes (a folder or
     manifest.json, a URL, a brace pattern or ``pipe:`` command with ``manifest``). Input errors raise DataError."""
-    from gpufeed.system import usable_cpus
+    from gpufeed.core.system import usable_cpus
 
     t0 = time.perf_counter()
     shard_set = open_set(path, manifest)
@@ -285,7 +285,7 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
             for i in here]
     workers = min(workers or usable_cpus(), max(1, len(jobs)))
     if workers > 1:
-        from gpufeed.system import process_pool
+        from gpufeed.core.system import process_pool
 
         with process_pool(workers) as ex:
             results = list(ex.map(_verify_shard, *zip(*jobs)))

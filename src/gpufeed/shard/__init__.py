@@ -2,7 +2,7 @@
 
 Pipeline (the format it writes: docs/design.md §2): scan -> validate (parallel, batched per task) -> plan
 (seeded shuffle, N equal shards) -> write -> ``index.parquet``, the other readers' indexes (timm's ``_info.json``,
-``wids.json``, DALI's ``.idx`` per shard, written from the layout the writer wrote: ``gpufeed.sidecars``) and, last
+``wids.json``, DALI's ``.idx`` per shard, written from the layout the writer wrote: ``gpufeed.shardset.sidecars``) and, last
 and atomically, ``manifest.json``.
 With ``--check header`` and no transcoding option, validate, plan and write are first tried as one pass ("One
 pass" below).

@@ -10,12 +10,12 @@ import re
 import shutil
 
 from gpufeed.config import ShardConfig
-from gpufeed.errors import DataError, GpufeedError, RunError
+from gpufeed.core.errors import DataError, GpufeedError, RunError
 from gpufeed.shard.shardplan import _SHARD_RE, PLAN_NAME, _Plan, _read_plan
 
 STATE_DIR = ".gpufeed"
 _IDX_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.idx$")
-"""A shard's DALI index (``gpufeed.sidecars``): one of our outputs."""
+"""A shard's DALI index (``gpufeed.shardset.sidecars``): one of our outputs."""
 _IDX_TMP_RE = re.compile(r"^\.[A-Za-z0-9_-]+-\d{6}\.idx\..*\.tmp$")
 LOCK_NAME = "lock"
 
@@ -30,7 +30,7 @@ def _lock(dest: str, cfg: ShardConfig) -> int:
     a lock the next run simply takes."""
     import fcntl
 
-    from gpufeed.safefs import lock_file
+    from gpufeed.core.safefs import lock_file
 
     path = os.path.join(dest, STATE_DIR, LOCK_NAME)
     try:  # never through a link: a link there is replaced by a regular file, its target left untouched

@@ -1,5 +1,5 @@
 """Phase 5, finish: once every shard is complete, ``index.parquet`` (built and written a row group at a time),
-the sidecar indexes (timm's ``_info.json``, wids' ``wids.json``, DALI's ``.idx`` files: ``gpufeed.sidecars``) and,
+the sidecar indexes (timm's ``_info.json``, wids' ``wids.json``, DALI's ``.idx`` files: ``gpufeed.shardset.sidecars``) and,
 last and atomically, ``manifest.json`` (docs/design.md §2)."""
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def _write_index(path: str, plan: _Plan) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from gpufeed.manifest import INDEX_DICTIONARY_COLUMNS, index_table
-    from gpufeed.records import atomic_writer
+    from gpufeed.shardset.manifest import INDEX_DICTIONARY_COLUMNS, index_table
+    from gpufeed.core.records import atomic_writer
     from gpufeed.shardset.keys import KeyDigest
 
     order = plan.cols["order"]
@@ -122,8 +122,8 @@ def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]
     import pyarrow as pa
 
     from gpufeed import __version__
-    from gpufeed.manifest import INDEX_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
-    from gpufeed.sidecars import write_sidecars
+    from gpufeed.shardset.manifest import INDEX_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
+    from gpufeed.shardset.sidecars import write_sidecars
 
     # The index's arrays come from the system allocator (``_map_large_blocks``: its large blocks go back to the OS
     # when freed); pyarrow's default pool (mimalloc or jemalloc) keeps what it frees for a while.
@@ -146,7 +146,7 @@ def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]
         url_pattern=brace_pattern(names), options=options, created_by="gpufeed shard",
         gpufeed_version=__version__,
     )
-    # timm's _info.json, wids.json and DALI's .idx files (gpufeed.sidecars), from the manifest and the shards
+    # timm's _info.json, wids.json and DALI's .idx files (gpufeed.shardset.sidecars), from the manifest and the shards
     notes += write_sidecars(dest, shard_infos, [os.path.join(dest, name) for name in names], prefix=cfg.prefix,
                             num_classes=len(plan.classes), compression=None,
                             name=os.path.basename(dest.rstrip("/")) or "gpufeed", indexed=indexed)

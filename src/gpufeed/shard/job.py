@@ -11,8 +11,8 @@ import time
 from typing import Any, Callable, NamedTuple
 
 from gpufeed.config import ShardConfig
-from gpufeed.errors import DataError
-from gpufeed.safefs import make_state_folder, open_regular
+from gpufeed.core.errors import DataError
+from gpufeed.core.safefs import make_state_folder, open_regular
 from gpufeed.shard.dest import (LOCK_NAME, STATE_DIR, _atomic_leftover, _cache_bytes, _check_free_space,
                                 _clear_cache, _load_plan, _lock, _os_error)
 from gpufeed.shard.finish import _finish
@@ -37,7 +37,7 @@ def write_shards(cfg: ShardConfig, progress: bool = True) -> ShardReport:
         raise DataError(f"DEST {cfg.dest} is inside SRC {cfg.src}; choose a folder outside the input")
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise DataError(f"DEST {cfg.dest} exists and is not a folder")
-    from gpufeed.system import usable_cpus
+    from gpufeed.core.system import usable_cpus
 
     workers = cfg.workers or usable_cpus()
     options = _options(cfg)
@@ -468,10 +468,10 @@ def _preload(load: Callable[[], None]) -> None:
 
 
 def _make_pool(workers: int, lock_fd: int) -> tuple[Any, Any]:
-    """The job's process pool (:func:`gpufeed.system.process_pool`: fork where safe, else spawn; workers die with
+    """The job's process pool (:func:`gpufeed.core.system.process_pool`: fork where safe, else spawn; workers die with
     this process and a forked one closes its copy of the DEST lock), started at once so that its start-up
     overlaps the scan."""
-    from gpufeed.system import process_pool
+    from gpufeed.core.system import process_pool
 
     ex = process_pool(workers, close_fds=(lock_fd,))
     ex.submit(_noop)  # start the workers now (spawn: their start-up overlaps the scan)

@@ -113,9 +113,9 @@ class _Bar:
     def start(self, desc: str, total: int) -> None:
         if not self.enabled:
             return
-        from gpufeed.progress import bar
+        from gpufeed.core.progress import bar
 
-        if self.bar is None:  # drawn only on a terminal (gpufeed.progress); notes are printed either way
+        if self.bar is None:  # drawn only on a terminal (gpufeed.core.progress); notes are printed either way
             self.bar = bar(total=total, desc=desc, unit="img", smoothing=0.1)
         else:
             self.bar.reset(total=total)

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from gpufeed.errors import DataError
+from gpufeed.core.errors import DataError
 from gpufeed.shard.report import FileIssue
 
 CANDIDATE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -76,7 +76,7 @@ class _Scan:
     """Per class: files rejected because the same file (device, inode) is already stored under another path."""
     notes: list[str] = field(default_factory=list)
     """Class folders reached through a symbolic link that leads out of SRC, each named with where it points
-    (:func:`gpufeed.safefs.folder_link_note`); the job reports them as warnings."""
+    (:func:`gpufeed.core.safefs.folder_link_note`); the job reports them as warnings."""
     hidden_dirs: list[str] = field(default_factory=list)
     """Hidden folders at SRC's root that were not made classes (``classes_like = "gpufeed"``), as recorded:
     ImageFolder would count each as a class."""
@@ -184,7 +184,7 @@ def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpu
     import numpy as np
     from array import array
 
-    from gpufeed.safefs import folder_link_note
+    from gpufeed.core.safefs import folder_link_note
 
     like_imagefolder = classes_like == "imagefolder"
     classes: list[str] = []

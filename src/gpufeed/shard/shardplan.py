@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from gpufeed.config import ShardConfig
-from gpufeed.errors import DataError
+from gpufeed.core.errors import DataError
 from gpufeed.shard.report import FileIssue
 from gpufeed.shard.scan import _display, _Scan, _Strings
 from gpufeed.shard.validate import _ACTIONS, _CACHE_RE, _COLUMNS, _EXTS, _cache_name, _Results
@@ -249,7 +249,7 @@ def _save_plan(state: str, plan: _Plan) -> None:
     ``plan.json`` (the metadata, each column's dtype, shape and offset, and plan.bin's sha256)."""
     import numpy as np
 
-    from gpufeed.records import atomic_write_bytes, atomic_writer
+    from gpufeed.core.records import atomic_write_bytes, atomic_writer
 
     arrays = {**plan.cols, "path_offsets": plan.paths.offsets,
               "path_blob": np.frombuffer(plan.paths.blob, dtype=np.uint8)}
@@ -287,7 +287,7 @@ def _read_plan(state: str) -> _Plan | None:
     offset and index is checked before use: the state folder is data too)."""
     import numpy as np
 
-    from gpufeed.safefs import open_set_file, read_set_file
+    from gpufeed.core.safefs import open_set_file, read_set_file
 
     try:  # never through a link out of the state folder, and bounded (safefs)
         meta = json.loads(read_set_file(os.path.join(state, PLAN_NAME), state, _MAX_PLAN_JSON_BYTES, what="plan",

@@ -339,7 +339,7 @@ def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = 
         results.append(r)
     if blobs:
         assert cache is not None
-        from gpufeed.records import atomic_write_bytes
+        from gpufeed.core.records import atomic_write_bytes
 
         atomic_write_bytes(cache, b"".join(blobs))
     return _batch_columns(results)

@@ -20,8 +20,8 @@ import tarfile
 from json.encoder import encode_basestring
 from typing import Any, Callable, NamedTuple
 
-from gpufeed.errors import RunError
-from gpufeed.safefs import open_regular
+from gpufeed.core.errors import RunError
+from gpufeed.core.safefs import open_regular
 from gpufeed.shard.dest import STATE_DIR
 from gpufeed.shard.report import _Bar
 from gpufeed.shard.scan import _display
@@ -220,8 +220,8 @@ def _around_image(key: str, ext: str, img_len: int, cls_b: bytes, json_b: bytes)
 def _open_cache(path: str) -> Any:
     """A transcode cache file of the state folder, never through a link out of it (safefs: its target's bytes
     would go into a shard) and only a regular file; RunError naming it otherwise."""
-    from gpufeed.errors import DataError
-    from gpufeed.safefs import open_set_file
+    from gpufeed.core.errors import DataError
+    from gpufeed.core.safefs import open_set_file
 
     try:
         return os.fdopen(open_set_file(path, os.path.dirname(path), what="transcode cache", where="state folder"), "rb")
@@ -231,7 +231,7 @@ def _open_cache(path: str) -> Any:
 
 
 def _idx_line(key: str, ext: str, offset: int, img_len: int, cls_len: int, json_len: int) -> str:
-    """The DALI index line (``gpufeed.sidecars``: ``EXT OFFSET SIZE NAME`` a member, OFFSET where its data starts)
+    """The DALI index line (``gpufeed.shardset.sidecars``: ``EXT OFFSET SIZE NAME`` a member, OFFSET where its data starts)
     of one sample written at ``offset``, its members laid out as ``_around_image`` lays them (each behind one
     512-byte header). The tests check it against the index read back from the tar's headers."""
     cls_at = offset + 512
@@ -245,7 +245,7 @@ def _idx_line(key: str, ext: str, offset: int, img_len: int, cls_len: int, json_
 
 def _dali_index(lines: list[str]) -> bytes | None:
     """A shard's DALI index from its samples' ``_idx_line``."""
-    from gpufeed.sidecars import dali_file
+    from gpufeed.shardset.sidecars import dali_file
 
     return dali_file(lines) if lines else None
 
@@ -323,7 +323,7 @@ class _OnePassShard(NamedTuple):
     size: int = 0
     sha256: str = ""
     idx: bytes | None = None
-    """The shard's DALI index (``gpufeed.sidecars``)."""
+    """The shard's DALI index (``gpufeed.shardset.sidecars``)."""
 
 
 def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
@@ -429,7 +429,7 @@ class _ShardJob:
             members.append(_idx_line(s.key, s.ext, pos, s.img_len, len(cls_b), len(json_b)))
             pos += 3 * 512 + _padded(s.img_len) + _padded(len(cls_b)) + _padded(len(json_b))
         self.idx = _dali_index(members)
-        """The shard's DALI index (``gpufeed.sidecars``), from the layout."""
+        """The shard's DALI index (``gpufeed.shardset.sidecars``), from the layout."""
         self.size = pos + 1024 + (-(pos + 1024) % tarfile.RECORDSIZE)  # end-of-archive, padded like tarfile
         # Contiguous runs of samples, each one write task: [(items, end offset, image bytes)].
         self.ranges: list[tuple[list[_Item], int, int]] = []
@@ -492,8 +492,8 @@ def _finish_shard(dest: str, name: str, size: int, num_samples: int, digest: str
     verify compare the file with the sha256 its (durable) sidecar records, so a torn shard is rewritten, never
     trusted.
     """
-    from gpufeed.records import atomic_write_bytes
-    from gpufeed.sidecars import idx_name
+    from gpufeed.core.records import atomic_write_bytes
+    from gpufeed.shardset.sidecars import idx_name
 
     if idx is not None:
         atomic_write_bytes(os.path.join(dest, idx_name(name)), idx)
@@ -516,8 +516,8 @@ def _shard_complete(dest: str, name: str) -> dict[str, Any] | None:
     """The sidecar of a complete shard whose file still matches it, else None."""
     side = os.path.join(dest, STATE_DIR, f"{name}.done.json")
     path = os.path.join(dest, name)
-    from gpufeed.errors import DataError
-    from gpufeed.safefs import read_set_file
+    from gpufeed.core.errors import DataError
+    from gpufeed.core.safefs import read_set_file
 
     try:  # bounded, and never through a link out of the state folder (safefs)
         info = json.loads(read_set_file(side, os.path.dirname(side), 1 << 16, what="shard sidecar", where="state folder"))

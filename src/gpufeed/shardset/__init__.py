@@ -7,6 +7,6 @@
   ``ustar_header``), the lean sample reader (``iter_samples``) and the checking pass of index and verify
   (``TarPass``).
 
-The manifest, the index table schema, the label rule and shard names are :mod:`gpufeed.manifest`. Nothing here
+The manifest, the index table schema, the label rule and shard names are :mod:`gpufeed.shardset.manifest`. Nothing here
 imports torch.
 """

@@ -6,7 +6,7 @@ object streamed in ranges through fsspec (never downloaded whole), retried from 
 
 Trust: only what the user typed (a folder, URL, brace pattern or ``pipe:`` command, and ``manifest=``) is ever
 handed to fsspec or a shell. Shard names and ``root`` come from the manifest, which is data: names are plain file
-names (:func:`gpufeed.manifest.shard_name_problem`), and for a remote set ``root`` must be a relative path without
+names (:func:`gpufeed.shardset.manifest.shard_name_problem`), and for a remote set ``root`` must be a relative path without
 ``..``; both are joined to the user's base URL (URL-quoted for http and https; s3 and gs keys are literal).
 
 Torch-free; fsspec (and aiohttp, s3fs, gcsfs) are imported only when a remote location is opened.
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from gpufeed.errors import DataError
-from gpufeed.manifest import (
+from gpufeed.core.errors import DataError
+from gpufeed.shardset.manifest import (
     MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, SHARD_SUFFIXES, Manifest, manifest_path, parse_manifest,
     read_manifest,
     root_problem,
@@ -247,7 +247,7 @@ def _endpoint_note(url: str) -> str:
     variables gpufeed reads; empty for other URLs."""
     if not url.startswith("s3://"):
         return ""
-    from gpufeed.redact import redact
+    from gpufeed.core.redact import redact
 
     client = getattr(_FS.get((os.getpid(), "s3")), "_s3", None)
     tried = getattr(getattr(client, "meta", None), "endpoint_url", None)

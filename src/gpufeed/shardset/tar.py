@@ -429,11 +429,11 @@ def file_problem(path: str | os.PathLike, set_root: str | os.PathLike | None = N
     """Why ``path`` cannot be read as a shard file (``"is missing"``, ``"is a FIFO, not a regular file"``, ...),
     or None for a regular file (a symbolic link to one included). Never opens the path (a FIFO would block).
     ``set_root``: the folder of the set the shard belongs to; a symbolic link out of it is a problem too
-    (:func:`gpufeed.safefs.set_link_problem`)."""
+    (:func:`gpufeed.core.safefs.set_link_problem`)."""
     import stat
 
     if set_root is not None:
-        from gpufeed.safefs import set_link_problem
+        from gpufeed.core.safefs import set_link_problem
 
         why = set_link_problem(path, set_root)
         if why:

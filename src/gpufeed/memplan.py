@@ -21,7 +21,7 @@ linear in the batch size through the two measurements - the estimate is the high
 floor line weights + optimizer state + activations - then checked against a third measured step.
 
 Cores: a tune or train summary.json gives the loader's samples/s per busy core; the target rate over it is the
-loader cores one GPU needs, compared with this machine's usable cores per GPU (:func:`gpufeed.system.usable_cpus`).
+loader cores one GPU needs, compared with this machine's usable cores per GPU (:func:`gpufeed.core.system.usable_cpus`).
 
 ``plan`` returns a :class:`PlanReport` (``ok`` false, exit 1, when the batch does not fit the memory or the cores
 per GPU are too few); :func:`render` turns it into text.
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gpufeed.config import MAX_BATCH_SIZE, PlanConfig
-from gpufeed.errors import ConfigError, DataError
+from gpufeed.core.errors import ConfigError, DataError
 
 MAX_RECORD_BYTES = 64 << 20
 """Largest tune/train summary.json read (a tune summary with thousands of trials is a few MiB)."""
@@ -391,7 +391,7 @@ def _per_core(value: float, path: str) -> float:
 def loader_rates(path: str) -> tuple[float, str, float | None, str | None]:
     """From a tune or train summary.json: (loader samples/s per busy core, where from, the GPU's samples/s per
     rank or None, where from). A DataError in one sentence when the file holds neither."""
-    from gpufeed.records import read_json_file
+    from gpufeed.core.records import read_json_file
 
     data = read_json_file(path, MAX_RECORD_BYTES, "a gpufeed tune or train summary.json")
     if not isinstance(data, dict):
@@ -467,7 +467,7 @@ def plan_cores(cfg: PlanConfig, gpus: int) -> CoresPlan | None:
     """The cores-per-GPU answer, or None without a record."""
     if cfg.record is None:
         return None
-    from gpufeed.system import usable_cpus
+    from gpufeed.core.system import usable_cpus
 
     per_core, rate_source, gpu_rate, gpu_source = loader_rates(cfg.record)
     if cfg.target_rate is not None:
@@ -572,7 +572,7 @@ def plan(cfg: PlanConfig) -> PlanReport:
 def _cpu_name() -> str:
     import platform
 
-    from gpufeed.system import usable_cpus
+    from gpufeed.core.system import usable_cpus
 
     name = platform.processor() or platform.machine()
     try:

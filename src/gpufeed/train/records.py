@@ -1,5 +1,5 @@
 """The records of a ``gpufeed train`` run (what ``summary.json`` and ``log.jsonl`` hold; docs/design.md §4, §5;
-``gpu_health.jsonl`` is :mod:`gpufeed.health`'s)
+``gpu_health.jsonl`` is :mod:`gpufeed.measure.health`'s)
 and :func:`aggregate`, which turns the ranks' timings of one mode into its record."""
 
 from __future__ import annotations
@@ -7,46 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufeed.health import GpuHealth
-from gpufeed.metrics import Stat
-from gpufeed.storage import StorageRate
-from gpufeed.verdict import Verdict
+from gpufeed.measure.health import GpuHealth
+from gpufeed.measure.metrics import Stat
+from gpufeed.measure.storage_rate import StorageRate
+from gpufeed.measure.timing import RankTiming
+from gpufeed.measure.verdict import Verdict
 
 LOG_NAME = "log.jsonl"
 SUMMARY_NAME = "summary.json"
 CONFIG_NAME = "config.toml"
 """The run folder's files (docs/design.md §5)."""
 
-@dataclass(frozen=True)
-class RankTiming:
-    """One rank's timed window of one mode (steps after the timing warm-up)."""
-
-    rank: int
-    num_steps: int
-    num_samples: int
-    wall_s: float
-    step_s: float
-    """Σ step time."""
-    data_wait_s: float
-    """Σ (next_wait_s + h2d_s)."""
-    next_wait_s: float
-    """Σ time the device sat idle while the host waited in next(loader)."""
-    h2d_s: float
-    """Σ host-to-device copy not overlapped with compute (loader.to_device)."""
-    compute_s: float
-    samples_per_s: float
-    stall_pct: float
-    window_rates: list[float]
-    """samples/s of consecutive windows of log_every steps."""
-    cores_used: float | None = None
-    """CPU cores this rank's process tree (incl. loader workers) kept busy."""
-    read_bytes: int = 0
-    rss_max_bytes: int = 0
-    gpu: dict[str, Any] = field(default_factory=dict)
-    node: int = 0
-    """The rank's node (torchrun's GROUP_RANK)."""
-    host: str = ""
-    """The node's host name."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +128,7 @@ class TrainRecord:
     storage I/O counters for a local set; samples/s x the manifest's mean sample bytes for a set behind a URL,
     whose socket reads those counters do not see. None without a verdict."""
     gpu_health: list[GpuHealth] = field(default_factory=list)
-    """Each CUDA rank's GPU over the run (:mod:`gpufeed.health`), by rank; empty when no GPU was sampled through
+    """Each CUDA rank's GPU over the run (:mod:`gpufeed.measure.health`), by rank; empty when no GPU was sampled through
     NVML (CPU runs, no driver or no nvidia-ml-py)."""
 
 

@@ -12,7 +12,7 @@ yields a fixed share of them and stops, so DDP never waits on an uneven tail. Sa
 they are the last ones out of the shuffle buffer. Corrupt samples skipped under ``on_error = "skip"``
 are replaced by reading on (a worker re-reads its range if it must), never by a short rank.
 That is ``shard_split = "global"``: over the epochs every node reads every shard. With ``shard_split = "node"``
-node ``n`` of ``M`` owns the fixed shards ``i % M == n`` (:func:`gpufeed.world.node_shards`, also what ``gpufeed
+node ``n`` of ``M`` owns the fixed shards ``i % M == n`` (:func:`gpufeed.core.world.node_shards`, also what ``gpufeed
 stage --num-nodes`` copies); each epoch only those are put in a seeded order (seed, epoch, node) and split among
 the node's ``L`` local ranks and their workers as above (``r`` is the local rank). Every rank of every node
 yields ``min over nodes of (node samples // L) // batch_size`` batches (from the manifest's counts, the same on
@@ -55,7 +55,7 @@ loader (the first ``start_batch`` batches' losses, as the uninterrupted loader c
 :class:`LoaderPosition` is what a checkpoint stores; it is only valid for the same shard set, seed,
 batch size, shuffle buffer, number of workers, world size and shard split (and node count).
 
-The per-sample work (decode, crop, resize, flip) is in :mod:`gpufeed.decode`. Batches are built inside
+The per-sample work (decode, crop, resize, flip) is in :mod:`gpufeed.loader.decode`. Batches are built inside
 the workers directly into a shared-memory ``[B, S, S, 3]`` uint8 tensor and handed out as the
 ``[B, 3, S, S]`` view (channels-last memory) with one IPC message per batch.
 
@@ -75,7 +75,7 @@ last word must be the manifest's shard name, in order). Shards, plain ``.tar`` a
 gzip-compressed, are read by :mod:`gpufeed.shardset.tar` (every header size and offset validated, every member
 read capped at ``shardset.tar.MAX_MEMBER_BYTES``); webdataset's readers and decoders are not used. Only image
 members (``shardset.keys.READ_IMAGE_EXTENSIONS``) and the label member the manifest's label source names
-(``.cls``, ``.txt`` or ``.json``) are read at all, labels follow :func:`gpufeed.manifest.read_label`, and
+(``.cls``, ``.txt`` or ``.json``) are read at all, labels follow :func:`gpufeed.shardset.manifest.read_label`, and
 nothing is unpickled.
 """
 
@@ -98,14 +98,14 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from gpufeed import decode as dec
+from gpufeed.loader import decode as dec
 from gpufeed.config import LoaderConfig
-from gpufeed.errors import DataError, GpufeedError, one_line
-from gpufeed.manifest import DEFAULT_LABEL_SOURCE, Manifest, label_member, manifest_path, read_label
+from gpufeed.core.errors import DataError, GpufeedError, one_line
+from gpufeed.shardset.manifest import DEFAULT_LABEL_SOURCE, Manifest, label_member, manifest_path, read_label
 from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS
 from gpufeed.shardset.source import ShardSet, SourceError, is_pipe, is_remote, open_set, open_shard, remote_size
 from gpufeed.shardset.tar import ShardRead, file_problem, iter_samples
-from gpufeed.world import World, node_shards
+from gpufeed.core.world import World, node_shards
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -150,7 +150,7 @@ def batches_per_rank(num_samples: int, world_size: int, batch_size: int) -> int:
 
 def node_batches_per_rank(counts: list[int], num_nodes: int, local_world_size: int, batch_size: int) -> int:
     """Batches per rank under the node split: the fewest any node's ranks can all make from that node's shards
-    (:func:`gpufeed.world.node_shards`), so every rank of every node yields the same number."""
+    (:func:`gpufeed.core.world.node_shards`), so every rank of every node yields the same number."""
     return min(batches_per_rank(sum(counts[i] for i in node_shards(len(counts), n, num_nodes)), local_world_size,
                                 batch_size) for n in range(num_nodes))
 
@@ -176,7 +176,7 @@ def split_of(cfg: LoaderConfig, world: World) -> dict[str, Any]:
 def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool, node_rank: int | None = None,
                 num_nodes: int = 1) -> list[int]:
     """The epoch's shards in reading order: all of them (``node_rank`` None), or node ``node_rank``'s own
-    (:func:`gpufeed.world.node_shards`), shuffled by (seed, epoch[, node]) when ``shuffle``."""
+    (:func:`gpufeed.core.world.node_shards`), shuffled by (seed, epoch[, node]) when ``shuffle``."""
     if node_rank is None:
         order = list(range(num_shards))
         if shuffle:
@@ -857,7 +857,7 @@ class ShardLoader:
 
     def __iter__(self):
         if not self._warned and self.world.local_rank == 0:
-            from gpufeed.redact import redact
+            from gpufeed.core.redact import redact
 
             for w in self.warnings:
                 print(redact(f"warning: {w}"), file=sys.stderr)
@@ -1032,7 +1032,7 @@ def _own_shards(where: str, manifest: Manifest, world: World, split: dict[str, A
     """The shards this rank's node reads: all under the global split, else its :func:`node_shards`. Refuses (one
     sentence, DataError) a world the node split cannot serve, a set staged per node (``gpufeed stage
     --num-nodes``) read with the global split, and a set staged for another node or node count."""
-    from gpufeed.stage import staged_node
+    from gpufeed.shardset.manifest import staged_node
 
     num_shards = len(manifest.shards)
     staged = staged_node(manifest, where)

@@ -1,4 +1,4 @@
-"""GPU health during ``gpufeed train``: each CUDA rank samples its own GPU through NVML (:mod:`gpufeed.nvml`) in a
+"""GPU health during ``gpufeed train``: each CUDA rank samples its own GPU through NVML (:mod:`gpufeed.measure.nvml`) in a
 daemon thread, every ``interval_s``, for the whole run (all modes).
 
 Each sample stands for the time since the previous one (the first for none), so the throttle seconds of a
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gpufeed.nvml import HEALTH_FIELDS, SLOWDOWN_LABELS, THROTTLE_BITS, decode_reasons, open_device, read_health
+from gpufeed.measure.nvml import HEALTH_FIELDS, SLOWDOWN_LABELS, THROTTLE_BITS, decode_reasons, open_device, read_health
 
 HEALTH_NAME = "gpu_health.jsonl"
 """The run folder's time series: one row per sample span and rank."""
@@ -28,7 +28,7 @@ MAX_ROWS = 600
 """Rows kept per GPU (10 min at 1 s; longer runs merge rows into coarser spans, so memory stays bounded)."""
 THROTTLE_NOTE_S = 2.0
 THROTTLE_NOTE_FRACTION = 0.01
-"""A GPU is reported as throttled when a heat/power/board reason (:data:`gpufeed.nvml.SLOWDOWN_LABELS`) held
+"""A GPU is reported as throttled when a heat/power/board reason (:data:`gpufeed.measure.nvml.SLOWDOWN_LABELS`) held
 its clocks back for more than THROTTLE_NOTE_S seconds and more than this fraction of the sampled time."""
 
 _MEAN = ("util_pct", "power_w", "fan_pct", "sm_clock_mhz")

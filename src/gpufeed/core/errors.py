@@ -11,12 +11,12 @@ The CLI turns every :class:`GpufeedError` into one sentence on stderr (a traceba
 
 class GpufeedError(Exception):
     """Base class: a usage or input problem the user can fix, found before work started (exit code 2). A
-    password in a URL the message names is replaced by ``***`` (:func:`gpufeed.redact.redact`)."""
+    password in a URL the message names is replaced by ``***`` (:func:`gpufeed.core.redact.redact`)."""
 
     exit_code = 2
 
     def __init__(self, *args: object) -> None:
-        from gpufeed.redact import redact
+        from gpufeed.core.redact import redact
 
         super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 

@@ -1,6 +1,6 @@
 """The one place gpufeed reads NVML (nvidia-ml-py's ``pynvml``): opening a device, reading one sample of its
 health fields, and decoding its clocks-event (throttle) reason bits. Used by :mod:`gpufeed.doctor`,
-:mod:`gpufeed.telemetry` and :mod:`gpufeed.health`.
+:mod:`gpufeed.measure.telemetry` and :mod:`gpufeed.measure.health`.
 
 Every field is read on its own: a query the GPU, driver or nvidia-ml-py version does not support (the fan of an
 SXM board raises ``NVMLError_NotSupported``) gives ``None`` for that field and never an exception.

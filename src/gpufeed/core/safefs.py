@@ -6,7 +6,7 @@ Writes. A file gpufeed writes is never opened through a symbolic link:
 
 - whole files (manifest, index, records, reports, config.toml, sidecars) are written to a temporary file created
   with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (``tempfile.mkstemp``) and renamed over the name
-  (:func:`gpufeed.records.atomic_writer`): a link at the name is replaced, its target never opened;
+  (:func:`gpufeed.core.records.atomic_writer`): a link at the name is replaced, its target never opened;
 - files opened in place (locks, appended logs, shard temporaries, stop files) go through :func:`open_regular`:
   ``O_NOFOLLOW | O_NONBLOCK``, a symbolic link at the name is removed and a regular file created in its place
   (``O_EXCL``), and an existing file that is not a regular file (a FIFO, a device, a folder) is refused in one
@@ -26,7 +26,7 @@ import errno
 import os
 import stat
 
-from gpufeed.errors import DataError
+from gpufeed.core.errors import DataError
 
 _REPLACE_TRIES = 3
 """Times :func:`open_regular` replaces a symbolic link at its name before it gives up (a race with someone who

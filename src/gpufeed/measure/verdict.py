@@ -12,7 +12,7 @@ Otherwise *starved*, naming the bound and the fix in numbers:
   or it steals CPU from the training processes. The fix is more cores (at the measured samples/s per
   core), GPU decode, or smaller stored images.
 
-The bound names and the copy/storage/idle thresholds are :mod:`gpufeed.bounds`, shared with ``gpufeed tune``.
+The bound names and the copy/storage/idle thresholds are :mod:`gpufeed.measure.bounds`, shared with ``gpufeed tune``.
 
 No torch here: ``classify`` takes plain numbers, so every branch is unit-tested.
 """
@@ -25,8 +25,8 @@ from pathlib import PurePath
 from statistics import median
 from typing import Any, Literal
 
-from gpufeed import bounds
-from gpufeed.bounds import Bound
+from gpufeed.measure import bounds
+from gpufeed.measure.bounds import Bound
 
 STALL_FED_PCT = 5.0
 """A run is fed only below this data stall %."""
@@ -97,7 +97,7 @@ class Verdict:
     """'unverified': stall is low but no ceiling was measured, so the second condition of docs/design.md §4
     cannot be checked."""
     bound: Bound | None
-    """None unless starved; then one of :data:`gpufeed.bounds.Bound`: 'rank imbalance', 'copy', 'GPU decode',
+    """None unless starved; then one of :data:`gpufeed.measure.bounds.Bound`: 'rank imbalance', 'copy', 'GPU decode',
     'storage' or 'decode/CPU'."""
     reason: str
     """One sentence with the numbers that decided it."""

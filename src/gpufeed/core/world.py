@@ -74,7 +74,7 @@ class World:
 def _env_int(name: str, default: int, environ: Mapping[str, str] | None = None) -> int:
     """The launcher variable ``name`` as a non-negative integer (at most 9 digits), ``default`` when unset; anything
     else is a ConfigError naming it (one sentence, not a traceback)."""
-    from gpufeed.errors import ConfigError
+    from gpufeed.core.errors import ConfigError
 
     raw = (os.environ if environ is None else environ).get(name)
     if raw is None:
@@ -125,7 +125,7 @@ def check_launch_env(environ: Mapping[str, str] | None = None) -> None:
     integers, with RANK < WORLD_SIZE and LOCAL_RANK < LOCAL_WORLD_SIZE (when given) and < WORLD_SIZE; a world of more
     than one rank needs MASTER_ADDR and MASTER_PORT (1..65535), where rank 0's store listens. Without any of
     :data:`RANK_ENV` this is one process (MASTER_ADDR/PORT alone are not used)."""
-    from gpufeed.errors import ConfigError
+    from gpufeed.core.errors import ConfigError
 
     env = os.environ if environ is None else environ
     given = [n for n in RANK_ENV if n in env]
@@ -157,7 +157,7 @@ def check_launch_env(environ: Mapping[str, str] | None = None) -> None:
 
 def rendezvous_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     """:data:`RENDEZVOUS_TIMEOUT_S`, or ``GPUFEED_RENDEZVOUS_TIMEOUT_S`` (seconds, in (0, 86400])."""
-    from gpufeed.errors import ConfigError
+    from gpufeed.core.errors import ConfigError
 
     raw = (os.environ if environ is None else environ).get("GPUFEED_RENDEZVOUS_TIMEOUT_S", "")
     if not raw:
@@ -183,7 +183,7 @@ def join(world: World, environ: Mapping[str, str] | None = None) -> Any:
 
     import torch.distributed as dist
 
-    from gpufeed.errors import RunError, one_line
+    from gpufeed.core.errors import RunError, one_line
 
     env = os.environ if environ is None else environ
     check_launch_env(env)

@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpufeed.manifest import MAX_NUM_SAMPLES, SHARD_SUFFIXES
-from gpufeed.redact import redact
+from gpufeed.shardset.manifest import MAX_NUM_SAMPLES, SHARD_SUFFIXES
+from gpufeed.core.redact import redact
 
 STATS_SUFFIX = "_stats.json"
 PARQUET_SUFFIX = ".parquet"

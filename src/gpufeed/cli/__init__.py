@@ -18,7 +18,7 @@ import click
 
 from gpufeed.config import (IoConfig, LoaderConfig, PlanConfig, ShardConfig, StageConfig, SynthConfig, TrainConfig,
                             TuneConfig, field_help)
-from gpufeed.errors import GpufeedError
+from gpufeed.core.errors import GpufeedError
 
 
 def config_help(cls: type, *names: str, **elsewhere: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -109,7 +109,7 @@ def quiet_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def is_quiet() -> bool:
     """``--quiet`` was given (on the command or the group). Progress bars are also off when stderr is not a
-    terminal (``gpufeed.progress``)."""
+    terminal (``gpufeed.core.progress``)."""
     ctx = click.get_current_context(silent=True)
     return bool(ctx is not None and ctx.meta.get(_QUIET))
 
@@ -125,7 +125,7 @@ def json_error(message: str, exit_code: int, command: str | None = None) -> None
     ctx = click.get_current_context(silent=True)
     if ctx is None or not ctx.meta.get(_JSON):
         return
-    from gpufeed.records import dumps
+    from gpufeed.core.records import dumps
 
     name = command or (ctx.info_name if ctx.parent is not None else None)
     click.echo(dumps({"error": message, "exit_code": exit_code, "command": name}, indent=None))
@@ -139,8 +139,8 @@ def _verbose() -> bool:
 
 def say(text: str, err: bool = False) -> None:
     """THE way text reaches the terminal: ``click.echo`` of ``text`` with the password of every URL in it hidden
-    (:func:`gpufeed.redact.redact`)."""
-    from gpufeed.redact import redact
+    (:func:`gpufeed.core.redact.redact`)."""
+    from gpufeed.core.redact import redact
 
     click.echo(redact(text), err=err)
 
@@ -164,7 +164,7 @@ def run_job(job: Callable[[], Any], render: Callable[[Any], str], as_json: bool)
     a GpufeedError exits with its ``exit_code`` (2 input/usage, 1 a started run failed), an OSError with 2,
     anything else (a bug) with 1; tracebacks only with ``gpufeed --verbose``.
     """
-    from gpufeed.errors import one_line
+    from gpufeed.core.errors import one_line
 
     try:
         record = job()
@@ -181,7 +181,7 @@ def run_job(job: Callable[[], Any], render: Callable[[Any], str], as_json: bool)
         fail(f"unexpected {type(exc).__name__}: {one_line(exc)} (rerun with gpufeed --verbose for the traceback)", 1)
     human = render(record)
     if as_json:
-        from gpufeed.records import dumps
+        from gpufeed.core.records import dumps
 
         if human and not is_quiet():
             say(human, err=True)
@@ -239,7 +239,7 @@ class _Group(click.Group):
         words = argv[:argv.index("--")] if "--" in argv else argv
         if "--json" not in words:
             return
-        from gpufeed.records import dumps
+        from gpufeed.core.records import dumps
 
         command = next((w for w in words if w in self.commands), None)
         click.echo(dumps({"error": exc.format_message(), "exit_code": exc.exit_code, "command": command},
@@ -541,16 +541,16 @@ def train(config_path: str | None, as_json: bool, num_workers: int | None, compi
     try:
         conf = load_config(config_path, overrides)
     except GpufeedError as exc:
-        from gpufeed.errors import one_line
+        from gpufeed.core.errors import one_line
 
         fail(one_line(exc), exc.exit_code)
 
     def job() -> Any:
-        from gpufeed.launch import launch
+        from gpufeed.train.launch import launch
 
         return launch(conf.train, conf.loader, conf.layout)
 
-    from gpufeed.train_report import render
+    from gpufeed.train.report import render
 
     run_job(job, render, as_json)
 
@@ -699,12 +699,12 @@ def plan(arch: str | None, num_classes: int | None, batch_size: int | None, imag
         "gpus": gpus, "trainer_cores": trainer_cores})
 
     def job() -> Any:
-        from gpufeed.plan import plan as run_plan
+        from gpufeed.memplan import plan as run_plan
 
         return run_plan(cfg)
 
     def render(report: Any) -> str:
-        from gpufeed.plan import render as render_plan
+        from gpufeed.memplan import render as render_plan
 
         return render_plan(report)
 
@@ -744,6 +744,3 @@ def config_cmd(defaults: bool, config_path: str | None, as_json: bool) -> None:
 def main() -> None:
     cli(prog_name="gpufeed")
 
-
-if __name__ == "__main__":
-    main()

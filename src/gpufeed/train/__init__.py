@@ -1,9 +1,9 @@
 """``gpufeed train`` inside one rank: AMP + DDP ResNet training that measures whether the GPUs are fed
 (docs/design.md §4).
 
-One code path for every device: NCCL on CUDA, gloo on CPU. :mod:`gpufeed.launch` starts the ranks (in this
+One code path for every device: NCCL on CUDA, gloo on CPU. :mod:`gpufeed.train.launch` starts the ranks (in this
 process, or through torchrun: ``python -m gpufeed.train CONFIG`` is each rank's entry point); :func:`train`
-runs one rank and rank 0 writes the summary (:mod:`gpufeed.train_report`).
+runs one rank and rank 0 writes the summary (:mod:`gpufeed.train.report`).
 
 Modes
 - ``real``: train on the shards (epochs/steps, validation, checkpoints, resume): :meth:`Trainer.run_real`;
@@ -12,7 +12,7 @@ Modes
 - ``loader-only``: the loader alone, batches moved to the device and dropped: the loader ceiling;
 - ``measure``: synthetic, loader-only and real, briefly, in that order, then the verdict.
 
-Per step and rank we time, on the device's own timeline (:mod:`gpufeed.timing`: CUDA events on the
+Per step and rank we time, on the device's own timeline (:mod:`gpufeed.measure.timing`: CUDA events on the
 compute stream; perf_counter on CPU, where the work is synchronous): the time the device sits idle while
 the host waits in ``next(loader)`` (not the host's whole wait: while compute is still queued the device is
 busy), the host-to-device copy that is not overlapped with compute (``loader.to_device`` on the compute
@@ -20,17 +20,17 @@ stream: the step cannot start before it ends), compute (normalise + forward + ba
 the step. Nothing waits for the device per step: the marks are read in bulk at log steps and at the ends
 of the timed window. Data stall % = Σ (data wait + copy) / Σ step time.
 At the end of each mode the per-rank numbers, each tagged with its node (torchrun's GROUP_RANK), are
-all-gathered and rank 0 writes the records, per rank and per node (:mod:`gpufeed.train_records`).
+all-gathered and rank 0 writes the records, per rank and per node (:mod:`gpufeed.train.records`).
 
-Each CUDA rank samples its GPU's health through NVML for the whole run (:mod:`gpufeed.health`); rank 0 writes
+Each CUDA rank samples its GPU's health through NVML for the whole run (:mod:`gpufeed.measure.health`); rank 0 writes
 the series (gpu_health.jsonl) and the per-GPU summary (summary.json ``gpu_health``).
 
-Checkpoints (:mod:`gpufeed.checkpoint`) are saved on one cadence rule and checked before ``--resume`` loads them.
+Checkpoints (:mod:`gpufeed.train.checkpoint`) are saved on one cadence rule and checked before ``--resume`` loads them.
 
 Failures: a GpufeedError raised before this rank read data or computed (a bad shard set, a refused checkpoint)
 keeps exit code 2; one raised after that (a corrupt shard mid-epoch) becomes a RunError (exit 1). SIGTERM is
 noted (:class:`StopRequest`) and acted on at the next step boundary, by every rank at the same step: a checkpoint
-when checkpoints are on, then :class:`gpufeed.errors.Interrupted` (exit 143), and no summary.
+when checkpoints are on, then :class:`gpufeed.core.errors.Interrupted` (exit 143), and no summary.
 
 Entry points: :func:`train` (inside one rank), :func:`measure` (the three modes in this process, for scripts).
 """
@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import math
 import random
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -49,17 +48,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gpufeed.checkpoint import Checkpointer, Resume, RngState, set_identity
+from gpufeed.train.checkpoint import Checkpointer, Resume, RngState, set_identity
 from gpufeed.config import LoaderConfig, TrainConfig
-from gpufeed.errors import ConfigError, DataError, GpufeedError, Interrupted, RunError, signal_name
-from gpufeed.health import HEALTH_NAME, GpuHealth, HealthSampler
+from gpufeed.core.errors import ConfigError, DataError, GpufeedError, Interrupted, RunError, signal_name
+from gpufeed.measure.health import HEALTH_NAME, GpuHealth, HealthSampler
 from gpufeed.loader import LoaderPosition
-from gpufeed.records import append_jsonl, utc_now, write_jsonl
-from gpufeed.storage import StorageRate
-from gpufeed.timing import Clock, CudaClock, HostClock, Meter, StepMarks, resolve
-from gpufeed.train_records import LOG_NAME, ModeRecord, TrainRecord, ValRecord, aggregate
-from gpufeed.verdict import VerdictInputs, classify
-from gpufeed.world import World
+from gpufeed.core.records import append_jsonl, utc_now, write_jsonl
+from gpufeed.measure.storage_rate import StorageRate
+from gpufeed.measure.timing import Clock, CudaClock, HostClock, Meter, StepMarks, resolve
+from gpufeed.train.records import LOG_NAME, ModeRecord, TrainRecord, ValRecord, aggregate
+from gpufeed.measure.verdict import VerdictInputs, classify
+from gpufeed.core.world import World
 
 MODES_MEASURE = ("synthetic", "loader-only", "real")
 
@@ -67,7 +66,7 @@ MODES_MEASURE = ("synthetic", "loader-only", "real")
 class StopRequest:
     """SIGTERM (a scheduler's preemption) noted by a handler, acted on at the next step boundary
     (:meth:`Trainer.stop_signal`): the rank saves a checkpoint there when checkpoints are on, then stops with
-    :class:`gpufeed.errors.Interrupted` (exit 143). Installed in the main thread only (elsewhere ``signum``
+    :class:`gpufeed.core.errors.Interrupted` (exit 143). Installed in the main thread only (elsewhere ``signum``
     stays 0 and SIGTERM keeps its handler); :meth:`restore` puts the previous handler back."""
 
     SIGNALS = ("SIGTERM",)
@@ -155,7 +154,7 @@ def check_classes(cfg: TrainConfig, train: Any, val: Any) -> None:
     """The model's outputs cover every label of the training set, and the validation set uses the same class
     list in the same order (its labels index its own list): else labels would be out of range mid-run or top-1
     silently wrong. ``train``/``val`` are manifests or None. Raises ConfigError/DataError (exit 2)."""
-    from gpufeed.manifest import class_count_problem
+    from gpufeed.shardset.manifest import class_count_problem
 
     why = None if train is None else class_count_problem(train.num_classes, train.num_samples)
     if why:
@@ -171,24 +170,6 @@ def check_classes(cfg: TrainConfig, train: Any, val: Any) -> None:
                         f"first differing at index {differ}: validation labels would not mean the training classes")
 
 
-def open_shards(shards: str | Path, loader_cfg: LoaderConfig, world: World, *, train: bool = True,
-                manifest_file: str | Path | None = None) -> Any:
-    """Build the loader of ``shards`` (with ``manifest_file``, its manifest, for a brace pattern) for rank 0 of
-    ``world`` (no workers start) and open every local shard once: the checks that can be made before a run starts
-    (manifest, shard files present and readable, enough samples for one batch per rank). A remote set's shards are
-    not fetched here: one that cannot be read is met mid-run (``on_error``). Raises DataError (exit 2); returns
-    the loader."""
-    from gpufeed.loader import build_loader
-
-    loader = build_loader(shards, dataclasses.replace(loader_cfg, num_workers=0), world, train=train,
-                          manifest_file=manifest_file)
-    for path in [] if loader.shard_set.remote else [loader.paths[i] for i in loader.shards_here]:
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as exc:
-            raise DataError(f"shard {path} cannot be opened: {exc.strerror or exc}") from None
-    return loader
 
 
 def _memory_bytes(world: World) -> int:
@@ -214,7 +195,7 @@ class Trainer:
         self.device = torch.device(world.device)
         self.cuda = world.is_cuda
         self.clock: Clock = CudaClock(self.device) if self.cuda else HostClock()
-        """Marks on the device timeline (see :mod:`gpufeed.timing`); read at log steps only."""
+        """Marks on the device timeline (see :mod:`gpufeed.measure.timing`); read at log steps only."""
         self.notes: list[str] = []
         self.loader_cfg = run_loader_config(cfg, loader_cfg)
         self.batch_size = self.loader_cfg.batch_size
@@ -277,7 +258,7 @@ class Trainer:
             if self.cfg.threads:
                 torch.set_num_threads(self.cfg.threads)
         else:
-            from gpufeed.system import usable_cpus
+            from gpufeed.core.system import usable_cpus
 
             torch.set_num_threads(self.cfg.threads or max(1, usable_cpus() // self.world.local_world_size))
 
@@ -386,7 +367,7 @@ class Trainer:
         return self.loader.to_device(batch, self.device, non_blocking=True)
 
     def train_step(self, source: str, it: Iterator[Any] | None) -> StepMarks:
-        """One optimizer step over accum_steps micro-batches, marked for :func:`gpufeed.timing.resolve`.
+        """One optimizer step over accum_steps micro-batches, marked for :func:`gpufeed.measure.timing.resolve`.
 
         Nothing here waits for the device: the marks are read in bulk at log steps."""
         marks = StepMarks(self.clock).begin()
@@ -699,7 +680,7 @@ class Trainer:
         """A tqdm bar on stderr for the ``with`` body (rank 0 with cfg.progress only; :meth:`log` sets its
         postfix), closed on the way out."""
         if self.world.is_main and self.cfg.progress:
-            from gpufeed.progress import bar
+            from gpufeed.core.progress import bar
 
             self._progress = bar(total=total, initial=initial, desc=desc, unit="step", leave=False)
         try:
@@ -716,9 +697,9 @@ class Trainer:
 
 def _init_distributed(world: World) -> bool:
     """Join the process group torchrun set up the environment for; True when this call created it. The launch
-    environment is checked first (:func:`gpufeed.world.check_launch_env`, exit 2) and the rendezvous is bounded
-    (:func:`gpufeed.world.join`: a RunError naming the ranks that did not come)."""
-    from gpufeed.world import check_launch_env, join
+    environment is checked first (:func:`gpufeed.core.world.check_launch_env`, exit 2) and the rendezvous is bounded
+    (:func:`gpufeed.core.world.join`: a RunError naming the ranks that did not come)."""
+    from gpufeed.core.world import check_launch_env, join
 
     check_launch_env()
     if not world.is_distributed:
@@ -777,7 +758,7 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer,
     if real is None or real.num_steps == 0:
         return None
     synth, lonly = modes.get("synthetic"), modes.get("loader-only")
-    from gpufeed.system import usable_cpus
+    from gpufeed.core.system import usable_cpus
 
     manifest = trainer.manifest
     read_rate = (lonly or real).read_bytes_per_s
@@ -791,7 +772,7 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Trainer,
     set_bytes = manifest.total_bytes if manifest else None
     stage_nodes = trainer.num_nodes if trainer.loader_cfg.shard_split == "node" and trainer.num_nodes > 1 else None
     if manifest is not None and stage_nodes:  # each node stages only its own shards: the largest share must fit
-        from gpufeed.world import node_shards
+        from gpufeed.core.world import node_shards
 
         set_bytes = max(sum(manifest.shards[i].bytes for i in node_shards(len(manifest.shards), n, stage_nodes))
                         for n in range(stage_nodes))
@@ -853,7 +834,7 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
             record = _record(trainer, modes, vals, checksums, run_dir=run_dir, wall_s=time.perf_counter() - t0,
                              started=started, storage=storage, gpu_health=gpus)
             if run_dir is not None:
-                from gpufeed.train_report import write_report
+                from gpufeed.train.report import write_report
 
                 if gpus:
                     write_jsonl(Path(run_dir) / HEALTH_NAME, [row for _, rows in health for row in rows])
@@ -886,7 +867,7 @@ def train(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, run_dir: 
 
 
 def start_health(world: World) -> HealthSampler | None:
-    """This rank's GPU health sampler, started (:mod:`gpufeed.health`); None on the CPU or without NVML."""
+    """This rank's GPU health sampler, started (:mod:`gpufeed.measure.health`); None on the CPU or without NVML."""
     if not world.is_cuda:
         return None
     import socket
@@ -928,8 +909,3 @@ def measure(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World | None = No
     cfg = dataclasses.replace(cfg, mode="measure", measure_steps=steps_per_mode)
     return train(cfg, loader_cfg, world, run_dir=run_dir)
 
-
-if __name__ == "__main__":  # each rank under torchrun: python -m gpufeed.train CONFIG (see gpufeed.launch)
-    from gpufeed.launch import main
-
-    sys.exit(main())

@@ -9,19 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gpufeed import bounds
-from gpufeed.health import HEALTH_NAME, INTERVAL_S, THROTTLE_NOTE_FRACTION, THROTTLE_NOTE_S, slowdowns, throttled
-from gpufeed.nvml import SLOWDOWN_LABELS
-from gpufeed.records import atomic_write_text, to_jsonable, write_json
-from gpufeed.train_records import SUMMARY_NAME, TrainRecord
-from gpufeed.verdict import STALL_FED_PCT, compute_ceiling_name
+from gpufeed.measure import bounds
+from gpufeed.measure.health import HEALTH_NAME, INTERVAL_S, THROTTLE_NOTE_FRACTION, THROTTLE_NOTE_S, slowdowns, throttled
+from gpufeed.measure.nvml import SLOWDOWN_LABELS
+from gpufeed.core.records import atomic_write_text, to_jsonable, write_json
+from gpufeed.train.records import SUMMARY_NAME, TrainRecord
+from gpufeed.measure.verdict import STALL_FED_PCT, compute_ceiling_name
 
 REPORT_NAME = "report.md"
 
 
 def write_report(run_dir: Path, record: TrainRecord) -> None:
     """summary.json, throughput.png (when there is something to plot) and report.md in ``run_dir``."""
-    from gpufeed.redact import redact_obj
+    from gpufeed.core.redact import redact_obj
 
     write_json(run_dir / SUMMARY_NAME, record)
     summary = redact_obj(to_jsonable(record))  # report.md and the chart show what summary.json holds
@@ -105,7 +105,7 @@ def _gpu_label(s: dict[str, Any], h: dict[str, Any]) -> str:
 
 def throttle_notes(s: dict[str, Any]) -> list[str]:
     """One sentence per GPU of a summary dict that a heat/power/board reason held back beyond the threshold
-    (:func:`gpufeed.health.throttled`): a GPU ceiling measured while it ran faster may overstate what it delivered."""
+    (:func:`gpufeed.measure.health.throttled`): a GPU ceiling measured while it ran faster may overstate what it delivered."""
     out = []
     for h in s.get("gpu_health") or []:
         slow = throttled(h)
@@ -258,7 +258,7 @@ def plot_summary(run_dir: Path, s: dict[str, Any]) -> str | None:
             fig.suptitle(f"verdict: {v['status']}" + (f" ({v['bound']}-bound)" if v.get("bound") else ""),
                          fontsize=10)
         fig.tight_layout()
-        from gpufeed.records import atomic_writer
+        from gpufeed.core.records import atomic_writer
 
         with atomic_writer(run_dir / "throughput.png") as f:  # never through a link at that name
             fig.savefig(f, format="png", dpi=100)

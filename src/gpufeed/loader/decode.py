@@ -36,7 +36,7 @@ import numpy as np
 from PIL import Image
 
 from gpufeed.config import LoaderConfig
-from gpufeed.errors import ConfigError
+from gpufeed.core.errors import ConfigError
 
 DecodeMethod = Literal["pil", "pil-draft", "simplejpeg", "gpu"]
 JPEG_EXTENSIONS = ("jpg", "jpeg")

@@ -21,11 +21,11 @@ from typing import Any, Callable
 import torch
 
 from gpufeed.config import LoaderConfig, TrainConfig
-from gpufeed.errors import DataError, one_line
+from gpufeed.core.errors import DataError, one_line
 from gpufeed.loader import LoaderPosition
-from gpufeed.records import to_jsonable
-from gpufeed.redact import redact_obj
-from gpufeed.world import World
+from gpufeed.core.records import to_jsonable
+from gpufeed.core.redact import redact_obj
+from gpufeed.core.world import World
 
 CHECKPOINT_NAME = "last.pt"
 CHECKPOINT_FORMAT = "gpufeed-train-checkpoint"
@@ -58,13 +58,13 @@ class _KeepWriteError:
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` through :func:`gpufeed.records.atomic_writer` (fsync file, rename, fsync folder), after
-    removing the temporaries a killed write left (:func:`gpufeed.records.remove_stale_temporaries`).
+    """``torch.save`` through :func:`gpufeed.core.records.atomic_writer` (fsync file, rename, fsync folder), after
+    removing the temporaries a killed write left (:func:`gpufeed.core.records.remove_stale_temporaries`).
 
     A failed write is the OSError that caused it, naming ``path`` (a full disk: ``No space left on device
     (path)``), and a SIGINT during the write is the KeyboardInterrupt, never torch's RuntimeError; the
     temporary is removed and the previous checkpoint is left as it was."""
-    from gpufeed.records import atomic_writer, remove_stale_temporaries
+    from gpufeed.core.records import atomic_writer, remove_stale_temporaries
 
     remove_stale_temporaries(path)
     try:

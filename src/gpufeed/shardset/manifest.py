@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpufeed.errors import DataError
-from gpufeed.records import read_file_bytes, write_json
+from gpufeed.core.errors import DataError
+from gpufeed.core.records import read_file_bytes, write_json
+from gpufeed.core.world import node_shards
 
 FORMAT_NAME = "gpufeed-shards"
 FORMAT_VERSION = 2
@@ -111,7 +112,7 @@ class Manifest:
         return [root / s.name for s in self.shards]
 
     def to_dict(self) -> dict[str, Any]:
-        from gpufeed.records import to_jsonable
+        from gpufeed.core.records import to_jsonable
 
         d = to_jsonable(self)
         d["num_classes"] = self.num_classes
@@ -548,10 +549,28 @@ def read_manifest(shards: str | Path) -> Manifest:
 def write_manifest(folder: str | Path, manifest: Manifest) -> Path:
     """Write ``manifest.json`` atomically (call this last: its presence means the set is complete). The contract
     (shard names, classes) is written as it is, since it is read back; ``options``, the record of how the set was
-    made, has the passwords of its URLs hidden (:func:`gpufeed.redact.redact_obj`)."""
-    from gpufeed.redact import redact_obj
+    made, has the passwords of its URLs hidden (:func:`gpufeed.core.redact.redact_obj`)."""
+    from gpufeed.core.redact import redact_obj
 
     d = manifest.to_dict()
     if isinstance(d.get("options"), dict):
         d["options"] = redact_obj(d["options"])
     return write_json(Path(folder) / MANIFEST_NAME, d, redact=False)
+
+
+STAGED_NODE = "staged_node"
+"""The key of a node-staged DEST manifest's ``options`` that records the node (:func:`staged_node`)."""
+def staged_node(m: Manifest, where: str = "manifest") -> tuple[int, int] | None:
+    """``(node_rank, num_nodes)`` of a DEST staged for one node (its manifest's ``options["staged_node"]``), None
+    for a whole set. The record is untrusted: a malformed one is a DataError (one sentence naming ``where``)."""
+    rec = m.options.get(STAGED_NODE) if isinstance(m.options, dict) else None
+    if rec is None:
+        return None
+    keys = ("node_rank", "num_nodes", "num_shards")
+    if not isinstance(rec, dict) or set(rec) != set(keys) or any(type(rec[k]) is not int for k in keys):
+        raise DataError(f"{where}: options.{STAGED_NODE} must be an object of the integers {', '.join(keys)}")
+    n, N, k = rec["node_rank"], rec["num_nodes"], rec["num_shards"]
+    if not (2 <= N <= len(m.shards) and 0 <= n < N) or k != len(node_shards(len(m.shards), n, N)):
+        raise DataError(f"{where}: options.{STAGED_NODE} (node {n} of {N}, {k} shards) does not fit the manifest's "
+                        f"{len(m.shards)} shards")
+    return n, N

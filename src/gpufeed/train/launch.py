@@ -18,7 +18,7 @@ writes summary.json into the run folder of its node (node 0); the launchers of t
 Signals: torchrun runs in its own process group. SIGTERM, SIGINT or SIGHUP to the launcher is forwarded to
 that group (torchrun passes it to the ranks; a second signal SIGKILLs them at once); the launcher waits up to
 :data:`STOP_GRACE_S` for torchrun and its ranks, SIGKILLs what is left, and exits with 128 + the signal
-(:class:`gpufeed.errors.Interrupted`). torchrun and every rank die with their parent (``PR_SET_PDEATHSIG``),
+(:class:`gpufeed.core.errors.Interrupted`). torchrun and every rank die with their parent (``PR_SET_PDEATHSIG``),
 so even a ``kill -9`` of the launcher leaves no rank training. A rank sent SIGTERM stops at its next step
 boundary after a checkpoint (:class:`gpufeed.train.StopRequest`); one sent SIGINT stops at once ("interrupted",
 exit 130).
@@ -36,13 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from gpufeed.config import LayoutConfig, LoaderConfig, TrainConfig, load_config, to_toml
-from gpufeed.errors import ConfigError, GpufeedError, Interrupted, RunError, one_line, signal_name
-from gpufeed.records import atomic_write_bytes, make_run_dir, to_jsonable, write_json
-from gpufeed.redact import redact
-from gpufeed.safefs import read_set_file
-from gpufeed.train import check_classes, open_shards, run_loader_config, steps_per_epoch, train
-from gpufeed.train_records import CONFIG_NAME, SUMMARY_NAME
-from gpufeed.world import World
+from gpufeed.core.errors import ConfigError, GpufeedError, Interrupted, RunError, one_line, signal_name
+from gpufeed.core.records import atomic_write_bytes, make_run_dir, to_jsonable, write_json
+from gpufeed.core.redact import redact
+from gpufeed.core.safefs import read_set_file
+from gpufeed.loader.checks import open_shards
+from gpufeed.train import check_classes, run_loader_config, steps_per_epoch, train
+from gpufeed.train.records import CONFIG_NAME, SUMMARY_NAME
+from gpufeed.core.world import World
 
 TORCHRUN_FLAG = "--torchrun"
 """``python -m gpufeed.train --torchrun ARGS``: torchrun with ARGS, run by :func:`main` (see :func:`_torchrun`)."""
@@ -67,7 +68,7 @@ def check_data(cfg: TrainConfig, loader_cfg: LoaderConfig, world_size: int) -> N
     world = World(world_size=world_size)
     if lc.shard_split == "node":  # check the shards of one node: this one when known, else the one the set was
         from gpufeed.shardset.source import open_set  # staged for, else node 0
-        from gpufeed.stage import staged_node
+        from gpufeed.shardset.manifest import staged_node
 
         nodes = max(1, world_size // max(1, cfg.nproc_per_node))
         shard_set = open_set(cfg.shards, cfg.manifest)  # any spec the loader takes (a brace pattern, a URL)
@@ -116,10 +117,10 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
     rank's exit code: 2 when it failed before its first step, else 1 (RunError). ``layout`` is the config's
     [layout] (the one the loader was tuned for): a different one is named in one line (``gpufeed.layout.warn``)."""
     from gpufeed.layout import warn as warn_layout
-    from gpufeed.system import environment_snapshot, usable_cpus
+    from gpufeed.core.system import environment_snapshot, usable_cpus
 
     if not needs_torchrun(cfg):  # this process is the run: refuse a launch environment that would hang it
-        from gpufeed.world import check_launch_env
+        from gpufeed.core.world import check_launch_env
 
         check_launch_env()
     check_data(cfg, loader_cfg, _min_world_size(cfg))
@@ -359,7 +360,7 @@ def _torchrun(args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from gpufeed.system import die_with_parent
+    from gpufeed.core.system import die_with_parent
 
     die_with_parent(os.getppid())  # the launcher killed with SIGKILL: torchrun (and so its ranks) go too
     if not _verbose():
@@ -391,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m gpufeed.train CONFIG.toml (normally started by gpufeed train)", file=sys.stderr)
         return 2
-    from gpufeed.system import die_with_parent
+    from gpufeed.core.system import die_with_parent
 
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: when it is killed, this rank stops too
         die_with_parent(os.getppid())

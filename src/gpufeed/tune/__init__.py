@@ -22,7 +22,7 @@ Two layers, kept apart so tests and other jobs can reuse them:
   reason in the report. The whole sweep, worker start-up included, stays inside ``budget_s``;
   ``target_rate`` ends the search early once the loader beats it with margin. ``measure`` is a parameter,
   so a test can drive the search with a pipeline whose speed it controls. What limits the best trial is
-  named by :func:`classify_bound` in the vocabulary of :mod:`gpufeed.bounds`, shared with the verdict.
+  named by :func:`classify_bound` in the vocabulary of :mod:`gpufeed.measure.bounds`, shared with the verdict.
 
 The layout (``--nproc-per-node N``, ``--trainer-cores``): the worker ladder is per rank, bounded by
 :func:`gpufeed.layout.worker_ceiling`, and every rate, ``target_rate`` included, is the node's aggregate.
@@ -40,13 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
-from gpufeed import bounds
-from gpufeed.bounds import TrialBound
+from gpufeed.measure import bounds
+from gpufeed.measure.bounds import TrialBound
 from gpufeed.config import LayoutConfig, LoaderConfig, TuneConfig, to_toml
-from gpufeed.errors import ConfigError, GpufeedError, one_line
-from gpufeed.metrics import Stat
-from gpufeed.storage import StorageRate
-from gpufeed.world import World
+from gpufeed.core.errors import ConfigError, GpufeedError, one_line
+from gpufeed.measure.metrics import Stat
+from gpufeed.measure.storage_rate import StorageRate
+from gpufeed.core.world import World
 
 KNOBS = ("num_workers", "decode", "worker_batching", "prefetch_factor", "pin_memory", "persistent_workers",
          "shuffle_buffer", "remote_streams")
@@ -183,7 +183,7 @@ class TuneReport:
     baseline_samples_per_s: Stat | None
     ratio_vs_baseline: float | None
     bound: TrialBound | None
-    """What limits the best trial, in :mod:`gpufeed.bounds`' words: decode/CPU | storage | copy | GPU decode |
+    """What limits the best trial, in :mod:`gpufeed.measure.bounds`' words: decode/CPU | storage | copy | GPU decode |
     unclear."""
     bound_evidence: str
     stop_reason: str
@@ -238,7 +238,7 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], *, to_device: C
     """
     import psutil
 
-    from gpufeed.telemetry import Telemetry
+    from gpufeed.measure.telemetry import Telemetry
 
     if window_s is None and window_batches is None:
         raise ConfigError("measure needs window_s or window_batches")
@@ -470,7 +470,7 @@ def staged_world(world: World, shards: str, base: LoaderConfig, manifest_file: s
     if base.shard_split != "node":
         return world
     from gpufeed.shardset.source import open_set
-    from gpufeed.stage import staged_node
+    from gpufeed.shardset.manifest import staged_node
 
     ss = open_set(shards, manifest_file)
     staged = staged_node(ss.manifest, ss.location)
@@ -556,7 +556,7 @@ def _rank_main(shards: str, cfg: LoaderConfig, world: World, kw: dict[str, Any],
     ``results``. A rank that fails before the barrier breaks it, so that the others stop waiting."""
     import threading
 
-    from gpufeed.system import die_with_parent
+    from gpufeed.core.system import die_with_parent
 
     die_with_parent(parent_pid)
     passed = threading.Event()
@@ -829,7 +829,7 @@ BUDGET_SATURATED = 0.9
 def check_shard_set(shards: str, base: LoaderConfig, world: World, manifest_file: str | None = None) -> int:
     """The checks ``gpufeed train`` makes before it starts, with the same exit code 2 (manifest, shard files present
     and readable, one batch per rank of ``world``); returns the samples per epoch."""
-    from gpufeed.train import open_shards
+    from gpufeed.loader.checks import open_shards
 
     return int(open_shards(shards, base, dataclasses.replace(rank_world(world, 0), device="cpu", backend="gloo"),
                            manifest_file=manifest_file).manifest.num_samples)
@@ -975,7 +975,7 @@ def tune_within(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: M
     :func:`refine_batching`, :func:`refine_prefetch` and :func:`refine_pinning`; :func:`settle_unmeasured` fixes
     the knobs not worth a trial, and :func:`measure_baseline_imagefolder` the ImageFolder baseline.
     """
-    from gpufeed.system import total_ram_bytes, usable_cpus
+    from gpufeed.core.system import total_ram_bytes, usable_cpus
 
     if not cfg.shards:
         raise ConfigError("tune needs a shard set: gpufeed tune SHARDS")
@@ -1355,7 +1355,7 @@ def _finish(s: Search, chosen: LoaderConfig | None, best: TrialRecord | None,
 def classify_bound(t: TrialRecord, usable_cpus: int,
                    storage_bytes_per_s: float | None = None) -> tuple[TrialBound, str]:
     """Name what limits a loader-only trial, with the numbers that say so, in the vocabulary and with the
-    thresholds of :mod:`gpufeed.bounds` (docs/design.md §4), which ``verdict.classify`` uses too. In a trial the
+    thresholds of :mod:`gpufeed.measure.bounds` (docs/design.md §4), which ``verdict.classify`` uses too. In a trial the
     whole window is data wait: the copy is judged on its share of wait + copy, as the verdict judges it on its
     share of the data stall."""
     rate = t.samples_per_s or 0.0
@@ -1461,7 +1461,7 @@ def render(report: TuneReport) -> str:
 
 def storage_line(report: TuneReport) -> str:
     """``storage: X MB/s (probe, N readers, cold); the best trial reads Y MB/s, P% of it: at the storage's limit``
-    (or below it), the limit being :data:`gpufeed.bounds.STORAGE_FRACTION` of the storage rate."""
+    (or below it), the limit being :data:`gpufeed.measure.bounds.STORAGE_FRACTION` of the storage rate."""
     st = report.storage
     assert st is not None
     line = f"storage: {st.bytes_per_s / 1e6:,.1f} MB/s ({st.source}, {st.readers} reader(s), {st.cache})"
@@ -1485,9 +1485,9 @@ def _f(v: float | None, digits: int) -> str:
 
 def write_outputs(report: TuneReport, cfg: TuneConfig, base: LoaderConfig) -> TuneReport:
     """Write the run folder and the [loader] TOML; returns the report with their paths set."""
-    from gpufeed.records import atomic_write_bytes, atomic_write_text, make_run_dir, write_json, write_jsonl, write_parquet
-    from gpufeed.redact import redact
-    from gpufeed.system import environment_snapshot
+    from gpufeed.core.records import atomic_write_bytes, atomic_write_text, make_run_dir, write_json, write_jsonl, write_parquet
+    from gpufeed.core.redact import redact
+    from gpufeed.core.system import environment_snapshot
 
     def hidden(text: str) -> str:
         """A file's text with the passwords of its URLs hidden, saying so (a tuned.toml is committed, a run
@@ -1568,11 +1568,11 @@ def plot_trials(report: TuneReport, path: str | Path) -> Path:
     ax2.set_yticks(range(len(ranked)), labels, fontsize=7)
     ax2.set_xlabel("samples/s")
     ax2.set_title("all trials (orange = chosen)")
-    from gpufeed.redact import redact
+    from gpufeed.core.redact import redact
 
     fig.suptitle(redact(report.conclusion)[:160], fontsize=8)
     fig.tight_layout()
-    from gpufeed.records import atomic_writer
+    from gpufeed.core.records import atomic_writer
 
     with atomic_writer(path) as f:  # never through a link at that name
         fig.savefig(f, format="png", dpi=100)

@@ -17,7 +17,7 @@ after a sync into the step's seconds: (step, next wait, copy, compute, samples).
 
 A :class:`Meter` holds one rank's timed window of one mode: the steps after the timing warm-up, the
 wall-clock window (without the pauses for validation and checkpoints) and the telemetry over it, summed into
-a :class:`~gpufeed.train_records.RankTiming` (docs/design.md §4).
+a :class:`~gpufeed.train.records.RankTiming` (docs/design.md §4).
 """
 
 from __future__ import annotations
@@ -27,9 +27,40 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
-from gpufeed.telemetry import Telemetry
-from gpufeed.train_records import RankTiming
-from gpufeed.world import World
+from gpufeed.measure.telemetry import Telemetry
+from gpufeed.core.world import World
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """One rank's timed window of one mode (steps after the timing warm-up)."""
+
+    rank: int
+    num_steps: int
+    num_samples: int
+    wall_s: float
+    step_s: float
+    """Σ step time."""
+    data_wait_s: float
+    """Σ (next_wait_s + h2d_s)."""
+    next_wait_s: float
+    """Σ time the device sat idle while the host waited in next(loader)."""
+    h2d_s: float
+    """Σ host-to-device copy not overlapped with compute (loader.to_device)."""
+    compute_s: float
+    samples_per_s: float
+    stall_pct: float
+    window_rates: list[float]
+    """samples/s of consecutive windows of log_every steps."""
+    cores_used: float | None = None
+    """CPU cores this rank's process tree (incl. loader workers) kept busy."""
+    read_bytes: int = 0
+    rss_max_bytes: int = 0
+    gpu: dict[str, Any] = field(default_factory=dict)
+    node: int = 0
+    """The rank's node (torchrun's GROUP_RANK)."""
+    host: str = ""
+    """The node's host name."""
 
 
 class Clock(Protocol):

@@ -105,8 +105,8 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -
 
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:
     """``atomic_write_bytes`` for text a person reads (report.md): the password of every URL in it hidden, as in
-    every record (:func:`gpufeed.redact.redact`)."""
-    from gpufeed.redact import redact
+    every record (:func:`gpufeed.core.redact.redact`)."""
+    from gpufeed.core.redact import redact
 
     atomic_write_bytes(path, redact(text).encode(encoding))
 
@@ -136,11 +136,11 @@ def read_file_bytes(path: str | Path, max_bytes: int, what: str, *, set_root: st
     """The bytes of ``path``, a file that came with data (a manifest, a run record): it must be a regular file (a
     FIFO would block ``open`` forever) of at most ``max_bytes``, else a DataError naming it as ``what`` in one
     sentence. ``set_root``: the folder of the set ``path`` belongs to; then a symbolic link out of that folder is
-    refused too (:func:`gpufeed.safefs.read_set_file`). The message never quotes the file's contents."""
+    refused too (:func:`gpufeed.core.safefs.read_set_file`). The message never quotes the file's contents."""
     import stat
 
-    from gpufeed.errors import DataError
-    from gpufeed.safefs import open_set_file, set_link_problem
+    from gpufeed.core.errors import DataError
+    from gpufeed.core.safefs import open_set_file, set_link_problem
 
     p = Path(path)
     try:
@@ -164,7 +164,7 @@ def read_file_bytes(path: str | Path, max_bytes: int, what: str, *, set_root: st
 def read_json_file(path: str | Path, max_bytes: int, what: str, *, set_root: str | Path | None = None) -> Any:
     """The JSON value in ``path`` (read by :func:`read_file_bytes`): UTF-8 and valid JSON, else a DataError naming
     it as ``what`` in one sentence that never quotes the file's bytes."""
-    from gpufeed.errors import DataError, one_line
+    from gpufeed.core.errors import DataError, one_line
 
     raw = read_file_bytes(path, max_bytes, what, set_root=set_root)
     try:
@@ -181,10 +181,10 @@ def read_json_file(path: str | Path, max_bytes: int, what: str, *, set_root: str
 
 def dumps(obj: Any, *, indent: int | None = 2, redact: bool = True) -> str:
     """``obj`` as JSON text for a record or ``--json`` output, the password of every URL in its strings replaced
-    by ``***`` (:func:`gpufeed.redact.redact_obj`: each string is redacted before it is quoted, so a password
+    by ``***`` (:func:`gpufeed.core.redact.redact_obj`: each string is redacted before it is quoted, so a password
     holding quotes or backslashes is hidden whole). ``redact=False`` only for data that is read back as written
     (a manifest)."""
-    from gpufeed.redact import redact_obj
+    from gpufeed.core.redact import redact_obj
 
     value = to_jsonable(obj)
     return json.dumps(redact_obj(value) if redact else value, indent=indent, sort_keys=False, ensure_ascii=False)
@@ -204,8 +204,8 @@ def write_jsonl(path: str | Path, records: Iterable[Any]) -> Path:
 
 def append_jsonl(path: str | Path, record: Any) -> None:
     """Append one record (for logs written while a run goes on), never through a link
-    (:func:`gpufeed.safefs.open_append`)."""
-    from gpufeed.safefs import open_append
+    (:func:`gpufeed.core.safefs.open_append`)."""
+    from gpufeed.core.safefs import open_append
 
     with open_append(path, what="log") as f:
         f.write(dumps(record, indent=None) + "\n")
@@ -216,7 +216,7 @@ def write_parquet(path: str | Path, records: list[Any]) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from gpufeed.redact import redact_obj
+    from gpufeed.core.redact import redact_obj
 
     rows = [redact_obj(to_jsonable(r)) for r in records]
     columns: dict[str, list[Any]] = {}

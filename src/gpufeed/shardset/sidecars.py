@@ -142,8 +142,8 @@ def write_sidecars(dest: str, shards: list[Any], shard_paths: list[str], *, pref
     shard``'s writer, from the layout it wrote). ``created_by`` (``gpufeed index``, which writes into a folder
     it does not own): recorded in ``_info.json`` and ``wids.json``, and such a file that does not record it (the
     user's own) is kept, not replaced. -> notes, one sentence each, for what was not written and why."""
-    from gpufeed.manifest import TIMM_INFO_NAME
-    from gpufeed.records import atomic_write_bytes
+    from gpufeed.shardset.manifest import TIMM_INFO_NAME
+    from gpufeed.core.records import atomic_write_bytes
 
     rel = [os.path.relpath(p, dest).replace(os.sep, "/") for p in shard_paths]
     counts = [s.num_samples for s in shards]

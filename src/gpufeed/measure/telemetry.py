@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from gpufeed.nvml import open_device, read_health
+from gpufeed.measure.nvml import open_device, read_health
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class TelemetrySummary:
 
 
 class _Nvml:
-    """Thin NVML reader (:mod:`gpufeed.nvml`); ``None`` handle when no GPU or no nvidia-ml-py."""
+    """Thin NVML reader (:mod:`gpufeed.measure.nvml`); ``None`` handle when no GPU or no nvidia-ml-py."""
 
     def __init__(self, index: int | None) -> None:
         self.nvml: Any = None

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gpufeed.errors import ConfigError
+from gpufeed.core.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -641,8 +641,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file of at most ``MAX_CONFIG_BYTES``, turning every failure into one ConfigError naming it."""
     import os
 
-    from gpufeed.errors import DataError
-    from gpufeed.safefs import open_user_file
+    from gpufeed.core.errors import DataError
+    from gpufeed.core.safefs import open_user_file
 
     p = Path(path)
     try:  # a regular file (a link is fine: the user named it), never a FIFO that would block the read

@@ -64,7 +64,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from gpufeed.config import MAX_NODES, StageConfig
 from gpufeed.core.errors import DataError, RunError

@@ -187,45 +187,9 @@ def scan_src(src: str, pool: Any = None, workers: int = 1, classes_like: str = "
     import numpy as np
     from array import array
 
-    from gpufeed.core.safefs import folder_link_note
-
     like_imagefolder = classes_like == "imagefolder"
-    classes: list[str] = []
-    hidden_dirs: list[str] = []
-    notes: list[str] = []
-    ignored: list[FileIssue] = []
+    classes, hidden_dirs, notes, ignored = _classes(src, like_imagefolder, class_list)
     rejected: list[FileIssue] = []
-    with os.scandir(src) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    listed = None if class_list is None else set(class_list[1])
-    for e in entries:
-        if listed is not None and e.is_dir():
-            if e.name in listed:
-                classes.append(e.name)
-            else:
-                ignored.append(FileIssue(_rel(e.path, src), f"folder not in the class list {class_list[0]}"))
-        elif e.name.startswith(".") and not like_imagefolder:
-            if e.is_dir():
-                hidden_dirs.append(display(e.name))
-                ignored.append(FileIssue(_rel(e.path, src), "hidden folder (not a class; ImageFolder would count "
-                                                            "it as one)"))
-            else:
-                ignored.append(FileIssue(_rel(e.path, src), "hidden (never a class)"))
-        elif e.is_dir():
-            classes.append(e.name)
-            if e.is_symlink() and (note := folder_link_note(e.path, src)):
-                notes.append(f"class folder {display(note)}")
-        elif e.is_symlink() and not os.path.exists(e.path):
-            ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
-        else:
-            ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
-    if class_list is not None:
-        missing = [c for c in class_list[1] if c not in set(classes)]
-        if missing:
-            raise DataError(f"class list {class_list[0]} names {', '.join(repr(c) for c in missing[:5])}"
-                            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}, not a folder in SRC "
-                            f"{src}")
-        classes = list(class_list[1])
     # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here,
     # column by column.
     blob, ends = bytearray(), array("q")
@@ -265,6 +229,51 @@ def scan_src(src: str, pool: Any = None, workers: int = 1, classes_like: str = "
                         f"rename them")
     return Scan(shown, paths, lab, siz, mt, ignored, rejected, counts, dirs=classes, duplicates=duplicates,
                  notes=notes, hidden_dirs=hidden_dirs)
+
+
+def _classes(src: str, like_imagefolder: bool,
+             class_list: tuple[str, list[str]] | None) -> tuple[list[str], list[str], list[str], list[FileIssue]]:
+    """SRC's entries -> (the class folders' real names in label order, the hidden folders not made classes, notes
+    on class folders linked out of SRC, what was ignored at the root); ``scan_src`` says which entries are
+    classes."""
+    from gpufeed.core.safefs import folder_link_note
+
+    classes: list[str] = []
+    hidden_dirs: list[str] = []
+    notes: list[str] = []
+    ignored: list[FileIssue] = []
+    with os.scandir(src) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    listed = None if class_list is None else set(class_list[1])
+    for e in entries:
+        if listed is not None and e.is_dir():
+            if e.name in listed:
+                classes.append(e.name)
+            else:
+                ignored.append(FileIssue(_rel(e.path, src), f"folder not in the class list {class_list[0]}"))
+        elif e.name.startswith(".") and not like_imagefolder:
+            if e.is_dir():
+                hidden_dirs.append(display(e.name))
+                ignored.append(FileIssue(_rel(e.path, src), "hidden folder (not a class; ImageFolder would count "
+                                                            "it as one)"))
+            else:
+                ignored.append(FileIssue(_rel(e.path, src), "hidden (never a class)"))
+        elif e.is_dir():
+            classes.append(e.name)
+            if e.is_symlink() and (note := folder_link_note(e.path, src)):
+                notes.append(f"class folder {display(note)}")
+        elif e.is_symlink() and not os.path.exists(e.path):
+            ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
+        else:
+            ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
+    if class_list is not None:
+        missing = [c for c in class_list[1] if c not in set(classes)]
+        if missing:
+            raise DataError(f"class list {class_list[0]} names {', '.join(repr(c) for c in missing[:5])}"
+                            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}, not a folder in SRC "
+                            f"{src}")
+        classes = list(class_list[1])
+    return classes, hidden_dirs, notes, ignored
 
 
 def _store_once(paths: Strings, labels: Any, devs: Any, inos: Any, via: Any, rejected: list[FileIssue],

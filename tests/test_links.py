@@ -265,20 +265,20 @@ def test_dest_state_files_linked_out_are_not_read(tmp_path: Path, image_folder) 
     and a valid sidecar moved out and linked back): the plan is taken as missing, the shard as not complete."""
     import hashlib
 
-    from gpufeed.shard.shardplan import _read_plan
-    from gpufeed.shard.write import _shard_complete
+    from gpufeed.shard.shardplan import read_plan
+    from gpufeed.shard.write import shard_complete
 
     dest = tmp_path / "dest"
     invoke(["shard", image_folder(classes=2, per_class=2), dest, "--quiet", "--workers", "1"])
     state = dest / ".gpufeed"
-    assert _read_plan(str(state)) is not None
+    assert read_plan(str(state)) is not None
     os.replace(state / "plan.json", tmp_path / "plan.json")
     os.symlink(tmp_path / "plan.json", state / "plan.json")
-    assert _read_plan(str(state)) is None
+    assert read_plan(str(state)) is None
     (dest / "a.tar").write_bytes(b"x")
     (tmp_path / "side.json").write_text(json.dumps({"bytes": 1, "sha256": hashlib.sha256(b"x").hexdigest()}))
     os.symlink(tmp_path / "side.json", state / "a.tar.done.json")
-    assert _shard_complete(str(dest), "a.tar") is None
+    assert shard_complete(str(dest), "a.tar") is None
 
 
 def test_tune_run_folder_links_are_replaced(tmp_path: Path, secret: Path, monkeypatch) -> None:
@@ -332,14 +332,14 @@ def test_a_rank_report_linked_out_of_the_run_folder_or_a_fifo_is_passed_over(tmp
 
 def test_a_transcode_cache_linked_out_of_the_state_folder_never_reaches_a_shard(tmp_path: Path, secret: Path) -> None:
     from gpufeed.core.errors import RunError
-    from gpufeed.shard.write import _Item, _write_range
+    from gpufeed.shard.write import Item, write_range
 
     state = tmp_path / "dest" / ".gpufeed"
     state.mkdir(parents=True)
     os.symlink(secret, state / "enc-000000.bin")
     tmp = tmp_path / "dest" / ".a.tar.tmp"
     tmp.write_bytes(bytes(4096))
-    item = _Item(0, "k", "jpg", len(SECRET), b"0", b"{}", "", "c/k.jpg", None, str(state / "enc-000000.bin"), 0)
+    item = Item(0, "k", "jpg", len(SECRET), b"0", b"{}", "", "c/k.jpg", None, str(state / "enc-000000.bin"), 0)
     with pytest.raises(RunError, match="transcode cache .* is a symbolic link that leads out of the state folder"):
-        _write_range(str(tmp), [item])
+        write_range(str(tmp), [item])
     assert b"hunter2" not in tmp.read_bytes()

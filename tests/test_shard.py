@@ -24,9 +24,12 @@ from gpufeed.shard import plan_num_shards, split_sizes, write_shards
 from tests.conftest import invoke, invoke_json, write_image
 
 
-def shard(src: Path, dest: Path, **kw) -> object:
+def shard(src: Path, dest: Path, try_one_pass: bool = True, pool_factory=None, **kw) -> object:
+    """``write_shards`` of SRC into DEST with the config fields ``kw`` (one worker unless given), no bar; the job's
+    seams ``try_one_pass`` and ``pool_factory`` passed through when given."""
     kw.setdefault("workers", 1)
-    return write_shards(ShardConfig(src=str(src), dest=str(dest), **kw), progress=False)
+    seams = {"try_one_pass": try_one_pass} | ({} if pool_factory is None else {"pool_factory": pool_factory})
+    return write_shards(ShardConfig(src=str(src), dest=str(dest), **kw), progress=False, **seams)
 
 
 def digests(dest: Path) -> dict[str, str]:
@@ -183,7 +186,7 @@ def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, mon
     """--check header without transcoding options validates and writes in one pass (each source read once) when
     every file passes through unchanged; a rejected file or one that needs a transcode stops it, and the run
     validates the files it had not checked, then writes. Either way every output file (shards, sidecars, plan,
-    index, manifest) has the bytes of the two passes (forced with the private switch ``job._ONE_PASS``)."""
+    index, manifest) has the bytes of the two passes (forced with ``write_shards(..., try_one_pass=False)``)."""
     import gpufeed.shard.job as job
     import gpufeed.shard.validate as validate
 
@@ -196,9 +199,12 @@ def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, mon
     write_image(src / "c0" / "png.jpg", fmt="PNG")  # a PNG named .jpg: Pillow's header path, stored as .png
     write_image(src / "c1" / "exif.jpg", exif=exif.tobytes())  # Pillow's path; orientation 6 in KEY.json
     calls = []  # per validation pass: how many candidates the stopped one pass had checked already
-    real_validate = job._validate
-    monkeypatch.setattr(job, "_validate", lambda *a, **k: (calls.append(int(a[9].sum()) if len(a) > 9 else None),
-                                                          real_validate(*a, **k))[1])
+    real_validate = job.validate_candidates
+    def counted(scan, src_, state, opts_, pool, bar, order, workers=1, partial=None):  # the phase's public API
+        calls.append(None if partial is None else int(partial.checked.sum()))
+        return real_validate(scan, src_, state, opts_, pool, bar, order, workers, partial)
+
+    monkeypatch.setattr(job, "validate_candidates", counted)
     monkeypatch.setattr(validate, "_HEADER_CHUNK", 4)  # validation batches smaller than shards: some are skipped
     opts = {"check": "header", "shard_samples": 5, "workers": workers}  # 6 shards: whole shards per worker
 
@@ -206,9 +212,7 @@ def test_check_header_one_pass_or_fallback_is_byte_identical(tmp_path: Path, mon
         calls.clear()
         one = shard(src, tmp_path / name / "out", **opts)
         validated = len(calls)
-        monkeypatch.setattr(job, "_ONE_PASS", False)
-        two = shard(src, tmp_path / f"{name}-two" / "out", **opts)
-        monkeypatch.setattr(job, "_ONE_PASS", True)
+        two = shard(src, tmp_path / f"{name}-two" / "out", try_one_pass=False, **opts)
         assert tree(tmp_path / name / "out") == tree(tmp_path / f"{name}-two" / "out")
         assert not list((tmp_path / name / "out").glob(".*.tmp"))
         return one, validated
@@ -249,7 +253,7 @@ def test_one_pass_worker_error_stops_the_running_shards_and_leaves_no_temporary(
     for c in range(2):
         for i in range(12):
             write_image(src / f"c{c}" / f"{i}.jpg", size=(8 + i, 9))
-    real_read, real_task = validate._read_whole, write._check_and_write_shard
+    real_read, real_task = validate.read_whole, write.check_and_write_shard
 
     def slow_read(path, dir_fd=None):  # workers are forked after the patch: each file takes 50 ms there
         time.sleep(0.05)
@@ -261,23 +265,22 @@ def test_one_pass_worker_error_stops_the_running_shards_and_leaves_no_temporary(
         return real_task(dest, src_, name, part, opts)
 
     task.__module__, task.__qualname__ = real_task.__module__, real_task.__qualname__  # pickled by name
-    monkeypatch.setattr(write, "_read_whole", slow_read)
-    monkeypatch.setattr(write, "_check_and_write_shard", task)
+    monkeypatch.setattr(write, "read_whole", slow_read)
+    monkeypatch.setattr(write, "check_and_write_shard", task)
     monkeypatch.setattr(write, "_STOP_EVERY", 1)
-    import gpufeed.shard.job as job
+    import gpufeed.shard.onepass as onepass
 
-    monkeypatch.setattr(job, "_check_and_write_shard", task)
+    monkeypatch.setattr(onepass, "check_and_write_shard", task)
 
     def fork_pool(workers: int, lock_fd: int):  # the patches reach the workers only by fork (after a test has
         import concurrent.futures as cf  # left a thread, tqdm's monitor say, the job's pool would spawn them)
         import multiprocessing as mp
 
-        return cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")), None
+        return cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"))
 
-    monkeypatch.setattr(job, "_make_pool", fork_pool)
     dest = tmp_path / "out"
-    with pytest.raises(RunError, match="No space left|full"):
-        shard(src, dest, check="header", workers=2, shard_samples=4)  # 6 shards; 5 and 4 go first, 4 fails
+    with pytest.raises(RunError, match="No space left|full"):  # 6 shards; 5 and 4 go first, 4 fails
+        shard(src, dest, check="header", workers=2, shard_samples=4, pool_factory=fork_pool)
     assert not [p.name for p in dest.rglob("*.tmp")]
     assert not (dest / ".gpufeed" / "one-pass.stop").exists() and not list(dest.glob("*.tar"))
 
@@ -285,8 +288,8 @@ def test_one_pass_worker_error_stops_the_running_shards_and_leaves_no_temporary(
 def test_scan_in_workers_walks_groups_of_classes_into_the_same_columns(tmp_path: Path, monkeypatch) -> None:
     """With a pool the class folders are walked a group per task (here 3 classes a task, 2 tasks a worker in
     flight): the columns, in label order, are those of the walk in this process."""
-    import gpufeed.shard.scan as scan_mod
-    from gpufeed.shard.job import _make_pool
+    from gpufeed.shard.context import make_pool
+    from gpufeed.shard.scan import scan_src
 
     src = tmp_path / "src"
     for c in range(40):
@@ -294,14 +297,12 @@ def test_scan_in_workers_walks_groups_of_classes_into_the_same_columns(tmp_path:
             (src / f"k{c:02d}").mkdir(parents=True, exist_ok=True)
             (src / f"k{c:02d}" / f"{i}.jpg").write_bytes(bytes([c, i]) * (c + 1))
         (src / f"k{c:02d}").mkdir(parents=True, exist_ok=True)
-    monkeypatch.setattr(scan_mod, "_SCAN_GROUP_MAX", 3)
-    monkeypatch.setattr(scan_mod, "_SCAN_DEPTH", 2)
-    here = scan_mod._scan(str(src))
-    pool = _make_pool(2, -1)
+    here = scan_src(str(src))
+    pool = make_pool(2, -1)
     try:
-        there = scan_mod._scan(str(src), pool, 2)
+        there = scan_src(str(src), pool, 2, group_max=3, depth=2)
     finally:
-        pool[0].shutdown()
+        pool.shutdown()
     assert list(there.paths) == list(here.paths) and len(here) == 39
     assert there.labels.tolist() == here.labels.tolist() and there.sizes.tolist() == here.sizes.tolist()
     assert there.class_counts == here.class_counts and there.classes == here.classes
@@ -314,13 +315,13 @@ def test_shard_order_shuffled_in_steps_is_random_shuffle(n: int, monkeypatch) ->
     import random
 
     import gpufeed.shard.shardplan as shardplan
-    from gpufeed.shard.shardplan import _Shuffle
+    from gpufeed.shard.shardplan import Shuffle
 
     for seed, stepwise in [(0, True), (1, True), (2**40 + 3, True), (5, False)]:  # False: the fallback
         want = list(range(n))
         random.Random(seed).shuffle(want)
         monkeypatch.setattr(shardplan, "_STEPWISE", stepwise)
-        s = _Shuffle(n, seed)
+        s = Shuffle(n, seed)
         for start in sorted({n - 1, n * 2 // 3, n // 3}, reverse=True):  # the one pass: the last shards first
             if start >= 0:
                 assert s.take(start, 5).tolist() == want[start:start + 5]
@@ -329,37 +330,38 @@ def test_shard_order_shuffled_in_steps_is_random_shuffle(n: int, monkeypatch) ->
 
 
 def test_one_pass_worker_on_plain_jpegs_imports_neither_numpy_nor_pillow(tmp_path: Path) -> None:
-    """A one-pass task (``_check_and_write_shard``) in a fresh process, as a forked worker starts: its file list
+    """A one-pass task (``check_and_write_shard``) in a fresh process, as a forked worker starts: its file list
     (names with ``array`` offsets) and the pixel limit the main process computed are all it needs for plain
     JPEGs, so it imports neither numpy nor Pillow (~0.1 s each a worker, on the serial path of a small set)."""
     import pickle
 
-    from gpufeed.shard.scan import _scan
-    from gpufeed.shard.validate import _pixel_limit
+    from gpufeed.shard.scan import scan_src
+    from gpufeed.shard.validate import CheckOptions, pixel_limit
+    from gpufeed.shard.write import OnePassPart
 
     src = tmp_path / "src"
     for i in range(6):
         write_image(src / f"c{i % 2}" / f"{i}.jpg", size=(8 + i, 9))
-    scan = _scan(str(src))
-    opts = {"check": "header", "max_pixels": 10**8, "max_size": None, "quality": None}
-    part = {"paths": scan.paths.portable(), "n": [0, 1, 2, 0, 1, 2], "label": scan.labels.tolist(),
-            "bytes": scan.sizes.tolist(), "classes": scan.classes, "stop": str(tmp_path / "stop")}
+    scan = scan_src(str(src))
+    opts = CheckOptions(check="header", max_pixels=10**8, max_size=None, quality=None)
+    part = OnePassPart(paths=scan.paths.portable(), n=[0, 1, 2, 0, 1, 2], label=scan.labels.tolist(),
+                       bytes=scan.sizes.tolist(), classes=scan.classes, stop=str(tmp_path / "stop"))
     (tmp_path / "out").mkdir()
-    args = (str(tmp_path / "out"), str(src), "t-000000.tar", part, dict(opts, pixel_limit=_pixel_limit(opts)))
+    args = (str(tmp_path / "out"), str(src), "t-000000.tar", part, opts._replace(pixel_limit=pixel_limit(opts)))
     (tmp_path / "args.pickle").write_bytes(pickle.dumps(args))
-    code = ("import pickle, sys; import gpufeed.shard.job; from gpufeed.shard.write import _check_and_write_shard; "
-            f"got = _check_and_write_shard(*pickle.load(open({str(tmp_path / 'args.pickle')!r}, 'rb'))); "
+    code = ("import pickle, sys; import gpufeed.shard.job; from gpufeed.shard.write import check_and_write_shard; "
+            f"got = check_and_write_shard(*pickle.load(open({str(tmp_path / 'args.pickle')!r}, 'rb'))); "
             "print(got.complete, got.checked, 'numpy' in sys.modules, 'PIL' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "6", "False", "False"]
     assert (tmp_path / "out" / ".t-000000.tar.tmp").stat().st_size > 6 * 1536
-    assert list(part["paths"]) == list(scan.paths)  # the array offsets, in this machine's byte order
+    assert list(part.paths) == list(scan.paths)  # the array offsets, in this machine's byte order
 
     # A shard queued behind one that stopped (the stop file exists) stops before its first file.
-    from gpufeed.shard.write import _check_and_write_shard
+    from gpufeed.shard.write import check_and_write_shard
 
     (tmp_path / "stop").touch()
-    got = _check_and_write_shard(*args)
+    got = check_and_write_shard(*args)
     assert (got.complete, got.checked, got.nbytes) == (False, 0, 0)
     assert not (tmp_path / "out" / ".t-000000.tar.tmp").exists()
 
@@ -393,10 +395,10 @@ def test_resume_after_kill_9(image_folder, tmp_path: Path) -> None:
     dest = tmp_path / "out"
     code = (
         "import time, gpufeed.shard as s, gpufeed.shard.write as w\n"
-        "orig = w._finish_shard\n"
+        "orig = w.finish_shard\n"
         "def slow(*a, **k):\n"
         "    r = orig(*a, **k); time.sleep(0.3); return r\n"
-        "w._finish_shard = slow\n"
+        "w.finish_shard = slow\n"
         "from gpufeed.config import ShardConfig\n"
         f"s.write_shards(ShardConfig(src={str(src)!r}, dest={str(dest)!r}, shard_samples=4, workers=1),"
         " progress=False)\n"
@@ -618,9 +620,9 @@ def test_reencode_peak_dest_use_stays_near_the_output_size(tmp_path: Path, monke
         return sum(used), cache
 
     seen = []
-    real_write, real_finish = write._write_range, job._finish
-    monkeypatch.setattr(write, "_write_range", lambda *a, **k: (seen.append(usage()), real_write(*a, **k))[1])
-    monkeypatch.setattr(job, "_finish", lambda *a, **k: (seen.append(usage()), real_finish(*a, **k))[1])
+    real_write, real_finish = write.write_range, job.finish_set
+    monkeypatch.setattr(write, "write_range", lambda *a, **k: (seen.append(usage()), real_write(*a, **k))[1])
+    monkeypatch.setattr(job, "finish_set", lambda *a, **k: (seen.append(usage()), real_finish(*a, **k))[1])
     rep = shard(src, dest, max_size=24, shard_samples=16)
     assert rep.num_shards == 6 and rep.transforms == {"reencode": 96}
     full_cache = seen[0][1]
@@ -642,14 +644,14 @@ def test_disk_full_names_dest_and_is_a_run_error_once_writing(image_folder, tmp_
 
     src = noise_folder(tmp_path / "src", per_class=3)
     dest = tmp_path / "out"
-    monkeypatch.setattr(write, "_write_range", full)
+    monkeypatch.setattr(write, "write_range", full)
     with pytest.raises(RunError) as err:
         shard(src, dest)
     assert err.value.exit_code == 1
     assert f"DEST {dest} is full" in str(err.value) and "bytes needed" in str(err.value)
     assert not list(dest.glob("*.tar*")) and not list(dest.glob(".*.tmp"))
     monkeypatch.undo()
-    monkeypatch.setattr(validate, "_inspect", full)  # while the transcode cache is written
+    monkeypatch.setattr(validate, "inspect_file", full)  # while the transcode cache is written
     with pytest.raises(DataError, match="is full") as err:
         shard(src, tmp_path / "out2", quality=80)
     assert not isinstance(err.value, RunError) and err.value.exit_code == 2
@@ -667,7 +669,7 @@ def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatc
     for i in range(3):
         write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
     victim = src / "a" / "1.jpg"
-    real = job._make_plan
+    real = job.make_plan
 
     def plan_then_swap(*a, **k):
         plan = real(*a, **k)
@@ -678,7 +680,7 @@ def test_source_rewritten_at_the_same_size_is_refused(tmp_path: Path, monkeypatc
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         return plan
 
-    monkeypatch.setattr(job, "_make_plan", plan_then_swap)
+    monkeypatch.setattr(job, "make_plan", plan_then_swap)
     with pytest.raises(RunError, match=r"a/1\.jpg changed while sharding.*re-run"):
         shard(src, tmp_path / "out")
     assert not (tmp_path / "out" / "manifest.json").exists()
@@ -694,16 +696,15 @@ def test_source_resized_after_the_scan_is_refused(tmp_path: Path, monkeypatch, o
     for i in range(4):
         write_image(src / "a" / f"{i}.jpg", color=(i * 50, 0, 0))
     victim = src / "a" / "2.jpg"
-    real = job._fingerprint
+    real = job.plan_fingerprint
 
     def scan_then_grow(*a, **k):
         victim.write_bytes(victim.read_bytes() + b"\0" * 100)  # still a valid JPEG, 100 bytes longer
         return real(*a, **k)
 
-    monkeypatch.setattr(job, "_fingerprint", scan_then_grow)
-    monkeypatch.setattr(job, "_ONE_PASS", one_pass)
+    monkeypatch.setattr(job, "plan_fingerprint", scan_then_grow)
     with pytest.raises(RunError, match=r"a/2\.jpg changed while sharding"):
-        shard(src, tmp_path / "out", check="header", shard_samples=1)
+        shard(src, tmp_path / "out", check="header", shard_samples=1, try_one_pass=one_pass)
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -739,7 +740,7 @@ def test_plan_of_an_older_version_or_damaged_is_refused_then_replanned(tmp_path:
 
 def test_tampered_plan_is_never_used_and_never_crashes(tmp_path: Path) -> None:
     """DEST/.gpufeed is data too: a plan.json/plan.bin whose sizes, fields or paths are wrong (a path out of SRC
-    would copy any readable file into a shard) makes _read_plan return None (replan / refuse without
+    would copy any readable file into a shard) makes read_plan return None (replan / refuse without
     --overwrite), never OverflowError, MemoryError or TypeError."""
     import hashlib
 
@@ -765,7 +766,7 @@ def test_tampered_plan_is_never_used_and_never_crashes(tmp_path: Path) -> None:
             edit_meta(meta)
         (state / "plan.json").write_text(json.dumps(meta))
         (state / "plan.bin").write_bytes(bytes(data))
-        return mod._read_plan(str(state))
+        return mod.read_plan(str(state))
 
     assert plan_with() is not None
     assert plan_with(column="path_blob", raw=b"a/..jpg") is not None  # '..jpg' is a name, not '..'
@@ -885,7 +886,7 @@ def test_disk_full_at_finish_names_no_made_up_need(image_folder, tmp_path: Path,
 
     src = image_folder(classes=2, per_class=3)
     dest = tmp_path / "out"
-    monkeypatch.setattr(job, "_finish", full)  # the index/manifest write after every shard is complete
+    monkeypatch.setattr(job, "finish_set", full)  # the index/manifest write after every shard is complete
     with pytest.raises(RunError) as err:
         shard(src, dest, shard_samples=3)
     msg = str(err.value)
@@ -1026,7 +1027,7 @@ def test_plain_jpeg_fast_path_agrees_with_pillow_on_damaged_headers(tmp_path: Pa
     header its verdict (accept with size, or let Pillow decide) equals Pillow's."""
     import gpufeed.shard.validate as mod
 
-    opts = {"check": "header", "max_pixels": 178_956_970, "max_size": None, "quality": None}
+    opts = mod.CheckOptions(check="header", max_pixels=178_956_970, max_size=None, quality=None)
     exif = Image.Exif()
     exif[0x0112] = 3
     sources = [
@@ -1036,7 +1037,7 @@ def test_plain_jpeg_fast_path_agrees_with_pillow_on_damaged_headers(tmp_path: Pa
         write_image(tmp_path / "exif.jpg", size=(12, 12), exif=exif.tobytes()),
         write_image(tmp_path / "cmyk.jpg", size=(8, 8), mode="CMYK"),
     ]
-    real_fast = mod._plain_jpeg_size
+    real_fast = mod.plain_jpeg_size
     assert [real_fast(p.read_bytes(), 10**9) for p in sources] == [(21, 13), (9, 17), (30, 8), None, None]
     probe = tmp_path / "probe.jpg"
     fast_hits = 0
@@ -1044,10 +1045,10 @@ def test_plain_jpeg_fast_path_agrees_with_pillow_on_damaged_headers(tmp_path: Pa
     def both(data: bytes) -> None:
         nonlocal fast_hits
         probe.write_bytes(data)
-        monkeypatch.setattr(mod, "_plain_jpeg_size", real_fast)
-        fast = mod._inspect(str(probe), opts)
-        monkeypatch.setattr(mod, "_plain_jpeg_size", lambda *a: None)
-        slow = mod._inspect(str(probe), opts)
+        monkeypatch.setattr(mod, "plain_jpeg_size", real_fast)
+        fast = mod.inspect_file(str(probe), opts)
+        monkeypatch.setattr(mod, "plain_jpeg_size", lambda *a: None)
+        slow = mod.inspect_file(str(probe), opts)
         assert fast == slow, (len(data), fast, slow)
         fast_hits += real_fast(data, 10**9) is not None
 
@@ -1063,13 +1064,13 @@ def test_plain_jpeg_fast_path_agrees_with_pillow_on_damaged_headers(tmp_path: Pa
 
 
 def test_sample_json_is_exactly_json_dumps() -> None:
-    from gpufeed.shard.write import _Sample, _sample_json
+    from gpufeed.shard.write import Sample, sample_json
 
     for cname, source, orientation, size in [("cat", "cat/1.jpg", 1, (8, 8)),
                                              ('ü"\\\x1f', 'ü/"a\\b\u2028.jpg', 1, (8, 8)),
                                              ('q"\\\n\t\x01é\u2028', 'd/"x"\\é\x7f.jpg', 6, (30, 20)),
                                              ("x", "x/\ufffd.png", 70000, (8, 9))]:
-        s = _Sample("00001_0000002", "/abs", 1, cname, source, orientation, "png", 8, 8, *size, "ab" * 32, 10,
+        s = Sample("00001_0000002", "/abs", 1, cname, source, orientation, "png", 8, 8, *size, "ab" * 32, 10,
                     None, None, 0)
         meta = {"source": source, "class": cname, "label": 1, "width": 8, "height": 8, "format": "png",
                 "sha256": "ab" * 32}
@@ -1077,7 +1078,7 @@ def test_sample_json_is_exactly_json_dumps() -> None:
             meta["exif_orientation"] = orientation
         if size != (8, 8):
             meta["orig_width"], meta["orig_height"] = size
-        assert _sample_json(s) == json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
+        assert sample_json(s) == json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
 
 
 def test_small_and_large_images_are_copied_to_the_same_bytes(image_folder, tmp_path: Path, monkeypatch) -> None:

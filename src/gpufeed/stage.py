@@ -64,18 +64,18 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from gpufeed.config import MAX_NODES, StageConfig
 from gpufeed.core.errors import DataError, RunError
 from gpufeed.shardset.manifest import INDEX_NAME, MANIFEST_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, manifest_path, \
     read_manifest, write_manifest
-from gpufeed.core.records import atomic_writer, fsync_dir, write_json
+from gpufeed.core.dest import LOCK_NAME, done_path, publish, read_done, remove_temps, take_lock, temp_path, write_done
+from gpufeed.core.records import atomic_writer, fsync_dir
 from gpufeed.core.world import node_from_env, node_shards
 from gpufeed.shardset.manifest import STAGED_NODE
 
 STATE_DIR = ".gpufeed-stage"
-LOCK_NAME = "lock"
 CHUNK_BYTES = 8 << 20
 """Bytes per read of a source shard (8 MiB)."""
 MAX_JOBS_DEFAULT = 8
@@ -222,7 +222,7 @@ def copy_shard(source: LocalSource | RemoteSource, info: ShardInfo, dest: Path, 
     RunError when ``stop`` is set."""
     from gpufeed.shardset.source import SourceError
 
-    tmp = dest / f".{info.name}.tmp"
+    tmp = Path(temp_path(dest, info.name))
     final = dest / info.name
     h = hashlib.sha256()
     got = 0
@@ -258,7 +258,7 @@ def copy_shard(source: LocalSource | RemoteSource, info: ShardInfo, dest: Path, 
             raise RunError(f"source shard {source.path(info.name)} has sha256 {digest[:16]}..., the manifest says "
                            f"{info.sha256[:16]}...; it is corrupt and was not staged")
         with _writing(final, f"{info.name} was not staged"):
-            os.replace(tmp, final)
+            publish(dest, info.name)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -403,11 +403,8 @@ def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], sour
     """Stage the shards ``mine`` (node ``node_rank`` of ``num_nodes``'s, or all of ``m``'s with ``node_rank``
     None) and write DEST's manifest, listing every shard of ``m``."""
     _refuse_other_set(dest, m)
-    for info in m.shards:  # temporaries of a killed run: this run holds the lock, nobody else writes them
-        try:
-            os.unlink(dest / f".{info.name}.tmp")
-        except FileNotFoundError:
-            pass
+    # temporaries of a killed run: this run holds the lock, nobody else writes them
+    remove_temps(dest, [info.name for info in m.shards])
     kept = [info for info in mine if _complete(dest, state, info)]
     kept_names = {i.name for i in kept}
     todo = [info for info in mine if info.name not in kept_names]
@@ -491,9 +488,8 @@ def _copy_all(source: LocalSource | RemoteSource, todo: list[ShardInfo], dest: P
     def one(info: ShardInfo) -> None:
         digest = copy_shard(source, info, dest, chunk=chunk, stop=stop, progress=tick)
         st = os.stat(dest / info.name)
-        with _writing(state / f"{info.name}.done.json", f"{info.name} was staged but its record was not written"):
-            write_json(state / f"{info.name}.done.json",
-                       {"name": info.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest})
+        with _writing(Path(done_path(state, info.name)), f"{info.name} was staged but its record was not written"):
+            _record(state, info.name, st, digest)
 
     pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="gpufeed-stage")
     try:
@@ -523,7 +519,7 @@ def _complete(dest: Path, state: Path, info: ShardInfo) -> bool:
         return False
     if not stat.S_ISREG(st.st_mode) or st.st_size != info.bytes:
         return False
-    side = _read_sidecar(state / f"{info.name}.done.json")
+    side = read_done(state, info.name, _MAX_SIDECAR_BYTES, what="stage sidecar")  # never through a link out
     if side is not None and side.get("size") == st.st_size and side.get("mtime_ns") == st.st_mtime_ns and (
             info.sha256 is None or side.get("sha256") == info.sha256):
         return True
@@ -535,22 +531,14 @@ def _complete(dest: Path, state: Path, info: ShardInfo) -> bool:
             h.update(data)
     if h.hexdigest() != info.sha256:
         return False
-    write_json(state / f"{info.name}.done.json",
-               {"name": info.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": info.sha256})
+    _record(state, info.name, st, info.sha256)
     return True
 
 
-def _read_sidecar(path: Path) -> dict[str, Any] | None:
-    import json
-
-    from gpufeed.core.safefs import read_set_file
-
-    try:  # our own state, still never read through a link out of it (refused: re-hashed instead)
-        raw = read_set_file(path, path.parent, _MAX_SIDECAR_BYTES, what="stage sidecar", where="state folder")
-        data = json.loads(raw)
-    except (OSError, ValueError, DataError):
-        return None
-    return data if isinstance(data, dict) else None
+def _record(state: Path, name: str, st: os.stat_result, sha256: str) -> None:
+    """The sidecar of a staged shard (:func:`gpufeed.core.dest.write_done`): its size, mtime_ns and sha256."""
+    write_done(state, name, {"name": name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256},
+               pretty=True)
 
 
 def _refuse_other_set(dest: Path, m: Manifest) -> None:
@@ -574,23 +562,10 @@ def _on_ram_fs(path: Path) -> bool:
 
 
 def _lock(path: Path, dest: Path) -> int:
-    """An exclusive ``flock`` on ``path`` for the whole run, recording this pid; a held lock is refused naming
-    its holder. Close-on-exec, so it dies with this process."""
-    import fcntl
-
-    from gpufeed.core.safefs import lock_file
-
-    fd = lock_file(path, what="stage lock")  # never through a link: a link there is replaced, its target untouched
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 16, 0).strip()
-        os.close(fd)
-        who = f" (pid {int(holder)})" if holder.isdigit() and len(holder) <= 10 else ""
-        raise DataError(f"DEST {dest} is in use by another `gpufeed stage` run{who}; wait for it to finish") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    """An exclusive ``flock`` on ``path`` for the whole run, recording this pid (:func:`gpufeed.core.dest.take_lock`);
+    a held lock is refused naming its holder. Close-on-exec, so it dies with this process."""
+    return take_lock(path, what="stage lock", in_use=lambda who: (f"DEST {dest} is in use by another `gpufeed stage` "
+                                                                 f"run{who}; wait for it to finish"))
 
 
 def _mb(n: int) -> str:

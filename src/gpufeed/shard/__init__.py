@@ -8,22 +8,29 @@ With ``--check header`` and no transcoding option, validate, plan and write are 
 pass" below).
 No torch import anywhere on this path.
 
-Phase map (one module a step; this package's ``__init__`` only re-exports the public names):
+Phase map (one module a step; this package's ``__init__`` only re-exports the public names; each module's public
+names, without an underscore, are what ``job.py`` uses):
 
-* ``job.py``: ``write_shards``, the entry: checks SRC and DEST, takes the lock, runs the phases (``_run``); the
-  one pass (``_one_pass``).
-* ``scan.py``: walking SRC into the candidate files, as columns (``_scan``; the class folders in the workers).
+* ``job.py``: ``write_shards``, the entry: checks SRC and DEST, takes the lock, then ``_run`` calls the phases in
+  order: ``_scan_phase``, ``_plan_phase`` (resume, the one pass, or ``_validate_and_plan``), ``_write_phase``,
+  ``_finish_phase``. Seams for tests: ``try_one_pass`` and ``pool_factory``.
+* ``context.py``: ``JobContext`` (what every phase reads) and the process set-up (``make_pool``, ``preload``).
+* ``scan.py``: walking SRC into the candidate files, as columns (``scan_src`` -> ``Scan``; the class folders in
+  the workers).
 * ``validate.py``: per-file checks, ``--check header``/``full``, and the transcodes, in the workers
-  (``_inspect``, ``_validate_chunk``); the batches fed and gathered by the main process (``_validate``).
-* ``shardplan.py``: the plan (``_make_plan``), its fingerprint, and ``plan.json``/``plan.bin``
-  (``PLAN_VERSION``, ``_save_plan``, ``_read_plan``). Not ``gpufeed/plan.py``, the memory planner.
-* ``write.py``: the shards' bytes: worker write tasks (``_write_range``, ``_write_shard``, the one pass's
-  ``_check_and_write_shard``), member layout and
-  in-order hashing (``_ShardJob``), each shard renamed with its ``.done.json`` sidecar (``_finish_shard``).
-* ``finish.py``: ``index.parquet``, the sidecar indexes and ``manifest.json`` (``_finish``).
-* ``dest.py``: DEST's state folder: the lock, resume or refuse what is there, cache housekeeping, free space,
-  OS errors as one sentence.
-* ``report.py``: ``ShardReport``, ``FileIssue``, ``render_shard`` and the progress bar.
+  (``inspect_file``, ``_validate_chunk``, with ``CheckOptions``); the batches fed and gathered by the main
+  process (``validate_candidates`` -> ``Results``).
+* ``onepass.py``: the one pass (``one_pass`` -> ``Written`` or ``validate.Partial``).
+* ``shardplan.py``: the plan (``make_plan`` -> ``Plan`` of ``PlannedShard``), its fingerprint, and
+  ``plan.json``/``plan.bin`` (``PLAN_VERSION``, ``save_plan``, ``read_plan``). Not ``gpufeed/memplan.py``.
+* ``write.py``: the shards' bytes: worker write tasks (``write_range``, ``_write_shard`` from a ``ShardPart``, the
+  one pass's ``check_and_write_shard`` from a ``OnePassPart``), member layout and in-order hashing
+  (``_ShardJob``), each shard renamed with its ``.done.json`` sidecar (``finish_shard``, ``shard_complete``:
+  :mod:`gpufeed.core.dest`); ``write_all`` runs the ``WriteTask`` list.
+* ``finish.py``: ``index.parquet``, the sidecar indexes and ``manifest.json`` (``finish_set``).
+* ``dest.py``: DEST's state folder: the lock (``lock_dest``), resume or refuse what is there (``load_plan``),
+  cache housekeeping, free space, OS errors as one sentence (``os_error``).
+* ``report.py``: ``ShardReport``, ``FileIssue``, ``render_shard`` and the progress bar (``Bar``).
 
 Writing: with at least two shards a worker, each worker writes and hashes whole shards, from the plan's
 columns for that shard. With fewer (a 3,000-image folder plans one shard), writing is parallel within a shard:
@@ -43,13 +50,13 @@ so the output has the bytes of the two passes. The first file rejected, unreadab
 stops every worker (a stop file in ``DEST/.gpufeed``); their temporary shards are deleted and the run
 validates the files not yet checked (whole batches checked by the pass are skipped), then plans and writes as
 usual: such a set pays for the part of the pass written before the stop. The seeded order is shuffled in
-steps (``_Shuffle``: the same draws as ``random.shuffle``, which fixes the last positions first), so the workers
+steps (``Shuffle``: the same draws as ``random.shuffle``, which fixes the last positions first), so the workers
 start on the last shards while this process shuffles the rest; a worker's task carries its files' names and
 sizes and the pixel limit, so on plain JPEGs it imports neither numpy nor Pillow.
 
 The plan is columnar (numpy arrays and one blob of file names, ~140 bytes a sample plus its path), never a
 Python object per sample; records are built one shard at a time. ``--check header`` reads plain JFIF headers
-itself (``_plain_jpeg_size``) and leaves every other file to Pillow.
+itself (``plain_jpeg_size``) and leaves every other file to Pillow.
 
 Input rules
 -----------

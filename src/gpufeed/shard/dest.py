@@ -1,5 +1,5 @@
 """DEST and its state folder ``DEST/.gpufeed``, besides the shards themselves: the run's lock, what is already
-there (resume, refuse, or clear with ``--overwrite``: ``_load_plan``), the transcode cache and leftovers of
+there (resume, refuse, or clear with ``--overwrite``: ``load_plan``), the transcode cache and leftovers of
 killed runs, the free-space checks and the one-sentence OS errors (package docstring, "Resume" and "Disk
 space")."""
 
@@ -10,56 +10,39 @@ import re
 import shutil
 
 from gpufeed.config import ShardConfig
+from gpufeed.core.dest import LOCK_NAME, take_lock
 from gpufeed.core.errors import DataError, GpufeedError, RunError
-from gpufeed.shard.shardplan import _SHARD_RE, PLAN_NAME, _Plan, _read_plan
+from gpufeed.shard.shardplan import PLAN_NAME, SHARD_RE, Plan, read_plan
 
 STATE_DIR = ".gpufeed"
 _IDX_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.idx$")
 """A shard's DALI index (``gpufeed.shardset.sidecars``): one of our outputs."""
 _IDX_TMP_RE = re.compile(r"^\.[A-Za-z0-9_-]+-\d{6}\.idx\..*\.tmp$")
-LOCK_NAME = "lock"
-
-_LOCK_PID_BYTES = 32
-"""Bytes of the lock file read for the holder's pid (it holds one decimal number and a newline)."""
 
 
-def _lock(dest: str, cfg: ShardConfig) -> int:
-    """An exclusive ``flock`` on DEST/.gpufeed/lock for the whole run (a second run into the same DEST is refused,
-    naming the holder's pid, which the file records). The descriptor is close-on-exec and the forked pool workers
+def lock_dest(dest: str, cfg: ShardConfig) -> int:
+    """An exclusive ``flock`` on DEST/.gpufeed/lock for the whole run (:func:`gpufeed.core.dest.take_lock`: a second
+    run into the same DEST is refused, naming the holder's pid, which the file records). The forked pool workers
     close their copy (``system.die_with_parent``), so the lock dies with this process: a run killed with -9 leaves
     a lock the next run simply takes."""
-    import fcntl
-
-    from gpufeed.core.safefs import lock_file
-
     path = os.path.join(dest, STATE_DIR, LOCK_NAME)
-    try:  # never through a link: a link there is replaced by a regular file, its target left untouched
-        fd = lock_file(path, what="shard lock")
-    except OSError as exc:
-        raise DataError(f"{path} cannot be opened ({exc.strerror or exc}); DEST {cfg.dest} is not writable") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, _LOCK_PID_BYTES, 0).strip()
-        os.close(fd)
-        who = f" (pid {int(holder)})" if holder.isdigit() and len(holder) <= 10 else ""
-        raise DataError(f"DEST {cfg.dest} is in use by another `gpufeed shard` run{who}; wait for it to finish or "
-                        f"choose another DEST") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    return take_lock(
+        path, what="shard lock",
+        in_use=lambda who: (f"DEST {cfg.dest} is in use by another `gpufeed shard` run{who}; wait for it to finish "
+                            f"or choose another DEST"),
+        unopenable=lambda exc: f"{path} cannot be opened ({exc.strerror or exc}); DEST {cfg.dest} is not writable")
 
 
 def _our_outputs(dest: str) -> list[str]:
     out = []
     for name in sorted(os.listdir(dest)):
-        if name in ("manifest.json", "index.parquet", "_info.json", "wids.json", STATE_DIR) or _SHARD_RE.match(name) \
+        if name in ("manifest.json", "index.parquet", "_info.json", "wids.json", STATE_DIR) or SHARD_RE.match(name) \
                 or _IDX_RE.match(name) or (name.startswith(".") and name.endswith(".tar.tmp")):
             out.append(name)
     return out
 
 
-def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> _Plan | None:
+def load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> Plan | None:
     """The stored plan when it matches; refuse a different one unless overwrite (then clear our files)."""
     if not os.path.isdir(dest):
         return None
@@ -71,7 +54,7 @@ def _load_plan(dest: str, fingerprint: str, cfg: ShardConfig) -> _Plan | None:
             _remove(dest, name)
         return None
     if os.path.exists(plan_path):
-        plan = _read_plan(os.path.join(dest, STATE_DIR))
+        plan = read_plan(os.path.join(dest, STATE_DIR))
         if plan is not None and plan.meta["fingerprint"] == fingerprint:
             return plan
         why = "was planned from different input files or options"
@@ -99,21 +82,21 @@ def _remove(dest: str, name: str) -> None:
         os.unlink(p)
 
 
-def _atomic_leftover(name: str) -> bool:
+def atomic_leftover(name: str) -> bool:
     """A temporary file that ``records.atomic_write_bytes`` left in DEST when a run was killed mid-write."""
     return name.endswith(".tmp") and (name.startswith(tuple(f".{n}." for n in ("manifest.json", "index.parquet",
                                                                                 "_info.json", "wids.json")))
                                       or bool(_IDX_TMP_RE.match(name)))
 
 
-def _clear_cache(state: str) -> None:
+def clear_cache(state: str) -> None:
     """Delete the transcode cache files and the temporary files of interrupted atomic writes in the state folder."""
     for name in os.listdir(state):
         if (name.startswith("enc-") and name.endswith(".bin")) or (name.startswith(".") and name.endswith(".tmp")):
             os.unlink(os.path.join(state, name))
 
 
-def _cache_bytes(state: str) -> int:
+def cache_bytes(state: str) -> int:
     """Bytes of the transcode cache files (``enc-*.bin``, re-encoded images awaiting their shards) in ``state``."""
     total = 0
     for name in os.listdir(state):
@@ -130,7 +113,7 @@ def _amount(nbytes: int) -> str:
     return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes} bytes"
 
 
-def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig, cached: int = 0) -> None:
+def check_free_space(dest: str, est_bytes: int, cfg: ShardConfig, cached: int = 0) -> None:
     """Refuse when DEST lacks ``est_bytes`` (+2% and 16 MB); ``cached``: bytes of gpufeed's transcode cache already
     in DEST/.gpufeed (the estimate counts it as space the shards get back as they are written)."""
     if est_bytes <= 0:
@@ -146,8 +129,8 @@ def _check_free_space(dest: str, est_bytes: int, cfg: ShardConfig, cached: int =
         )
 
 
-def _os_error(exc: OSError, cfg: ShardConfig, need: int | None, *, cache_deleted: int = 0, cache_kept: int = 0,
-              shards_done: int = 0, writing: bool = False) -> GpufeedError:
+def os_error(exc: OSError, cfg: ShardConfig, need: int | None, *, cache_deleted: int = 0, cache_kept: int = 0,
+             shards_done: int = 0, writing: bool = False) -> GpufeedError:
     """An OS error while writing DEST (or reading SRC) as one sentence naming the path and the reason: a
     :class:`RunError` (exit 1) once the shards are being written (``writing``), else a :class:`DataError`.
 

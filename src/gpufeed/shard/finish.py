@@ -8,14 +8,14 @@ import os
 from typing import Any
 
 from gpufeed.config import ShardConfig
-from gpufeed.shard.scan import _display
-from gpufeed.shard.shardplan import _Plan
+from gpufeed.shard.scan import display
+from gpufeed.shard.shardplan import Plan
 
 _INDEX_BLOCK = 65536
 """Rows of ``index.parquet`` built and written at a time (one row group each)."""
 
 
-def _index_keys(plan: _Plan, rows: Any, labels: Any) -> Any:
+def _index_keys(plan: Plan, rows: Any, labels: Any) -> Any:
     """The ``key`` column (``{label:05d}_{n:07d}``) as an Arrow string array, digits computed with numpy a block
     at a time (wider numbers, which ``:05d``/``:07d`` would not pad to a fixed width, go through ``plan.key``)."""
     import numpy as np
@@ -38,7 +38,7 @@ def _index_keys(plan: _Plan, rows: Any, labels: Any) -> Any:
     return pa.concat_arrays(blocks) if blocks else pa.array([], pa.string())
 
 
-def _path_names(plan: _Plan) -> Any:
+def _path_names(plan: Plan) -> Any:
     """Every path of the plan as one Arrow binary array over the path blob (no copy of the names), or None when
     the blob is too large for 32-bit offsets or paths are not '/'-separated."""
     import pyarrow as pa
@@ -49,9 +49,9 @@ def _path_names(plan: _Plan) -> Any:
         None, pa.py_buffer(plan.paths.offsets.astype("int32")), pa.py_buffer(plan.paths.blob)])
 
 
-def _index_sources(plan: _Plan, rows: Any, names: Any) -> Any:
-    """The ``source`` column (``_display`` of each path) as an Arrow string array: straight from ``names``
-    (``_path_names``) when every name is UTF-8 (then ``_display`` is the name itself), else name by name."""
+def _index_sources(plan: Plan, rows: Any, names: Any) -> Any:
+    """The ``source`` column (``display`` of each path) as an Arrow string array: straight from ``names``
+    (``_path_names``) when every name is UTF-8 (then ``display`` is the name itself), else name by name."""
     import pyarrow as pa
 
     if names is not None:
@@ -59,11 +59,11 @@ def _index_sources(plan: _Plan, rows: Any, names: Any) -> Any:
             return names.take(pa.array(rows)).cast(pa.string())
         except pa.ArrowInvalid:  # a name that is not UTF-8
             pass
-    return pa.concat_arrays([pa.array([_display(plan.paths[i]) for i in rows[b:b + _INDEX_BLOCK].tolist()],
+    return pa.concat_arrays([pa.array([display(plan.paths[i]) for i in rows[b:b + _INDEX_BLOCK].tolist()],
                                       pa.string()) for b in range(0, len(rows), _INDEX_BLOCK)])
 
 
-def _write_index(path: str, plan: _Plan) -> list[str]:
+def _write_index(path: str, plan: Plan) -> list[str]:
     """``index.parquet`` in plan order (shard by shard: the shards are consecutive slices of ``order``), built
     and written a row group of ``_INDEX_BLOCK`` rows at a time, so only one block's columns are held besides
     the plan. Returns each shard's key digest (the manifest's ``keys_sha256``: members are written in plan order,
@@ -78,8 +78,8 @@ def _write_index(path: str, plan: _Plan) -> list[str]:
 
     order = plan.cols["order"]
     digests = [KeyDigest() for _ in plan.shards]
-    starts = np.array([s["start"] for s in plan.shards], dtype=np.int64)
-    shard_names = pa.array([s["name"] for s in plan.shards], pa.string())
+    starts = np.array([s.start for s in plan.shards], dtype=np.int64)
+    shard_names = pa.array([s.name for s in plan.shards], pa.string())
     class_names = pa.array(plan.classes, pa.string())
     names = _path_names(plan)
     with atomic_writer(path) as f:
@@ -113,8 +113,8 @@ def _write_index(path: str, plan: _Plan) -> list[str]:
     return [d.hexdigest() for d in digests]
 
 
-def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]],
-            options: dict[str, Any], notes: list[str] | None = None, indexed: set[str] | None = None) -> Any:
+def finish_set(dest: str, cfg: ShardConfig, plan: Plan, infos: list[dict[str, Any]],
+               options: dict[str, Any], notes: list[str] | None = None, indexed: set[str] | None = None) -> Any:
     """The index, the sidecar indexes (``notes`` gets a sentence for each one not written; ``indexed``: the shards
     whose DALI index the writer wrote from its layout, the others' are read from their tar headers) and the
     manifest."""
@@ -125,7 +125,7 @@ def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]
     from gpufeed.shardset.manifest import INDEX_NAME, Manifest, ShardInfo, brace_pattern, write_manifest
     from gpufeed.shardset.sidecars import write_sidecars
 
-    # The index's arrays come from the system allocator (``_map_large_blocks``: its large blocks go back to the OS
+    # The index's arrays come from the system allocator (``procs.map_large_blocks``: its large blocks go back to the OS
     # when freed); pyarrow's default pool (mimalloc or jemalloc) keeps what it frees for a while.
     pool = pa.default_memory_pool()
     pa.set_memory_pool(pa.system_memory_pool())
@@ -135,7 +135,7 @@ def _finish(dest: str, cfg: ShardConfig, plan: _Plan, infos: list[dict[str, Any]
         pa.set_memory_pool(pool)
 
     names = [i["name"] for i in infos]
-    keys_of = {s["name"]: d for s, d in zip(plan.shards, key_digests)}
+    keys_of = {s.name: d for s, d in zip(plan.shards, key_digests)}
     shard_infos = [ShardInfo(name=i["name"], num_samples=i["num_samples"], bytes=i["bytes"], sha256=i["sha256"],
                              keys_sha256=keys_of.get(i["name"])) for i in infos]
     total = sum(i["bytes"] for i in infos)

@@ -1,5 +1,5 @@
 """What ``gpufeed shard`` tells the user: the rejected/ignored file records (``FileIssue``), the job's record
-(``ShardReport``), its text rendering (``render_shard``) and the progress bar (``_Bar``) the phases update."""
+(``ShardReport``), its text rendering (``render_shard``) and the progress bar (``Bar``) the phases update."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def render_shard(report: ShardReport, max_items: int = 20) -> str:
     return "\n".join(lines)
 
 
-class _Bar:
+class Bar:
     """One tqdm bar on stderr: samples/s, plus MB/s in the postfix."""
 
     def __init__(self, enabled: bool) -> None:

@@ -1,4 +1,4 @@
-"""Phase 1, scan: walk SRC into the candidate files as columns (``_Scan``): the class folders are walked in the
+"""Phase 1, scan: walk SRC into the candidate files as columns (``Scan``): the class folders are walked in the
 job's workers (``_class_columns``), their columns joined in label order by the main process.
 
 The input rules it applies (classes, walked sub-folders, candidate extensions, each file stored once, what is
@@ -21,7 +21,7 @@ CANDIDATE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif",
 """torchvision ImageFolder's IMG_EXTENSIONS: the files considered images (matched case-insensitively)."""
 
 
-class _Strings:
+class Strings:
     """A column of file names kept as one bytes blob plus offsets (``os.fsencode``d, so names that are not UTF-8
     round-trip): ~N + 8 bytes a name instead of a Python ``str`` object each."""
 
@@ -39,30 +39,30 @@ class _Strings:
         blob, o = self.blob, self.offsets.tolist()
         return (os.fsdecode(blob[a:b]) for a, b in zip(o, o[1:]))
 
-    def portable(self) -> _Strings:
+    def portable(self) -> Strings:
         """The same names with ``array.array`` offsets: sent to a worker, they unpickle without numpy (a worker
         that only checks plain JPEG headers never imports it, ~0.1 s a process)."""
         from array import array
 
         offsets = array("q")
         offsets.frombytes(self.offsets.astype("=i8").tobytes())  # array("q") reads this machine's byte order
-        return _Strings(self.blob, offsets)
+        return Strings(self.blob, offsets)
 
-    def take(self, idx: Any) -> _Strings:
+    def take(self, idx: Any) -> Strings:
         import numpy as np
 
         idx = np.asarray(idx, dtype=np.int64)
         starts, ends = self.offsets[idx], self.offsets[idx + 1]
         blob = self.blob
         joined = b"".join([blob[a:b] for a, b in zip(starts.tolist(), ends.tolist())])
-        return _Strings(joined, np.concatenate(([0], np.cumsum(ends - starts))).astype(np.int64))
+        return Strings(joined, np.concatenate(([0], np.cumsum(ends - starts))).astype(np.int64))
 
 
 @dataclass
-class _Scan:
+class Scan:
     classes: list[str]
-    """Class names as recorded (``_display``: non-UTF-8 bytes become U+FFFD), in label order."""
-    paths: _Strings
+    """Class names as recorded (``display``: non-UTF-8 bytes become U+FFFD), in label order."""
+    paths: Strings
     """Candidate files (relative to SRC, real names), sorted by (label, path); the arrays below follow them."""
     labels: Any  # numpy int32
     sizes: Any  # numpy int64
@@ -86,10 +86,10 @@ class _Scan:
 
 
 def _rel(path: str, root: str) -> str:
-    return _display(os.path.relpath(path, root))
+    return display(os.path.relpath(path, root))
 
 
-def _display(rel: str) -> str:
+def display(rel: str) -> str:
     """Relative path as recorded: '/' separators; bytes that are not UTF-8 become U+FFFD (the file is still read
     under its real name, which the plan keeps)."""
     return rel.replace(os.sep, "/").encode("utf-8", "surrogateescape").decode("utf-8", "replace")
@@ -143,7 +143,8 @@ def _group_columns(src: str, names: list[str],
     return [_class_columns(src, name, hidden) for name in names]
 
 
-def _walked(src: str, classes: list[str], pool: Any, workers: int, hidden: bool = False) -> Any:
+def _walked(src: str, classes: list[str], pool: Any, workers: int, hidden: bool = False,
+            group_max: int = _SCAN_GROUP_MAX, depth: int = _SCAN_DEPTH) -> Any:
     """``_class_columns`` of each class folder, in label order: walked by the pool's workers (a few tasks in
     flight each, so the results are never all held at once) or, without a pool, here. A task walks a group of
     consecutive classes (about ``workers * 8`` groups, at most ``_SCAN_GROUP_MAX`` classes each): every task is a
@@ -153,15 +154,15 @@ def _walked(src: str, classes: list[str], pool: Any, workers: int, hidden: bool 
         for name in classes:
             yield _class_columns(src, name, hidden)
         return
-    ex = pool[0]
-    size = max(1, min(_SCAN_GROUP_MAX, len(classes) // (workers * 8)))
+    ex = pool
+    size = max(1, min(group_max, len(classes) // (workers * 8)))
     pending = (classes[i:i + size] for i in range(0, len(classes), size))
     running: list[Any] = []
     try:
         while True:
             for group in pending:
                 running.append(ex.submit(_group_columns, src, group, hidden))
-                if len(running) >= _SCAN_DEPTH * workers:
+                if len(running) >= depth * workers:
                     break
             if not running:
                 return
@@ -171,8 +172,9 @@ def _walked(src: str, classes: list[str], pool: Any, workers: int, hidden: bool 
             fut.cancel()
 
 
-def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpufeed",
-          class_list: tuple[str, list[str]] | None = None) -> _Scan:
+def scan_src(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpufeed",
+             class_list: tuple[str, list[str]] | None = None, *, group_max: int = _SCAN_GROUP_MAX,
+             depth: int = _SCAN_DEPTH) -> Scan:
     """Walk SRC (the class folders in the pool's workers when ``pool`` is given) into the candidates' columns.
 
     ``classes_like``: ``"gpufeed"`` skips hidden folders at SRC's root (recorded in ``hidden_dirs``) and hidden
@@ -180,55 +182,20 @@ def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpu
     entry of SRC that is a folder (``entry.is_dir()``, symlinks followed, hidden included) is a class, in sorted
     name order (``find_classes``), and hidden files in class folders are candidates (``make_dataset``).
     ``class_list``: (the file it was read from, class names in label order): the classes are those folders of SRC
-    in that order, other folders are ignored; a name that is not a folder of SRC is refused."""
+    in that order, other folders are ignored; a name that is not a folder of SRC is refused. ``group_max`` and
+    ``depth``: class folders a walk task takes at most, and tasks in flight per worker."""
     import numpy as np
     from array import array
 
-    from gpufeed.core.safefs import folder_link_note
-
     like_imagefolder = classes_like == "imagefolder"
-    classes: list[str] = []
-    hidden_dirs: list[str] = []
-    notes: list[str] = []
-    ignored: list[FileIssue] = []
+    classes, hidden_dirs, notes, ignored = _classes(src, like_imagefolder, class_list)
     rejected: list[FileIssue] = []
-    with os.scandir(src) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    listed = None if class_list is None else set(class_list[1])
-    for e in entries:
-        if listed is not None and e.is_dir():
-            if e.name in listed:
-                classes.append(e.name)
-            else:
-                ignored.append(FileIssue(_rel(e.path, src), f"folder not in the class list {class_list[0]}"))
-        elif e.name.startswith(".") and not like_imagefolder:
-            if e.is_dir():
-                hidden_dirs.append(_display(e.name))
-                ignored.append(FileIssue(_rel(e.path, src), "hidden folder (not a class; ImageFolder would count "
-                                                            "it as one)"))
-            else:
-                ignored.append(FileIssue(_rel(e.path, src), "hidden (never a class)"))
-        elif e.is_dir():
-            classes.append(e.name)
-            if e.is_symlink() and (note := folder_link_note(e.path, src)):
-                notes.append(f"class folder {_display(note)}")
-        elif e.is_symlink() and not os.path.exists(e.path):
-            ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
-        else:
-            ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
-    if class_list is not None:
-        missing = [c for c in class_list[1] if c not in set(classes)]
-        if missing:
-            raise DataError(f"class list {class_list[0]} names {', '.join(repr(c) for c in missing[:5])}"
-                            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}, not a folder in SRC "
-                            f"{src}")
-        classes = list(class_list[1])
     # Columns, in (label, path) order: one class' walk at a time is held as records, then appended here,
     # column by column.
     blob, ends = bytearray(), array("q")
     labels, sizes, mtimes, devs, inos, via = array("i"), array("q"), array("q"), array("Q"), array("Q"), bytearray()
-    for label, (cols, class_ignored, class_rejected) in enumerate(_walked(src, classes, pool, workers,
-                                                                          like_imagefolder)):
+    for label, (cols, class_ignored, class_rejected) in enumerate(_walked(src, classes, pool, workers, like_imagefolder,
+                                                                          group_max, depth)):
         ignored += class_ignored
         rejected += class_rejected
         names, lengths, size, mtime, dev, ino, link = cols
@@ -245,7 +212,7 @@ def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpu
         inos.extend(ino)
         via.extend(link)
         del cols, names, lengths, size, mtime, dev, ino, link
-    paths = _Strings(bytes(blob), np.concatenate(([0], np.frombuffer(ends, np.int64))).astype(np.int64))
+    paths = Strings(bytes(blob), np.concatenate(([0], np.frombuffer(ends, np.int64))).astype(np.int64))
     del blob, ends
     lab = np.frombuffer(labels, np.int32).copy()
     keep, duplicates = _store_once(paths, lab, np.frombuffer(devs, np.uint64), np.frombuffer(inos, np.uint64),
@@ -255,16 +222,61 @@ def _scan(src: str, pool: Any = None, workers: int = 1, classes_like: str = "gpu
         paths, lab, siz, mt = paths.take(keep), lab[keep], siz[keep], mt[keep]
     counts = np.bincount(lab, minlength=len(classes)).tolist()
     ignored.sort(key=lambda i: i.path)
-    shown = [_display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them (or listed)
+    shown = [display(c) for c in classes]  # sorted by the real names, as ImageFolder sorts them (or listed)
     if len(set(shown)) != len(shown):
         dup = sorted({c for c in shown if shown.count(c) > 1})
         raise DataError(f"class folders whose names are not valid UTF-8 read the same once shown ({', '.join(dup)}); "
                         f"rename them")
-    return _Scan(shown, paths, lab, siz, mt, ignored, rejected, counts, dirs=classes, duplicates=duplicates,
+    return Scan(shown, paths, lab, siz, mt, ignored, rejected, counts, dirs=classes, duplicates=duplicates,
                  notes=notes, hidden_dirs=hidden_dirs)
 
 
-def _store_once(paths: _Strings, labels: Any, devs: Any, inos: Any, via: Any, rejected: list[FileIssue],
+def _classes(src: str, like_imagefolder: bool,
+             class_list: tuple[str, list[str]] | None) -> tuple[list[str], list[str], list[str], list[FileIssue]]:
+    """SRC's entries -> (the class folders' real names in label order, the hidden folders not made classes, notes
+    on class folders linked out of SRC, what was ignored at the root); ``scan_src`` says which entries are
+    classes."""
+    from gpufeed.core.safefs import folder_link_note
+
+    classes: list[str] = []
+    hidden_dirs: list[str] = []
+    notes: list[str] = []
+    ignored: list[FileIssue] = []
+    with os.scandir(src) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    listed = None if class_list is None else set(class_list[1])
+    for e in entries:
+        if listed is not None and e.is_dir():
+            if e.name in listed:
+                classes.append(e.name)
+            else:
+                ignored.append(FileIssue(_rel(e.path, src), f"folder not in the class list {class_list[0]}"))
+        elif e.name.startswith(".") and not like_imagefolder:
+            if e.is_dir():
+                hidden_dirs.append(display(e.name))
+                ignored.append(FileIssue(_rel(e.path, src), "hidden folder (not a class; ImageFolder would count "
+                                                            "it as one)"))
+            else:
+                ignored.append(FileIssue(_rel(e.path, src), "hidden (never a class)"))
+        elif e.is_dir():
+            classes.append(e.name)
+            if e.is_symlink() and (note := folder_link_note(e.path, src)):
+                notes.append(f"class folder {display(note)}")
+        elif e.is_symlink() and not os.path.exists(e.path):
+            ignored.append(FileIssue(_rel(e.path, src), "dangling symlink at the root (not in a class folder)"))
+        else:
+            ignored.append(FileIssue(_rel(e.path, src), "file at the root (not in a class folder)"))
+    if class_list is not None:
+        missing = [c for c in class_list[1] if c not in set(classes)]
+        if missing:
+            raise DataError(f"class list {class_list[0]} names {', '.join(repr(c) for c in missing[:5])}"
+                            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}, not a folder in SRC "
+                            f"{src}")
+        classes = list(class_list[1])
+    return classes, hidden_dirs, notes, ignored
+
+
+def _store_once(paths: Strings, labels: Any, devs: Any, inos: Any, via: Any, rejected: list[FileIssue],
                 num_classes: int) -> tuple[Any, list[int]]:
     """Every file once: paths that reach the same file (device, inode) through symlinks or hard links, in one
     class or several, keep one path (one reached without a symlink first, then the lowest label, then the path);
@@ -286,7 +298,7 @@ def _store_once(paths: _Strings, labels: Any, devs: Any, inos: Any, via: Any, re
     for i in dup.tolist():
         k = int(kept[i])
         where = "" if labels[k] == labels[i] else " in another class"
-        rejected.append(FileIssue(_display(paths[i]), f"same file as {_display(paths[k])}{where} (symlink or hard "
+        rejected.append(FileIssue(display(paths[i]), f"same file as {display(paths[k])}{where} (symlink or hard "
                                                       f"link); stored once"))
     return np.nonzero(kept == pos)[0], duplicates
 
@@ -321,7 +333,7 @@ def _walk_class(src: str, top: str, out: list[_Found], ignored: list, rejected: 
         for e in entries:
             name = e.name
             if name.startswith(".") and not hidden:
-                ignored.append(FileIssue(_display(base + name), "hidden file or folder"))
+                ignored.append(FileIssue(display(base + name), "hidden file or folder"))
                 continue
             is_image_name = name.lower().endswith(CANDIDATE_EXTENSIONS)
             try:
@@ -330,22 +342,22 @@ def _walk_class(src: str, top: str, out: list[_Found], ignored: list, rejected: 
                     continue
                 link = e.is_symlink()
                 if link and not os.path.exists(e.path):
-                    (rejected if is_image_name else ignored).append(FileIssue(_display(base + name),
+                    (rejected if is_image_name else ignored).append(FileIssue(display(base + name),
                                                                               "dangling symlink"))
                     continue
                 if not e.is_file():
-                    ignored.append(FileIssue(_display(base + name), "not a regular file"))
+                    ignored.append(FileIssue(display(base + name), "not a regular file"))
                     continue
                 if not is_image_name:
                     ext = os.path.splitext(name)[1] or "(none)"
-                    ignored.append(FileIssue(_display(base + name), f"not an image file extension ({ext})"))
+                    ignored.append(FileIssue(display(base + name), f"not an image file extension ({ext})"))
                     continue
                 st = e.stat()
             except OSError as exc:
-                rejected.append(FileIssue(_display(base + name), f"unreadable ({exc.strerror})"))
+                rejected.append(FileIssue(display(base + name), f"unreadable ({exc.strerror})"))
                 continue
             if st.st_size == 0:
-                rejected.append(FileIssue(_display(base + name), "empty file (0 bytes)"))
+                rejected.append(FileIssue(display(base + name), "empty file (0 bytes)"))
                 continue
             out.append((base + name, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, via_link or link))
         stack.extend(sd for sd in reversed(subdirs) if not sd[1])

@@ -1,6 +1,6 @@
 """Phase 3, plan: the fingerprint of the scan and options, the shard plan built from the validation results
-(``_make_plan``: seeded order, N equal shards) and its storage in ``DEST/.gpufeed`` (``plan.json`` + ``plan.bin``,
-``PLAN_VERSION``), read back and checked in full on resume (``_read_plan``: the state folder is data too).
+(``make_plan``: seeded order, N equal shards) and its storage in ``DEST/.gpufeed`` (``plan.json`` + ``plan.bin``,
+``PLAN_VERSION``), read back and checked in full on resume (``read_plan``: the state folder is data too).
 
 (``gpufeed/plan.py`` is another thing: ``gpufeed plan``, the memory planner.) The plan's columns and what resume
 does with them: the package docstring, "Resume"."""
@@ -13,25 +13,25 @@ import json
 import math
 import os
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpufeed.config import ShardConfig
 from gpufeed.core.errors import DataError
 from gpufeed.shard.report import FileIssue
-from gpufeed.shard.scan import _display, _Scan, _Strings
-from gpufeed.shard.validate import _ACTIONS, _CACHE_RE, _COLUMNS, _EXTS, _cache_name, _Results
+from gpufeed.shard.scan import Scan, Strings, display
+from gpufeed.shard.validate import ACTIONS, CACHE_RE, COLUMNS, EXTS, Results, cache_name
 
 PLAN_NAME = "plan.json"
 PLAN_VERSION = 3  # 2: validation and shards follow one seeded order; per-shard transcode caches; 3: columnar
 PLAN_ARRAYS_NAME = "plan.bin"
-_SHARD_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.tar$")
-_TAR_OVERHEAD_PER_SAMPLE = 3 * 1024 + 300  # 3 headers + padding + json member, roughly
+SHARD_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.tar$")
+TAR_OVERHEAD_PER_SAMPLE = 3 * 1024 + 300  # 3 headers + padding + json member, roughly
 
-_PLAN_COLUMNS = {**_COLUMNS, "label": ("<i4", ()), "bytes": ("<i8", ()), "order": ("<i8", ()),
+_PLAN_COLUMNS = {**COLUMNS, "label": ("<i4", ()), "bytes": ("<i8", ()), "order": ("<i8", ()),
                  "path_offsets": ("<i8", ()), "path_blob": ("u1", ())}
 
 
-def _options(cfg: ShardConfig) -> dict[str, Any]:
+def plan_options(cfg: ShardConfig) -> dict[str, Any]:
     options = {"seed": cfg.seed, "shard_samples": cfg.shard_samples, "shard_bytes": cfg.shard_bytes,
                "multiple_of": cfg.multiple_of, "prefix": cfg.prefix, "max_size": cfg.max_size,
                "quality": cfg.quality, "check": cfg.check, "max_pixels": cfg.max_pixels,
@@ -41,7 +41,7 @@ def _options(cfg: ShardConfig) -> dict[str, Any]:
     return options
 
 
-def _fingerprint(scan: _Scan, options: dict[str, Any]) -> str:
+def plan_fingerprint(scan: Scan, options: dict[str, Any]) -> str:
     from gpufeed import __version__
 
     h = hashlib.sha256()
@@ -67,16 +67,53 @@ def split_sizes(num_samples: int, num_shards: int) -> list[int]:
     return [q + 1 if i < r else q for i in range(num_shards)]
 
 
-def _shard_names(prefix: str, n: int) -> list[str]:
+def shard_names(prefix: str, n: int) -> list[str]:
     return [f"{prefix}-{i:06d}.tar" for i in range(n)]
 
 
+class PlannedShard(NamedTuple):
+    """One shard of the plan (``plan.json`` stores each as a JSON object of these fields, in this order)."""
+
+    name: str
+    start: int
+    """Its first sample's position in the plan's ``order``."""
+    count: int
+    est_bytes: int
+    """Estimated shard bytes (stored images plus tar overhead): the free-space check."""
+    caches: tuple[str, ...]
+    """The transcode cache files (``enc-*.bin``) its samples are read from."""
+    cache_bytes: int
+    """Bytes of its samples in those cache files."""
+
+
+class ShardPart(NamedTuple):
+    """What a write task needs of one shard's samples, as columns (``Plan.part``): plain lists, cheap to send to a
+    worker process, which builds the records (``write.samples_of``)."""
+
+    n: list[int]
+    label: list[int]
+    ext: list[int]
+    width: list[int]
+    height: list[int]
+    orig_width: list[int]
+    orig_height: list[int]
+    orientation: list[int]
+    img_len: list[int]
+    cache: list[int]
+    coff: list[int]
+    ident: list[tuple[int, int, int, int]]
+    sha256: bytes
+    """The samples' digests, 32 bytes each."""
+    paths: list[str]
+    classes: list[str]
+
+
 _STEPWISE = True
-"""Whether ``_Shuffle`` replays ``random.shuffle``'s draws step by step (``Random._randbelow``, as CPython's and
+"""Whether ``Shuffle`` replays ``random.shuffle``'s draws step by step (``Random._randbelow``, as CPython's and
 PyPy's ``shuffle`` make them); tests turn it off to check the whole-shuffle fallback."""
 
 
-class _Shuffle:
+class Shuffle:
     """The seeded order of the candidates, exactly ``random.Random(seed).shuffle(list(range(n)))``, computed in
     steps: that shuffle (Fisher-Yates) fixes the last position first, so once positions ``[start, n)`` are
     final (``advance``) the shards there can be written while the rest is shuffled (the one pass starts the last
@@ -121,19 +158,20 @@ class _Shuffle:
         return self.take(0, self.n)
 
 
-class _Plan:
+class Plan:
     """The plan, columnar: ``meta`` (JSON: fingerprint, options, classes, rejected files, shards as slices of
     ``order``) and per-sample numpy columns (``_PLAN_COLUMNS``) for the accepted samples in key order, i.e.
     sorted by (label, path); ``order`` is their seeded shard order. ~150 bytes a sample plus its path."""
 
-    def __init__(self, meta: dict[str, Any], cols: dict[str, Any], paths: _Strings) -> None:
+    def __init__(self, meta: dict[str, Any], cols: dict[str, Any], paths: Strings) -> None:
         import numpy as np
 
         self.meta = meta
         self.cols = cols
         self.paths = paths
         self.classes: list[str] = meta["classes"]
-        self.shards: list[dict[str, Any]] = meta["shards"]
+        self.shards = [PlannedShard(s["name"], s["start"], s["count"], s["est_bytes"], tuple(s["caches"]),
+                                    s["cache_bytes"]) for s in meta["shards"]]
         self.rejected = [FileIssue(i["path"], i["reason"]) for i in meta["rejected"]]
         counts = np.asarray(meta["class_counts"], dtype=np.int64)
         self.class_start = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
@@ -159,14 +197,14 @@ class _Plan:
     def __len__(self) -> int:
         return len(self.cols["label"])
 
-    def indices(self, shard: dict[str, Any]) -> Any:
-        return self.cols["order"][shard["start"]:shard["start"] + shard["count"]]
+    def indices(self, shard: PlannedShard) -> Any:
+        return self.cols["order"][shard.start:shard.start + shard.count]
 
     def key(self, i: int) -> str:
         label = int(self.cols["label"][i])
         return f"{label:05d}_{i - int(self.class_start[label]):07d}"
 
-    def part(self, idx: Any) -> dict[str, Any]:
+    def part(self, idx: Any) -> ShardPart:
         """What the writer needs of the samples at plan positions ``idx`` (one shard), as columns: small to send
         to a worker process, which builds the records (``_samples_of``)."""
         import numpy as np
@@ -175,26 +213,26 @@ class _Plan:
         labels = c["label"][idx]
         caches = c["enc_cache"][idx]
         stored_len, stored_w, stored_h = self.stored(idx)
-        return {"n": (idx - self.class_start[labels]).tolist(), "label": labels.tolist(),
-                "ext": np.where(caches >= 0, c["enc_ext"][idx], c["ext"][idx]).tolist(),
-                "width": stored_w.tolist(), "height": stored_h.tolist(), "orig_width": c["width"][idx].tolist(),
-                "orig_height": c["height"][idx].tolist(), "orientation": c["orientation"][idx].tolist(),
-                "img_len": stored_len.tolist(), "cache": caches.tolist(), "coff": c["enc_off"][idx].tolist(),
-                "ident": list(zip(c["id_size"][idx].tolist(), c["id_mtime"][idx].tolist(),
-                                  c["id_ino"][idx].tolist(), c["id_dev"][idx].tolist())),
-                "sha256": c["sha256"][idx].tobytes(), "paths": [self.paths[i] for i in idx.tolist()],
-                "classes": self.classes}
+        return ShardPart(
+            n=(idx - self.class_start[labels]).tolist(), label=labels.tolist(),
+            ext=np.where(caches >= 0, c["enc_ext"][idx], c["ext"][idx]).tolist(),
+            width=stored_w.tolist(), height=stored_h.tolist(), orig_width=c["width"][idx].tolist(),
+            orig_height=c["height"][idx].tolist(), orientation=c["orientation"][idx].tolist(),
+            img_len=stored_len.tolist(), cache=caches.tolist(), coff=c["enc_off"][idx].tolist(),
+            ident=list(zip(c["id_size"][idx].tolist(), c["id_mtime"][idx].tolist(), c["id_ino"][idx].tolist(),
+                           c["id_dev"][idx].tolist())),
+            sha256=c["sha256"][idx].tobytes(), paths=[self.paths[i] for i in idx.tolist()], classes=self.classes)
 
 
-def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: str,
-               options: dict[str, Any], shuffled: Any) -> _Plan:
+def make_plan(cfg: ShardConfig, scan: Scan, results: Results, fingerprint: str,
+              options: dict[str, Any], shuffled: Any) -> Plan:
     """The plan: accepted samples (keys in sorted order), split into shards following ``shuffled`` (the seeded
     permutation of the candidates; the accepted ones in that order are a seeded shuffle of the accepted list)."""
     import numpy as np
 
     ok = results.ok
     n = int(ok.sum())
-    rejected = list(scan.rejected) + [FileIssue(_display(scan.paths[k]), r) for k, r in results.reasons.items()]
+    rejected = list(scan.rejected) + [FileIssue(display(scan.paths[k]), r) for k, r in results.reasons.items()]
     rejected.sort(key=lambda i: i.path)
     if not n:
         raise DataError(f"SRC {cfg.src} holds no valid image ({len(rejected)} rejected)")
@@ -217,7 +255,7 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: st
         del rank
     encoded = cols["enc_cache"] >= 0
     est = np.where(encoded, cols["enc_len"], cols["bytes"])
-    est += _TAR_OVERHEAD_PER_SAMPLE
+    est += TAR_OVERHEAD_PER_SAMPLE
     n_shards = plan_num_shards(n, int(est.sum()), cfg)
     if n_shards > n:
         raise DataError(
@@ -226,11 +264,11 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: st
         )
     shards = []
     pos = 0
-    for name, k in zip(_shard_names(cfg.prefix, n_shards), split_sizes(n, n_shards)):
+    for name, k in zip(shard_names(cfg.prefix, n_shards), split_sizes(n, n_shards)):
         idx = order[pos:pos + k]
         enc_idx = idx[encoded[idx]]
         shards.append({"name": name, "start": pos, "count": k, "est_bytes": int(est[idx].sum()),
-                       "caches": [_cache_name(j) for j in np.unique(cols["enc_cache"][enc_idx]).tolist()],
+                       "caches": [cache_name(j) for j in np.unique(cols["enc_cache"][enc_idx]).tolist()],
                        "cache_bytes": int(cols["enc_len"][enc_idx].sum())})
         pos += k
     cols["order"] = order
@@ -238,13 +276,13 @@ def _make_plan(cfg: ShardConfig, scan: _Scan, results: _Results, fingerprint: st
             "classes": scan.classes, "class_counts": counts,
             "empty_classes": [c for c, m in zip(scan.classes, counts) if m == 0],
             "num_samples": n, "shards": shards, "rejected": [i.__dict__ for i in rejected]}
-    return _Plan(meta, cols, paths)
+    return Plan(meta, cols, paths)
 
 
 # --------------------------------------------------------------------------- stored plan
 
 
-def _save_plan(state: str, plan: _Plan) -> None:
+def save_plan(state: str, plan: Plan) -> None:
     """``plan.bin`` (the columns, raw little-endian arrays one after the other) then, atomically and last,
     ``plan.json`` (the metadata, each column's dtype, shape and offset, and plan.bin's sha256)."""
     import numpy as np
@@ -282,7 +320,7 @@ _MAX_PLAN_JSON_BYTES = 1 << 32
 """``plan.json`` larger than this (4 GiB: its classes and rejected files; the columns are in plan.bin) is not read."""
 
 
-def _read_plan(state: str) -> _Plan | None:
+def read_plan(state: str) -> Plan | None:
     """The stored plan, or None when it is missing, of another version, or inconsistent in any way (every size,
     offset and index is checked before use: the state folder is data too)."""
     import numpy as np
@@ -322,18 +360,18 @@ def _read_plan(state: str) -> _Plan | None:
                 or not n or not 0 <= arrays["label"].min() <= arrays["label"].max() < len(classes)
                 or np.bincount(arrays["label"], minlength=len(classes)).tolist() != meta["class_counts"]
                 or not 0 <= arrays["order"].min() <= arrays["order"].max() < n
-                or not all(type(s["count"]) is int and s["count"] > 0 and _SHARD_RE.match(s["name"])
+                or not all(type(s["count"]) is int and s["count"] > 0 and SHARD_RE.match(s["name"])
                            and all(type(s[k]) is int and s[k] >= 0 for k in ("start", "est_bytes", "cache_bytes"))
-                           and all(_CACHE_RE.match(c) for c in s["caches"]) for s in shards)
+                           and all(CACHE_RE.match(c) for c in s["caches"]) for s in shards)
                 or [s["start"] for s in shards] != [0, *itertools.accumulate(s["count"] for s in shards)][:-1]
                 or sum(s["count"] for s in shards) != n
-                or arrays["ext"].max() >= len(_EXTS) or arrays["enc_ext"].max() >= len(_EXTS)
-                or arrays["action"].max() >= len(_ACTIONS)
+                or arrays["ext"].max() >= len(EXTS) or arrays["enc_ext"].max() >= len(EXTS)
+                or arrays["action"].max() >= len(ACTIONS)
                 or arrays["enc_off"].min() < 0 or arrays["enc_len"].min() < 0
                 or not _paths_inside(blob.tobytes(), offsets)
                 or not _plan_fields_sound(meta, arrays, n)):
             return None
-        return _Plan(meta, arrays, _Strings(blob.tobytes(), offsets))
+        return Plan(meta, arrays, Strings(blob.tobytes(), offsets))
     except (OSError, ValueError, KeyError, TypeError, IndexError, DataError):
         return None
 

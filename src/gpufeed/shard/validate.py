@@ -1,10 +1,10 @@
 """Phase 2, validate: every candidate file checked (``--check header``/``full``), in batches on the workers.
 
-Worker side: ``_inspect`` reads one file once, checks it (``_inspect_bytes``, which the one pass also uses: ``_plain_jpeg_size`` for plain JPEG headers,
+Worker side: ``inspect_file`` reads one file once, checks it (``inspect_bytes``, which the one pass also uses: ``plain_jpeg_size`` for plain JPEG headers,
 Pillow for everything else), picks its storage action and transcodes it when the action says so (``_encode``);
 ``_validate_chunk`` runs a batch and writes its transcoded bytes to one cache file (``enc-*.bin``);
-``_batch_columns`` returns the batch as columns (``_COLUMNS``, ``array`` buffers: no numpy in a worker). Main side: ``_validate`` feeds the batches
-in the seeded shard order and gathers them into ``_Results`` (skipping whole batches a stopped one pass checked). The rules (stored formats, colour modes,
+``batch_columns`` returns the batch as columns (``COLUMNS``, ``array`` buffers: no numpy in a worker). Main side: ``validate_candidates`` feeds the batches
+in the seeded shard order and gathers them into ``Results`` (skipping whole batches a stopped one pass checked). The rules (stored formats, colour modes,
 orientation) are in the package docstring, "Stored bytes, colour modes and orientation"."""
 
 from __future__ import annotations
@@ -15,19 +15,22 @@ import io
 import os
 import re
 import warnings
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gpufeed.shard.report import _Bar
-from gpufeed.shard.scan import _Scan
+from gpufeed.shard.report import Bar
+from gpufeed.shard.scan import Scan
+
+if TYPE_CHECKING:
+    from gpufeed.config import ShardConfig
 
 DEFAULT_REENCODE_QUALITY = 90
 CMYK_QUALITY = 95
 _CHUNK = 32  # files per validation task: amortises IPC, small enough for a smooth bar and balance
 _HEADER_CHUNK = 512  # the same for --check header without re-encoding options (no decode: ~20 us a file)
-_ACTIONS = ("copy", "reencode", "cmyk_to_rgb_jpeg", "16bit_to_png8", "to_png")
-_EXTS = ("", "jpg", "png", "webp")
+ACTIONS = ("copy", "reencode", "cmyk_to_rgb_jpeg", "16bit_to_png8", "to_png")
+EXTS = ("", "jpg", "png", "webp")
 
-_COLUMNS = {  # per-sample columns of validation results and of the plan: numpy dtype, trailing shape
+COLUMNS = {  # per-sample columns of validation results and of the plan: numpy dtype, trailing shape
     "action": ("u1", ()), "ext": ("u1", ()), "width": ("<i4", ()), "height": ("<i4", ()),
     "orientation": ("<u2", ()), "sha256": ("u1", (32,)), "id_size": ("<i8", ()), "id_mtime": ("<i8", ()),
     "id_ino": ("<u8", ()), "id_dev": ("<u8", ()), "enc_cache": ("<i8", ()), "enc_off": ("<i8", ()),
@@ -37,11 +40,33 @@ _COLUMNS = {  # per-sample columns of validation results and of the plan: numpy 
 ``enc-{enc_cache:06d}.bin`` (-1: none) at ``enc_off``, with their ext code and stored size."""
 
 
-def _cache_name(j: int) -> str:
+class CheckOptions(NamedTuple):
+    """What a worker needs to check and store a file (sent with every validation batch and one-pass shard: a few
+    fields, cheap to pickle)."""
+
+    check: str
+    """``"header"`` or ``"full"``."""
+    max_pixels: int
+    max_size: int | None
+    quality: int | None
+    pixel_limit: int | None = None
+    """Set by the main process (``pixel_limit``) for the one pass: a worker then checks plain JPEGs without Pillow."""
+
+    @classmethod
+    def of(cls, cfg: ShardConfig) -> CheckOptions:
+        return cls(cfg.check, cfg.max_pixels, cfg.max_size, cfg.quality)
+
+    @property
+    def header_only(self) -> bool:
+        """``--check header`` with nothing to re-encode: the batches are cheap, and the one pass may be tried."""
+        return self.check == "header" and self.quality is None and self.max_size is None
+
+
+def cache_name(j: int) -> str:
     return f"enc-{j:06d}.bin"
 
 
-_CACHE_RE = re.compile(r"^enc-\d{6,}\.bin$")
+CACHE_RE = re.compile(r"^enc-\d{6,}\.bin$")
 
 
 # --------------------------------------------------------------------------- worker side
@@ -95,10 +120,10 @@ def _action(fmt: str, mode: str, w: int, h: int, max_size: int | None, quality: 
     return "copy"
 
 
-_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 
 
-def _encode(data: bytes, action: str, opts: dict[str, Any]) -> tuple[bytes, str, int, int]:
+def _encode(data: bytes, action: str, opts: CheckOptions) -> tuple[bytes, str, int, int]:
     """Apply a storage action -> (bytes, ext, width, height). Deterministic for given input and options."""
     from PIL import Image
 
@@ -106,20 +131,20 @@ def _encode(data: bytes, action: str, opts: dict[str, Any]) -> tuple[bytes, str,
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         im = Image.open(io.BytesIO(data))
         if action == "reencode":
-            target = _out_size(im.width, im.height, opts["max_size"])
+            target = _out_size(im.width, im.height, opts.max_size)
             if im.format in ("JPEG", "MPO") and target != im.size:
                 im.draft("RGB", target)  # DCT-domain downscale: still decodes the whole bitstream
             im = _to_rgb(im)
             if im.size != target:
                 im = im.resize(target, Image.Resampling.BICUBIC)
-            q = opts["quality"] or DEFAULT_REENCODE_QUALITY
+            q = opts.quality or DEFAULT_REENCODE_QUALITY
             buf = io.BytesIO()
             im.save(buf, "JPEG", quality=q)
             return buf.getvalue(), "jpg", im.width, im.height
         if action == "cmyk_to_rgb_jpeg":
             im = _to_rgb(im)
             buf = io.BytesIO()
-            im.save(buf, "JPEG", quality=opts["quality"] or CMYK_QUALITY)
+            im.save(buf, "JPEG", quality=opts.quality or CMYK_QUALITY)
             return buf.getvalue(), "jpg", im.width, im.height
         if action == "16bit_to_png8":
             im = _to_8bit_gray(im)
@@ -134,7 +159,7 @@ def _encode(data: bytes, action: str, opts: dict[str, Any]) -> tuple[bytes, str,
 _SKIPPED_SEGMENTS = frozenset((0xC4, 0xDD, 0xFE))  # DHT, DRI, COM: Pillow reads them whole, nothing more
 
 
-def _plain_jpeg_size(data: bytes, max_image_pixels: int) -> tuple[int, int] | None:
+def plain_jpeg_size(data: bytes, max_image_pixels: int) -> tuple[int, int] | None:
     """(width, height) of a plain JFIF/baseline or progressive 8-bit, 1- or 3-component JPEG whose header Pillow
     opens without a doubt, else None (then Pillow decides: its answer for every other file stays the rule).
 
@@ -215,7 +240,7 @@ def _reject(reason: str, fmt: str | None = None, w: int = 0, h: int = 0, orienta
     return _Checked(False, reason, fmt, w, h, orientation)
 
 
-def _read_whole(path: str, dir_fd: int | None = None) -> tuple[bytes, os.stat_result]:
+def read_whole(path: str, dir_fd: int | None = None) -> tuple[bytes, os.stat_result]:
     """The file's bytes and its ``os.fstat`` once they are read: one read of the size ``fstat`` gives (plus one
     byte, to see a file that grew), more only when the size changed (then ``fstat`` again, after the reads).
     ``dir_fd``: a relative ``path`` is opened from that folder (the one pass: SRC's path is resolved once)."""
@@ -234,45 +259,45 @@ def _read_whole(path: str, dir_fd: int | None = None) -> tuple[bytes, os.stat_re
         os.close(fd)
 
 
-def _inspect(path: str, opts: dict[str, Any]) -> _Checked:
+def inspect_file(path: str, opts: CheckOptions) -> _Checked:
     """Validate one file.
 
     ``ident`` is the opened file's identity (size, mtime_ns, inode, device) after reading it: the writer checks
     the source it copies against it instead of hashing the bytes a second time."""
     try:
-        data, st = _read_whole(path)
+        data, st = read_whole(path)
     except OSError as exc:
         return _reject(f"unreadable ({exc.strerror or exc})")
-    return _inspect_bytes(data, st, opts)
+    return inspect_bytes(data, st, opts)
 
 
-def _pixel_limit(opts: dict[str, Any]) -> int:
+def pixel_limit(opts: CheckOptions) -> int:
     """The pixel count above which a file is not taken as a plain JPEG: ``max_pixels``, or Pillow's own limit
-    when lower (``_plain_jpeg_size``); ``opts["pixel_limit"]`` when the main process put it there (then a worker
+    when lower (``plain_jpeg_size``); ``opts.pixel_limit`` when the main process put it there (then a worker
     that meets only plain JPEGs never imports Pillow)."""
-    if "pixel_limit" in opts:
-        return opts["pixel_limit"]
+    if opts.pixel_limit is not None:
+        return opts.pixel_limit
     from PIL import Image
 
-    return min(opts["max_pixels"], Image.MAX_IMAGE_PIXELS or opts["max_pixels"])
+    return min(opts.max_pixels, Image.MAX_IMAGE_PIXELS or opts.max_pixels)
 
 
 def _plain_copy(data: bytes, st: os.stat_result, pixel_limit: int, max_size: int | None) -> _Checked | None:
-    """``--check header`` without re-encoding: the result for a plain JPEG (``_plain_jpeg_size``) stored as it
-    is, else None (Pillow decides); ``_inspect_bytes`` tries it first."""
-    size = _plain_jpeg_size(data, pixel_limit)
+    """``--check header`` without re-encoding: the result for a plain JPEG (``plain_jpeg_size``) stored as it
+    is, else None (Pillow decides); ``inspect_bytes`` tries it first."""
+    size = plain_jpeg_size(data, pixel_limit)
     if size is None or (max_size is not None and max(size) > max_size):
         return None
     return _Checked(True, "copy", "JPEG", size[0], size[1], 1, None, hashlib.sha256(data).digest(),
                     (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
 
 
-def _inspect_bytes(data: bytes, st: os.stat_result, opts: dict[str, Any]) -> _Checked:
-    """``_inspect`` of a file's bytes ``data`` and its ``os.fstat`` ``st`` once they were read."""
+def inspect_bytes(data: bytes, st: os.stat_result, opts: CheckOptions) -> _Checked:
+    """``inspect_file`` of a file's bytes ``data`` and its ``os.fstat`` ``st`` once they were read."""
     if not data:
         return _reject("empty file (0 bytes)")
-    if opts["check"] == "header" and opts["quality"] is None:
-        plain = _plain_copy(data, st, _pixel_limit(opts), opts["max_size"])
+    if opts.check == "header" and opts.quality is None:
+        plain = _plain_copy(data, st, pixel_limit(opts), opts.max_size)
         if plain is not None:
             return plain
     from PIL import Image, UnidentifiedImageError
@@ -293,8 +318,8 @@ def _inspect_bytes(data: bytes, st: os.stat_result, opts: dict[str, Any]) -> _Ch
             fmt = "JPEG"
         if w <= 0 or h <= 0:
             return _reject(f"image has no pixels ({w}x{h})", fmt, w, h)
-        if w * h > opts["max_pixels"]:
-            return _reject(f"decompression bomb: {w}x{h} = {w * h} pixels > max_pixels {opts['max_pixels']}",
+        if w * h > opts.max_pixels:
+            return _reject(f"decompression bomb: {w}x{h} = {w * h} pixels > max_pixels {opts.max_pixels}",
                            fmt, w, h)
         if fmt in ("JPEG", "PNG", "WEBP") and _detect(data) != fmt:
             return _reject(f"unsupported {fmt} variant", fmt, w, h)
@@ -304,14 +329,14 @@ def _inspect_bytes(data: bytes, st: os.stat_result, opts: dict[str, Any]) -> _Ch
             orientation = 1
         if not 0 <= orientation <= 0xFFFF:  # not an EXIF SHORT: a broken EXIF block too
             orientation = 1
-        action = _action(fmt, mode, w, h, opts["max_size"], opts["quality"])
+        action = _action(fmt, mode, w, h, opts.max_size, opts.quality)
         try:
             if action != "copy":
                 # Transcoding decodes the whole image (the validation) and its output is kept for the writer.
                 out, ext, ow, oh = _encode(data, action, opts)
                 return _Checked(True, action, fmt, w, h, orientation, _Encoded(out, len(out), ext, ow, oh),
                                 hashlib.sha256(out).digest())
-            if opts["check"] == "full":
+            if opts.check == "full":
                 if fmt == "JPEG":
                     # Scaled IDCT: libjpeg still parses and entropy-decodes every coefficient of the whole
                     # bitstream (truncation and corrupt markers fail exactly as at full size), at ~half the cost.
@@ -324,14 +349,14 @@ def _inspect_bytes(data: bytes, st: os.stat_result, opts: dict[str, Any]) -> _Ch
     return _Checked(True, action, fmt, w, h, orientation, None, hashlib.sha256(data).digest(), ident)
 
 
-def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = None) -> dict[str, Any]:
-    """Validate a batch of files -> their results as columns (``_batch_columns``). Transcoded outputs go to one
+def _validate_chunk(paths: list[str], opts: CheckOptions, cache: str | None = None) -> dict[str, Any]:
+    """Validate a batch of files -> their results as columns (``batch_columns``). Transcoded outputs go to one
     cache file per batch."""
     results = []
     blobs = []
     offset = 0
     for p in paths:
-        r = _inspect(p, opts)
+        r = inspect_file(p, opts)
         if r.enc is not None:
             blobs.append(r.enc.data)
             r = r._replace(enc=r.enc._replace(data=offset))
@@ -342,11 +367,11 @@ def _validate_chunk(paths: list[str], opts: dict[str, Any], cache: str | None = 
         from gpufeed.core.records import atomic_write_bytes
 
         atomic_write_bytes(cache, b"".join(blobs))
-    return _batch_columns(results)
+    return batch_columns(results)
 
 
-def _batch_columns(results: list[_Checked]) -> dict[str, Any]:
-    """A batch's results as columns of its accepted files (``_COLUMNS``, as ``array.array`` buffers:
+def batch_columns(results: list[_Checked]) -> dict[str, Any]:
+    """A batch's results as columns of its accepted files (``COLUMNS``, as ``array.array`` buffers:
     ``_column`` views them; ``enc_cache`` 0 marks a transcoded file, whose cache the main process numbers),
     ``ok`` per file (bytes) and ``reasons`` {position: reason}: built in the worker, so the main process only
     scatters a few arrays per batch. No numpy here: a worker that only checks plain JPEG headers never imports
@@ -358,17 +383,17 @@ def _batch_columns(results: list[_Checked]) -> dict[str, Any]:
     encs = [r.enc or none for r in acc]
     ids = [r.ident or (0, 0, 0, 0) for r in acc]
     values = {
-        "action": [_ACTIONS.index(r.what) for r in acc],
-        "ext": [_EXTS.index(_EXT.get(r.fmt or "", "")) for r in acc],
+        "action": [ACTIONS.index(r.what) for r in acc],
+        "ext": [EXTS.index(EXT.get(r.fmt or "", "")) for r in acc],
         "width": [r.width for r in acc], "height": [r.height for r in acc],
         "orientation": [r.orientation for r in acc],
         "id_size": [i[0] for i in ids], "id_mtime": [i[1] for i in ids], "id_ino": [i[2] for i in ids],
         "id_dev": [i[3] for i in ids], "enc_cache": [-1 if r.enc is None else 0 for r in acc],
         "enc_off": [e.data for e in encs], "enc_len": [e.length for e in encs],
-        "enc_ext": [_EXTS.index(e.ext) for e in encs], "enc_w": [e.width for e in encs],
+        "enc_ext": [EXTS.index(e.ext) for e in encs], "enc_w": [e.width for e in encs],
         "enc_h": [e.height for e in encs],
     }
-    out: dict[str, Any] = {k: array(_ARRAY_CODES[dt], values[k]) for k, (dt, _shape) in _COLUMNS.items()
+    out: dict[str, Any] = {k: array(_ARRAY_CODES[dt], values[k]) for k, (dt, _shape) in COLUMNS.items()
                            if k != "sha256"}
     out["sha256"] = b"".join(r.sha256 for r in acc)
     out["n"] = len(acc)
@@ -378,34 +403,34 @@ def _batch_columns(results: list[_Checked]) -> dict[str, Any]:
 
 
 _ARRAY_CODES = {"u1": "B", "<i4": "i", "<u2": "H", "<i8": "q", "<u8": "Q"}
-"""``array.array`` type codes of the ``_COLUMNS`` dtypes (native order: the worker and the main process are one
+"""``array.array`` type codes of the ``COLUMNS`` dtypes (native order: the worker and the main process are one
 machine)."""
 
 
 def _column(batch: dict[str, Any], name: str) -> Any:
-    """Column ``name`` of a ``_batch_columns`` batch as a numpy array (a view of its buffer)."""
+    """Column ``name`` of a ``batch_columns`` batch as a numpy array (a view of its buffer)."""
     import numpy as np
 
-    dt, shape = _COLUMNS[name]
+    dt, shape = COLUMNS[name]
     return np.frombuffer(batch[name], dtype=np.dtype(dt).newbyteorder("=")).reshape(batch["n"], *shape)
 
 
 # --------------------------------------------------------------------------- main side
 
 
-class _Results:
+class Results:
     """Validation results in columns, indexed like the scan's candidates; reasons of the rejected by index."""
 
     def __init__(self, n: int) -> None:
         import numpy as np
 
         self.ok = np.zeros(n, dtype=bool)
-        self.cols = {k: np.zeros((n, *shape), dtype=dt) for k, (dt, shape) in _COLUMNS.items()}
+        self.cols = {k: np.zeros((n, *shape), dtype=dt) for k, (dt, shape) in COLUMNS.items()}
         self.cols["enc_cache"][:] = -1
         self.reasons: dict[int, str] = {}
 
     def put(self, ks: Any, batch: dict[str, Any], cache: int) -> None:
-        """Store a batch's columns (``_batch_columns``) for candidates ``ks`` (``cache``: the batch's cache file
+        """Store a batch's columns (``batch_columns``) for candidates ``ks`` (``cache``: the batch's cache file
         number)."""
         import numpy as np
 
@@ -414,7 +439,7 @@ class _Results:
             raise AssertionError("a validation batch returned a result per file")  # pragma: no cover
         self.ok[ks] = ok
         sel = ks[ok]
-        for name in _COLUMNS:
+        for name in COLUMNS:
             self.cols[name][sel] = _column(batch, name)
         self.cols["enc_cache"][sel[_column(batch, "enc_cache") >= 0]] = cache
         for i, reason in batch["reasons"].items():
@@ -426,19 +451,27 @@ _VALIDATE_DEPTH = 4
 and results are never all held at once."""
 
 
-def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any, bar: _Bar,
-              order: Any, workers: int = 1, results: _Results | None = None, checked: Any = None) -> _Results:
+class Partial(NamedTuple):
+    """The validation results of a one pass that stopped: the candidates it ``checked`` (a mask), all accepted
+    as pass-throughs, in ``results``."""
+
+    results: Results
+    checked: Any
+
+
+def validate_candidates(scan: Scan, src: str, state: str, opts: CheckOptions, pool: Any, bar: Bar,
+                        order: Any, workers: int = 1, partial: Partial | None = None) -> Results:
     """Validate the candidates in the seeded shard order (so each transcode cache file feeds one or a few
-    consecutive shards and can be deleted once they are written); results in candidate order. ``results`` and
-    ``checked`` (a mask of candidates): what a stopped one pass validated already; a batch whose files are all
-    checked is skipped (the batches, and so the cache files' numbers, stay those of a whole validation)."""
+    consecutive shards and can be deleted once they are written); results in candidate order. ``pool``: the
+    job's process pool, or None (here). ``partial``: what a stopped one pass validated already; a batch whose
+    files are all checked is skipped (the batches, and so the cache files' numbers, stay those of a whole
+    validation)."""
     n = len(order)
-    if results is None:
-        results = _Results(n)
+    results = Results(n) if partial is None else partial.results
+    checked = None if partial is None else partial.checked
     bar.start("validate", n)
     # Header checks of pass-through files take microseconds a file: bigger batches amortise the IPC.
-    cheap = opts["check"] == "header" and opts["quality"] is None and opts["max_size"] is None
-    chunk = _HEADER_CHUNK if cheap else _CHUNK
+    chunk = _HEADER_CHUNK if opts.header_only else _CHUNK
     batches = list(enumerate(range(0, n, chunk)))
     if checked is not None:
         left = [(j, i) for j, i in batches if not checked[order[i:i + chunk]].all()]
@@ -458,14 +491,14 @@ def _validate(scan: _Scan, src: str, state: str, opts: dict[str, Any], pool: Any
     if pool is None:
         for j, i in starts:
             ks, paths = batch(i)
-            stored(ks, j, _validate_chunk(paths, opts, os.path.join(state, _cache_name(j))))
+            stored(ks, j, _validate_chunk(paths, opts, os.path.join(state, cache_name(j))))
         return results
-    ex = pool[0]
+    ex = pool
     running: dict[Any, tuple[list[int], int]] = {}
     while True:
         for j, i in starts:
             ks, paths = batch(i)
-            running[ex.submit(_validate_chunk, paths, opts, os.path.join(state, _cache_name(j)))] = (ks, j)
+            running[ex.submit(_validate_chunk, paths, opts, os.path.join(state, cache_name(j)))] = (ks, j)
             if len(running) >= _VALIDATE_DEPTH * workers:
                 break
         if not running:

@@ -1,38 +1,39 @@
 """Phase 4, write: the shards' bytes (tar layout: docs/design.md §2; how the work is split: the package
 docstring).
 
-Records: ``_samples_of`` builds a shard's ``_Sample`` records from its plan columns (``_Plan.part``). Write tasks
-(in the workers): ``_write_range`` writes a run of samples at their offsets (one ``pwrite`` of the members, image
+Records: ``_samples_of`` builds a shard's ``Sample`` records from its plan columns (``Plan.part``). Write tasks
+(in the workers): ``write_range`` writes a run of samples at their offsets (one ``pwrite`` of the members, image
 bytes over ``_INLINE_BYTES`` by ``sendfile``), after checking each pass-through source against its validated
-identity; ``_write_shard`` writes and hashes a whole shard; ``_check_and_write_shard`` is the one pass's task
+identity; ``_write_shard`` writes and hashes a whole shard; ``check_and_write_shard`` is the one pass's task
 (validates and writes a whole shard from one read of each source; the package docstring, "One pass"). Main side: ``_ShardJob`` lays a shard out and hashes
-it in order as its ranges complete; ``_write_all`` gives each worker whole shards or ranges of one shard.
-``_finish_shard`` renames a finished shard into place and leaves its ``.done.json`` sidecar, which
-``_shard_complete`` checks on resume."""
+it in order as its ranges complete; ``write_all`` gives each worker whole shards or ranges of one shard.
+``finish_shard`` renames a finished shard into place and leaves its ``.done.json`` sidecar, which
+``shard_complete`` checks on resume."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
-import json
 import os
 import tarfile
 from json.encoder import encode_basestring
 from typing import Any, Callable, NamedTuple
 
+from gpufeed.core.dest import publish, read_done, temp_path, write_done
 from gpufeed.core.errors import RunError
 from gpufeed.core.safefs import open_regular
 from gpufeed.shard.dest import STATE_DIR
-from gpufeed.shard.report import _Bar
-from gpufeed.shard.scan import _display
-from gpufeed.shard.validate import _EXT, _EXTS, _batch_columns, _cache_name, _inspect_bytes, _read_whole
+from gpufeed.shard.report import Bar
+from gpufeed.shard.scan import Strings, display
+from gpufeed.shard.shardplan import ShardPart
+from gpufeed.shard.validate import EXT, EXTS, CheckOptions, batch_columns, cache_name, inspect_bytes, read_whole
 from gpufeed.shardset.tar import ustar_headers
 
 
 # --------------------------------------------------------------------------- the records of a shard's samples
 
 
-class _Sample(NamedTuple):
+class Sample(NamedTuple):
     """One planned sample, as the writer needs it (built from the plan's columns one shard at a time)."""
 
     key: str
@@ -59,7 +60,7 @@ class _Sample(NamedTuple):
     coff: int
 
 
-def _sample_json(s: _Sample) -> bytes:
+def sample_json(s: Sample) -> bytes:
     """``KEY.json``: exactly ``json.dumps(meta, sort_keys=True, ensure_ascii=False)`` of the sample's metadata
     (``source``, ``class``, ``label``, stored ``width``/``height``, ``format``, ``sha256``, ``exif_orientation``
     when not 1, ``orig_width``/``orig_height`` when resized), written out directly: the generic encoder costs more
@@ -70,8 +71,8 @@ def _sample_json(s: _Sample) -> bytes:
 
 def _meta_json(cname_json: str, label: int, ext: str, width: int, height: int, sha256: str, source_json: str,
                orientation: int = 1, orig_width: int | None = None, orig_height: int | None = None) -> bytes:
-    """``_sample_json`` from the fields (``*_json``: ``json.encoder.encode_basestring`` of the name; ``orig_*``
-    None: not resized): the one pass builds it without a ``_Sample``."""
+    """``sample_json`` from the fields (``*_json``: ``json.encoder.encode_basestring`` of the name; ``orig_*``
+    None: not resized): the one pass builds it without a ``Sample``."""
     if orientation == 1 and (orig_width is None or (orig_width, orig_height) == (width, height)):
         return (f'{{"class": {cname_json}, "format": "{ext}", "height": {height}, "label": {label}, '
                 f'"sha256": "{sha256}", "source": {source_json}, "width": {width}}}').encode("utf-8")
@@ -85,19 +86,18 @@ def _meta_json(cname_json: str, label: int, ext: str, width: int, height: int, s
     return "".join(parts).encode("utf-8")
 
 
-def _samples_of(part: dict[str, Any], src: str, state: str) -> list[_Sample]:
-    """The records of one shard's samples from ``_Plan.part``."""
-    classes, digests = part["classes"], part["sha256"]
+def _samples_of(part: ShardPart, src: str, state: str) -> list[Sample]:
+    """The records of one shard's samples from ``Plan.part``."""
+    classes, digests = part.classes, part.sha256
     base = os.path.join(src, "")  # + a relative path: os.path.join's result, without its cost per sample
     out = []
     for k, (raw, n, label, e, w, h, ow, oh, orientation, length, j, coff, idt) in enumerate(zip(
-            part["paths"], part["n"], part["label"], part["ext"], part["width"], part["height"],
-            part["orig_width"], part["orig_height"], part["orientation"], part["img_len"], part["cache"],
-            part["coff"], part["ident"])):
+            part.paths, part.n, part.label, part.ext, part.width, part.height, part.orig_width,
+            part.orig_height, part.orientation, part.img_len, part.cache, part.coff, part.ident)):
         encoded = j >= 0
-        out.append(_Sample(f"{label:05d}_{n:07d}", base + raw, label, classes[label], _display(raw),
-                           orientation, _EXTS[e], w, h, ow, oh, digests[32 * k:32 * k + 32].hex(), length,
-                           None if encoded else idt, os.path.join(state, _cache_name(j)) if encoded else None,
+        out.append(Sample(f"{label:05d}_{n:07d}", base + raw, label, classes[label], display(raw),
+                           orientation, EXTS[e], w, h, ow, oh, digests[32 * k:32 * k + 32].hex(), length,
+                           None if encoded else idt, os.path.join(state, cache_name(j)) if encoded else None,
                            coff))
     return out
 
@@ -180,7 +180,7 @@ def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: tup
         os.close(sfd)
 
 
-class _Item(NamedTuple):
+class Item(NamedTuple):
     """One sample of a write task: its offset in the shard, member names and small members, and where its image
     bytes come from (``cache`` None: the source file ``path``, else ``cache`` at ``coff``)."""
 
@@ -250,7 +250,7 @@ def _dali_index(lines: list[str]) -> bytes | None:
     return dali_file(lines) if lines else None
 
 
-def _write_range(tmp: str, items: list[_Item]) -> None:
+def write_range(tmp: str, items: list[Item]) -> None:
     """Write a run of samples into the shard file ``tmp`` (created at its final size by the main process) at
     the offsets the main process computed. Tar blocks are position-independent, so any number of processes can
     write disjoint ranges of one shard; the end-of-archive blocks (and the padding after an image copied by
@@ -295,12 +295,12 @@ def _write_range(tmp: str, items: list[_Item]) -> None:
 
 def _write_shard(dest: str, src: str, name: str, part: dict[str, Any]) -> tuple[int, str, int, bytes | None]:
     """Write one whole shard in this (worker) process: records, layout, bytes, then its sha256 -> (size, sha256,
-    image bytes, DALI index). The same layout and writer as the parallel runs of ``_write_all``, so the same
+    image bytes, DALI index). The same layout and writer as the parallel runs of ``write_all``, so the same
     bytes."""
     job = _ShardJob(dest, name, _samples_of(part, src, os.path.join(dest, STATE_DIR)))
     try:
         for items, _end, _nbytes in job.ranges:
-            _write_range(job.tmp, items)
+            write_range(job.tmp, items)
         return job.size, _sha256_file(job.tmp), sum(r[2] for r in job.ranges), job.idx
     except BaseException:
         job.abort()
@@ -311,9 +311,9 @@ _STOP_EVERY = 256
 """The one pass looks for the stop file every this many files."""
 
 
-class _OnePassShard(NamedTuple):
-    """What ``_check_and_write_shard`` did: ``complete``, the shard is written (``size``, ``sha256``); else it
-    stopped, its temporary file deleted. Either way ``columns`` (``_batch_columns``) are the validation results
+class OnePassShard(NamedTuple):
+    """What ``check_and_write_shard`` did: ``complete``, the shard is written (``size``, ``sha256``); else it
+    stopped, its temporary file deleted. Either way ``columns`` (``batch_columns``) are the validation results
     of the first ``checked`` files, every one accepted as a pass-through."""
 
     complete: bool
@@ -326,19 +326,32 @@ class _OnePassShard(NamedTuple):
     """The shard's DALI index (``gpufeed.shardset.sidecars``)."""
 
 
-def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
-                           opts: dict[str, Any]) -> _OnePassShard:
+class OnePassPart(NamedTuple):
+    """A one-pass task's shard: its files in order, as the scan found them (cheap to send to a worker: names with
+    ``array`` offsets, plain lists)."""
+
+    paths: Strings
+    """Relative to SRC (``Strings.portable``: no numpy needed to read them)."""
+    n: list[int]
+    """With ``label``, their keys."""
+    label: list[int]
+    bytes: list[int]
+    """Their sizes at the scan, which the plan records: a file of another size stops the pass too (the write
+    after the validation pass refuses it as changed)."""
+    classes: list[str]
+    stop: str
+    """The stop file: once it exists, the task stops (another shard stopped)."""
+
+
+def check_and_write_shard(dest: str, src: str, name: str, part: OnePassPart, opts: CheckOptions) -> OnePassShard:
     """The one pass (``--check header``, nothing to transcode): validate and write one whole shard whose plan
     assumed every file is accepted and passes through unchanged. Each source is read once: its header is
-    checked from those bytes (``_inspect_bytes``, as the validation pass does), and the same bytes are written
+    checked from those bytes (``inspect_bytes``, as the validation pass does), and the same bytes are written
     and hashed in order as the shard grows. Stops, deleting the temporary file, at the first file that is
     unreadable, rejected, needs a transcode or changed size since the scan (the plan was wrong; the validation
-    pass checks it again and reports it), or once the file ``part["stop"]`` exists (another shard stopped).
-    ``part``: the shard's files in order, as ``paths`` (relative to SRC; a ``scan._Strings``), ``n`` and ``label``
-    (their keys), ``bytes`` (their sizes at the scan, which the plan records: a file of another size stops the pass too; the write after the validation pass
-    refuses it as changed), and ``classes``."""
-    tmp = os.path.join(dest, f".{name}.tmp")
-    classes = part["classes"]
+    pass checks it again and reports it), or once the file ``part.stop`` exists (another shard stopped)."""
+    tmp = temp_path(dest, name)
+    classes = part.classes
     checked = []
     members = []  # each sample's _idx_line
     h = hashlib.sha256()
@@ -355,24 +368,24 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
         held = 0
         cls_b = [str(label).encode("ascii") for label in range(len(classes))]
         cname_json: dict[int, str] = {}
-        stop = part["stop"]
-        for k, (raw, n, label, scanned) in enumerate(zip(part["paths"], part["n"], part["label"], part["bytes"])):
+        stop = part.stop
+        for k, (raw, n, label, scanned) in enumerate(zip(part.paths, part.n, part.label, part.bytes)):
             if k % _STOP_EVERY == 0 and os.path.exists(stop):  # from the first file: a queued shard stops at once
-                return _OnePassShard(False, k, nbytes, _batch_columns(checked))
+                return OnePassShard(False, k, nbytes, batch_columns(checked))
             try:
-                data, st = _read_whole(raw, src_fd)
+                data, st = read_whole(raw, src_fd)
             except OSError:
-                return _OnePassShard(False, k, nbytes, _batch_columns(checked))
-            r = _inspect_bytes(data, st, opts)  # a plain JPEG: _plain_copy, with the main process's pixel limit
+                return OnePassShard(False, k, nbytes, batch_columns(checked))
+            r = inspect_bytes(data, st, opts)  # a plain JPEG: _plain_copy, with the main process's pixel limit
             size = len(data)
             if not r.ok or r.what != "copy" or size != scanned:
-                return _OnePassShard(False, k, nbytes, _batch_columns(checked))
+                return OnePassShard(False, k, nbytes, batch_columns(checked))
             checked.append(r)
-            ext = _EXT[r.fmt]
+            ext = EXT[r.fmt]
             cj = cname_json.get(label)
             if cj is None:
                 cj = cname_json[label] = encode_basestring(classes[label])
-            json_b = _meta_json(cj, label, ext, r.width, r.height, r.sha256.hex(), encode_basestring(_display(raw)),
+            json_b = _meta_json(cj, label, ext, r.width, r.height, r.sha256.hex(), encode_basestring(display(raw)),
                                 r.orientation)
             key = f"{label:05d}_{n:07d}"
             members.append(_idx_line(key, ext, pos + held, size, len(cls_b[label]), len(json_b)))
@@ -388,7 +401,7 @@ def _check_and_write_shard(dest: str, src: str, name: str, part: dict[str, Any],
         buf.append(bytes(1024 + (-end % tarfile.RECORDSIZE)))  # end-of-archive, padded like tarfile
         pos = _write_hashed(fd, h, buf, pos)
         ok = True
-        return _OnePassShard(True, len(checked), nbytes, _batch_columns(checked), pos, h.hexdigest(),
+        return OnePassShard(True, len(checked), nbytes, batch_columns(checked), pos, h.hexdigest(),
                              _dali_index(members))
     finally:
         os.close(fd)
@@ -411,20 +424,20 @@ def _write_hashed(fd: int, h: Any, parts: list[bytes], pos: int) -> int:
 class _ShardJob:
     """One shard being written: its layout, temporary file, write ranges and in-order hashing."""
 
-    def __init__(self, dest: str, name: str, samples: list[_Sample]) -> None:
+    def __init__(self, dest: str, name: str, samples: list[Sample]) -> None:
         import queue
 
         self.name = name
         self.num_samples = len(samples)
         self.final = os.path.join(dest, name)
-        self.tmp = os.path.join(dest, f".{name}.tmp")
+        self.tmp = temp_path(dest, name)
         items = []
         members = []
         pos = 0
         for s in samples:
-            json_b = _sample_json(s)
+            json_b = sample_json(s)
             cls_b = str(s.label).encode("ascii")
-            items.append(_Item(pos, s.key, s.ext, s.img_len, cls_b, json_b, s.path, s.source, s.ident, s.cache,
+            items.append(Item(pos, s.key, s.ext, s.img_len, cls_b, json_b, s.path, s.source, s.ident, s.cache,
                                s.coff))
             members.append(_idx_line(s.key, s.ext, pos, s.img_len, len(cls_b), len(json_b)))
             pos += 3 * 512 + _padded(s.img_len) + _padded(len(cls_b)) + _padded(len(json_b))
@@ -432,7 +445,7 @@ class _ShardJob:
         """The shard's DALI index (``gpufeed.shardset.sidecars``), from the layout."""
         self.size = pos + 1024 + (-(pos + 1024) % tarfile.RECORDSIZE)  # end-of-archive, padded like tarfile
         # Contiguous runs of samples, each one write task: [(items, end offset, image bytes)].
-        self.ranges: list[tuple[list[_Item], int, int]] = []
+        self.ranges: list[tuple[list[Item], int, int]] = []
         first = 0
         for i in range(1, len(items) + 1):
             if i == len(items) or items[i].offset - items[first].offset >= _RANGE_BYTES or i - first >= _RANGE_SAMPLES:
@@ -483,10 +496,11 @@ def _hash_file_ranges(path: str, blocks: Any) -> str:
     return h.hexdigest()
 
 
-def _finish_shard(dest: str, name: str, size: int, num_samples: int, digest: str,
-                  idx: bytes | None = None) -> dict[str, Any]:
-    """Rename a fully written and hashed shard into place, then leave its ``.done.json`` sidecar. ``idx``: its
-    DALI index, written first (``DEST/<shard>.idx``).
+def finish_shard(dest: str, name: str, size: int, num_samples: int, digest: str,
+                 idx: bytes | None = None) -> dict[str, Any]:
+    """Rename a fully written and hashed shard into place, then leave its ``.done.json`` sidecar
+    (:mod:`gpufeed.core.dest`) -> the sidecar's record. ``idx``: its DALI index, written first
+    (``DEST/<shard>.idx``).
 
     No fsync of the shard: the rename makes it atomic against a killed process; after a power loss, resume and
     verify compare the file with the sha256 its (durable) sidecar records, so a torn shard is rewritten, never
@@ -497,10 +511,9 @@ def _finish_shard(dest: str, name: str, size: int, num_samples: int, digest: str
 
     if idx is not None:
         atomic_write_bytes(os.path.join(dest, idx_name(name)), idx)
-    os.replace(os.path.join(dest, f".{name}.tmp"), os.path.join(dest, name))
+    publish(dest, name)
     result = {"name": name, "num_samples": num_samples, "bytes": size, "sha256": digest}
-    # One C-encoder call: json.dump streams through the pure-Python encoder.
-    atomic_write_bytes(os.path.join(dest, STATE_DIR, f"{name}.done.json"), json.dumps(result).encode("utf-8"))
+    write_done(os.path.join(dest, STATE_DIR), name, result)
     return result
 
 
@@ -512,40 +525,45 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _shard_complete(dest: str, name: str) -> dict[str, Any] | None:
-    """The sidecar of a complete shard whose file still matches it, else None."""
-    side = os.path.join(dest, STATE_DIR, f"{name}.done.json")
-    path = os.path.join(dest, name)
-    from gpufeed.core.errors import DataError
-    from gpufeed.core.safefs import read_set_file
-
-    try:  # bounded, and never through a link out of the state folder (safefs)
-        info = json.loads(read_set_file(side, os.path.dirname(side), 1 << 16, what="shard sidecar", where="state folder"))
-        if os.path.getsize(path) == info["bytes"] and _sha256_file(path) == info["sha256"]:
+def shard_complete(dest: str, name: str) -> dict[str, Any] | None:
+    """The sidecar of a complete shard whose file still matches it (size and sha256), else None."""
+    info = read_done(os.path.join(dest, STATE_DIR), name, 1 << 16, what="shard sidecar")
+    try:
+        if info is not None and os.path.getsize(os.path.join(dest, name)) == info["bytes"] \
+                and _sha256_file(os.path.join(dest, name)) == info["sha256"]:
             return info
-    except (OSError, ValueError, KeyError, TypeError, DataError):
+    except (OSError, KeyError, TypeError):
         pass
     return None
 
 
-def _write_all(dest: str, src: str, tasks: list[tuple[str, int, Callable[[], dict[str, Any]]]], pool: Any,
-               bar: _Bar, on_done: Callable[[str], None] = lambda name: None, workers: int = 1) -> dict[str, Any]:
-    """Write the shards. ``tasks``: (shard name, number of samples, a function giving ``_Plan.part`` of its
+class WriteTask(NamedTuple):
+    """A shard to write: its name, its number of samples and a function giving ``Plan.part`` of its samples
+    (called when the shard is started, so only the shards in flight are held as records)."""
+
+    name: str
+    count: int
+    part: Callable[[], ShardPart]
+
+
+def write_all(dest: str, src: str, tasks: list[WriteTask], pool: Any,
+              bar: Bar, on_done: Callable[[str], None] = lambda name: None, workers: int = 1) -> dict[str, Any]:
+    """Write the shards. ``tasks``: (shard name, number of samples, a function giving ``Plan.part`` of its
     samples), so only the shards in flight are held as records; as many shards are in flight as workers (the
     DEST space check counts on it).
 
     With at least two shards a worker, each worker writes and hashes whole shards (``_write_shard``): the
     records, member layout and hashing all happen in the workers. With fewer, every shard is split into runs
-    of consecutive samples written in parallel at their offsets (``_write_range``, in the worker processes, or
+    of consecutive samples written in parallel at their offsets (``write_range``, in the worker processes, or
     one thread without a pool), while one thread per shard hashes it in order as its runs complete, so a
     one-shard plan uses every worker too. Either way a shard is renamed once written and hashed."""
-    total = sum(t[1] for t in tasks)
+    total = sum(t.count for t in tasks)
     bar.start("write", total)
     out: dict[str, Any] = {}
     if not tasks:
         return out
     own = pool is None
-    ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufeed-write") if own else pool[0]
+    ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufeed-write") if own else pool
     try:
         if len(tasks) >= 2 * max(1, workers):
             _write_whole(dest, src, tasks, ex, bar, on_done, workers, out)
@@ -557,7 +575,7 @@ def _write_all(dest: str, src: str, tasks: list[tuple[str, int, Callable[[], dic
     return out
 
 
-def _write_whole(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on_done: Callable[[str], None],
+def _write_whole(dest: str, src: str, tasks: list[WriteTask], ex: Any, bar: Bar, on_done: Callable[[str], None],
                  workers: int, out: dict[str, Any]) -> None:
     pending = iter(tasks)
     running: dict[Any, tuple[str, int]] = {}
@@ -567,14 +585,14 @@ def _write_whole(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on
                 nxt = next(pending, None)
                 if nxt is None:
                     break
-                running[ex.submit(_write_shard, dest, src, nxt[0], nxt[2]())] = (nxt[0], nxt[1])
+                running[ex.submit(_write_shard, dest, src, nxt.name, nxt.part())] = (nxt.name, nxt.count)
             if not running:
                 return
             finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
             for fut in finished:
                 name, count = running.pop(fut)
                 size, digest, nbytes, idx = fut.result()
-                out[name] = _finish_shard(dest, name, size, count, digest, idx)
+                out[name] = finish_shard(dest, name, size, count, digest, idx)
                 on_done(name)
                 bar.update(count, nbytes)
     except BaseException:
@@ -584,7 +602,7 @@ def _write_whole(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on
         raise
 
 
-def _write_ranges(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, on_done: Callable[[str], None],
+def _write_ranges(dest: str, src: str, tasks: list[WriteTask], ex: Any, bar: Bar, on_done: Callable[[str], None],
                   workers: int, out: dict[str, Any]) -> None:
     hashers = cf.ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="gpufeed-sha256")
     state = os.path.join(dest, STATE_DIR)
@@ -603,12 +621,12 @@ def _write_ranges(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, o
                     nxt = next(pending, None)
                     if nxt is None:
                         break
-                    current = _ShardJob(dest, nxt[0], _samples_of(nxt[2](), src, state))
+                    current = _ShardJob(dest, nxt.name, _samples_of(nxt.part(), src, state))
                     jobs.append(current)
                     fut = hashers.submit(_hash_file_ranges, current.tmp, current.blocks)
                     hashing[fut] = current
                 i = current.submitted
-                running[ex.submit(_write_range, current.tmp, current.ranges[i][0])] = (current, i)
+                running[ex.submit(write_range, current.tmp, current.ranges[i][0])] = (current, i)
                 current.submitted += 1
             if not running and not hashing:
                 break
@@ -622,7 +640,7 @@ def _write_ranges(dest: str, src: str, tasks: list[tuple], ex: Any, bar: _Bar, o
                     bar.update(len(items), nbytes)
                 else:
                     job = hashing.pop(fut)
-                    out[job.name] = _finish_shard(dest, job.name, job.size, job.num_samples, fut.result(), job.idx)
+                    out[job.name] = finish_shard(dest, job.name, job.size, job.num_samples, fut.result(), job.idx)
                     jobs.remove(job)
                     on_done(job.name)
     except BaseException:

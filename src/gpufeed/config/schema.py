@@ -8,6 +8,7 @@ with "None = ..." saying what None means. No torch here: ``gpufeed --help`` load
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -468,4 +469,8 @@ class Config:
     stage: StageConfig = field(default_factory=StageConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
-
+    def tune_for_training(self) -> TuneConfig:
+        """[tune] with nproc_per_node None resolved to [train] nproc_per_node: the layout training will run."""
+        if self.tune.nproc_per_node is not None:
+            return self.tune
+        return dataclasses.replace(self.tune, nproc_per_node=self.train.nproc_per_node)

@@ -228,5 +228,3 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return str(value)
         raise ConfigError(f"{where} must be a string, got {show_value(value)}")
     return value
-
-

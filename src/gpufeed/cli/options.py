@@ -76,7 +76,7 @@ def field_option(section: str, name: str, flag: str | None = None, *, switch: bo
     f = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
     hint = _optional_inner(typing.get_type_hints(SECTIONS[section])[name])
     flag = flag or FLAGS.get(name) or "--" + name.replace("_", "-")
-    if "flag_value" in attrs:
+    if "flag_value" in attrs:  # a flag that picks one value of the field (--synthetic): no type of its own
         pass
     elif hint is bool:
         attrs.setdefault("default", None)

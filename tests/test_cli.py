@@ -9,18 +9,34 @@ import pytest
 from tests.conftest import invoke
 
 
-def test_help_does_not_import_torch() -> None:
+JOB_MODULES = ("gpufeed.shard", "gpufeed.verify", "gpufeed.index", "gpufeed.tune", "gpufeed.train", "gpufeed.storage",
+               "gpufeed.stage", "gpufeed.doctor", "gpufeed.memplan", "gpufeed.synth")
+"""The job modules: a command imports its own when it runs, never for --help."""
+
+
+def test_help_does_not_import_torch_or_a_job_module() -> None:
     code = ("import sys\n"
             "from gpufeed.cli import cli\n"
-            "for args in ([], ['shard'], ['verify'], ['index'], ['tune'], ['train'], ['synth']):\n"
+            "from gpufeed.cli.commands import COMMANDS\n"
+            "for args in ([], *([job.name] for job in COMMANDS)):\n"
             "    try:\n"
             "        cli([*args, '--help'], prog_name='gpufeed')\n"
             "    except SystemExit as exc:\n"
             "        assert exc.code == 0, (args, exc.code)\n"
-            "print('torch' in sys.modules, file=sys.stderr)\n")
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.split('.')[:2] in ([*j.split('.')] for j in "
+            f"{JOB_MODULES!r})), file=sys.stderr)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "Usage: gpufeed train" in out.stdout
-    assert out.stderr.strip() == "False"
+    assert "Usage: gpufeed train" in out.stdout and "Usage: gpufeed config" in out.stdout
+    assert out.stderr.strip() == "[]"
+
+
+def test_the_command_table_is_the_cli() -> None:
+    from gpufeed.cli import cli
+    from gpufeed.cli.commands import COMMANDS
+
+    assert list(cli.commands) == [job.name for job in COMMANDS]
+    for job in COMMANDS:  # the group's own help lists every command
+        assert f"gpufeed {job.name} " in cli.help, job.name
 
 
 def test_every_command_has_help() -> None:
@@ -51,12 +67,11 @@ def test_option_help_from_config_fields_is_there_for_completion_and_info() -> No
     assert all(p["help"] for p in info["params"] if p["name"] == "shard_samples")
 
 
-@pytest.mark.parametrize("name", ["shard", "verify", "index", "tune", "train", "synth"])
-def test_every_job_command_has_json(name: str) -> None:
-    from gpufeed.cli import cli
+def test_every_command_has_json() -> None:
+    from gpufeed.cli.commands import COMMANDS
 
-    assert name in cli.commands
-    assert "--json" in invoke([name, "--help"]).stdout
+    for job in COMMANDS:
+        assert "--json" in invoke([job.name, "--help"]).stdout, job.name
 
 
 def test_input_error_is_one_sentence_and_exit_2(tmp_path) -> None:
@@ -76,35 +91,56 @@ def test_os_error_becomes_input_error(tmp_path, image_folder) -> None:
 
 # --------------------------------------------------------------------------- help from the config dataclasses
 
-SECTION_OF = {"shard": "shard", "tune": "tune", "train": "train", "synth": "synth"}
-"""The config section each command's options set, by option name (as cli.py passes them to load/load_config)."""
-ELSEWHERE = {("train", "num_workers"): "loader", ("verify", "max_pixels"): "loader"}
-NOT_CONFIG = {"quiet", "config_path", "as_json", "help", "mode"}
-"""Options of those commands that set no field by their name (train's --synthetic/--loader-only/--measure each
-pick one mode and say so; --quiet sets train's progress but reads inverted)."""
+FILE_ONLY = {
+    "loader": {"pin_memory", "persistent_workers", "worker_batching", "shuffle_buffer", "decode", "on_error", "check",
+               "seed", "crop_ratio", "resize", "remote_streams", "shard_split"},
+    "tune": {"warmup_batches", "min_gain", "target_margin"},
+    "train": {"num_classes", "min_lr", "timing_warmup_steps", "progress"},
+    "layout": {"ranks_per_node", "usable_cores", "trainer_cores", "device"},
+}
+"""Config fields set only in a file (train's progress is also --quiet, read inverted; [layout] is written by tune):
+every other field of every section is an option or argument of some command."""
+SAME_NAME_OTHER_MEANING = {("verify", "decode")}
+"""Options named as a field of their command's sections that set something else (verify --decode: decode every
+image, not the loader's decode path)."""
 
 
 def _config_options() -> list[tuple[str, click.Option, str, str]]:
-    """(command, option, section, field) for every option that sets a config field."""
+    """(command, option, section, field) for every option that sets a config field, from the command table. An
+    option that sets a field of its command's sections by name without saying so (written by hand) fails."""
     import dataclasses
 
     from gpufeed.cli import cli
+    from gpufeed.cli.commands import COMMANDS
+    from gpufeed.cli.options import FieldParam
     from gpufeed.config import SECTIONS
 
     out = []
-    for cmd_name, cmd in cli.commands.items():
-        cmd.get_help(click.Context(cmd, info_name=cmd_name))  # the help from config fields is written when shown
+    for job in COMMANDS:
+        cmd = cli.commands[job.name]
+        cmd.get_help(click.Context(cmd, info_name=job.name))
+        fields = {f.name for s in job.sections for f in dataclasses.fields(SECTIONS[s])}
         for opt in cmd.params:
-            if not isinstance(opt, click.Option):
-                continue
-            name = opt.name.rstrip("_")
-            section = ELSEWHERE.get((cmd_name, name)) or SECTION_OF.get(cmd_name)
-            if section and name in {f.name for f in dataclasses.fields(SECTIONS[section])}:
-                if not (opt.is_flag and not opt.is_bool_flag):
-                    out.append((cmd_name, opt, section, name))
-            elif cmd_name in SECTION_OF:
-                assert name in NOT_CONFIG, f"gpufeed {cmd_name} {opt.opts[0]} sets no [{SECTION_OF[cmd_name]}] field"
+            if isinstance(opt, FieldParam):
+                assert opt in job.params and opt.field in {f.name for f in dataclasses.fields(SECTIONS[opt.section])}
+                if isinstance(opt, click.Option) and not (opt.is_flag and not opt.is_bool_flag):
+                    out.append((job.name, opt, opt.section, opt.field))
+            elif (job.name, opt.name) not in SAME_NAME_OTHER_MEANING:
+                assert opt.name not in fields, f"gpufeed {job.name} {opt.opts[0]} sets a config field by hand"
     return out
+
+
+def test_every_config_field_is_an_option_or_file_only() -> None:
+    import dataclasses
+
+    from gpufeed.cli.commands import COMMANDS
+    from gpufeed.cli.options import FieldParam
+    from gpufeed.config import SECTIONS
+
+    covered = {(p.section, p.field) for job in COMMANDS for p in job.params if isinstance(p, FieldParam)}
+    for section, cls in SECTIONS.items():
+        missing = {f.name for f in dataclasses.fields(cls) if (section, f.name) not in covered}
+        assert missing == FILE_ONLY.get(section, set()), section
 
 
 def test_config_option_help_is_the_field_doc_with_the_dataclass_default() -> None:
@@ -116,8 +152,9 @@ def test_config_option_help_is_the_field_doc_with_the_dataclass_default() -> Non
     options = _config_options()
     names = {(c, o.opts[0]) for c, o, _, _ in options}
     assert {("shard", "--shard-bytes"), ("verify", "--max-pixels"), ("tune", "--max-workers"),
-            ("train", "--num-workers"), ("train", "--compile"), ("synth", "--images")} <= names
-    assert len(options) >= 66  # today: shard 13, verify 1, tune 13, synth 5, train 34
+            ("train", "--num-workers"), ("train", "--compile"), ("synth", "--images"), ("io", "--bytes"),
+            ("stage", "--jobs"), ("doctor", "--prefetch-factor"), ("plan", "--measure-batches")} <= names
+    assert len(options) >= 106  # today: shard 15, verify 1, tune 17, synth 5, train 38, io 7, stage 3, doctor 4, plan 16
     for cmd_name, opt, section, name in options:
         f = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
         where = f"gpufeed {cmd_name} {opt.opts[0]}"
@@ -134,6 +171,31 @@ def test_config_option_help_is_the_field_doc_with_the_dataclass_default() -> Non
             assert text == str(f.default).lower(), where
         else:
             assert type(f.default)(text) == f.default, where
+
+
+def test_choices_are_the_field_literals() -> None:
+    import typing
+
+    from gpufeed.config import SECTIONS
+
+    for cmd_name, opt, section, name in _config_options():
+        hint = typing.get_type_hints(SECTIONS[section])[name]
+        if typing.get_origin(hint) is typing.Literal:
+            assert isinstance(opt.type, click.Choice) and list(opt.type.choices) == list(typing.get_args(hint)), \
+                f"gpufeed {cmd_name} {opt.opts[0]}"
+
+
+def test_an_option_sets_its_field_over_the_file(tmp_path) -> None:
+    """The runner gives every field option to load_config as section.field: a value given beats the file, one
+    left out keeps it (tune's nproc_per_node falls back to [train]'s)."""
+    from gpufeed.config import load_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[tune]\nrepeats = 5\nbudget_s = 9.0\n[train]\nnproc_per_node = 3\n")
+    conf = load_config(cfg, {"tune.budget_s": 2.0, "tune.repeats": None})
+    assert (conf.tune.budget_s, conf.tune.repeats) == (2.0, 5)
+    assert conf.tune.nproc_per_node is None and conf.tune_for_training().nproc_per_node == 3
+    assert load_config(cfg, {"tune.nproc_per_node": 2}).tune_for_training().nproc_per_node == 2
 
 
 def test_rendered_help_shows_the_field_default() -> None:

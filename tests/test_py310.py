@@ -20,7 +20,7 @@ NEW_IN_311 = {
 
 def problems_in(source: str) -> list[str]:
     """``line: what`` for each 3.11-only use in ``source`` (``tomllib`` only behind a version check, as in
-    config.py)."""
+    config/toml_io.py)."""
     out = []
     guarded = set()
     tree = ast.parse(source)

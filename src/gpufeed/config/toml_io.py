@@ -119,7 +119,7 @@ CONFIG_HEADER = """gpufeed configuration, one section per job: gpufeed CMD --con
 Precedence: CLI > this file > built-in defaults. Unknown sections and keys are errors; every number is
 range-checked. Sizes accept "1GB", "512MiB" or plain bytes. A commented-out key has no default value: its
 comment says what leaving it out means.
-Generated from the config classes (src/gpufeed/config.py) by: gpufeed config --defaults"""
+Generated from the config classes (src/gpufeed/config/schema.py) by: gpufeed config --defaults"""
 
 
 def render_config(cfg: Config | None = None, header: str = CONFIG_HEADER) -> str:

@@ -571,6 +571,33 @@ def test_a_loader_failing_mid_measurement_is_a_one_sentence_error_with_the_parti
     assert rec.samples_per_s is None
 
 
+def test_the_loader_ceiling_harness_returns_a_typed_result_and_needs_no_job() -> None:
+    """measure_stream on its own: batches in, a frozen StreamResult out; importing it loads no job module."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from gpufeed.measure.metrics import Stat
+    from gpufeed.measure.stream import StreamOptions, StreamResult, measure_stream
+
+    def open_batches(epoch: int):
+        for _ in range(3):
+            yield torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64)
+
+    res = measure_stream(open_batches, StreamOptions(window_batches=2, repeats=2, warmup_batches=1),
+                         skipped=lambda: 5)
+    assert isinstance(res, StreamResult) and len(res.samples_per_s_runs) == 2
+    assert (res.num_warmup_batches, res.num_batches, res.num_samples, res.num_skipped) == (2, 4, 16, 5)
+    assert res.samples_per_s == Stat.of(res.samples_per_s_runs).median and res.startup_s > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.num_batches = 0  # type: ignore[misc]
+    loaded = subprocess.run([sys.executable, "-c", "import sys, gpufeed.measure.stream; "
+                             "print(sorted(m for m in sys.modules if m.startswith('gpufeed.')))"],
+                            capture_output=True, text=True, check=True).stdout
+    assert not any(job in loaded for job in ("gpufeed.tune", "gpufeed.train", "gpufeed.storage", "gpufeed.stage"))
+
+
 def test_render_shows_trial_errors_and_sample_counters_in_one_line_each(tmp_path: Path) -> None:
     from gpufeed.tune import render
 

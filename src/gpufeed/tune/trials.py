@@ -29,7 +29,7 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
     Returns a TrialRecord with median/min/max samples/s over ``repeats`` windows of ``window_s``
     seconds (or ``window_batches`` batches), start-up and telemetry; ``error`` is set when the loader
     raised, the RAM budget was exceeded, or ``deadline`` passed before anything was measured.
-    ``start_barrier``: see :func:`measure_stream` (:func:`measure_ranks` passes it).
+    ``start_barrier``: see :func:`gpufeed.measure.stream.measure_stream` (:func:`measure_ranks` passes it).
     """
     world = world or World.single()
     t0 = time.perf_counter()

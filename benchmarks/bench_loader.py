@@ -39,8 +39,9 @@ sys.path.insert(0, str(ROOT / "src"))
 from gpufeed.config import LoaderConfig, TuneConfig  # noqa: E402
 from gpufeed.measure.metrics import Stat  # noqa: E402
 from gpufeed.core.records import write_json  # noqa: E402
-from gpufeed.tune import (TrialRecord, describe, measure_imagefolder, measure_loader, measure_stream,  # noqa: E402
-                          trial_record, tune)
+from gpufeed.measure.stream import StreamOptions, measure_stream  # noqa: E402
+from gpufeed.tune import (TrialRecord, describe, measure_imagefolder, measure_loader, trial_record,  # noqa: E402
+                          tune)
 from gpufeed.core.world import World  # noqa: E402
 
 
@@ -92,9 +93,10 @@ def measure_wds_recipe(shards: Path, cfg: LoaderConfig, world: World, **kw: Any)
         return holder["loader"]
 
     try:
-        fields = measure_stream(open_batches, num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
-                                warmup_batches=kw.get("warmup_batches", 2), window_s=kw.get("window_s", 2.0),
-                                repeats=kw.get("repeats", 3), deadline=kw.get("deadline"))
+        fields = dataclasses.asdict(measure_stream(open_batches, StreamOptions(
+            num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
+            warmup_batches=kw.get("warmup_batches", 2), window_s=kw.get("window_s", 2.0), repeats=kw.get("repeats", 3),
+            deadline=kw.get("deadline"))))
         err = None
     except Exception as exc:
         fields, err = {}, f"{type(exc).__name__}: {exc}"

@@ -292,7 +292,7 @@ def test_tune_run_folder_links_are_replaced(tmp_path: Path, secret: Path, monkey
     for name in ("report.md", "config.toml", "tune.png", "summary.json"):
         os.symlink(secret, run / name)
     monkeypatch.setattr(gpufeed.core.system, "environment_snapshot", lambda **kw: {})
-    monkeypatch.setattr(tune, "render", lambda report: "table")
+    monkeypatch.setattr(tune.report, "render", lambda report: "table")
     report = tune.TuneReport(
         ok=True, shards="s", run_dir=None, out=None, best=None, best_trial=None, best_samples_per_s=None,
         baseline=None, baseline_samples_per_s=None, ratio_vs_baseline=None, bound=None, bound_evidence="",

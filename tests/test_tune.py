@@ -71,6 +71,16 @@ def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # --------------------------------------------------------------------------- a controlled toy pipeline
 
 
+class FakeClock:
+    """tune's clock in a test: it moves only when a fake trial moves it, whatever the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class ToyPipeline:
     """A fake ``measure``: samples/s computed from the config, plus sleep to spend (budget) time.
 
@@ -83,8 +93,10 @@ class ToyPipeline:
     decode_ms = {"pil": 4.0, "pil-draft": 2.0, "simplejpeg": 1.5, "gpu": 1.0}
 
     def __init__(self, trial_s: float = 0.01, fail: set[int] | None = None, noise: float = 0.0,
-                 cores_used: float | None = None) -> None:
+                 cores_used: float | None = None, clock: FakeClock | None = None) -> None:
         self.cores_used = cores_used
+        self.clock = clock
+        """With a clock, a trial moves it by ``trial_s`` (and says so in ``wall_s``) instead of sleeping."""
         self.trial_s = trial_s
         self.fail = fail or set()
         self.calls: list[LoaderConfig] = []
@@ -102,13 +114,16 @@ class ToyPipeline:
 
     def __call__(self, shards: Any, cfg: LoaderConfig, world: World, **kw: Any) -> TrialRecord:
         self.calls.append(cfg)
-        time.sleep(self.trial_s)
+        if self.clock is not None:
+            self.clock.now += self.trial_s
+        else:
+            time.sleep(self.trial_s)
         if cfg.num_workers in self.fail:
             raise RuntimeError(f"worker {cfg.num_workers} crashed")
         r = self.rate(cfg)
         return trial_record(cfg, [r * (1 - self.noise), r, r * (1 + self.noise)],
                             tree_cores_used=self.cores_used or float(min(max(cfg.num_workers, 1), self.cores)),
-                            measure_s=0.0)
+                            measure_s=0.0, wall_s=self.trial_s if self.clock is not None else 0.0)
 
 
 @pytest.fixture
@@ -179,11 +194,8 @@ def test_worker_climb_stops_when_the_gain_flattens(tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("four_cpus")
-def test_refinement_is_judged_per_cpu_second_when_cpu_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refinement_is_judged_per_cpu_second_when_cpu_bound(tmp_path: Path) -> None:
     """Another tenant takes cores during the cheaper decode's trial: samples/s drops, samples per CPU-s does not."""
-    import gpufeed.tune
-
-    monkeypatch.setattr(gpufeed.tune, "_has_module", lambda name: False)  # decode candidates: pil-draft only
     toy = ToyPipeline()
 
     def measure(shards: Any, cfg: LoaderConfig, world: World, **kw: Any) -> TrialRecord:
@@ -193,7 +205,8 @@ def test_refinement_is_judged_per_cpu_second_when_cpu_bound(tmp_path: Path, monk
             return trial_record(cfg, [r, r, r], tree_cores_used=cores, cpu_percent_mean=100.0)
         return rec
 
-    report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=measure, **FAKE)
+    report = tune(toy_cfg(tmp_path, max_workers=4), LoaderConfig(decode="pil"), measure=measure,
+                  installed=lambda name: False, **FAKE)  # decode candidates: pil-draft only
     assert report.best.decode == "pil-draft"
     [won] = decisions(report, "adopted")
     assert (won.knob, won.detail["previous"], won.chosen) == ("decode", "pil", "pil-draft")
@@ -252,14 +265,16 @@ def test_tuner_stops_at_target_rate(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("four_cpus")
 def test_tuner_respects_its_budget(tmp_path: Path) -> None:
-    toy = ToyPipeline(trial_s=0.4)
-    t0 = time.monotonic()
+    """Trials of 0.4 s on tune's own clock (a fake one): the search starts a trial only while one still fits in the
+    2 s budget, and writing the outputs after the sweep costs the budget nothing."""
+    clock = FakeClock()
+    toy = ToyPipeline(trial_s=0.4, clock=clock)
     report = tune(toy_cfg(tmp_path, budget_s=2.0, window_s=0.1, repeats=1), LoaderConfig(decode="pil"),
-                  measure=toy, **FAKE)
-    elapsed = time.monotonic() - t0
-    assert report.elapsed_s <= 2.0 + 0.2
-    assert elapsed < 2.0 + 3.0  # outputs (chart, parquet) are written after the sweep
+                  measure=toy, clock=clock, **FAKE)
     assert 1 <= len(toy.calls) <= 5
+    assert report.elapsed_s == pytest.approx(0.4 * len(toy.calls)) == pytest.approx(clock.now - 1000.0)
+    assert report.elapsed_s <= 2.0  # no trial ran past the budget
+    assert report.elapsed_s + 0.4 + 0.1 > 2.0  # it stopped when the next trial (0.4 s + a window) would not fit
     assert report.stop_reason.startswith("budget")
     assert report.ok  # the best so far is still reported and written
     assert Path(report.out).is_file()
@@ -412,9 +427,9 @@ def test_a_fake_measure_does_not_switch_off_the_shard_set_check(tmp_path: Path) 
 def test_every_reason_code_has_its_sentence() -> None:
     from typing import get_args
 
-    from gpufeed.tune import _SENTENCES, Reason
+    from gpufeed.tune import SENTENCES, Reason
 
-    assert set(_SENTENCES) == set(get_args(Reason))
+    assert set(SENTENCES) == set(get_args(Reason))
     d = Decision("decode", "no-gain", chosen="pil", candidates=(3, 4),
                  detail={"candidate": "pil-draft", "metric": "samples/s", "value": 990.4, "needed": 1050.0})
     assert d.sentence == "decode: keep 'pil' ('pil-draft' gave samples/s 990, needs > 1050)"
@@ -536,7 +551,8 @@ def test_missing_shard_file_is_exit_2_from_tune_as_from_train(tiny_shards: Path,
 
 def test_a_loader_failing_mid_measurement_is_a_one_sentence_error_with_the_partial_measurement() -> None:
     """measure_stream keeps what it measured before the loader raised (no exception notes: Python 3.10)."""
-    from gpufeed.tune import _run_measurement, measure_stream
+    from gpufeed.measure.stream import StreamOptions, measure_stream
+    from gpufeed.tune import trial_from_stream
 
     def open_batches(epoch: int):
         import torch
@@ -545,14 +561,41 @@ def test_a_loader_failing_mid_measurement_is_a_one_sentence_error_with_the_parti
         raise ValueError("corrupt sample 'k1' in shard s.tar\nOriginal Traceback (most recent call last): ...")
 
     with pytest.raises(Exception) as info:
-        measure_stream(open_batches, window_batches=2, repeats=1)
+        measure_stream(open_batches, StreamOptions(window_batches=2, repeats=1))
     assert str(info.value) == "ValueError: corrupt sample 'k1' in shard s.tar"
-    assert info.value.partial["startup_s"] > 0 and isinstance(info.value.__cause__, ValueError)
+    assert info.value.partial.startup_s > 0 and isinstance(info.value.__cause__, ValueError)
 
-    rec = _run_measurement(lambda: measure_stream(open_batches, window_batches=2, repeats=1),
-                           LoaderConfig(batch_size=4), "gpufeed", time.perf_counter(), cleanup=lambda: None)
+    rec = trial_from_stream(lambda: measure_stream(open_batches, StreamOptions(window_batches=2, repeats=1)),
+                            LoaderConfig(batch_size=4), "gpufeed", time.perf_counter(), cleanup=lambda: None)
     assert rec.error == "ValueError: corrupt sample 'k1' in shard s.tar" and rec.startup_s > 0
     assert rec.samples_per_s is None
+
+
+def test_the_loader_ceiling_harness_returns_a_typed_result_and_needs_no_job() -> None:
+    """measure_stream on its own: batches in, a frozen StreamResult out; importing it loads no job module."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from gpufeed.measure.metrics import Stat
+    from gpufeed.measure.stream import StreamOptions, StreamResult, measure_stream
+
+    def open_batches(epoch: int):
+        for _ in range(3):
+            yield torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64)
+
+    res = measure_stream(open_batches, StreamOptions(window_batches=2, repeats=2, warmup_batches=1),
+                         skipped=lambda: 5)
+    assert isinstance(res, StreamResult) and len(res.samples_per_s_runs) == 2
+    assert (res.num_warmup_batches, res.num_batches, res.num_samples, res.num_skipped) == (2, 4, 16, 5)
+    assert res.samples_per_s == Stat.of(res.samples_per_s_runs).median and res.startup_s > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.num_batches = 0  # type: ignore[misc]
+    loaded = subprocess.run([sys.executable, "-c", "import sys, gpufeed.measure.stream; "
+                             "print(sorted(m for m in sys.modules if m.startswith('gpufeed.')))"],
+                            capture_output=True, text=True, check=True).stdout
+    assert not any(job in loaded for job in ("gpufeed.tune", "gpufeed.train", "gpufeed.storage", "gpufeed.stage"))
 
 
 def test_render_shows_trial_errors_and_sample_counters_in_one_line_each(tmp_path: Path) -> None:

@@ -216,12 +216,10 @@ def _shards_here(m: Any, where: str) -> list[int]:
 
 
 def _shard_location(path: Path) -> _Location:
-    from gpufeed.shardset.manifest import manifest_path, read_manifest
+    from gpufeed.shardset.manifest import read_manifest, shard_root
 
     m = read_manifest(path)
-    root = manifest_path(path).parent
-    if m.root:
-        root = root / m.root
+    root = shard_root(m, path)
     files = []
     here = set(_shards_here(m, str(path)))
     for i, p in enumerate(m.shard_paths(root)):

@@ -961,7 +961,7 @@ def tune_within(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: M
     first trial (default :func:`check_shard_set`: a shard set that cannot be read is a DataError, exit 2, as in
     ``gpufeed train``) and returns the samples per epoch; None skips it (a fake ``measure`` reads no shards).
     With ``write`` the run folder and ``cfg.out`` are written. Unless ``cfg.storage_probe_s`` is 0, the shard set's
-    read rate is probed first (:func:`gpufeed.storage.probe`, outside the budget): the bound and the storage line
+    read rate is probed first (:func:`gpufeed.measure.storage_probe.probe`, outside the budget): the bound and the storage line
     of the report compare the best trial's read rate with it.
 
     The layout (``cfg.nproc_per_node`` = N ranks per node): every trial measures N rank loaders at once
@@ -1012,7 +1012,7 @@ def tune_within(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: M
                          else check_shards(shards, base, world))
     storage = None
     if cfg.storage_probe_s > 0:  # before the budget starts: the trials get all of it
-        from gpufeed.storage import probe
+        from gpufeed.measure.storage_probe import probe
 
         storage = probe(shards, cfg.storage_probe_s, manifest=cfg.manifest)
         if progress:

@@ -107,9 +107,9 @@ def _train(spec: str, run: Path, conf: Path) -> dict[str, Any]:
 
 def part_b(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     import gpufeed.shardset.source as source
-    import gpufeed.storage as storage
+    import gpufeed.measure.storage_probe as storage_probe
 
-    source.CHUNK_BYTES = storage.REMOTE_CHUNK_BYTES = 16 << 10  # scaled with the tiny set (see the docstring)
+    source.CHUNK_BYTES = storage_probe.REMOTE_CHUNK_BYTES = 16 << 10  # scaled with the tiny set (see the docstring)
     www = work / "www-b"
     folder = write_tiny_shards(www / "set", [64], image_px=32)
     mean_bytes = json.loads((folder / "manifest.json").read_text())["mean_sample_bytes"]

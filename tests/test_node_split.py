@@ -204,7 +204,7 @@ def test_world_from_env_without_group_rank_takes_the_node_from_the_rank(monkeypa
 def test_storage_probe_and_tune_read_a_node_staged_set_as_its_node(tmp_path):
     """A set staged for node 1 of 2 holds shards 1 and 3 only: the storage probe (tune's and train --measure's, and
     gpufeed io) reads those, not the absent shard 0, and tune measures it as node 1's ranks read it in training."""
-    from gpufeed.storage import probe, resolve_location
+    from gpufeed.measure.storage_probe import probe, resolve_location
     from gpufeed.tune import check_shard_set, measure_node, staged_world
     from tests.conftest import invoke
 

@@ -76,7 +76,7 @@ def test_redact_obj_hides_every_string_of_a_record_keys_included() -> None:
 
 
 def test_filesystem_of_a_url_is_its_host_never_its_userinfo() -> None:
-    from gpufeed.storage import filesystem_of
+    from gpufeed.measure.storage_probe import filesystem_of
 
     assert filesystem_of("HTTP://alice:p@ss w0rd@127.0.0.1:81/set") == ("http", "127.0.0.1:81")
     assert filesystem_of("https://alice:pa/ss@127.0.0.1:81/set") == ("https", "127.0.0.1:81")
@@ -175,7 +175,7 @@ def _cli(args: list[str], expect: int | None = 0, **env: str):
 
 @pytest.mark.parametrize("scheme", ["http", "HTTP"])
 def test_io_on_a_url_with_a_password_prints_and_records_none_of_it(served, tmp_path: Path, scheme: str) -> None:
-    from gpufeed.storage import io_record_rate
+    from gpufeed.measure.storage_probe import io_record_rate
 
     url = _with_password(served, scheme)
     run = tmp_path / "run"

@@ -78,7 +78,8 @@ def test_remote_io_of_a_missing_manifest_is_one_sentence_exit_2(http_server) -> 
 def test_an_io_record_of_a_url_gives_the_remote_rate_for_that_url(served, tmp_path: Path) -> None:
     from gpufeed.config import IoConfig
     from gpufeed.core.errors import DataError
-    from gpufeed.storage import io_record_rate, measure_io
+    from gpufeed.measure.storage_probe import io_record_rate
+    from gpufeed.storage import measure_io
 
     server, folder, url = served
     report = measure_io([url], IoConfig(seconds=0.3, max_readers=2, run_dir=str(tmp_path / "io")))
@@ -91,7 +92,7 @@ def test_an_io_record_of_a_url_gives_the_remote_rate_for_that_url(served, tmp_pa
 
 
 def test_probe_of_a_remote_set_reads_it_over_the_socket(served) -> None:
-    from gpufeed.storage import probe
+    from gpufeed.measure.storage_probe import probe
 
     server, _, url = served
     rate = probe(url, 0.6, max_readers=4)
@@ -188,10 +189,10 @@ def test_throttled_source_is_storage_bound_and_the_staged_copy_is_not(http_serve
     the whole tiny shard during the timing warm-up, as no real set's shard would be) and the shuffle buffer is 4
     samples, so the timed steps read from the socket."""
     import gpufeed.shardset.source as source
-    import gpufeed.storage as storage
+    import gpufeed.measure.storage_probe as storage_probe
 
     monkeypatch.setattr(source, "CHUNK_BYTES", 16 << 10)
-    monkeypatch.setattr(storage, "REMOTE_CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(storage_probe, "REMOTE_CHUNK_BYTES", 16 << 10)
     write_tiny_shards(http_server.root / "set", [64], image_px=32)
     url = f"{http_server.url}/set"
     http_server.faults.bandwidth = 60_000

@@ -13,7 +13,8 @@ import pytest
 
 from gpufeed.config import IoConfig
 from gpufeed.shardset.manifest import read_manifest
-from gpufeed.storage import filesystem_of, measure_io, reader_ladder
+from gpufeed.measure.storage_probe import filesystem_of, reader_ladder
+from gpufeed.storage import measure_io
 from tests.conftest import invoke, invoke_json
 from tests.train_shards import write_tiny_shards
 

@@ -1,5 +1,5 @@
-"""The live storage verdict: storage.probe, gpufeed io records as the storage rate, what train --measure records
-in summary.json (``storage``) and how the verdict's storage fixes are fed from train.py."""
+"""The live storage verdict: measure.storage_probe.probe, gpufeed io records as the storage rate, what train
+--measure records in summary.json (``storage``) and how the verdict's storage fixes are fed from train.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from gpufeed.config import IoConfig, LoaderConfig, TrainConfig
 from gpufeed.core.errors import DataError
 from gpufeed.measure.storage_rate import StorageRate
-from gpufeed.storage import RAM_FILESYSTEMS, filesystem_of, io_record_rate, local_open, measure_io, probe
+from gpufeed.measure.storage_probe import RAM_FILESYSTEMS, filesystem_of, io_record_rate, local_open, probe
+from gpufeed.storage import measure_io
 from gpufeed.train.records import RankTiming, aggregate
 from gpufeed.measure.verdict import classify
 from gpufeed.core.world import World
@@ -95,14 +96,11 @@ def test_a_bad_storage_record_is_exit_2_in_one_sentence(shards: Path, tmp_path: 
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
-def test_a_storage_record_larger_than_the_bound_is_refused(shards: Path, tmp_path: Path, monkeypatch) -> None:
-    import gpufeed.storage as storage
-
-    monkeypatch.setattr(storage, "MAX_RECORD_BYTES", 10)
+def test_a_storage_record_larger_than_the_bound_is_refused(shards: Path, tmp_path: Path) -> None:
     big = tmp_path / "summary.json"
     big.write_text(json.dumps({"locations": []}))
     with pytest.raises(DataError, match="is larger than 0 MiB; it is not a gpufeed io summary.json"):
-        io_record_rate(big, shards)
+        io_record_rate(big, shards, max_bytes=10)
 
 
 def test_train_measure_records_the_probed_storage_rate(shards: Path, tmp_path: Path) -> None:

@@ -225,3 +225,25 @@ def test_verdict_uses_the_shared_storage_and_idle_thresholds() -> None:
     idle = classify(VerdictInputs(**common, loader_cores_used=3.9, read_bytes_per_s=1e6))  # < 0.5 x 8 slots
     busy = classify(VerdictInputs(**common, loader_cores_used=4.0, read_bytes_per_s=1e6))
     assert (idle.bound, busy.bound) == ("storage", "decode/CPU")
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def test_the_first_rule_that_fires_wins_and_carries_its_numbers() -> None:
+    from gpufeed.measure import verdict
+
+    gpu_run = VerdictInputs(stall_pct=20.0, end_to_end_rate=2000, gpu_ceiling=3000, loader_ceiling=2500,
+                            copy_wait_pct=18.0, decode="gpu")
+    facts = verdict.derive(gpu_run)
+    both = (verdict.gpu_decode(facts), verdict.copy(facts))  # both rules fire on this run
+    assert [v.bound for v in both] == ["GPU decode", "copy"]
+    assert all(v.numbers["copy_wait_pct"] == 18.0 and v.numbers["target_rate"] == 3000 for v in both)
+    assert verdict.RULES.index(verdict.gpu_decode) < verdict.RULES.index(verdict.copy)
+    assert classify(gpu_run).bound == "GPU decode"
+    swapped = [verdict.copy if r is verdict.gpu_decode else verdict.gpu_decode if r is verdict.copy else r
+               for r in verdict.RULES]
+    assert classify(gpu_run, swapped).bound == "copy"
+    # the last rule always fires; a rule that does not fire returns None
+    assert verdict.decode_cpu(facts).bound == "decode/CPU" and verdict.rank_imbalance(facts) is None
+    assert verdict.fed(facts) is None and verdict.unverified(facts) is None

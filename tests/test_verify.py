@@ -165,6 +165,14 @@ def test_verify_reads_shards_from_the_manifest_root(tmp_path: Path) -> None:
     rep = verify_shards(tmp_path / "meta", workers=1)
     assert rep.ok, rep.problems
     assert rep.num_samples == rep.num_expected == 90
+    # the one rule of where a local set's shards are, as verify, io, stage, the loader and open_set use it
+    from gpufeed.shardset.manifest import read_manifest, shard_root
+    from gpufeed.shardset.source import open_set
+
+    meta = tmp_path / "meta"
+    m = read_manifest(meta)
+    assert shard_root(m, meta) == shard_root(m, meta / "manifest.json") == Path(m.root) == shards.absolute()
+    assert open_set(meta).urls == [str(shards.absolute() / "sample-000000.tgz")]
 
 
 def test_gpufeed_set_needs_its_json_members_and_index(shard_set: Path) -> None:

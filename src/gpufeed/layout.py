@@ -2,15 +2,14 @@
 
 ``gpufeed tune --nproc-per-node N`` sizes each rank's workers from :func:`worker_ceiling` and records the layout
 it measured in a ``[layout]`` section (:class:`gpufeed.config.LayoutConfig`) next to ``[loader]``.
-``gpufeed train`` calls :func:`warn` before it starts its ranks: one line on stderr when the run's layout is not
-the tuned one or over-subscribes the node's cores, with the numbers. Pure arithmetic apart from :func:`warn`;
-no torch at import time.
+``gpufeed train`` asks :func:`run_warning` before it starts its ranks: one line when the run's layout is not the
+tuned one or over-subscribes the node's cores, with the numbers, which the caller shows (nothing here prints).
+Pure arithmetic apart from the node facts :func:`run_warning` reads; no torch at import time.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from typing import Literal
 
 from gpufeed.config import LayoutConfig, LoaderConfig, TrainConfig
@@ -72,8 +71,9 @@ def _ranks(n: object) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
 
-def warn(cfg: TrainConfig, loader: LoaderConfig, layout: LayoutConfig) -> str | None:
-    """Print :func:`check` for a ``gpufeed train`` run on this node to stderr (one line) and return it."""
+def run_warning(cfg: TrainConfig, loader: LoaderConfig, layout: LayoutConfig) -> str | None:
+    """:func:`check` for a ``gpufeed train`` run on this node (its usable cores, its device): the one-line warning,
+    or None."""
     from gpufeed.core.system import usable_cpus
 
     device = cfg.device
@@ -81,7 +81,4 @@ def warn(cfg: TrainConfig, loader: LoaderConfig, layout: LayoutConfig) -> str | 
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    line = check(loader, layout, ranks=cfg.nproc_per_node, usable=usable_cpus(), device=device)
-    if line:
-        print(line, file=sys.stderr, flush=True)
-    return line
+    return check(loader, layout, ranks=cfg.nproc_per_node, usable=usable_cpus(), device=device)

@@ -69,7 +69,7 @@ from typing import BinaryIO, Callable, Iterator
 from gpufeed.config import MAX_NODES, StageConfig
 from gpufeed.core.errors import DataError, RunError
 from gpufeed.shardset.manifest import INDEX_NAME, MANIFEST_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, manifest_path, \
-    read_manifest, write_manifest
+    read_manifest, shard_root, write_manifest
 from gpufeed.core.dest import LOCK_NAME, done_path, publish, read_done, remove_temps, take_lock, temp_path, write_done
 from gpufeed.core.records import atomic_writer, fsync_dir
 from gpufeed.core.world import node_from_env, node_shards
@@ -289,7 +289,7 @@ def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
         src_manifest = manifest_path(cfg.src)
         m = read_manifest(cfg.src)
         mine = _node_subset(m, node_rank, num_nodes)
-        src_root = src_manifest.parent / m.root if m.root else src_manifest.parent
+        src_root = shard_root(m, cfg.src)
         source = LocalSource(src_root)
         src_label, src_dirs = str(src_manifest), [src_root, src_manifest.parent]
         sides = _local_sides(src_manifest.parent)

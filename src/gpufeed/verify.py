@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import one_line
 from gpufeed.shardset.manifest import (DEFAULT_LABEL_SOURCE, INDEX_NAME, SHARD_SUFFIXES, LabelError, MissingLabel, label_member,
-                              manifest_path, read_label)
+                              manifest_path, read_label, shard_root)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image,
                                    split_member)
 from gpufeed.core.redact import redact
@@ -271,7 +271,7 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
         if manifest is not None:
             root = Path(shard_set.urls[0]).parent
         else:  # `gpufeed index --out` elsewhere: the shards stay in their folder (as the loader reads them)
-            root = here / m.root if m.root else here
+            root = shard_root(m, path)
     ours = m.created_by.startswith("gpufeed shard")
     gzip = m.compression == "gzip"
     staged = staged_node(m, shard_set.location)

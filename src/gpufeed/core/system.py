@@ -49,6 +49,22 @@ def total_ram_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
+LIBRARIES = (("webdataset", "webdataset"), ("PIL", "pillow"), ("numpy", "numpy"), ("pyarrow", "pyarrow"),
+             ("simplejpeg", "simplejpeg"))
+"""(module, distribution) of the libraries whose versions every record names (``<module>_version``)."""
+
+
+def package_version(dist: str) -> str | None:
+    """The installed version of the distribution ``dist``, read from its metadata without importing it (importing
+    webdataset imports torch); None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
 def environment_snapshot(*, with_torch: bool = True) -> dict[str, Any]:
     """Versions and hardware facts stored next to every record. Imports torch only when asked."""
     import psutil
@@ -64,12 +80,8 @@ def environment_snapshot(*, with_torch: bool = True) -> dict[str, Any]:
         "usable_cpus": usable_cpus(),
         "ram_bytes": int(psutil.virtual_memory().total),
     }
-    for mod in ("webdataset", "PIL", "numpy", "pyarrow", "simplejpeg"):
-        try:
-            m = __import__(mod)
-            snap[f"{mod.lower()}_version"] = getattr(m, "__version__", "unknown")
-        except Exception:  # optional package missing or broken
-            snap[f"{mod.lower()}_version"] = None
+    for mod, dist in LIBRARIES:
+        snap[f"{mod.lower()}_version"] = package_version(dist)
     if with_torch:
         import torch
 

@@ -101,7 +101,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from gpufeed.loader import decode as dec
 from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import DataError, GpufeedError, one_line
-from gpufeed.shardset.manifest import DEFAULT_LABEL_SOURCE, Manifest, label_member, manifest_path, read_label
+from gpufeed.shardset.manifest import DEFAULT_LABEL_SOURCE, Manifest, label_member, read_label, shard_root
 from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS
 from gpufeed.shardset.source import ShardSet, SourceError, is_pipe, is_remote, open_set, open_shard, remote_size
 from gpufeed.shardset.tar import ShardRead, file_problem, iter_samples
@@ -756,8 +756,7 @@ class ShardLoader:
         self.world = world
         self.train = train
         if manifest is not None:  # the caller read it already: the shards are where it says, next to `shards`
-            root = manifest_path(shards).parent
-            root = root / manifest.root if manifest.root else root
+            root = shard_root(manifest, shards)
             shard_set = ShardSet(manifest, [str(p.absolute()) for p in manifest.shard_paths(root)], str(shards),
                                  False)
         else:

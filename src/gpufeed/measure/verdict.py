@@ -1,20 +1,10 @@
-"""The fed/starved verdict (docs/design.md §4) as a pure function of measured numbers.
+"""The fed/starved verdict (docs/design.md §4) as a list of rules over measured numbers.
 
-*fed*: data stall < 5 % and end-to-end samples/s >= 0.9 x min(compute ceiling, loader ceiling). The compute
-ceiling is the GPU ceiling on CUDA and is named "compute ceiling (CPU)" when the model runs on the CPU.
-Otherwise *starved*, naming the bound and the fix in numbers:
-
-- **rank imbalance**: some ranks wait for data while others do not (in DDP the fed ranks then wait
-  inside the gradient all-reduce, so only the slow ranks show a stall);
-- **copy**: host-to-device copies not overlapped with compute make up most of the data wait;
-- **storage**: the loader reads as fast as the storage delivers, or its workers sit idle while reading;
-- **decode/CPU**: everything else: the loader's CPU work (read, decode, augment, collate) cannot keep up,
-  or it steals CPU from the training processes. The fix is more cores (at the measured samples/s per
-  core), GPU decode, or smaller stored images.
-
-The bound names and the copy/storage/idle thresholds are :mod:`gpufeed.measure.bounds`, shared with ``gpufeed tune``.
-
-No torch here: ``classify`` takes plain numbers, so every branch is unit-tested.
+Each rule is a pure function of :class:`Facts` (the :class:`VerdictInputs` and the figures derived from them once)
+that returns a :class:`Verdict` carrying the numbers that made it fire, or None; :func:`classify` returns the first
+that fires, in the order of :data:`RULES`: unverified, fed, then the starved bounds (rank imbalance, GPU decode,
+copy, storage, decode/CPU). The bound names and the copy/storage/idle thresholds are
+:mod:`gpufeed.measure.bounds`, shared with ``gpufeed tune``. No torch here: every rule is unit-tested.
 """
 
 from __future__ import annotations
@@ -23,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from statistics import median
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from gpufeed.measure import bounds
 from gpufeed.measure.bounds import Bound
@@ -127,8 +117,38 @@ def compute_ceiling_name(is_cuda: bool) -> str:
     return "GPU ceiling" if is_cuda else "compute ceiling (CPU)"
 
 
-def classify(v: VerdictInputs) -> Verdict:
-    """Classify one measured run. Pure: same inputs, same verdict."""
+# --------------------------------------------------------------------------- what every rule reads
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The measured inputs and the figures derived from them once (:func:`derive`): what every rule reads."""
+
+    v: VerdictInputs
+    compute: str
+    """The compute ceiling's name (:func:`compute_ceiling_name`)."""
+    lower_name: str | None
+    lower: float | None
+    """The lower of the measured ceilings, and its name; None when none was measured."""
+    stall_ok: bool
+    """Data stall below :data:`STALL_FED_PCT`."""
+    rate_ok: bool
+    """End-to-end samples/s at least :data:`CEILING_FRACTION` x the lower ceiling (True when none was measured)."""
+    target: float | None
+    """What the model could take: the compute ceiling, else the rate the run would have without its stall."""
+    ranks: list[float]
+    """The finite per-rank stall percentages."""
+    numbers: dict[str, Any]
+    """The figures every verdict carries (stall, rates, ceilings, fraction of the lower ceiling)."""
+    why: str
+    """The opening of a starved verdict's reason ("" for a run that is fed or unverified)."""
+
+    @property
+    def per_node_target(self) -> float | None:
+        return self.target / self.v.num_nodes if self.target else None
+
+
+def derive(v: VerdictInputs) -> Facts:
     compute = compute_ceiling_name(v.is_cuda)
     ceilings = {k: c for k, c in ((compute, v.gpu_ceiling), ("loader ceiling", v.loader_ceiling)) if _known(c)}
     lower_name, lower = (min(ceilings.items(), key=lambda kv: kv[1]) if ceilings else (None, None))
@@ -138,165 +158,241 @@ def classify(v: VerdictInputs) -> Verdict:
         nums["fraction_of_ceiling"] = v.end_to_end_rate / lower
     stall_ok = v.stall_pct < STALL_FED_PCT
     rate_ok = lower is None or v.end_to_end_rate >= CEILING_FRACTION * lower
-
-    if stall_ok and rate_ok:
-        if lower is None:
-            reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% at {v.end_to_end_rate:.1f} samples/s, "
-                      f"but no ceiling was measured, so whether this is the {'GPU' if v.is_cuda else 'CPU'}'s own compute "
-                      "speed is unknown: "
-                      "run with --measure to compare")
-            return Verdict("unverified", None, reason, [], nums)
-        else:
-            reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% and {v.end_to_end_rate:.1f} samples/s "
-                      f"= {100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ({lower:.1f})")
-            if lower_name == compute:
-                reason += ("; the GPU is the bound, as it should be" if v.is_cuda
-                           else "; the CPU's compute is the bound, as it should be")
-        return Verdict("fed", None, reason, [], nums)
-
-    # ---- starved: what the model could take (the compute ceiling), and how far we are from it
     target = v.gpu_ceiling if _known(v.gpu_ceiling) else (
         v.end_to_end_rate / max(1e-9, 1 - v.stall_pct / 100) if v.stall_pct < 100 else None)
-    nums["target_rate"] = target
-    if stall_ok:
+    ranks = [s for s in v.per_rank_stall_pct if s is not None and math.isfinite(s)]
+    if stall_ok and rate_ok:
+        why = ""
+    elif stall_ok:  # then a ceiling was measured: the rate is what fails
         why = (f"data stall only {v.stall_pct:.1f}%, but {v.end_to_end_rate:.1f} samples/s is "
                f"{100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ({lower:.1f})")
     else:
         why = f"data stall {v.stall_pct:.1f}% (>= {STALL_FED_PCT:.0f}%) at {v.end_to_end_rate:.1f} samples/s"
         if lower is not None:
             why += f", {100 * v.end_to_end_rate / lower:.0f}% of the {lower_name} ({lower:.1f})"
+    return Facts(v, compute, lower_name, lower, stall_ok, rate_ok, target, ranks, nums, why)
 
-    # 1. rank imbalance: some ranks fed, some not
-    ranks = [s for s in v.per_rank_stall_pct if s is not None and math.isfinite(s)]
-    if len(ranks) > 1:
-        hi, lo, mid = max(ranks), min(ranks), median(ranks)
-        nums.update(rank_stall_max_pct=hi, rank_stall_min_pct=lo, rank_stall_median_pct=mid)
-        if hi >= STALL_FED_PCT and lo < STALL_FED_PCT and hi - lo >= max(STALL_FED_PCT, 0.5 * hi):
-            worst = ranks.index(hi)
-            return Verdict(
-                "starved", bounds.RANK_IMBALANCE,
-                f"{why}; rank {worst} stalls {hi:.1f}% while rank {ranks.index(lo)} stalls {lo:.1f}% "
-                "(the fed ranks wait for it in the all-reduce)",
-                [f"give every rank the same data and CPUs: shard count a multiple of ranks x workers "
-                 f"(gpufeed shard --multiple-of {max(1, v.ranks_per_node * v.num_nodes) * max(1, v.num_workers or 1)})",
-                 "check CPU affinity / NUMA binding of the slow rank's loader workers (torchrun --numa-binding)"],
-                nums)
 
-    # 2. copy-bound: most of the wait is host-to-device copy
-    copy_bound = bounds.copy_limited(v.copy_wait_pct, v.stall_pct)
-    if copy_bound and v.decode == "gpu":
-        # with GPU decode the timed "copy" also holds nvjpeg decode + crop/resize on the device
-        nums["copy_wait_pct"] = v.copy_wait_pct
-        return Verdict(
-            "starved", bounds.GPU_DECODE,
-            f"{why}; {v.copy_wait_pct:.1f}% of step time is spent moving encoded batches and decoding them on the GPU, "
-            "not overlapped with compute",
-            ["decode on the CPU workers instead (decode = 'simplejpeg') if they have cores to spare: compare "
-             "`gpufeed tune` loader ceilings for both decode paths",
-             "store images at <= 512 px (gpufeed shard --max-size 512): less to decode per sample"],
-            nums)
-    if copy_bound:
-        nums["copy_wait_pct"] = v.copy_wait_pct
-        return Verdict(
-            "starved", bounds.COPY,
-            f"{why}; {v.copy_wait_pct:.1f}% of step time is host-to-device copy not overlapped with compute",
-            ["pin_memory = true with non_blocking copies (pinned uint8 batches copy asynchronously)",
-             "keep batches uint8 on the host and normalise on the device (4x fewer bytes than float32)",
-             "prefetch the next batch to the device on a side CUDA stream"],
-            nums)
+def _starved_numbers(f: Facts) -> dict[str, Any]:
+    """The numbers of a starved verdict before its rule's own: the target rate and the spread of the ranks."""
+    nums = {**f.numbers, "target_rate": f.target}
+    if len(f.ranks) > 1:
+        nums.update(rank_stall_max_pct=max(f.ranks), rank_stall_min_pct=min(f.ranks),
+                    rank_stall_median_pct=median(f.ranks))
+    return nums
 
-    per_node_target = target / v.num_nodes if target else None
-    fixes: list[str] = []
-    # 3. storage-bound: reads at the storage's rate (at the loader's own concurrency), or workers idle while reading
+
+SMALLER_IMAGES = "store images at <= 512 px (gpufeed shard --max-size 512)"
+"""The fix for samples stored larger than training needs."""
+
+
+def _smaller_images_fix(v: VerdictInputs) -> str | None:
+    if _known(v.mean_sample_bytes) and v.mean_sample_bytes > LARGE_SAMPLE_BYTES:
+        return f"{SMALLER_IMAGES}: now {v.mean_sample_bytes / 1e3:.0f} KB per sample"
+    return None
+
+
+# --------------------------------------------------------------------------- the rules, in the order they are tried
+
+
+def unverified(f: Facts) -> Verdict | None:
+    """Low stall, but no ceiling to compare the rate with."""
+    v = f.v
+    if not (f.stall_ok and f.rate_ok and f.lower is None):
+        return None
+    reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% at {v.end_to_end_rate:.1f} samples/s, "
+              f"but no ceiling was measured, so whether this is the {'GPU' if v.is_cuda else 'CPU'}'s own compute "
+              "speed is unknown: run with --measure to compare")
+    return Verdict("unverified", None, reason, [], dict(f.numbers))
+
+
+def fed(f: Facts) -> Verdict | None:
+    """Low stall and near the lower ceiling. The rules after this one see only runs that are not fed."""
+    v = f.v
+    if not (f.stall_ok and f.rate_ok and f.lower is not None):
+        return None
+    reason = (f"data stall {v.stall_pct:.1f}% < {STALL_FED_PCT:.0f}% and {v.end_to_end_rate:.1f} samples/s "
+              f"= {100 * v.end_to_end_rate / f.lower:.0f}% of the {f.lower_name} ({f.lower:.1f})")
+    if f.lower_name == f.compute:
+        reason += ("; the GPU is the bound, as it should be" if v.is_cuda
+                   else "; the CPU's compute is the bound, as it should be")
+    return Verdict("fed", None, reason, [], dict(f.numbers))
+
+
+def rank_imbalance(f: Facts) -> Verdict | None:
+    """Some ranks stall while others are fed (the fed ranks wait for the slow ones in the all-reduce)."""
+    v = f.v
+    if len(f.ranks) < 2:
+        return None
+    hi, lo = max(f.ranks), min(f.ranks)
+    if not (hi >= STALL_FED_PCT and lo < STALL_FED_PCT and hi - lo >= max(STALL_FED_PCT, 0.5 * hi)):
+        return None
+    slots = max(1, v.ranks_per_node * v.num_nodes) * max(1, v.num_workers or 1)
+    return Verdict(
+        "starved", bounds.RANK_IMBALANCE,
+        f"{f.why}; rank {f.ranks.index(hi)} stalls {hi:.1f}% while rank {f.ranks.index(lo)} stalls {lo:.1f}% "
+        "(the fed ranks wait for it in the all-reduce)",
+        [f"give every rank the same data and CPUs: shard count a multiple of ranks x workers "
+         f"(gpufeed shard --multiple-of {slots})",
+         "check CPU affinity / NUMA binding of the slow rank's loader workers (torchrun --numa-binding)"],
+        _starved_numbers(f))
+
+
+def gpu_decode(f: Facts) -> Verdict | None:
+    """Copy-bound under GPU decode: the timed "copy" also holds nvjpeg decode and crop/resize on the device."""
+    v = f.v
+    if not (bounds.copy_limited(v.copy_wait_pct, v.stall_pct) and v.decode == "gpu"):
+        return None
+    return Verdict(
+        "starved", bounds.GPU_DECODE,
+        f"{f.why}; {v.copy_wait_pct:.1f}% of step time is spent moving encoded batches and decoding them on the GPU, "
+        "not overlapped with compute",
+        ["decode on the CPU workers instead (decode = 'simplejpeg') if they have cores to spare: compare "
+         "`gpufeed tune` loader ceilings for both decode paths",
+         f"{SMALLER_IMAGES}: less to decode per sample"],
+        {**_starved_numbers(f), "copy_wait_pct": v.copy_wait_pct})
+
+
+def copy(f: Facts) -> Verdict | None:
+    """Most of the wait is host-to-device copy not overlapped with compute."""
+    v = f.v
+    if not bounds.copy_limited(v.copy_wait_pct, v.stall_pct):
+        return None
+    return Verdict(
+        "starved", bounds.COPY,
+        f"{f.why}; {v.copy_wait_pct:.1f}% of step time is host-to-device copy not overlapped with compute",
+        ["pin_memory = true with non_blocking copies (pinned uint8 batches copy asynchronously)",
+         "keep batches uint8 on the host and normalise on the device (4x fewer bytes than float32)",
+         "prefetch the next batch to the device on a side CUDA stream"],
+        {**_starved_numbers(f), "copy_wait_pct": v.copy_wait_pct})
+
+
+def storage_at_limit(f: Facts) -> Verdict | None:
+    """The loader reads at the storage's rate, at the loader's own concurrency (:func:`_storage_at_loader`)."""
+    v = f.v
     storage_now, readers_now = _storage_at_loader(v)
-    if bounds.storage_limited(v.read_bytes_per_s, storage_now):
-        nums.update(read_bytes_per_s=v.read_bytes_per_s, storage_bytes_per_s=v.storage_bytes_per_s)
-        if storage_now != v.storage_bytes_per_s:
-            nums["storage_bytes_per_s_at_loader"] = storage_now
-        need = None
-        if per_node_target and _known(v.mean_sample_bytes):
-            need = per_node_target * v.mean_sample_bytes
-            nums["needed_bytes_per_s"] = need
-            who = "the GPUs need" if v.is_cuda else "the CPU compute needs"
-            fixes.append(f"{who} ~{need / 1e6:.1f} MB/s per node at {per_node_target:.0f} samples/s "
-                         f"x {v.mean_sample_bytes / 1e3:.0f} KB/sample; the storage delivers "
-                         f"{v.storage_bytes_per_s / 1e6:.1f} MB/s")
-        fixes.append(_stage_fix(v, nums))
-        streams = _streams_fix(v, need, nums)
-        if streams:
-            fixes.append(streams)
-        if _known(v.mean_sample_bytes) and v.mean_sample_bytes > LARGE_SAMPLE_BYTES:
-            fixes.append(f"store images at <= 512 px (gpufeed shard --max-size 512): now "
-                         f"{v.mean_sample_bytes / 1e3:.0f} KB per sample")
-        src = f", {v.storage_source}" if v.storage_source else ""
-        if storage_now != v.storage_bytes_per_s:  # the ladder read more with more readers than the loader uses
-            limit = (f"{storage_now / 1e6:.1f} MB/s the storage delivers to {readers_now} reader(s) at once, as the "
-                     f"loader reads (up to {v.storage_bytes_per_s / 1e6:.1f} MB/s with more{src})")
-        else:
-            limit = f"{v.storage_bytes_per_s / 1e6:.1f} MB/s the storage delivers{src}"
-        return Verdict("starved", bounds.STORAGE,
-                       f"{why}; the loader reads at the storage's limit: {v.read_bytes_per_s / 1e6:.1f} MB/s, "
-                       f"{100 * v.read_bytes_per_s / storage_now:.0f}% of the {limit}", fixes, nums)
+    if not bounds.storage_limited(v.read_bytes_per_s, storage_now):
+        return None
+    nums = {**_starved_numbers(f), "read_bytes_per_s": v.read_bytes_per_s,
+            "storage_bytes_per_s": v.storage_bytes_per_s}
+    if storage_now != v.storage_bytes_per_s:
+        nums["storage_bytes_per_s_at_loader"] = storage_now
+    fixes: list[str] = []
+    need = None
+    if f.per_node_target and _known(v.mean_sample_bytes):
+        need = f.per_node_target * v.mean_sample_bytes
+        nums["needed_bytes_per_s"] = need
+        who = "the GPUs need" if v.is_cuda else "the CPU compute needs"
+        fixes.append(f"{who} ~{need / 1e6:.1f} MB/s per node at {f.per_node_target:.0f} samples/s "
+                     f"x {v.mean_sample_bytes / 1e3:.0f} KB/sample; the storage delivers "
+                     f"{v.storage_bytes_per_s / 1e6:.1f} MB/s")
+    fixes.append(_stage_fix(v, nums))
+    fixes += [fix for fix in (_streams_fix(v, need, nums), _smaller_images_fix(v)) if fix]
+    src = f", {v.storage_source}" if v.storage_source else ""
+    if storage_now != v.storage_bytes_per_s:  # the ladder read more with more readers than the loader uses
+        limit = (f"{storage_now / 1e6:.1f} MB/s the storage delivers to {readers_now} reader(s) at once, as the "
+                 f"loader reads (up to {v.storage_bytes_per_s / 1e6:.1f} MB/s with more{src})")
+    else:
+        limit = f"{v.storage_bytes_per_s / 1e6:.1f} MB/s the storage delivers{src}"
+    return Verdict("starved", bounds.STORAGE,
+                   f"{f.why}; the loader reads at the storage's limit: {v.read_bytes_per_s / 1e6:.1f} MB/s, "
+                   f"{100 * v.read_bytes_per_s / storage_now:.0f}% of the {limit}", fixes, nums)
 
-    busy_slots = None
-    if v.num_workers is not None:
-        busy_slots = v.ranks_per_node * v.num_nodes * max(1, v.num_workers)
-    if busy_slots and v.num_workers and bounds.idle_while_reading(
-            v.loader_cores_used, min(busy_slots, (v.usable_cores or busy_slots) * v.num_nodes), v.read_bytes_per_s):
-        nums.update(loader_cores_used=v.loader_cores_used, read_bytes_per_s=v.read_bytes_per_s)
-        fixes.append(f"stage shards on a RAM disk or local NVMe: {busy_slots} loader processes kept only "
-                     f"{v.loader_cores_used:.1f} cores busy while reading {v.read_bytes_per_s / 1e6:.0f} MB/s "
-                     "(they wait on I/O, not on the CPU)")
-        return Verdict("starved", bounds.STORAGE, f"{why}; loader workers idle while reading", fixes, nums)
 
-    # 4. decode/CPU-bound
-    reason = why
+def storage_idle(f: Facts) -> Verdict | None:
+    """The loader's processes sit idle while reading: they wait on I/O, not on the CPU."""
+    v = f.v
+    if not v.num_workers:
+        return None
+    busy_slots = v.ranks_per_node * v.num_nodes * v.num_workers
+    if not bounds.idle_while_reading(v.loader_cores_used, min(busy_slots, (v.usable_cores or busy_slots) * v.num_nodes),
+                                     v.read_bytes_per_s):
+        return None
+    return Verdict(
+        "starved", bounds.STORAGE, f"{f.why}; loader workers idle while reading",
+        [f"stage shards on a RAM disk or local NVMe: {busy_slots} loader processes kept only "
+         f"{v.loader_cores_used:.1f} cores busy while reading {v.read_bytes_per_s / 1e6:.0f} MB/s "
+         "(they wait on I/O, not on the CPU)"],
+        {**_starved_numbers(f), "loader_cores_used": v.loader_cores_used, "read_bytes_per_s": v.read_bytes_per_s})
+
+
+def decode_cpu(f: Facts) -> Verdict:
+    """Everything else: the loader's CPU work cannot keep up, or it takes CPU from the training processes. Always
+    fires: the last rule."""
+    v = f.v
+    nums = _starved_numbers(f)
+    reason, fixes = f.why, []
     per_core = bounds.per_core_rate(v.loader_ceiling, v.loader_cores_used)
     if per_core is not None:
-        nums["per_core_rate"] = per_core
-        nums["loader_cores_used"] = v.loader_cores_used
-        if target:
-            need_total = bounds.cores_needed(target, per_core)
-            need_node = need_total / v.num_nodes
-            used_node = v.loader_cores_used / v.num_nodes
-            more = max(0.0, need_node - used_node)
-            nums.update(cores_needed_per_node=need_node, more_cores_per_node=more)
-            where = " per node" if v.num_nodes > 1 else ""
-            if v.num_workers == 0:
-                fixes.append(f"num_workers = 0 decodes in the training process, in series with compute: use "
-                             f"num_workers >= {max(1, math.ceil(need_node / v.ranks_per_node))} per rank "
-                             "so loading overlaps compute (or let gpufeed tune pick it)")
-            if more >= 0.5:
-                fixes.append(f"needs ~{math.ceil(more)} more cores{where} at the measured {per_core:.1f} samples/s "
-                             f"per core ({need_node:.1f} cores{where} to feed {per_node_target:.0f} samples/s; "
-                             f"{used_node:.1f} busy now)")
-            elif stall_ok:
-                fixes.append(f"decoding {per_node_target:.0f} samples/s costs ~{need_node:.1f} cores{where} at "
-                             f"{per_core:.1f} samples/s per core, taken from the training processes: give the loader "
-                             "cores of its own, or make decoding cheaper")
-            elif v.num_workers:
-                reason += (f"; the loader's rate suffices on average ({v.loader_ceiling:.1f} vs {target:.1f} samples/s "
-                           "needed) but batches arrive late")
-                fixes.append(f"absorb the jitter: raise prefetch_factor, or num_workers to {v.num_workers + 1}+ per rank")
-            if _known(v.usable_cores) and more >= 0.5:
-                spare = v.usable_cores - used_node
-                if need_node <= v.usable_cores and v.num_workers is not None:
-                    workers = max(v.num_workers + 1, math.ceil(need_node / v.ranks_per_node))
-                    fixes.append(f"this node has {v.usable_cores:.0f} cores ({spare:.1f} idle): raise num_workers "
-                                 f"to ~{workers} per rank, or let gpufeed tune pick it")
-                elif need_node > v.usable_cores:
-                    fixes.append(f"this node has only {v.usable_cores:.0f} cores: more workers cannot close the gap")
-        reason = reason.replace(why, why + f"; the loader decodes {per_core:.1f} samples/s per core", 1)
-    if stall_ok:
+        nums.update(per_core_rate=per_core, loader_cores_used=v.loader_cores_used)
+        fixes, late = _cores_fixes(f, per_core, nums)
+        reason += f"; the loader decodes {per_core:.1f} samples/s per core{late}"
+    if f.stall_ok:
         reason += "; the loader's CPU work slows the training processes down"
     if v.is_cuda and v.decode != "gpu":
         fixes.append('use GPU decode (decode = "gpu": nvjpeg through torchvision.io.decode_jpeg)')
-    if _known(v.mean_sample_bytes) and v.mean_sample_bytes > LARGE_SAMPLE_BYTES:
-        fixes.append(f"store images at <= 512 px (gpufeed shard --max-size 512): now "
-                     f"{v.mean_sample_bytes / 1e3:.0f} KB per sample")
+    fixes += [fix for fix in (_smaller_images_fix(v),) if fix]
     if not fixes:
         fixes.append("run gpufeed train --measure to get the ceilings and per-core rates behind a fix")
     return Verdict("starved", bounds.DECODE_CPU, reason, fixes, nums)
+
+
+Rule = Callable[[Facts], Verdict | None]
+
+RULES: tuple[Rule, ...] = (unverified, fed, rank_imbalance, gpu_decode, copy, storage_at_limit, storage_idle,
+                           decode_cpu)
+"""The verdict's rules in the order they are tried (docs/design.md §4): the first that fires wins. Add a cause by
+adding a rule at its place."""
+
+
+def classify(v: VerdictInputs, rules: Sequence[Rule] = RULES) -> Verdict:
+    """Classify one measured run: the verdict of the first of ``rules`` that fires. Pure: same inputs, same
+    verdict."""
+    f = derive(v)
+    for rule in rules:
+        found = rule(f)
+        if found is not None:
+            return found
+    raise ValueError(f"no rule fired for {v}: the last rule must always fire")
+
+
+def _cores_fixes(f: Facts, per_core: float, nums: dict[str, Any]) -> tuple[list[str], str]:
+    """The decode/CPU fixes in cores at the measured ``per_core`` samples/s per core (the cores needed and added to
+    ``nums``), and the reason's tail when the loader suffices on average but its batches arrive late."""
+    v, target, per_node_target = f.v, f.target, f.per_node_target
+    if not target:
+        return [], ""
+    need_node = bounds.cores_needed(target, per_core) / v.num_nodes
+    used_node = v.loader_cores_used / v.num_nodes
+    more = max(0.0, need_node - used_node)
+    nums.update(cores_needed_per_node=need_node, more_cores_per_node=more)
+    where = " per node" if v.num_nodes > 1 else ""
+    fixes, late = [], ""
+    if v.num_workers == 0:
+        fixes.append(f"num_workers = 0 decodes in the training process, in series with compute: use "
+                     f"num_workers >= {max(1, math.ceil(need_node / v.ranks_per_node))} per rank "
+                     "so loading overlaps compute (or let gpufeed tune pick it)")
+    if more >= 0.5:
+        fixes.append(f"needs ~{math.ceil(more)} more cores{where} at the measured {per_core:.1f} samples/s "
+                     f"per core ({need_node:.1f} cores{where} to feed {per_node_target:.0f} samples/s; "
+                     f"{used_node:.1f} busy now)")
+    elif f.stall_ok:
+        fixes.append(f"decoding {per_node_target:.0f} samples/s costs ~{need_node:.1f} cores{where} at "
+                     f"{per_core:.1f} samples/s per core, taken from the training processes: give the loader "
+                     "cores of its own, or make decoding cheaper")
+    elif v.num_workers:
+        late = (f"; the loader's rate suffices on average ({v.loader_ceiling:.1f} vs {target:.1f} samples/s "
+                "needed) but batches arrive late")
+        fixes.append(f"absorb the jitter: raise prefetch_factor, or num_workers to {v.num_workers + 1}+ per rank")
+    if _known(v.usable_cores) and more >= 0.5:
+        spare = v.usable_cores - used_node
+        if need_node <= v.usable_cores and v.num_workers is not None:
+            workers = max(v.num_workers + 1, math.ceil(need_node / v.ranks_per_node))
+            fixes.append(f"this node has {v.usable_cores:.0f} cores ({spare:.1f} idle): raise num_workers "
+                         f"to ~{workers} per rank, or let gpufeed tune pick it")
+        elif need_node > v.usable_cores:
+            fixes.append(f"this node has only {v.usable_cores:.0f} cores: more workers cannot close the gap")
+    return fixes, late
 
 
 STREAM_GAIN = 1.2

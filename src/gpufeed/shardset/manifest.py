@@ -455,6 +455,14 @@ def manifest_path(shards: str | Path) -> Path:
     return p if p.name.endswith(".json") and p.is_file() else p / MANIFEST_NAME
 
 
+def shard_root(m: Manifest, location: str | Path) -> Path:
+    """The local folder that holds the shards of the set whose manifest ``m`` was read from ``location`` (its folder
+    or manifest.json, as :func:`manifest_path` takes it): the manifest's folder, joined with its ``root`` when it
+    names one. The one rule of where a local set's shards are."""
+    here = manifest_path(location).parent
+    return here / m.root if m.root else here
+
+
 def first_duplicate(items: list[str]) -> str | None:
     """The first item that appeared before, in one pass (lists from data can hold millions of names)."""
     seen: set[str] = set()

@@ -33,8 +33,8 @@ from typing import Any, BinaryIO, Iterator
 
 from gpufeed.core.errors import DataError
 from gpufeed.shardset.manifest import (
-    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, SHARD_SUFFIXES, Manifest, manifest_path, parse_manifest,
-    read_manifest,
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, SHARD_SUFFIXES, Manifest, parse_manifest,
+    read_manifest, shard_root,
     root_problem,
 )
 
@@ -796,9 +796,7 @@ def open_set(spec: str | Path, manifest: str | Path | None = None, retry: Retry 
             root = Path(text).parent if text.endswith(".json") else Path(text)
         else:
             m = read_manifest(text)
-            root = manifest_path(text).parent
-            if m.root:
-                root = root / m.root
+            root = shard_root(m, text)
         # absolute local paths: a name like "-" must stay a file name wherever it is used
         return ShardSet(manifest=m, urls=[str(p.absolute()) for p in m.shard_paths(root)], location=text,
                         remote=False)

@@ -723,7 +723,7 @@ def given_storage_rate(cfg: TrainConfig) -> StorageRate | None:
     if cfg.storage_record is not None:
         if not cfg.shards:
             raise ConfigError("storage_record needs --shards: it is the read rate of the shard set's folder")
-        from gpufeed.storage import io_record_rate
+        from gpufeed.measure.storage_probe import io_record_rate
 
         return io_record_rate(cfg.storage_record, cfg.shards)
     return None
@@ -731,11 +731,11 @@ def given_storage_rate(cfg: TrainConfig) -> StorageRate | None:
 
 def probe_storage(cfg: TrainConfig) -> StorageRate | None:
     """``--measure`` without a given rate: probe the shard set's read rate for ``cfg.storage_probe_s`` seconds
-    (:func:`gpufeed.storage.probe`), before the modes; None when the probe is off (0 s) or there are no shards.
+    (:func:`gpufeed.measure.storage_probe.probe`), before the modes; None when the probe is off (0 s) or there are no shards.
     The probe reads from this node only: on several nodes it stands for each node's storage."""
     if cfg.mode != "measure" or cfg.storage_probe_s <= 0 or not cfg.shards:
         return None
-    from gpufeed.storage import probe
+    from gpufeed.measure.storage_probe import probe
 
     return probe(cfg.shards, cfg.storage_probe_s, manifest=cfg.manifest)
 

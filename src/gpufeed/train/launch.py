@@ -115,8 +115,8 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
     Errors: what every rank would refuse before starting is refused here (exit 2, see :func:`check_data`);
     when torchrun fails, the first rank's cause (from the ``rank-R.error`` files) is raised with that
     rank's exit code: 2 when it failed before its first step, else 1 (RunError). ``layout`` is the config's
-    [layout] (the one the loader was tuned for): a different one is named in one line (``gpufeed.layout.warn``)."""
-    from gpufeed.layout import warn as warn_layout
+    [layout] (the one the loader was tuned for): a different one is named in one line (``gpufeed.layout.run_warning``)."""
+    from gpufeed.layout import run_warning
     from gpufeed.core.system import environment_snapshot, usable_cpus
 
     if not needs_torchrun(cfg):  # this process is the run: refuse a launch environment that would hang it
@@ -124,7 +124,8 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
 
         check_launch_env()
     check_data(cfg, loader_cfg, _min_world_size(cfg))
-    warn_layout(cfg, loader_cfg, layout or LayoutConfig())  # one line on stderr when not the tuned layout
+    if (line := run_warning(cfg, loader_cfg, layout or LayoutConfig())):  # one line when not the tuned layout
+        print(line, file=sys.stderr, flush=True)
     run_dir = Path(cfg.run_dir) if cfg.run_dir else make_run_dir("train")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))

@@ -65,7 +65,7 @@ def tune_within(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: M
     first trial (default :func:`check_shard_set`: a shard set that cannot be read is a DataError, exit 2, as in
     ``gpufeed train``) and returns the samples per epoch; None skips it (a fake ``measure`` reads no shards).
     With ``write`` the run folder and ``cfg.out`` are written. Unless ``cfg.storage_probe_s`` is 0, the shard set's
-    read rate is probed first (:func:`gpufeed.storage.probe`, outside the budget): the bound and the storage line
+    read rate is probed first (:func:`gpufeed.measure.storage_probe.probe`, outside the budget): the bound and the storage line
     of the report compare the best trial's read rate with it. ``clock`` is the search's clock (its budget and
     deadlines) and ``installed`` says whether an optional module is installed; a test passes fakes of both.
 

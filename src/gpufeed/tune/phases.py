@@ -89,7 +89,7 @@ def probe_storage(cfg: TuneConfig, shards: str, progress: Callable[[str], None] 
     ``cfg.storage_probe_s`` 0."""
     if cfg.storage_probe_s <= 0:
         return None
-    from gpufeed.storage import probe
+    from gpufeed.measure.storage_probe import probe
 
     storage = probe(shards, cfg.storage_probe_s, manifest=cfg.manifest)
     if progress:

@@ -29,6 +29,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (annotations only: no import at run time)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [n for n in ast.walk(tree) if id(n) not in skip]
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the gpufeed modules it imports anywhere in its text (lazy imports in functions included)."""
     files = {module_name(p): p for p in SRC.rglob("*.py")}
@@ -36,7 +45,7 @@ def import_graph() -> dict[str, set[str]]:
     for mod, path in files.items():
         package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -140,23 +140,23 @@ def test_grad_accumulation_matches_the_large_batch_gradient() -> None:
     for accum, chunks in ((1, [(x, y)]), (2, [(x[:4], y[:4]), (x[4:], y[4:])]), (4, list(zip(x.split(2), y.split(2))))):
         t = Trainer(tiny(mode="synthetic", steps=1, accum_steps=accum, num_classes=10, label_smoothing=0.1),
                     LOADER, World.single())
-        t.module.eval()  # BatchNorm on running statistics: the only per-batch coupling goes away
+        t.model.module.eval()  # BatchNorm on running statistics: the only per-batch coupling goes away
         t.optimizer.zero_grad(set_to_none=True)
         for i, (xb, yb) in enumerate(chunks):
-            t.forward_backward(xb, yb, last=i == len(chunks) - 1)
-        grads.append(torch.cat([p.grad.flatten() for p in t.module.parameters()]))
+            t.compute.forward_backward(xb, yb, last=i == len(chunks) - 1)
+        grads.append(torch.cat([p.grad.flatten() for p in t.model.module.parameters()]))
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
     assert torch.allclose(grads[0], grads[2], rtol=1e-4, atol=1e-6)
 
 
 def test_bf16_and_fp16_autocast_run_on_cpu() -> None:
     t = Trainer(tiny(mode="synthetic", steps=1, amp="bf16", num_classes=10, batch_size=2), LOADER, World.single())
-    x, y = t.synthetic_batch()
-    with torch.no_grad(), t.autocast():
+    x, y = t.synthetic_step.batch()
+    with torch.no_grad(), t.amp.autocast():
         from gpufeed.loader import normalize
 
-        assert t.model(normalize(x)).dtype == torch.bfloat16
-    assert not t.scaler.is_enabled()
+        assert t.model.forward(normalize(x)).dtype == torch.bfloat16
+    assert not t.amp.scaler.is_enabled()
     for amp in ("bf16", "fp16"):  # fp16 with a GradScaler
         rec = train(tiny(mode="synthetic", steps=1, timing_warmup_steps=0, amp=amp, num_classes=10, batch_size=2),
                     LOADER, World.single())
@@ -304,19 +304,14 @@ def test_resume_after_sigkill(shards, tmp_path: Path) -> None:
 
 def test_timing_window_drains_the_worker_backlog() -> None:
     """W workers x P prefetched batches are ready before timing starts: they must fall in the warm-up."""
-    from types import SimpleNamespace
+    from gpufeed.train import timing_window
 
-    from gpufeed.config import LoaderConfig
-    from gpufeed.train import Trainer
-
-    t = SimpleNamespace(cfg=SimpleNamespace(timing_warmup_steps=3), loader=object(),
-                        loader_cfg=LoaderConfig(num_workers=16, prefetch_factor=4), accum=1)
-    assert Trainer.timing_window(t, "loader-only", 20) == (65, 32)
-    assert Trainer.timing_window(t, "synthetic", 20) == (3, 20)
-    t.accum = 2
-    assert Trainer.timing_window(t, "real", 20) == (33, 20)
-    t.loader_cfg = LoaderConfig(num_workers=0)
-    assert Trainer.timing_window(t, "real", 20) == (3, 20)
+    run = dict(warmup_steps=3, num_workers=16, prefetch_factor=4, has_loader=True)
+    assert timing_window("loader-only", 20, accum=1, **run) == (65, 32)
+    assert timing_window("synthetic", 20, accum=1, **run) == (3, 20)
+    assert timing_window("real", 20, accum=2, **run) == (33, 20)
+    assert timing_window("real", 20, accum=2, **{**run, "has_loader": False}) == (3, 20)  # no loader: no backlog
+    assert timing_window("real", 20, accum=2, **{**run, "num_workers": 0, "prefetch_factor": 2}) == (3, 20)
 
 
 def test_meter_leaves_paused_time_out_of_the_rate() -> None:

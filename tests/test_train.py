@@ -42,6 +42,44 @@ def read_log(run_dir: Path) -> list[dict]:
 # --------------------------------------------------------------------------- pure pieces
 
 
+def _gpufeed_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(gpufeed modules imported at module level, imported anywhere) by the file at ``path``."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+
+    def names(nodes) -> set[str]:  # type: ignore[no-untyped-def]
+        out = set()
+        for n in nodes:
+            if isinstance(n, ast.ImportFrom) and n.module:
+                out.add(n.module)
+            elif isinstance(n, ast.Import):
+                out.update(a.name for a in n.names)
+        return {m for m in out if m.startswith("gpufeed")}
+
+    return names(tree.body), names(ast.walk(tree))
+
+
+def test_the_trainer_and_the_planner_import_in_one_direction() -> None:
+    """gpufeed.model is shared by train and plan, and imports neither; plan does not import the trainer; the
+    checkpoint takes the loader's position type as a parameter (no loader import); no trainer module imports
+    another job (tune, stage, shard) and storage only lazily (the probe, the io record)."""
+    src = Path(__file__).resolve().parents[1] / "src" / "gpufeed"
+    _, model = _gpufeed_imports(src / "model.py")
+    assert not {m for m in model if m.startswith(("gpufeed.train", "gpufeed.memplan"))}
+    _, plan = _gpufeed_imports(src / "memplan.py")
+    assert "gpufeed.model" in plan and not {m for m in plan if m.startswith("gpufeed.train")}
+    _, checkpoint = _gpufeed_imports(src / "train" / "checkpoint.py")
+    assert not {m for m in checkpoint if m.startswith("gpufeed.loader")}
+    for path in (src / "train").glob("*.py"):
+        top, anywhere = _gpufeed_imports(path)
+        assert not {m for m in anywhere if m.startswith(("gpufeed.tune", "gpufeed.stage", "gpufeed.shard."))} and \
+            "gpufeed.shard" not in anywhere, path.name
+        assert not {m for m in top if m.startswith("gpufeed.storage")}, path.name
+        if path.name != "__init__.py":  # the package re-exports; its modules import each other, never the package
+            assert "gpufeed.train" not in anywhere, path.name
+
+
 def test_lr_warmup_then_cosine() -> None:
     lrs = [lr_at(s, total=10, warmup=2, peak=1.0) for s in range(10)]
     assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0)

@@ -26,7 +26,7 @@ from gpufeed.measure.storage_rate import StorageRate
 from gpufeed.measure.verdict import classify
 from gpufeed.train.records import ModeRecord, TrainRecord, ValRecord
 from gpufeed.train.stop import StopRequest
-from gpufeed.train.trainer import Trainer
+from gpufeed.train.trainer import Trainer, param_checksum
 from gpufeed.train.verdict_inputs import verdict_inputs
 
 
@@ -148,7 +148,7 @@ def _finish(trainer: Trainer, sampler: HealthSampler | None, modes: dict[str, Mo
     """Collective, at the end of the modes: every rank's parameter checksum and GPU health gathered; rank 0 returns
     the record (its wall time from ``t0``) and writes the health series and the report into run_dir, the other ranks
     return None."""
-    checksums = trainer.gather(trainer.param_checksum())
+    checksums = trainer.gather(param_checksum(trainer.model.module))
     if sampler is not None:
         sampler.stop()
     health = trainer.gather((sampler.result(), sampler.rows) if sampler is not None else (None, []))

@@ -99,6 +99,24 @@ def gather(world: World, obj: Any) -> list[Any]:
     return out
 
 
+def param_checksum(module: torch.nn.Module) -> float:
+    """Σ of every parameter in float64: equal on all ranks when DDP kept them in sync. (BatchNorm running
+    statistics are not parameters: DDP re-broadcasts them from rank 0 at each forward.)"""
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in module.parameters()))
+
+
+def mode_record(mode: str, meter: Meter, world: World, loss: torch.Tensor | None) -> ModeRecord | None:
+    """Collective: this rank's timed window, tagged with its node, all-gathered; rank 0 gets the mode's record
+    (with the per-node sums and ``loss``), the other ranks None."""
+    import socket
+
+    timing = dataclasses.replace(meter.finish(), node=world.node_rank, host=socket.gethostname())
+    ranks = gather(world, timing)
+    return aggregate(mode, ranks, world.num_nodes, float(loss) if loss is not None else None) \
+        if world.is_main else None
+
+
 # --------------------------------------------------------------------------- the trainer
 
 
@@ -351,19 +369,6 @@ class Trainer:
     def gather(self, obj: Any) -> list[Any]:
         return gather(self.world, obj)
 
-    def param_checksum(self) -> float:
-        """Σ of every parameter in float64: equal on all ranks when DDP kept them in sync. (BatchNorm running
-        statistics are not parameters: DDP re-broadcasts them from rank 0 at each forward.)"""
-        with torch.no_grad():
-            return float(sum(p.double().sum() for p in self.model.module.parameters()))
-
     def _aggregate(self, mode: str, meter: Meter) -> ModeRecord | None:
-        """This rank's timed window, tagged with its node, all-gathered; rank 0 gets the mode's record (with the
-        per-node sums), the other ranks None."""
-        import socket
-
-        timing = dataclasses.replace(meter.finish(), node=self.world.node_rank, host=socket.gethostname())
-        ranks = self.gather(timing)
-        loss = self.compute.last_loss
-        loss = float(loss) if (loss is not None and mode != "loader-only") else None
-        return aggregate(mode, ranks, self.num_nodes, loss) if self.world.is_main else None
+        loss = self.compute.last_loss if mode != "loader-only" else None
+        return mode_record(mode, meter, self.world, loss)

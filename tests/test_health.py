@@ -296,15 +296,15 @@ def test_start_health_samples_a_cuda_ranks_gpu_and_none_without_nvml(monkeypatch
 def test_a_train_run_writes_the_series_and_the_summary_of_its_sampled_gpu(tmp_path: Path, monkeypatch) -> None:
     """The one train launch of this module: a CPU run whose rank is handed a scripted GPU sampler."""
     import gpufeed.train as train_mod
+    from gpufeed.core.world import World
     from tests.test_train import LOADER, tiny
 
     def scripted(world):
         return HealthSampler(0, rank=world.rank, nvml=FakeNvml([step(temp=85, bits=0x40 | 0x8)]),
                              clock=Clock([0.0, 50.0]), interval_s=3600.0).start()
 
-    monkeypatch.setattr(train_mod, "start_health", scripted)
     run = tmp_path / "run"
-    rec = train_mod.train(tiny(mode="synthetic", steps=1), LOADER, train_mod.World.single(), run_dir=run)
+    rec = train_mod.train(tiny(mode="synthetic", steps=1), LOADER, World.single(), run_dir=run, health=scripted)
     assert [(h.rank, h.num_samples, h.duration_s, h.temp_max_c) for h in rec.gpu_health] == [(0, 2, 50.0, 85.0)]
     rows = [json.loads(line) for line in (run / "gpu_health.jsonl").read_text().splitlines()]
     assert [(r["rank"], r["t_s"], r["dt_s"], r["n"], r["temp_c"], r["fan_pct"], r["reasons"]) for r in rows] == \

@@ -18,7 +18,6 @@ SRC = Path(gpufeed.__file__).resolve().parent
 JOBS = ("shard", "verify", "index", "tune", "train", "storage", "stage", "doctor", "memplan", "synth")
 """The job modules and packages: each is one command's library; the CLI imports them, they import no other job."""
 KNOWN_JOB_IMPORTS = {
-    ("gpufeed.memplan", "gpufeed.train"),  # resolve_amp: goes when plan and train share model.py (issue 18 item 1)
     ("gpufeed.shard.job", "gpufeed.index"),  # the index table of a written set (issue 18 item 6)
 }
 """Job -> job imports that are still being removed; empty it as they go (a new one fails the test)."""

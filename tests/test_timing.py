@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from gpufeed.config import LoaderConfig, TrainConfig
 from gpufeed.measure.timing import HostClock, Meter, StepMarks, resolve
 from gpufeed.train import Trainer
+from gpufeed.train.steps import real_step
 from gpufeed.core.world import World
 
 
@@ -84,10 +83,12 @@ def test_trainer_steps_and_meter_count_only_device_idle_time(trainer: Trainer, m
     """The trainer's own step (2 micro-batches) on a simulated asynchronous device: its stall % counts the
     part of the host's wait in next() when the device had nothing queued, read with one sync per log window."""
     dev = FakeDevice()
-    monkeypatch.setattr(trainer, "clock", dev)
-    monkeypatch.setattr(trainer, "loader", SimpleNamespace(to_device=lambda b, d, non_blocking: b))
-    monkeypatch.setattr(trainer, "forward_backward", lambda x, y, last: (dev.enqueue(3.0), torch.zeros(()))[1])
-    monkeypatch.setattr(trainer, "optimizer_step", lambda: dev.enqueue(1.0))
+    monkeypatch.setattr(trainer.compute, "forward_backward", lambda x, y, last: (dev.enqueue(3.0), torch.zeros(()))[1])
+    monkeypatch.setattr(trainer.compute, "optimizer_step", lambda: dev.enqueue(1.0))
+
+    def step(it):  # the real mode's step on the simulated device, batches passed through as they are
+        return real_step(trainer.compute, dev, it, lambda b: b, batch_size=trainer.batch_size)
+
     # per step: micro-batch 1 (3 s), micro-batch 2 (3 s + 1 s optimizer); the host waits in next() per fetch
     it = batches(dev, [0.0, 2.0,  # step 0: the 2 s wait falls while micro-batch 1 (3 s) runs: no idle
                        5.0, 1.0])  # step 1: step 0's 7 s queue keeps the device busy through both waits
@@ -95,13 +96,13 @@ def test_trainer_steps_and_meter_count_only_device_idle_time(trainer: Trainer, m
     meter.before_step()
     marks = []
     for _ in range(2):
-        marks.append(trainer.train_step("loader", it))
+        marks.append(step(it))
         meter.add(marks[-1])
     assert dev.syncs == 1  # the one at the start of the timed window; none per step
     times = resolve(dev, marks)  # a log step: the device drains (at 14 s)
     assert [t[1] for t in times] == [0.0, 0.0] and [t[0] for t in times] == [7.0, 7.0]
     it = batches(dev, [4.0, 5.0])  # step 2: 4 s idle (nothing queued), then 5 s of waiting of which 3 s are busy
-    marks = [trainer.train_step("loader", it)]
+    marks = [step(it)]
     meter.add(marks[0])
     assert resolve(dev, marks)[0] == (13.0, 6.0, 0.0, 7.0, 4)
     r = meter.finish()

@@ -42,6 +42,44 @@ def read_log(run_dir: Path) -> list[dict]:
 # --------------------------------------------------------------------------- pure pieces
 
 
+def _gpufeed_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(gpufeed modules imported at module level, imported anywhere) by the file at ``path``."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+
+    def names(nodes) -> set[str]:  # type: ignore[no-untyped-def]
+        out = set()
+        for n in nodes:
+            if isinstance(n, ast.ImportFrom) and n.module:
+                out.add(n.module)
+            elif isinstance(n, ast.Import):
+                out.update(a.name for a in n.names)
+        return {m for m in out if m.startswith("gpufeed")}
+
+    return names(tree.body), names(ast.walk(tree))
+
+
+def test_the_trainer_and_the_planner_import_in_one_direction() -> None:
+    """gpufeed.model is shared by train and plan, and imports neither; plan does not import the trainer; the
+    checkpoint takes the loader's position type as a parameter (no loader import); no trainer module imports
+    another job (tune, stage, shard) and storage only lazily (the probe, the io record)."""
+    src = Path(__file__).resolve().parents[1] / "src" / "gpufeed"
+    _, model = _gpufeed_imports(src / "model.py")
+    assert not {m for m in model if m.startswith(("gpufeed.train", "gpufeed.memplan"))}
+    _, plan = _gpufeed_imports(src / "memplan.py")
+    assert "gpufeed.model" in plan and not {m for m in plan if m.startswith("gpufeed.train")}
+    _, checkpoint = _gpufeed_imports(src / "train" / "checkpoint.py")
+    assert not {m for m in checkpoint if m.startswith("gpufeed.loader")}
+    for path in (src / "train").glob("*.py"):
+        top, anywhere = _gpufeed_imports(path)
+        assert not {m for m in anywhere if m.startswith(("gpufeed.tune", "gpufeed.stage", "gpufeed.shard."))} and \
+            "gpufeed.shard" not in anywhere, path.name
+        assert not {m for m in top if m.startswith("gpufeed.storage")}, path.name
+        if path.name != "__init__.py":  # the package re-exports; its modules import each other, never the package
+            assert "gpufeed.train" not in anywhere, path.name
+
+
 def test_lr_warmup_then_cosine() -> None:
     lrs = [lr_at(s, total=10, warmup=2, peak=1.0) for s in range(10)]
     assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0)
@@ -140,23 +178,23 @@ def test_grad_accumulation_matches_the_large_batch_gradient() -> None:
     for accum, chunks in ((1, [(x, y)]), (2, [(x[:4], y[:4]), (x[4:], y[4:])]), (4, list(zip(x.split(2), y.split(2))))):
         t = Trainer(tiny(mode="synthetic", steps=1, accum_steps=accum, num_classes=10, label_smoothing=0.1),
                     LOADER, World.single())
-        t.module.eval()  # BatchNorm on running statistics: the only per-batch coupling goes away
+        t.model.module.eval()  # BatchNorm on running statistics: the only per-batch coupling goes away
         t.optimizer.zero_grad(set_to_none=True)
         for i, (xb, yb) in enumerate(chunks):
-            t.forward_backward(xb, yb, last=i == len(chunks) - 1)
-        grads.append(torch.cat([p.grad.flatten() for p in t.module.parameters()]))
+            t.compute.forward_backward(xb, yb, last=i == len(chunks) - 1)
+        grads.append(torch.cat([p.grad.flatten() for p in t.model.module.parameters()]))
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
     assert torch.allclose(grads[0], grads[2], rtol=1e-4, atol=1e-6)
 
 
 def test_bf16_and_fp16_autocast_run_on_cpu() -> None:
     t = Trainer(tiny(mode="synthetic", steps=1, amp="bf16", num_classes=10, batch_size=2), LOADER, World.single())
-    x, y = t.synthetic_batch()
-    with torch.no_grad(), t.autocast():
+    x, y = t.synthetic_step.batch()
+    with torch.no_grad(), t.amp.autocast():
         from gpufeed.loader import normalize
 
-        assert t.model(normalize(x)).dtype == torch.bfloat16
-    assert not t.scaler.is_enabled()
+        assert t.model.forward(normalize(x)).dtype == torch.bfloat16
+    assert not t.amp.scaler.is_enabled()
     for amp in ("bf16", "fp16"):  # fp16 with a GradScaler
         rec = train(tiny(mode="synthetic", steps=1, timing_warmup_steps=0, amp=amp, num_classes=10, batch_size=2),
                     LOADER, World.single())
@@ -304,19 +342,14 @@ def test_resume_after_sigkill(shards, tmp_path: Path) -> None:
 
 def test_timing_window_drains_the_worker_backlog() -> None:
     """W workers x P prefetched batches are ready before timing starts: they must fall in the warm-up."""
-    from types import SimpleNamespace
+    from gpufeed.train import timing_window
 
-    from gpufeed.config import LoaderConfig
-    from gpufeed.train import Trainer
-
-    t = SimpleNamespace(cfg=SimpleNamespace(timing_warmup_steps=3), loader=object(),
-                        loader_cfg=LoaderConfig(num_workers=16, prefetch_factor=4), accum=1)
-    assert Trainer.timing_window(t, "loader-only", 20) == (65, 32)
-    assert Trainer.timing_window(t, "synthetic", 20) == (3, 20)
-    t.accum = 2
-    assert Trainer.timing_window(t, "real", 20) == (33, 20)
-    t.loader_cfg = LoaderConfig(num_workers=0)
-    assert Trainer.timing_window(t, "real", 20) == (3, 20)
+    run = dict(warmup_steps=3, num_workers=16, prefetch_factor=4, has_loader=True)
+    assert timing_window("loader-only", 20, accum=1, **run) == (65, 32)
+    assert timing_window("synthetic", 20, accum=1, **run) == (3, 20)
+    assert timing_window("real", 20, accum=2, **run) == (33, 20)
+    assert timing_window("real", 20, accum=2, **{**run, "has_loader": False}) == (3, 20)  # no loader: no backlog
+    assert timing_window("real", 20, accum=2, **{**run, "num_workers": 0, "prefetch_factor": 2}) == (3, 20)
 
 
 def test_meter_leaves_paused_time_out_of_the_rate() -> None:

@@ -169,7 +169,8 @@ class Stepper:
 
     def __init__(self, cfg: PlanConfig, device: Any, amp: str) -> None:
         import torch
-        import torchvision
+
+        from gpufeed.model import Amp, build_model, build_optimizer
 
         torch.manual_seed(0)
         self.device, self.channels_last = device, cfg.channels_last
@@ -177,24 +178,14 @@ class Stepper:
             torch.cuda.set_device(device)
             torch.backends.cudnn.benchmark = True  # as gpufeed train
         self.num_classes, self.image_size = cfg.num_classes, cfg.image_size
-        # as train.Trainer._build_model and _build_optimizer
-        module = getattr(torchvision.models, cfg.arch)(weights=None, num_classes=cfg.num_classes,
-                                                        zero_init_residual=True).to(device)
-        if cfg.channels_last:
-            module = module.to(memory_format=torch.channels_last)
+        module = build_model(cfg.arch, cfg.num_classes, device, channels_last=cfg.channels_last)
         self.model = module
-        decay = [p for p in module.parameters() if p.ndim > 1]
-        no_decay = [p for p in module.parameters() if p.ndim <= 1]
-        groups = [{"params": decay, "weight_decay": 1e-4}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = (torch.optim.SGD(groups, lr=0.1, momentum=0.9) if cfg.optimizer == "sgd"
-                          else torch.optim.AdamW(groups, lr=1e-3))
+        self.optimizer = build_optimizer(module, name=cfg.optimizer, lr=0.1 if cfg.optimizer == "sgd" else 1e-3,
+                                         momentum=0.9, weight_decay=1e-4)
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[amp]
-        self.autocast = ((lambda: torch.autocast(device_type=device.type, dtype=dtype)) if dtype is not None
-                         else contextlib.nullcontext)
         # fp16: train's GradScaler starts at 2**16 and skips the first steps (inf gradients), which would leave the
         # optimizer state unmade after the warm-up; memory does not depend on the scale, so start at 1
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=1.0, enabled=amp == "fp16")
+        self.amp = Amp.build(amp, device, init_scale=1.0)
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
 
     def step(self, batch_size: int) -> int:
@@ -220,14 +211,14 @@ class Stepper:
         y = torch.randint(0, self.num_classes, (batch_size,), device=self.device)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             inputs = normalize(x, dtype=torch.float32, channels_last=self.channels_last)
-            with self.autocast():
+            with self.amp.autocast():
                 out = self.model(inputs)
                 loss = self.criterion(out.float(), y)
         del inputs, out
-        self.scaler.scale(loss).backward()
+        self.amp.scaler.scale(loss).backward()
         del loss
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        self.amp.scaler.step(self.optimizer)
+        self.amp.scaler.update()
         return sum(saved.values())
 
     def state_bytes(self) -> tuple[int, int, int]:
@@ -493,7 +484,7 @@ def plan(cfg: PlanConfig) -> PlanReport:
     """Measure, model, check, and answer both questions (see the module docstring)."""
     import torch
 
-    from gpufeed.train import resolve_amp
+    from gpufeed.model import resolve_amp
 
     t0 = time.perf_counter()
     want = cfg.device

@@ -16,13 +16,12 @@ import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from gpufeed.config import LoaderConfig, TrainConfig
 from gpufeed.core.errors import DataError, one_line
-from gpufeed.loader import LoaderPosition
 from gpufeed.core.records import to_jsonable
 from gpufeed.core.redact import redact_obj
 from gpufeed.core.world import World
@@ -298,6 +297,16 @@ def _saved_identity(state: dict[str, Any], path: Path) -> dict[str, Any] | None:
     return saved
 
 
+class Position(Protocol):
+    """Where the loader stands (the loader's ``LoaderPosition``, passed in as ``position`` to
+    :class:`Checkpointer`): built from (epoch, batches consumed), written as a dict, read back with its checks."""
+
+    epoch: int
+    batches_consumed: int
+
+    def to_dict(self) -> dict[str, int]: ...
+
+
 @dataclass(frozen=True)
 class Resume:
     """Where a checked checkpoint puts the run back; its model, optimizer and scaler states are loaded already."""
@@ -307,7 +316,7 @@ class Resume:
     step_in_epoch: int
     rng: RngState
     """This rank's RNG states, to apply once the loader is back at its position."""
-    position: LoaderPosition
+    position: Position
     """Where the loader resumes: the batches of ``epoch`` already trained on, passed over without decoding."""
 
 
@@ -321,7 +330,7 @@ class Checkpointer:
     def __init__(self, cfg: TrainConfig, loader_cfg: LoaderConfig, world: World, *, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, num_classes: int,
                  total_steps: int, gather: Callable[[Any], list[Any]], notes: list[str],
-                 shard_set: dict[str, Any] | None = None) -> None:
+                 shard_set: dict[str, Any] | None = None, position: Any = None) -> None:
         self.path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir else None
         self.every = cfg.checkpoint_every
         self.cfg, self.loader_cfg, self.world = cfg, loader_cfg, world
@@ -330,6 +339,9 @@ class Checkpointer:
         self.gather, self.notes = gather, notes
         self.shard_set = shard_set
         """:func:`set_identity` of the training set (None: no shard set, e.g. synthetic)."""
+        self.position = position
+        """The loader's position type (``LoaderPosition``: ``position(epoch, batches)``, ``to_dict``,
+        ``from_dict``); needed by :meth:`save` and :meth:`load`."""
 
     def should_save(self, step: int, *, epoch_end: bool, run_end: bool) -> bool:
         """THE cadence, asked once after every optimizer step: with a checkpoint folder, save every
@@ -353,7 +365,7 @@ class Checkpointer:
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                "loader_position": LoaderPosition(epoch, step_in_epoch * self.cfg.accum_steps).to_dict(),
+                "loader_position": self.position(epoch, step_in_epoch * self.cfg.accum_steps).to_dict(),
                 "rng": rngs, "world_size": self.world.world_size,
                 "config": redact_obj(to_jsonable(self.cfg)), "loader_config": to_jsonable(self.loader_cfg),
                 "total_steps": self.total_steps, "shard_set": self.shard_set,
@@ -383,14 +395,14 @@ class Checkpointer:
                             f"{self.num_classes}")
         step, epoch, step_in_epoch = (_count(state, k, path) for k in ("step", "epoch", "step_in_epoch"))
         try:
-            position = LoaderPosition.from_dict(state.get("loader_position"))
+            position = self.position.from_dict(state.get("loader_position"))
         except DataError as exc:
             raise DataError(f"{path}: {exc}") from None
-        if position != LoaderPosition(epoch, step_in_epoch * self.cfg.accum_steps):
+        if position != self.position(epoch, step_in_epoch * self.cfg.accum_steps):
             raise DataError(f"{path}: loader_position {position.to_dict()} does not match epoch {epoch}, step "
                             f"{step_in_epoch} of it, x {self.cfg.accum_steps} micro-batches")
         if not self._same_set(state, path, epoch, step_in_epoch):  # resume_other_set: this epoch from its start
-            step_in_epoch, position = 0, LoaderPosition(epoch, 0)
+            step_in_epoch, position = 0, self.position(epoch, 0)
         rng = self._rank_rng(state, path)
         scaler = state.get("scaler")
         try:

@@ -40,8 +40,8 @@ from gpufeed.core.errors import ConfigError, GpufeedError, Interrupted, RunError
 from gpufeed.core.records import atomic_write_bytes, make_run_dir, to_jsonable, write_json
 from gpufeed.core.redact import redact
 from gpufeed.core.safefs import read_set_file
-from gpufeed.loader.checks import open_shards
-from gpufeed.train import check_classes, run_loader_config, steps_per_epoch, train
+from gpufeed.train.job import train
+from gpufeed.train.preflight import check_data
 from gpufeed.train.records import CONFIG_NAME, SUMMARY_NAME
 from gpufeed.core.world import World
 
@@ -54,32 +54,6 @@ STOP_GRACE_S = 45.0
 ranks 30 s, then SIGKILLs them) before it SIGKILLs whatever is left; ``GPUFEED_STOP_GRACE_S`` overrides it."""
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 """Signals the launcher passes on to torchrun's process group."""
-
-
-def check_data(cfg: TrainConfig, loader_cfg: LoaderConfig, world_size: int) -> None:
-    """What every rank of a ``world_size``-rank run would refuse before its first step, refused once before
-    launch (DataError/ConfigError, exit 2): no shards for a data mode, an unreadable manifest, a missing or
-    unreadable shard, too few samples for one step per rank."""
-    if cfg.mode not in ("real", "loader-only", "measure"):
-        return
-    if not cfg.shards:
-        raise ConfigError(f"mode {cfg.mode} needs --shards (only --synthetic runs without data)")
-    lc = run_loader_config(cfg, loader_cfg)
-    world = World(world_size=world_size)
-    if lc.shard_split == "node":  # check the shards of one node: this one when known, else the one the set was
-        from gpufeed.shardset.source import open_set  # staged for, else node 0
-        from gpufeed.shardset.manifest import staged_node
-
-        nodes = max(1, world_size // max(1, cfg.nproc_per_node))
-        shard_set = open_set(cfg.shards, cfg.manifest)  # any spec the loader takes (a brace pattern, a URL)
-        staged = staged_node(shard_set.manifest, shard_set.location)
-        node = cfg.node_rank if cfg.master_addr and cfg.node_rank is not None else staged[0] if staged else 0
-        world = World(rank=node * cfg.nproc_per_node, world_size=world_size, local_world_size=cfg.nproc_per_node,
-                      node_rank=min(node, nodes - 1), num_nodes=nodes)
-    loader = open_shards(cfg.shards, lc, world, manifest_file=cfg.manifest)
-    steps_per_epoch(cfg, loader)
-    val = open_shards(cfg.val_shards, lc, world, train=False) if cfg.val_shards and cfg.mode == "real" else None
-    check_classes(cfg, loader.manifest, val.manifest if val is not None else None)
 
 
 def needs_torchrun(cfg: TrainConfig) -> bool:

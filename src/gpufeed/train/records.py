@@ -5,7 +5,6 @@ and :func:`aggregate`, which turns the ranks' timings of one mode into its recor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpufeed.measure.health import GpuHealth
 from gpufeed.measure.metrics import Stat

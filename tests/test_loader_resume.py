@@ -149,6 +149,19 @@ def test_items_taken_follows_torch_dataloader_order():
     assert items_taken([8, 8, 4], 18) == [7, 7, 4]
 
 
+def test_plan_and_position_import_no_torch():
+    """The epoch plan and the resume position are torch-free: a fresh interpreter imports them (and the package,
+    whose torch-bound names load on first use) without loading torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gpufeed.loader, gpufeed.loader.plan, gpufeed.loader.position; "
+            "from gpufeed.loader import LoaderPosition, plan_slot, items_taken; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
 @pytest.mark.parametrize("worker_batching", [True, False])
 def test_main_process_sets_threads_once_per_batch(tmp_path, monkeypatch, worker_batching):
     """num_workers = 0: one intra-op thread while a batch is made, the caller's setting between batches."""

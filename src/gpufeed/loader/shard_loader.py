@@ -231,7 +231,6 @@ class ShardLoader:
         return images.to(device, non_blocking=non_blocking), labels
 
 
-
 NODE_IMBALANCE_WARN = 0.02
 """Under ``shard_split = "node"``: warn when stopping every rank at the smallest node's batch count leaves more
 than this fraction of the set unread each epoch, beyond what the global split drops."""

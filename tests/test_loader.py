@@ -414,10 +414,10 @@ def test_fast_tar_reader_matches_webdataset(tmp_path):
 
     from functools import partial
 
-    from gpufeed.loader import _READ_EXTENSIONS
+    from gpufeed.loader.reader import READ_EXTENSIONS
     from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS, wanted
 
-    _select = partial(wanted, extensions=_READ_EXTENSIONS)  # the members the loader reads, for webdataset
+    _select = partial(wanted, extensions=READ_EXTENSIONS)  # the members the loader reads, for webdataset
     from gpufeed.shardset.tar import iter_samples
 
     long_dir = "d" * 120
@@ -435,10 +435,10 @@ def test_fast_tar_reader_matches_webdataset(tmp_path):
             if any(e in s for e in READ_IMAGE_EXTENSIONS):
                 ref.append({k: v for k, v in s.items() if not k.startswith("__")} | {"__key__": s["__key__"]})
         got = [{k: v for k, v in s.items() if k != "__url__"} for s in
-               iter_samples(str(path), _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS)]
+               iter_samples(str(path), READ_EXTENSIONS, READ_IMAGE_EXTENSIONS)]
         assert got == ref, fmt
         assert len(got) >= 4
-        assert [s["__key__"] for s in iter_samples(str(path), _READ_EXTENSIONS, READ_IMAGE_EXTENSIONS, 1, 3)] == \
+        assert [s["__key__"] for s in iter_samples(str(path), READ_EXTENSIONS, READ_IMAGE_EXTENSIONS, 1, 3)] == \
             [s["__key__"] for s in ref[1:3]]
 
 
@@ -449,12 +449,10 @@ def test_truncated_shard_under_both_policies(tmp_path, fast):
     shards = write_set(tmp_path / "trunc", [6, 6])
     p = shards / "train-000001.tar"
     p.write_bytes(p.read_bytes()[: p.stat().st_size // 2 + 100])
-    loader = build_loader(shards, cfg(batch_size=3), World.single())
-    loader._dataset.fast_tar = fast
+    loader = build_loader(shards, cfg(batch_size=3), World.single(), fast_tar=fast)
     with pytest.raises(DataError, match="train-000001.tar"):
         list(loader)
-    loader = build_loader(shards, cfg(batch_size=3, on_error="skip"), World.single())
-    loader._dataset.fast_tar = fast
+    loader = build_loader(shards, cfg(batch_size=3, on_error="skip"), World.single(), fast_tar=fast)
     assert len(list(loader)) == 4 and loader.num_skipped >= 1
 
 

@@ -22,8 +22,7 @@ def _ids_set(tmp_path: Path, sizes=(6, 6)) -> Path:
 def _load(shards: Path, fast: bool = True, **kw):
     from gpufeed.loader import build_loader
 
-    loader = build_loader(shards, cfg(**{"batch_size": 3, "shuffle_buffer": 0, **kw}), World.single())
-    loader._dataset.fast_tar = fast
+    loader = build_loader(shards, cfg(**{"batch_size": 3, "shuffle_buffer": 0, **kw}), World.single(), fast_tar=fast)
     ids = [int(x) for _, labels in loader for x in labels]
     return loader, ids
 

@@ -149,6 +149,55 @@ def test_items_taken_follows_torch_dataloader_order():
     assert items_taken([8, 8, 4], 18) == [7, 7, 4]
 
 
+def test_plan_and_position_import_no_torch():
+    """The epoch plan and the resume position are torch-free: a fresh interpreter imports them (and the package,
+    whose torch-bound names load on first use) without loading torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gpufeed.loader, gpufeed.loader.plan, gpufeed.loader.position; "
+            "from gpufeed.loader import LoaderPosition, plan_slot, items_taken; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+def test_stages_reread_count_the_first_pass_losses_and_pass_over_a_resume():
+    """The stages on their own: a range with a corrupt sample is re-read to fill the quota, its loss counted once
+    (the first pass's) and the re-read samples as repeated; a resume's first sample is checked, not decoded; under
+    ``on_error = "raise"`` the handler raises the one-line sentence."""
+    from gpufeed.loader.stages import Decode, OnError, batch, fill
+
+    samples = [{"__ext__": "jpg", "__key__": k, "jpg": b"x", "__url__": "s.tar"} for k in "abc"]
+    decoded, checked = [], []
+
+    def decode(sample, ext, data):
+        if sample["__key__"] == "b":
+            raise ValueError("bad")
+        decoded.append(sample["__key__"])
+
+    class Rows:
+        def __init__(self):
+            self.labels = []
+
+        def add(self, label):
+            self.labels.append(label)
+            return len(self.labels) == 2
+
+        def take(self, skipped, repeated):
+            out, self.labels = (self.labels, skipped, repeated), []
+            return out
+
+    handler = OnError("skip")
+    stage = Decode(lambda s: ord(s["__key__"]), checked.append, decode, handler, skip=1)
+    out = list(batch(fill(lambda: stage(iter(samples)), 5, handler, "none readable"), Rows()))
+    assert out == [([99, 97], 1, 1), ([99, 97], 0, 2)]
+    assert decoded == ["c", "a", "c", "a"] and checked == [b"x"] and handler.lost == 2
+    strict = Decode(lambda s: 0, checked.append, decode, OnError("raise"))
+    with pytest.raises(DataError, match=r"^corrupt sample 'b.jpg' in shard s.tar: ValueError: bad$"):
+        list(strict(iter(samples)))
+
+
 @pytest.mark.parametrize("worker_batching", [True, False])
 def test_main_process_sets_threads_once_per_batch(tmp_path, monkeypatch, worker_batching):
     """num_workers = 0: one intra-op thread while a batch is made, the caller's setting between batches."""

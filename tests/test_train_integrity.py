@@ -49,8 +49,7 @@ def _loader(folder, **kw):
     from gpufeed.loader import build_loader
 
     fast = kw.pop("fast", True)
-    loader = build_loader(folder, cfg(**{"batch_size": 3, "shuffle_buffer": 0, **kw}), World.single())
-    loader._dataset.fast_tar = fast
+    loader = build_loader(folder, cfg(**{"batch_size": 3, "shuffle_buffer": 0, **kw}), World.single(), fast_tar=fast)
     return loader
 
 

@@ -68,6 +68,9 @@ def _read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
 
 
 def _num(value: Any) -> float | None:
+    """A number of a record: a plain one, or the median of a ``Stat`` ({median, min, max, ...}); else None."""
+    if isinstance(value, dict):
+        value = value.get("median")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -337,7 +340,7 @@ def _tuning(page: Page, rec: Records) -> None:
     else:
         page.para("No baseline was measured (tune's baseline_imagefolder was not set), so there is no baseline "
                   "ratio.")
-    page.para(f"{tune.get('conclusion') or ''} Stopped: {tune.get('stop_reason')}; "
+    page.para(f"{tune.get('conclusion') or ''}. Stopped: {tune.get('stop_reason')}; "
               f"{fmt(_num(tune.get('elapsed_s')))} s of {fmt(_num(tune.get('budget_s')))} s budget.")
 
 

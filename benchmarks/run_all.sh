@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Rerun every CPU benchmark, one after another, each writing its JSON to benchmarks/results/; log the machine, the
 # date and every command to benchmarks/results/run_all-DATE.log. RESULTS.md's tables are updated by hand from
-# those records (each section names its command). The GPU checks (gpu_check.py, gpu_plan_check.py) need an H200.
+# those records (each section names its command). bench_regression.py compares two revisions you name
+# (--base REV): run it by hand. The GPU checks (gpu_check.py, gpu_plan_check.py) need an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -14,7 +15,7 @@ mkdir -p benchmarks/results
     echo "git: $(git rev-parse --short HEAD 2>/dev/null)"
 } | tee "$log"
 status=0
-for bench in bench_shard bench_loader bench_train bench_regression bench_layout bench_plan_memory bench_remote; do
+for bench in bench_shard bench_loader bench_train bench_layout bench_plan_memory bench_remote; do
     cmd="$PY benchmarks/$bench.py"
     echo "== $cmd" | tee -a "$log"
     start=$SECONDS

@@ -28,19 +28,6 @@ MAX_LOG_LINES = 50_000
 STEP_FOLDERS = ("doctor", "synth", "shard", "verify", "io", "stage", "ceiling", "tune", "measure", "train")
 
 
-@dataclass(frozen=True)
-class ReportRecord:
-    folder: str
-    kind: str
-    """run (a gpufeed run folder), tune or train (a single job's run folder)."""
-    html: str
-    markdown: str
-    verdict: str | None
-    missing: list[str]
-    """The records the page says are missing."""
-    ok: bool = True
-
-
 def _read(path: Path) -> Any | None:
     """A record, or None when the file is not there. A file there that is not JSON is an error (exit 2)."""
     if not path.exists() and not path.is_symlink():
@@ -456,8 +443,9 @@ footer{margin-top:32px;font-size:12px;color:#6b7280}
 """
 
 
-def build(folder: str | Path) -> ReportRecord:
-    """The page and its Markdown for ``folder`` (a run folder, or a tune or train run folder)."""
+def build(folder: str | Path) -> tuple[str, str, str, str | None, list[str]]:
+    """The page for ``folder`` (a run folder, or a tune or train run folder): its kind (run, tune or train), HTML,
+    Markdown, verdict status (None without one) and the records it says are missing."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder")
@@ -488,8 +476,7 @@ def build(folder: str | Path) -> ReportRecord:
            f"<footer>Written by gpufeed report at {utc_now()} from the records in {name}. Every number is "
            f"read from those records.</footer></body></html>\n")
     md = f"# {title}: {folder}\n\n" + "\n".join(head_md + page.md)
-    return ReportRecord(folder=str(folder), kind=rec.kind, html=redact(doc), markdown=redact(md), verdict=status,
-                        missing=sorted(set(page.missing)))
+    return rec.kind, redact(doc), redact(md), status, sorted(set(page.missing))
 
 
 def write_report(folder: str | Path) -> tuple[Path, Path]:
@@ -501,7 +488,8 @@ def write_report(folder: str | Path) -> tuple[Path, Path]:
 
 @dataclass(frozen=True)
 class WrittenReport:
-    """What ``gpufeed report`` returns."""
+    """What ``gpufeed report`` returns: the folder, its kind (run, tune or train), the files written, the verdict
+    status copied from the train record (None without one) and the records the page says are missing."""
 
     folder: str
     kind: str
@@ -514,13 +502,13 @@ class WrittenReport:
 
 def report(folder: str | Path) -> WrittenReport:
     """Build the page for ``folder`` and write it (see :func:`write_report`)."""
-    built = build(folder)
+    kind, page, markdown, verdict, missing = build(folder)
     html_path = Path(folder) / "report.html"
-    md_path = Path(folder) / ("report.md" if built.kind == "run" else "report-page.md")
-    atomic_write_text(html_path, built.html)
-    atomic_write_text(md_path, built.markdown)
-    return WrittenReport(folder=str(folder), kind=built.kind, html=str(html_path), markdown=str(md_path),
-                         verdict=built.verdict, missing=built.missing)
+    md_path = Path(folder) / ("report.md" if kind == "run" else "report-page.md")
+    atomic_write_text(html_path, page)
+    atomic_write_text(md_path, markdown)
+    return WrittenReport(folder=str(folder), kind=kind, html=str(html_path), markdown=str(md_path), verdict=verdict,
+                         missing=missing)
 
 
 def render(record: Any) -> str:

@@ -331,11 +331,18 @@ def _tuning(page: Page, rec: Records) -> None:
               f"{fmt(_num(tune.get('elapsed_s')))} s of {fmt(_num(tune.get('budget_s')))} s budget.")
 
 
-def _rates(page: Page, rec: Records) -> None:
-    page.section("Rates: compute ceiling, loader ceiling, end to end")
+def _train_or_missing(page: Page, rec: Records) -> tuple[str | None, dict[str, Any] | None]:
+    """The train record a section draws (see :meth:`Records.train`), or the page's line saying it is missing."""
     name, train = rec.train()
     if train is None:
         page.missing_record("train", "train --measure did not run")
+    return name, train
+
+
+def _rates(page: Page, rec: Records) -> None:
+    page.section("Rates: compute ceiling, loader ceiling, end to end")
+    name, train = _train_or_missing(page, rec)
+    if train is None or name is None:
         return
     modes = train.get("modes") or {}
     ceiling = rec.by_step.get("ceiling", {}).get("modes", {}).get("synthetic") if "ceiling" in rec.by_step else None
@@ -354,9 +361,8 @@ def _rates(page: Page, rec: Records) -> None:
 
 def _stalls(page: Page, rec: Records) -> None:
     page.section("Where each rank's step time goes")
-    name, train = rec.train()
-    if train is None:
-        page.missing_record("train", "train --measure did not run")
+    name, train = _train_or_missing(page, rec)
+    if train is None or name is None:
         return
     real = (train.get("modes") or {}).get("real")
     if not isinstance(real, dict) or not real.get("per_rank"):
@@ -376,9 +382,8 @@ def _stalls(page: Page, rec: Records) -> None:
 
 def _timeline(page: Page, rec: Records) -> None:
     page.section("Timeline")
-    name, train = rec.train()
-    if train is None:
-        page.missing_record("train", "train --measure did not run")
+    name, train = _train_or_missing(page, rec)
+    if train is None or name is None:
         return
     rows, bad = _read_log(rec.dirs[name] / "log.jsonl")
     if not rows:

@@ -162,6 +162,8 @@ def cli(verbose: bool) -> None:
     gpufeed doctor  [DATA_PATH ...] check drivers, GPUs, CPUs, /dev/shm and data paths: ok / warn / fail
     gpufeed plan    --arch resnet50 will the batch fit in GPU memory; loader cores per GPU
     gpufeed config  --defaults     print the default configuration (TOML)
+    gpufeed run     CONFIG.toml    doctor -> shard -> verify -> io -> tune -> train --measure, resumable
+    gpufeed report  RUN_DIR        one self-contained HTML page (+ Markdown) from a run's records
 
     Progress bars are drawn only when stderr is a terminal (GPUFEED_PROGRESS=1 forces them on, 0 off).
     Shell completion: eval "$(_GPUFEED_COMPLETE=bash_source gpufeed)" (zsh_source, fish_source).

@@ -168,6 +168,29 @@ def _config(conf: None, shell: Shell, defaults: bool, config_path: str | None) -
     return load_config(config_path)
 
 
+def _run(conf: None, shell: Shell, config_file: str, run_dir: str | None, report: bool) -> Any:
+    """Run the whole job from one config: doctor -> shard (+val) -> verify -> io (-> stage) -> ceiling -> tune ->
+    train --measure (-> full training), as [run] steps says, in one run folder, then write its report.
+
+    \b
+    gpufeed run configs/demo.toml        the demo: synthesize, shard, tune and measure on the CPU
+    Each step is skipped when run.json says it finished with the same options and inputs and its output is
+    intact, so a run stopped by Ctrl-C or kill -9 continues where it stopped; a changed option re-runs that
+    step and every step after it. Exit 1 when a step's check failed (a verify mismatch, a starved verdict).
+    """
+    from gpufeed.pipeline import run_pipeline
+
+    return run_pipeline(config_file, run_dir=run_dir, quiet=shell.quiet, lines=shell.lines, report=report)
+
+
+def _report(conf: None, shell: Shell, folder: str) -> Any:
+    """Write report.html (self-contained: inline SVG charts, no network) and its Markdown for FOLDER: a gpufeed
+    run folder, or a single tune or train run folder. The verdict at the top is copied from the train record."""
+    from gpufeed.report import report
+
+    return report(folder)
+
+
 _MODES = (  # flags that each pick one value of [train] mode, with help of their own
     field_option("train", "mode", "--synthetic", flag_value="synthetic", default=None,
                  help="Fixed batch already on the device: the compute ceiling (of the GPU, or of the CPU without one)."),
@@ -240,5 +263,13 @@ COMMANDS: tuple[Job, ...] = (
     Job("config", _config, "gpufeed.config:render_config", load=False, params=(
         click.Option(["--defaults"], is_flag=True, help="Print the built-in defaults (what configs/default.toml holds)."),
     )),
+    Job("run", _run, "gpufeed.pipeline:render", config=False, load=False, params=(
+        click.Argument(["config_file"], type=click.Path(dir_okay=False)),
+        click.Option(["--run-dir", "run_dir"], type=click.Path(file_okay=False),
+                     help="The run folder  [default: [run] dir, else runs/NAME for CONFIG_FILE NAME.toml]."),
+        click.Option(["--report/--no-report"], default=True, show_default=True,
+                     help="Write report.html and report.md in the run folder at the end."))),
+    Job("report", _report, "gpufeed.report:render", config=False, load=False, params=(
+        click.Argument(["folder"], type=click.Path(file_okay=False)),)),
 )
 """Every ``gpufeed`` command, in the order they were added; ``gpufeed --help`` lists them sorted."""

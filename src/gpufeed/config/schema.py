@@ -442,6 +442,41 @@ class PlanConfig:
                               "loader's samples/s per core)")
 
 
+STEPS = ("doctor", "synth", "shard", "verify", "io", "stage", "ceiling", "tune", "measure", "train")
+"""The steps of ``gpufeed run``, in the order they run (docs/design.md §8)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """gpufeed run: which steps run (always in pipeline order) and where the run folder is. The other sections
+    configure their steps; run fills in the paths that pass from step to step (the set, the staged copy, the
+    tuned [loader], the compute ceiling), and each step's run_dir/out, which are the run folder's."""
+
+    dir: str | None = None
+    """Run folder: one sub-folder per step, run.json, report.html and report.md; a re-run into it skips the
+    steps already done with the same options and inputs. None = runs/NAME, NAME the config file's name without
+    .toml."""
+    steps: tuple[Literal["doctor", "synth", "shard", "verify", "io", "stage", "ceiling", "tune", "measure",
+                         "train"], ...] = ("doctor", "shard", "verify", "io", "ceiling", "tune", "measure")
+    """Steps to run, in this order whatever the list's: doctor, synth ([synth] images into shard's src), shard
+    (+ val_src), verify, io, stage ([stage] dest, used by every later step), ceiling (train --synthetic: the
+    compute ceiling, tune's target_rate), tune, measure (train --measure, with --fix when train has it) and
+    train (the full [train] epochs/steps with the tuned [loader])."""
+    val_src: str | None = None
+    """A second image folder, sharded with [shard]'s options (prefix "val") as the validation set train
+    reads. None = no validation set (or [train] val_shards)."""
+    val_dest: str | None = None
+    """Where the validation shards go. None = the shard step's folder, val/."""
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ConfigError("steps must name at least one step")
+        if len(set(self.steps)) != len(self.steps):
+            raise ConfigError(f"steps names a step twice: {show_value(self.steps)}")
+        if self.val_dest is not None and self.val_src is None:
+            raise ConfigError("val_dest needs val_src (the image folder to shard as the validation set)")
+
+
 SECTIONS: dict[str, type] = {
     "shard": ShardConfig,
     "loader": LoaderConfig,
@@ -452,6 +487,7 @@ SECTIONS: dict[str, type] = {
     "io": IoConfig,
     "stage": StageConfig,
     "plan": PlanConfig,
+    "run": RunConfig,
 }
 
 
@@ -468,6 +504,7 @@ class Config:
     io: IoConfig = field(default_factory=IoConfig)
     stage: StageConfig = field(default_factory=StageConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
     def tune_for_training(self) -> TuneConfig:
         """[tune] with nproc_per_node None resolved to [train] nproc_per_node: the layout training will run."""

@@ -308,7 +308,7 @@ def index_cmd(shards: str, out: str | None, no_hash: bool, label: str, classes_f
 @cli.command()
 @config_help(ShardConfig)
 @click.argument("src", type=click.Path(file_okay=False))
-@click.argument("dest", type=click.Path(file_okay=False))
+@click.argument("dest", type=click.Path(file_okay=False), required=False)
 @click.option("--workers", type=int)
 @click.option("--seed", type=int)
 @click.option("--shard-samples", type=int)
@@ -324,6 +324,11 @@ def index_cmd(shards: str, out: str | None, no_hash: bool, label: str, classes_f
 @click.option("--max-pixels", type=int)
 @click.option("--classes-like", type=click.Choice(["gpufeed", "imagefolder"]))
 @click.option("--classes", "classes_file", type=click.Path(dir_okay=False))
+@click.option("--engine", type=click.Choice(["local", "ray"]))
+@click.option("--ray-address", type=str)
+@click.option("--num-nodes", type=int)
+@click.option("--node-rank", type=int)
+@click.option("--finish", is_flag=True, default=None)
 @quiet_option
 @config_option
 @json_option
@@ -331,14 +336,18 @@ def shard(src: str, dest: str, workers: int | None, seed: int | None, shard_samp
           shard_bytes: str | None, multiple_of: int | None, prefix: str | None, max_size: int | None,
           quality: int | None, check: str | None, strict: bool | None, overwrite: bool | None,
           allow_empty_classes: bool | None, max_pixels: int | None, classes_like: str | None,
-          classes_file: str | None, config_path: str | None, as_json: bool) -> None:
-    """Image folder SRC (one sub-folder per class) -> deterministic WebDataset shards + manifest in DEST."""
+          classes_file: str | None, engine: str | None, ray_address: str | None, num_nodes: int | None,
+          node_rank: int | None, finish: bool | None, config_path: str | None, as_json: bool) -> None:
+    """Image folder SRC (one sub-folder per class) -> deterministic WebDataset shards + manifest in DEST
+    (``gpufeed shard DEST --finish``: only the index and manifest of a set whose shards are complete)."""
+    src, dest = (None, src) if finish and dest is None else (src, dest)
     cfg = load(config_path, "shard", {
         "src": src, "dest": dest, "workers": workers, "seed": seed, "shard_samples": shard_samples,
         "shard_bytes": shard_bytes, "multiple_of": multiple_of, "prefix": prefix, "max_size": max_size,
         "quality": quality, "check": check, "strict": strict, "overwrite": overwrite,
         "allow_empty_classes": allow_empty_classes, "max_pixels": max_pixels, "classes_like": classes_like,
-        "classes_file": classes_file})
+        "classes_file": classes_file, "engine": engine, "ray_address": ray_address, "num_nodes": num_nodes,
+        "node_rank": node_rank, "finish": finish})
 
     def job() -> Any:
         from gpufeed.shard import write_shards

@@ -10,8 +10,8 @@ same paths, so both must be on storage every node mounts at the same path, and g
 every node.
 
 Ray retries a task whose worker or node dies (``MAX_RETRIES``) and one that raised an ``OSError`` (a storage
-hiccup); a task that raised anything else (a file changed while sharding) is the job's error, as one sentence,
-and one that failed after its retries is a ``RunError`` naming the task. Tasks and their results travel through
+hiccup); a task that raised one of the job's errors (a file changed while sharding) is that error, as one
+sentence; anything else is a ``RunError`` naming the task and the reason's first line. Tasks and their results travel through
 Ray's own serialisation; they are the job's own records (plan columns, validation results), never data read
 from files."""
 
@@ -113,6 +113,9 @@ def task_error(exc: BaseException, name: str) -> BaseException:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, (GpufeedError, OSError)):
         return cause
-    reason = str(cause if cause is not None else exc).strip().splitlines()
-    return RunError(f"a Ray task ({name}) failed after {MAX_RETRIES} retries: {type(cause or exc).__name__}"
+    if cause is not None:  # the task raised: not retried (it would raise again)
+        reason = str(cause).strip().splitlines()
+        return RunError(f"a Ray task ({name}) raised {type(cause).__name__}{': ' + reason[0] if reason else ''}")
+    reason = str(exc).strip().splitlines()
+    return RunError(f"a Ray task ({name}) failed after {MAX_RETRIES} retries: {type(exc).__name__}"
                     f"{': ' + reason[0] if reason else ''}")

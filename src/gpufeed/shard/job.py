@@ -10,7 +10,7 @@ from concurrent.futures import Executor
 from typing import Any, Callable, NamedTuple
 
 from gpufeed.config import ShardConfig
-from gpufeed.core.dest import LOCK_NAME, remove_temps
+from gpufeed.core.dest import LOCK_NAME
 from gpufeed.core.errors import DataError
 from gpufeed.core.safefs import make_state_folder
 from gpufeed.shard.context import (JobContext, early_imports, finish_imports, make_pool, map_large_blocks, preload,
@@ -24,8 +24,8 @@ from gpufeed.shard.scan import Scan, scan_src
 from gpufeed.shard.shardplan import (PLAN_NAME, TAR_OVERHEAD_PER_SAMPLE, Plan, Shuffle, make_plan,
                                      plan_fingerprint, plan_options, read_plan, save_plan)
 from gpufeed.shard.validate import ACTIONS, CheckOptions, Partial, pixel_limit, validate_candidates
-from gpufeed.shard.split import (BatchStore, claim_split, clear_split_state, node_split, plan_difference,
-                                 split_record)
+from gpufeed.shard.split import (BatchStore, claim_split, clear_split_state, finish_lock, leftovers, node_split,
+                                 plan_difference, split_record)
 from gpufeed.shard.write import WriteTask, shard_complete, write_all
 
 PoolFactory = Callable[[int, int], Executor]
@@ -131,11 +131,25 @@ def _run(job: JobContext, t0: float, try_one_pass: bool) -> ShardReport:
         job.bar.close()
         if job.pool is not None:
             job.pool.shutdown(wait=True, cancel_futures=True)
-    if job.split is not None:
-        missing = _others_complete(job, planned)
-        if missing:
-            return _node_report(job, planned, written, t0, write_s, missing)
-    return _finish_phase(job, planned, written, t0, write_s)
+    if job.split is None:
+        return _finish_phase(job, planned, written, t0, write_s)
+    missing = _others_complete(job, planned)
+    if missing:
+        return _node_report(job, planned, written, t0, write_s, missing)
+    return _finish_locked(job, planned, written, t0, write_s)
+
+
+def _finish_locked(job: JobContext, planned: _Planned, written: dict[str, dict[str, Any]], t0: float,
+                   write_s: float) -> ShardReport:
+    """A static split's finish, under the finish lock (``split.finish_lock``): a killed finisher's temporary
+    files go first."""
+    lock = finish_lock(job.state)
+    try:
+        for leftover in leftovers(job.dest, [], finishing=True):
+            os.unlink(os.path.join(job.dest, leftover))
+        return _finish_phase(job, planned, written, t0, write_s)
+    finally:
+        os.close(lock)
 
 
 def _scan_phase(job: JobContext, warm: bool) -> tuple[Scan, str]:
@@ -298,7 +312,8 @@ def _write_phase(job: JobContext, plan: Plan, done: dict[str, dict[str, Any]],
             if leftover.startswith(".") and leftover.endswith(".tar.tmp") or atomic_leftover(leftover):
                 os.unlink(os.path.join(job.dest, leftover))
     else:  # only this node's: the others' may be being written
-        remove_temps(job.dest, [s.name for s in todo])
+        for leftover in leftovers(job.dest, [s.name for s in todo], finishing=False):
+            os.unlink(os.path.join(job.dest, leftover))
     tasks = [WriteTask(s.name, s.count, (lambda s=s: plan.part(plan.indices(s)))) for s in todo]
     try:
         written = write_all(job.dest, job.src, tasks, job.pool, job.bar, caches.shard_done, workers=job.workers,
@@ -432,7 +447,6 @@ def finish_dest(cfg: ShardConfig, progress: bool = True) -> ShardReport:
     naming it and the node that owns it."""
     from dataclasses import replace
 
-    from gpufeed.core.dest import take_lock
     from gpufeed.core.errors import RunError
     from gpufeed.shard.split import read_split
 
@@ -444,8 +458,7 @@ def finish_dest(cfg: ShardConfig, progress: bool = True) -> ShardReport:
     if not os.path.isfile(os.path.join(state, PLAN_NAME)):
         raise DataError(f"DEST {cfg.dest} holds no shard plan ({os.path.join(cfg.dest, STATE_DIR, PLAN_NAME)} is "
                         f"missing): run gpufeed shard SRC DEST first")
-    lock = take_lock(os.path.join(state, "lock-finish"), what="shard lock",
-                     in_use=lambda who: f"DEST {cfg.dest} is being finished by another run{who}")
+    lock = finish_lock(state)
     try:
         plan = read_plan(state)
         if plan is None:
@@ -470,6 +483,8 @@ def finish_dest(cfg: ShardConfig, progress: bool = True) -> ShardReport:
         cfg = replace(cfg, src=src, prefix=options.get("prefix", cfg.prefix), finish=False)
         job = JobContext(cfg, src, dest, 1, options, CheckOptions.of(cfg), None, Bar(progress), [])
         planned = _Planned(plan, done, {}, True, 0.0, 0.0, [])
+        for leftover in leftovers(dest, [], finishing=True):
+            os.unlink(os.path.join(dest, leftover))
         return _finish_phase(job, planned, {}, t0, 0.0)
     finally:
         os.close(lock)

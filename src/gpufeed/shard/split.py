@@ -278,3 +278,28 @@ def clear_split_state(state: str) -> None:
                 os.unlink(os.path.join(state, name))
             except FileNotFoundError:
                 pass
+
+
+def finish_lock(state: str) -> int:
+    """The finish lock (``lock-finish`` in the state folder), waited for: one node at a time writes the index, the
+    sidecar indexes and the manifest -> its descriptor (close it to release)."""
+    import fcntl
+
+    from gpufeed.core.safefs import lock_file
+
+    fd = lock_file(os.path.join(state, "lock-finish"), what="shard lock")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def leftovers(dest: str, names: list[str], finishing: bool) -> list[str]:
+    """The temporary files a killed node left in DEST: its shards' (``.<shard>.tmp``) and their DALI indexes'
+    atomic writes; with ``finishing`` (the finish lock held, every shard complete: no node writes there any more),
+    every atomic write's (the index, the manifest, the DALI indexes)."""
+    from gpufeed.shard.dest import atomic_leftover
+    from gpufeed.shardset.sidecars import idx_name
+
+    mine = tuple(f".{idx_name(n)}." for n in names)
+    return [f for f in os.listdir(dest) if f.endswith(".tmp") and (
+        f.startswith(mine) or f[1:-4] in names or (finishing and atomic_leftover(f)))]
+

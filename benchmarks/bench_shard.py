@@ -74,7 +74,7 @@ def variants(src: str, out: str, shard_samples: int) -> dict[str, list[str]]:
                                   str(shard_samples), "--json"),
         "split2_2sh": ["bash", "-c", " & ".join(" ".join(gpufeed_cmd(
             "shard", src, d, "--workers", "1", "--shard-samples", str(shard_samples), "--num-nodes", "2",
-            "--node-rank", str(r), "--quiet")) for r in (0, 1)) + "; wait"],
+            "--node-rank", str(r), "--json")) for r in (0, 1)) + "; wait"],
     }
 
 

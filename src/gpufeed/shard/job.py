@@ -274,9 +274,9 @@ def _validate_and_plan(job: JobContext, scan: Scan, fingerprint: str, order: Any
     save the plan. ``est``: the bytes the job expects to write (for a DEST-full message)."""
     preload(finish_imports)
     try:
-        store = None if job.split is None else BatchStore(job.state, job.split)
+        shared = {} if job.split is None else {"store": BatchStore(job.state, job.split)}  # a split's batches
         results = validate_candidates(scan, job.src, job.state, job.opts, job.pool, job.bar, order, job.workers,
-                                      partial, store)
+                                      partial, **shared)
     except OSError as exc:
         cached = cache_bytes(job.state)
         clear_cache(job.state)  # useless without a plan: give the space back

@@ -68,10 +68,17 @@ def variants(src: str, out: str, shard_samples: int) -> dict[str, list[str]]:
                                   "--json"),
         "w1_2sh": gpufeed_cmd("shard", src, d, "--workers", "1", "--shard-samples", str(shard_samples), "--json"),
         "w2_2sh": gpufeed_cmd("shard", src, d, "--workers", "2", "--shard-samples", str(shard_samples), "--json"),
+        # The engines (issue 22), against w2_2sh: Ray tasks on a local Ray instance of 2 CPUs (its start-up
+        # included, as a user pays it), and the static split as two node processes of one worker each.
+        "ray_w2_2sh": gpufeed_cmd("shard", src, d, "--engine", "ray", "--workers", "2", "--shard-samples",
+                                  str(shard_samples), "--json"),
+        "split2_2sh": ["bash", "-c", " & ".join(" ".join(gpufeed_cmd(
+            "shard", src, d, "--workers", "1", "--shard-samples", str(shard_samples), "--num-nodes", "2",
+            "--node-rank", str(r), "--json")) for r in (0, 1)) + "; wait"],
     }
 
 
-EXTRAS = ("header_2sh", "w1_2sh", "w2_2sh")
+EXTRAS = ("header_2sh", "w1_2sh", "w2_2sh", "ray_w2_2sh", "split2_2sh")
 
 
 def scan(src: Path) -> tuple[int, int]:
@@ -184,6 +191,13 @@ def paired(runs: list[dict], a: str, b: str) -> list[float]:
         if ra and rb:
             out.append(rb[0]["wall_s"] / ra[0]["wall_s"])
     return out
+
+
+def engine_overhead_ms(runs: list[dict], engine: str, local: str, num_images: int) -> list[float]:
+    """Per repeat (interleaved, so each pair ran under the same load): (engine wall - local wall) / images, in ms."""
+    by = {(r["variant"], r["repeat"]): r for r in runs if r["error"] is None}
+    return [(by[(engine, k)]["wall_s"] - by[(local, k)]["wall_s"]) / num_images * 1e3
+            for (name, k) in sorted(by) if name == engine and (local, k) in by]
 
 
 def ratios(summary: dict[str, dict], cpus: int, runs: list[dict]) -> dict[str, dict]:
@@ -333,6 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         met = {True: "met", False: "NOT met", None: ""}[r["met"]]
         pr = ("  per repeat: " + ", ".join(f"{x:.2f}" for x in r["paired"])) if r.get("paired") else ""
         print(f"{k:<32} {r['value']:8.2f}   target {r['target']:<28} {met}{pr}")
+    for engine in ("ray_w2_2sh", "split2_2sh"):
+        per = engine_overhead_ms(runs, engine, "w2_2sh", num_images)
+        if per:
+            result.setdefault("engine_overhead_ms_per_image", {})[engine] = per
+            print(f"{engine} - w2_2sh per image: median {statistics.median(per):.3f} ms, per repeat "
+                  + ", ".join(f"{x:.3f}" for x in per))
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nsaved {out}")
     if synth is not None:
         shutil.rmtree(src, ignore_errors=True)

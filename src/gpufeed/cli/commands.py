@@ -56,10 +56,14 @@ def _index(conf: None, shell: Shell, shards: str, out: str | None, no_hash: bool
 
 
 def _shard(conf: Any, shell: Shell) -> Any:
-    """Image folder SRC (one sub-folder per class) -> deterministic WebDataset shards + manifest in DEST."""
+    """Image folder SRC (one sub-folder per class) -> deterministic WebDataset shards + manifest in DEST
+    (``gpufeed shard DEST --finish``: only the index and manifest of a set whose shards are complete)."""
     from gpufeed.shard import write_shards
 
-    return write_shards(conf.shard, progress=not shell.quiet)
+    cfg = conf.shard
+    if cfg.finish and cfg.dest is None:  # gpufeed shard DEST --finish: the one argument is DEST
+        cfg = dataclasses.replace(cfg, src=None, dest=cfg.src)
+    return write_shards(cfg, progress=not shell.quiet)
 
 
 def _verify(conf: Any, shell: Shell, dest: str, decode: bool, workers: int | None, manifest: str | None) -> Any:
@@ -215,10 +219,11 @@ COMMANDS: tuple[Job, ...] = (
                      help="Class names in label order, one per line  [default: classes.txt next to the shards, "
                           "else the sorted distinct labels]."))),
     Job("shard", _shard, "gpufeed.shard:render_shard", params=(
-        FieldArgument("shard", "src"), FieldArgument("shard", "dest"),
+        FieldArgument("shard", "src"), FieldArgument("shard", "dest", required=False),
         *field_options("shard", "workers", "seed", "shard_samples", "shard_bytes", "multiple_of", "prefix",
                        "max_size", "quality", "check", "strict", "overwrite", "allow_empty_classes", "max_pixels",
-                       "classes_like", "classes_file"))),
+                       "classes_like", "classes_file", "engine", "ray_address", "num_nodes", "node_rank"),
+        field_option("shard", "finish", switch=False))),
     Job("verify", _verify, "gpufeed.verify:render_verify", params=(
         click.Argument(["dest"], type=click.Path()),
         click.Option(["--decode/--no-decode"], default=True, show_default=True, help="Decode every image."),

@@ -64,9 +64,24 @@ class ShardConfig:
     classes_file: str | None = None
     """Class names in label order, one per line, each a folder of SRC (others are ignored); default: the folders'
     sorted names."""
+    engine: Literal["local", "ray"] = "local"
+    """Where validation and writing run: local = this machine's worker processes; ray = Ray tasks (the gpufeed[ray]
+    extra) on the cluster at ray_address, else a local Ray instance. The output bytes are the same."""
+    ray_address: str | None = None
+    """The Ray cluster to join with engine = ray (HOST:6379, ray://HOST:10001); None = RAY_ADDRESS, else a local one."""
+    num_nodes: int | None = bounded(None, 1, MAX_NODES)
+    """Static split over this many nodes sharing DEST: this node writes shards i with i % num_nodes == node_rank; the
+    last to finish writes the index and manifest. None = no split."""
+    node_rank: int | None = bounded(None, 0, MAX_NODES - 1)
+    """This node's rank in the static split; None = SLURM_ARRAY_TASK_ID, JOB_COMPLETION_INDEX, GROUP_RANK or
+    SLURM_NODEID."""
+    finish: bool = False
+    """Only finish DEST (gpufeed shard DEST --finish): once every shard is complete, write the index and manifest."""
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        if self.node_rank is not None and self.num_nodes is not None and self.node_rank >= self.num_nodes:
+            raise ConfigError(f"node_rank ({self.node_rank}) must be below num_nodes ({self.num_nodes})")
         if not re.fullmatch(r"[A-Za-z0-9_-]+", self.prefix):
             raise ConfigError(f"prefix must use letters, digits, '_' or '-' only, got {self.prefix!r}")
 

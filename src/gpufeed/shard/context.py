@@ -32,6 +32,8 @@ class JobContext:
     """The worker processes (None: ``workers`` is 1, everything runs here)."""
     bar: Bar
     warnings: list[str]
+    split: Any = None
+    """This node's part of a static split (``split.NodeSplit``), or None."""
 
     @property
     def state(self) -> str:

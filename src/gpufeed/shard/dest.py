@@ -20,12 +20,12 @@ _IDX_RE = re.compile(r"^[A-Za-z0-9_-]+-\d{6}\.idx$")
 _IDX_TMP_RE = re.compile(r"^\.[A-Za-z0-9_-]+-\d{6}\.idx\..*\.tmp$")
 
 
-def lock_dest(dest: str, cfg: ShardConfig) -> int:
+def lock_dest(dest: str, cfg: ShardConfig, name: str = LOCK_NAME) -> int:
     """An exclusive ``flock`` on DEST/.gpufeed/lock for the whole run (:func:`gpufeed.core.dest.take_lock`: a second
     run into the same DEST is refused, naming the holder's pid, which the file records). The forked pool workers
     close their copy (``system.die_with_parent``), so the lock dies with this process: a run killed with -9 leaves
-    a lock the next run simply takes."""
-    path = os.path.join(dest, STATE_DIR, LOCK_NAME)
+    a lock the next run simply takes. ``name``: a static split's node lock (``split.NodeSplit.lock_name``)."""
+    path = os.path.join(dest, STATE_DIR, name)
     return take_lock(
         path, what="shard lock",
         in_use=lambda who: (f"DEST {cfg.dest} is in use by another `gpufeed shard` run{who}; wait for it to finish "

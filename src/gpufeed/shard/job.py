@@ -21,9 +21,11 @@ from gpufeed.shard.finish import finish_set
 from gpufeed.shard.onepass import Written, one_pass
 from gpufeed.shard.report import Bar, ShardReport
 from gpufeed.shard.scan import Scan, scan_src
-from gpufeed.shard.shardplan import (TAR_OVERHEAD_PER_SAMPLE, Plan, Shuffle, make_plan, plan_fingerprint,
-                                     plan_options, save_plan)
+from gpufeed.shard.shardplan import (PLAN_NAME, TAR_OVERHEAD_PER_SAMPLE, Plan, Shuffle, make_plan,
+                                     plan_fingerprint, plan_options, read_plan, save_plan)
 from gpufeed.shard.validate import ACTIONS, CheckOptions, Partial, pixel_limit, validate_candidates
+from gpufeed.shard.split import (BatchStore, claim_split, clear_split_state, finish_lock, leftovers, node_split,
+                                 plan_difference, split_record)
 from gpufeed.shard.write import WriteTask, shard_complete, write_all
 
 PoolFactory = Callable[[int, int], Executor]
@@ -38,6 +40,9 @@ def write_shards(cfg: ShardConfig, progress: bool = True, *, try_one_pass: bool 
     are the same either way; tests turn it off to compare). ``pool_factory``: how the worker pool is made (with
     ``cfg.workers`` > 1)."""
     t0 = time.perf_counter()
+    if cfg.finish:
+        return finish_dest(cfg, progress)
+    split = node_split(cfg)
     src, dest = _check_folders(cfg)
     from gpufeed.core.system import usable_cpus
 
@@ -53,14 +58,21 @@ def write_shards(cfg: ShardConfig, progress: bool = True, *, try_one_pass: bool 
         make_state_folder(state)  # a link there is refused: its target would receive the run's files
     except OSError as exc:
         raise DataError(f"DEST {cfg.dest} cannot be created ({exc.strerror or exc})") from None
-    lock = lock_dest(dest, cfg)
+    lock_name = LOCK_NAME if split is None else split.lock_name
+    lock = lock_dest(dest, cfg, lock_name)
     try:
-        pool = pool_factory(workers, lock) if workers > 1 else None
-        job = JobContext(cfg, src, dest, workers, plan_options(cfg), CheckOptions.of(cfg), pool, Bar(progress), [])
-        return _run(job, t0, try_one_pass)
+        if cfg.engine == "ray":
+            from gpufeed.shard.engine_ray import ray_pool
+
+            workers, pool = ray_pool(cfg)
+        else:
+            pool = pool_factory(workers, lock) if workers > 1 else None
+        job = JobContext(cfg, src, dest, workers, plan_options(cfg), CheckOptions.of(cfg), pool, Bar(progress), [],
+                         split)
+        return _run(job, t0, try_one_pass and split is None)
     except DataError:
-        if created and os.listdir(state) == [LOCK_NAME]:  # refused before writing: leave DEST as it was
-            os.unlink(os.path.join(state, LOCK_NAME))
+        if created and os.listdir(state) == [lock_name]:  # refused before writing: leave DEST as it was
+            os.unlink(os.path.join(state, lock_name))
             for folder in created:
                 try:
                     os.rmdir(folder)  # only while empty
@@ -119,7 +131,25 @@ def _run(job: JobContext, t0: float, try_one_pass: bool) -> ShardReport:
         job.bar.close()
         if job.pool is not None:
             job.pool.shutdown(wait=True, cancel_futures=True)
-    return _finish_phase(job, planned, written, t0, write_s)
+    if job.split is None:
+        return _finish_phase(job, planned, written, t0, write_s)
+    missing = _others_complete(job, planned)
+    if missing:
+        return _node_report(job, planned, written, t0, write_s, missing)
+    return _finish_locked(job, planned, written, t0, write_s)
+
+
+def _finish_locked(job: JobContext, planned: _Planned, written: dict[str, dict[str, Any]], t0: float,
+                   write_s: float) -> ShardReport:
+    """A static split's finish, under the finish lock (``split.finish_lock``): a killed finisher's temporary
+    files go first."""
+    lock = finish_lock(job.state)
+    try:
+        for leftover in leftovers(job.dest, [], finishing=True):
+            os.unlink(os.path.join(job.dest, leftover))
+        return _finish_phase(job, planned, written, t0, write_s)
+    finally:
+        os.close(lock)
 
 
 def _scan_phase(job: JobContext, warm: bool) -> tuple[Scan, str]:
@@ -156,23 +186,52 @@ def _scan_phase(job: JobContext, warm: bool) -> tuple[Scan, str]:
 def _resume(job: JobContext, fingerprint: str) -> tuple[Plan | None, dict[str, dict[str, Any]]]:
     """The stored plan when it matches (else None; a different one is refused unless ``overwrite``) and the
     complete shards it keeps. A plan whose transcode cache is gone (cleared after use) is not used: the
-    deterministic validation is redone."""
-    plan = load_plan(job.dest, fingerprint, job.cfg)
+    deterministic validation is redone. A static split's node keeps only its own shards (and never clears DEST)."""
+    if job.split is None:
+        plan = load_plan(job.dest, fingerprint, job.cfg)
+    else:
+        plan = stored_plan(job, fingerprint)
     done: dict[str, dict[str, Any]] = {}
     if plan is not None:
-        for s in plan.shards:
+        for s in _mine(job, plan):
             info = shard_complete(job.dest, s.name)
             if info is not None:
                 done[s.name] = info
-        lost = [c for s in plan.shards if s.name not in done for c in s.caches
+        lost = [c for s in _mine(job, plan) if s.name not in done for c in s.caches
                 if not os.path.exists(os.path.join(job.state, c))]
         if lost:
             plan = None
     return plan, done
 
 
+def _mine(job: JobContext, plan: Plan) -> list[Any]:
+    """The shards this run writes: all, or a static split node's (``split.NodeSplit.owns``)."""
+    return [s for i, s in enumerate(plan.shards) if job.split is None or job.split.owns(i)]
+
+
+def stored_plan(job: JobContext, fingerprint: str) -> Plan | None:
+    """A static split's stored plan (None: no node has saved it yet); one of other inputs or options, or one that
+    does not check out, is refused naming the difference (a split never clears DEST)."""
+    path = os.path.join(job.state, PLAN_NAME)
+    if not os.path.exists(path):
+        return None
+    plan = read_plan(job.state)
+    if plan is None:
+        raise DataError(f"{path} is not a plan this gpufeed can read (another version, or damaged); empty DEST "
+                        f"{job.cfg.dest} and start every node again")
+    if plan.meta["fingerprint"] != fingerprint:
+        raise DataError(f"DEST {job.cfg.dest} holds a plan made from other inputs or options "
+                        f"({plan_difference(plan.meta, job.options)}); start this node like the others, or empty "
+                        f"DEST and start every node again")
+    return plan
+
+
 def _plan_phase(job: JobContext, scan: Scan, fingerprint: str, try_one_pass: bool) -> _Planned:
-    """The plan: the stored one (resume), or the one pass's, or validation then ``make_plan``; saved."""
+    """The plan: the stored one (resume), or the one pass's, or validation then ``make_plan``; saved. A static
+    split's node first records the split or checks it against the first node's (``split.claim_split``)."""
+    if job.split is not None:
+        claim_split(job.state, split_record(job.split, job.src, fingerprint, job.options, len(scan), scan.classes),
+                    job.cfg.dest)
     plan, done = _resume(job, fingerprint)
     resumed = plan is not None
     written: dict[str, dict[str, Any]] | None = None
@@ -215,8 +274,9 @@ def _validate_and_plan(job: JobContext, scan: Scan, fingerprint: str, order: Any
     save the plan. ``est``: the bytes the job expects to write (for a DEST-full message)."""
     preload(finish_imports)
     try:
+        shared = {} if job.split is None else {"store": BatchStore(job.state, job.split)}  # a split's batches
         results = validate_candidates(scan, job.src, job.state, job.opts, job.pool, job.bar, order, job.workers,
-                                      partial)
+                                      partial, **shared)
     except OSError as exc:
         cached = cache_bytes(job.state)
         clear_cache(job.state)  # useless without a plan: give the space back
@@ -225,7 +285,8 @@ def _validate_and_plan(job: JobContext, scan: Scan, fingerprint: str, order: Any
     del results, order
     _check_empty(job.cfg, plan.classes, plan.meta["class_counts"], job.warnings, after_validation=True)
     try:
-        save_plan(job.state, plan)
+        if job.split is None or stored_plan(job, fingerprint) is None:  # a split's plan: saved by the first node
+            save_plan(job.state, plan)
     except OSError as exc:
         raise os_error(exc, job.cfg, None, cache_kept=cache_bytes(job.state)) from None
     return plan
@@ -237,21 +298,26 @@ def _write_phase(job: JobContext, plan: Plan, done: dict[str, dict[str, Any]],
     transcode cache file is deleted once every shard that reads it is written, so DEST peaks near the output
     size: the cache turns into shards as they are written."""
     if not resumed or not done:
-        for s in plan.shards:
+        for s in _mine(job, plan):
             info = shard_complete(job.dest, s.name)
             if info is not None:
                 done[s.name] = info
-    todo = [s for s in plan.shards if s.name not in done]
-    caches = _CacheUsers(job.state, todo)
+    todo = [s for s in _mine(job, plan) if s.name not in done]
+    caches = _CacheUsers(job.state, todo, shared=job.split is not None)
     in_flight = sum(sorted((s.cache_bytes for s in todo), reverse=True)[:job.workers])
     need = max(0, sum(s.est_bytes for s in todo) - caches.cached) + in_flight
     check_free_space(job.dest, need, job.cfg, caches.cached)
-    for leftover in os.listdir(job.dest):
-        if leftover.startswith(".") and leftover.endswith(".tar.tmp") or atomic_leftover(leftover):
+    if job.split is None:
+        for leftover in os.listdir(job.dest):
+            if leftover.startswith(".") and leftover.endswith(".tar.tmp") or atomic_leftover(leftover):
+                os.unlink(os.path.join(job.dest, leftover))
+    else:  # only this node's: the others' may be being written
+        for leftover in leftovers(job.dest, [s.name for s in todo], finishing=False):
             os.unlink(os.path.join(job.dest, leftover))
     tasks = [WriteTask(s.name, s.count, (lambda s=s: plan.part(plan.indices(s)))) for s in todo]
     try:
-        written = write_all(job.dest, job.src, tasks, job.pool, job.bar, caches.shard_done, workers=job.workers)
+        written = write_all(job.dest, job.src, tasks, job.pool, job.bar, caches.shard_done, workers=job.workers,
+                            whole=job.cfg.engine == "ray")
     except OSError as exc:
         raise os_error(exc, job.cfg, need, cache_kept=cache_bytes(job.state), writing=True) from None
     done.update(written)
@@ -260,22 +326,26 @@ def _write_phase(job: JobContext, plan: Plan, done: dict[str, dict[str, Any]],
 
 class _CacheUsers:
     """The transcode cache files (``enc-*.bin``) the shards still to write read, each deleted once the last of
-    them is written; the others are deleted at once."""
+    them is written; the others are deleted at once. ``shared``: a static split's, whose other nodes read the
+    cache too: nothing is deleted before the set is finished."""
 
-    def __init__(self, state: str, todo: list[Any]) -> None:
+    def __init__(self, state: str, todo: list[Any], shared: bool = False) -> None:
         self.state = state
+        self.shared = shared
         self.caches_of = {s.name: s.caches for s in todo}
         self.users: dict[str, int] = {}
         for s in todo:
             for c in s.caches:
                 self.users[c] = self.users.get(c, 0) + 1
         for name in os.listdir(state):
-            if name.startswith("enc-") and name.endswith(".bin") and name not in self.users:
+            if name.startswith("enc-") and name.endswith(".bin") and name not in self.users and not shared:
                 os.unlink(os.path.join(state, name))
         self.cached = sum(os.path.getsize(os.path.join(state, c)) for c in self.users)
         """Bytes of the cache files still needed."""
 
     def shard_done(self, name: str) -> None:
+        if self.shared:
+            return
         for c in self.caches_of[name]:
             self.users[c] -= 1
             if self.users[c] == 0:
@@ -302,6 +372,7 @@ def _finish_phase(job: JobContext, planned: _Planned, written: dict[str, dict[st
     except OSError as exc:
         raise os_error(exc, cfg, None, shards_done=len(infos), writing=True) from None
     clear_cache(job.state)  # the transcode cache is only needed until every shard is complete
+    clear_split_state(job.state)
     input_bytes = int(plan.cols["bytes"].sum())
     elapsed = time.perf_counter() - t0
     # Rates count what this run wrote (a resume that keeps every shard converts nothing).
@@ -324,7 +395,99 @@ def _finish_phase(job: JobContext, planned: _Planned, written: dict[str, dict[st
         classes=list(plan.classes), empty_classes=list(plan.meta["empty_classes"]), warnings=job.warnings,
         rejected=rejected, ignored=planned.ignored, shards=names, url_pattern=manifest.url_pattern,
         manifest=os.path.join(dest, "manifest.json"),
+        **_node_fields(job),
     )
+
+
+def _others_complete(job: JobContext, planned: _Planned) -> list[str]:
+    """A static split node's look at the other nodes' shards: those complete join ``planned.done`` -> the names of
+    those not complete yet."""
+    missing = []
+    for s in planned.plan.shards:
+        if s.name not in planned.done:
+            info = shard_complete(job.dest, s.name)
+            if info is None:
+                missing.append(s.name)
+            else:
+                planned.done[s.name] = info
+    return missing
+
+
+def _node_fields(job: JobContext) -> dict[str, int]:
+    return {} if job.split is None else {"num_nodes": job.split.num_nodes, "node_rank": job.split.node_rank}
+
+
+def _node_report(job: JobContext, planned: _Planned, written: dict[str, dict[str, Any]], t0: float,
+                 write_s: float, missing: list[str]) -> ShardReport:
+    """What a static split's node did while other nodes' shards are not complete (no index, no manifest yet)."""
+    plan = planned.plan
+    elapsed = time.perf_counter() - t0
+    n_written = sum(i["num_samples"] for i in written.values())
+    in_written = sum(int(plan.cols["bytes"][plan.indices(s)].sum()) for s in plan.shards if s.name in written)
+    names = [s.name for s in plan.shards]
+    return ShardReport(
+        src=job.src, dest=job.dest, prefix=job.cfg.prefix, num_classes=len(plan.classes), num_samples=len(plan),
+        num_rejected=len(plan.rejected), num_ignored=len(planned.ignored), num_shards=len(names),
+        num_shards_written=len(written), num_shards_skipped=len(planned.done) - len(written),
+        total_bytes=sum(i["bytes"] for i in planned.done.values()), input_bytes=int(plan.cols["bytes"].sum()),
+        written_samples=n_written, written_bytes=sum(i["bytes"] for i in written.values()),
+        written_input_bytes=in_written, elapsed_s=elapsed, validate_s=planned.validate_s, write_s=write_s,
+        samples_per_s=n_written / elapsed if elapsed > 0 else 0.0,
+        mb_per_s=in_written / 1e6 / elapsed if elapsed > 0 else 0.0, workers=job.workers, strict=job.cfg.strict,
+        resumed=planned.resumed, transforms={}, num_exif_oriented=0, classes=list(plan.classes),
+        empty_classes=list(plan.meta["empty_classes"]), warnings=job.warnings, rejected=plan.rejected,
+        ignored=planned.ignored, shards=names, url_pattern="", manifest="", num_shards_missing=len(missing),
+        **_node_fields(job))
+
+
+def finish_dest(cfg: ShardConfig, progress: bool = True) -> ShardReport:
+    """``gpufeed shard DEST --finish``: once every shard of DEST's stored plan is complete (each checked against
+    its sidecar: size and sha256), write the index, the sidecar indexes and the manifest, as the local engine
+    and the last node of a static split do (the same bytes). SRC is not read; a shard not complete is a RunError
+    naming it and the node that owns it."""
+    from dataclasses import replace
+
+    from gpufeed.core.errors import RunError
+    from gpufeed.shard.split import read_split
+
+    t0 = time.perf_counter()
+    if not cfg.dest:
+        raise DataError("shard --finish needs DEST (the folder the shards were written to)")
+    dest = os.path.abspath(cfg.dest)
+    state = os.path.join(dest, STATE_DIR)
+    if not os.path.isfile(os.path.join(state, PLAN_NAME)):
+        raise DataError(f"DEST {cfg.dest} holds no shard plan ({os.path.join(cfg.dest, STATE_DIR, PLAN_NAME)} is "
+                        f"missing): run gpufeed shard SRC DEST first")
+    lock = finish_lock(state)
+    try:
+        plan = read_plan(state)
+        if plan is None:
+            raise DataError(f"{os.path.join(cfg.dest, STATE_DIR, PLAN_NAME)} is not a plan this gpufeed can read "
+                            f"(another version, or damaged); run gpufeed shard SRC DEST again")
+        record = read_split(state) or {}
+        nodes = record.get("num_nodes") if type(record.get("num_nodes")) is int else 1
+        done = {}
+        missing = []
+        for i, s in enumerate(plan.shards):
+            info = shard_complete(dest, s.name)
+            if info is None:
+                missing.append(f"{s.name} (node {i % nodes})" if nodes > 1 else s.name)
+            else:
+                done[s.name] = info
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise RunError(f"DEST {cfg.dest} cannot be finished: {len(missing)} of {len(plan.shards)} shards are not "
+                           f"complete ({shown}); run those nodes again with the same command")
+        options = plan.meta["options"]
+        src = record.get("src") if isinstance(record.get("src"), str) else ""
+        cfg = replace(cfg, src=src, prefix=options.get("prefix", cfg.prefix), finish=False)
+        job = JobContext(cfg, src, dest, 1, options, CheckOptions.of(cfg), None, Bar(progress), [])
+        planned = _Planned(plan, done, {}, True, 0.0, 0.0, [])
+        for leftover in leftovers(dest, [], finishing=True):
+            os.unlink(os.path.join(dest, leftover))
+        return _finish_phase(job, planned, {}, t0, 0.0)
+    finally:
+        os.close(lock)
 
 
 def _check_empty(cfg: ShardConfig, classes: list[str], counts: list[int], warn: list[str],

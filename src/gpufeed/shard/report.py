@@ -66,6 +66,13 @@ class ShardReport:
     shards: list[str]
     url_pattern: str
     manifest: str
+    """``manifest.json``'s path; "" while a static split's other nodes have shards to write."""
+    num_nodes: int = 1
+    """Nodes of a static split (``--num-nodes``); 1 without."""
+    node_rank: int = 0
+    num_shards_missing: int = 0
+    """Shards of other nodes not complete yet (a static split): the set is finished by the node that writes the
+    last one, or by ``gpufeed shard DEST --finish``."""
     ok: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +82,12 @@ class ShardReport:
 def render_shard(report: ShardReport, max_items: int = 20) -> str:
     """A short human summary: converted, rejected (file + reason), ignored (file + reason), shards, bytes."""
     r = report
+    if r.num_shards_missing:
+        return (f"node {r.node_rank} of {r.num_nodes}: wrote {r.num_shards_written} shard(s) ({r.written_samples} "
+                f"images, {r.written_bytes / 1e6:.1f} MB in {r.elapsed_s:.1f} s), {r.num_shards_skipped} complete; "
+                f"{r.num_shards_missing} of {r.num_shards} shards are other nodes' and not complete yet: the node "
+                f"that completes the last one writes the index and manifest (or run `gpufeed shard {r.dest} "
+                f"--finish` once every node is done)")
     lines = [
         f"converted {r.num_samples} images in {r.num_classes} classes -> {r.num_shards} shards "
         f"({r.url_pattern}) in {r.dest}",

@@ -460,12 +460,13 @@ class Partial(NamedTuple):
 
 
 def validate_candidates(scan: Scan, src: str, state: str, opts: CheckOptions, pool: Any, bar: Bar,
-                        order: Any, workers: int = 1, partial: Partial | None = None) -> Results:
+                        order: Any, workers: int = 1, partial: Partial | None = None, store: Any = None) -> Results:
     """Validate the candidates in the seeded shard order (so each transcode cache file feeds one or a few
     consecutive shards and can be deleted once they are written); results in candidate order. ``pool``: the
     job's process pool, or None (here). ``partial``: what a stopped one pass validated already; a batch whose
     files are all checked is skipped (the batches, and so the cache files' numbers, stay those of a whole
-    validation)."""
+    validation). ``store``: a static split's batch results shared through DEST (``split.BatchStore``): batches
+    in its order, each one read from it when another node validated it, else validated and saved to it."""
     n = len(order)
     results = Results(n) if partial is None else partial.results
     checked = None if partial is None else partial.checked
@@ -477,6 +478,8 @@ def validate_candidates(scan: Scan, src: str, state: str, opts: CheckOptions, po
         left = [(j, i) for j, i in batches if not checked[order[i:i + chunk]].all()]
         bar.update(n - sum(len(order[i:i + chunk]) for _, i in left))
         batches = left
+    if store is not None:
+        batches = store.order(batches)
     starts = iter(batches)
     base = os.path.join(src, "")  # + a relative path: os.path.join's result, without its cost per file
 
@@ -485,19 +488,32 @@ def validate_candidates(scan: Scan, src: str, state: str, opts: CheckOptions, po
         return ks, [base + scan.paths[k] for k in ks.tolist()]
 
     def stored(ks: Any, j: int, res: dict[str, Any]) -> None:
+        if store is not None:
+            res = store.save(j, res)
         results.put(ks, res, j)
         bar.update(len(ks), int(scan.sizes[ks].sum()))
+
+    def reused(ks: Any, j: int) -> bool:
+        """Whether batch ``j`` was validated by another node (its results are then stored)."""
+        kept = None if store is None else store.load(j, len(ks))
+        if kept is not None:
+            results.put(ks, kept, j)
+            bar.update(len(ks), int(scan.sizes[ks].sum()))
+        return kept is not None
 
     if pool is None:
         for j, i in starts:
             ks, paths = batch(i)
-            stored(ks, j, _validate_chunk(paths, opts, os.path.join(state, cache_name(j))))
+            if not reused(ks, j):
+                stored(ks, j, _validate_chunk(paths, opts, os.path.join(state, cache_name(j))))
         return results
     ex = pool
     running: dict[Any, tuple[list[int], int]] = {}
     while True:
         for j, i in starts:
             ks, paths = batch(i)
+            if reused(ks, j):
+                continue
             running[ex.submit(_validate_chunk, paths, opts, os.path.join(state, cache_name(j)))] = (ks, j)
             if len(running) >= _VALIDATE_DEPTH * workers:
                 break

@@ -133,7 +133,9 @@ def _open_source(path: str, rel: str, nbytes: int, ident: tuple[int, int, int, i
     (``os.fstat`` identity)."""
     sfd = os.open(path, os.O_RDONLY)
     st = os.fstat(sfd)
-    if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != ident or st.st_size != nbytes:
+    # device 0: validated on another node of a static split, whose mount of the shared file system has its own
+    # device number (size, mtime and inode are the file system's own)
+    if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev if ident[3] else 0) != ident or st.st_size != nbytes:
         os.close(sfd)
         raise _changed(rel)
     return sfd
@@ -547,7 +549,8 @@ class WriteTask(NamedTuple):
 
 
 def write_all(dest: str, src: str, tasks: list[WriteTask], pool: Any,
-              bar: Bar, on_done: Callable[[str], None] = lambda name: None, workers: int = 1) -> dict[str, Any]:
+              bar: Bar, on_done: Callable[[str], None] = lambda name: None, workers: int = 1,
+              whole: bool = False) -> dict[str, Any]:
     """Write the shards. ``tasks``: (shard name, number of samples, a function giving ``Plan.part`` of its
     samples), so only the shards in flight are held as records; as many shards are in flight as workers (the
     DEST space check counts on it).
@@ -556,7 +559,8 @@ def write_all(dest: str, src: str, tasks: list[WriteTask], pool: Any,
     records, member layout and hashing all happen in the workers. With fewer, every shard is split into runs
     of consecutive samples written in parallel at their offsets (``write_range``, in the worker processes, or
     one thread without a pool), while one thread per shard hashes it in order as its runs complete, so a
-    one-shard plan uses every worker too. Either way a shard is renamed once written and hashed."""
+    one-shard plan uses every worker too. Either way a shard is renamed once written and hashed. ``whole``:
+    whole shards always (Ray: a task on another machine writes and hashes its own file)."""
     total = sum(t.count for t in tasks)
     bar.start("write", total)
     out: dict[str, Any] = {}
@@ -565,7 +569,7 @@ def write_all(dest: str, src: str, tasks: list[WriteTask], pool: Any,
     own = pool is None
     ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufeed-write") if own else pool
     try:
-        if len(tasks) >= 2 * max(1, workers):
+        if whole or len(tasks) >= 2 * max(1, workers):
             _write_whole(dest, src, tasks, ex, bar, on_done, workers, out)
         else:
             _write_ranges(dest, src, tasks, ex, bar, on_done, workers, out)

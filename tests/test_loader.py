@@ -6,6 +6,7 @@ import io
 import json
 import random
 import tarfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -478,11 +479,12 @@ def test_loads_gpufeed_shard_output(tmp_path, image_folder):
 
 def _gpu_decode_padded_whole(batch, device):
     """The former gpu_decode: every whole image padded to the batch's largest (reference for the crop-first one)."""
-    from torchvision.io import ImageReadMode, decode_jpeg
     from torchvision.ops import roi_align
 
+    from gpufeed.loader.gpu import jpeg_decoder
+
     S = batch.size
-    decoded = decode_jpeg(batch.chunks(), mode=ImageReadMode.RGB, device=device)
+    decoded = jpeg_decoder()(batch.chunks(), device)
     hmax = max(int(x.shape[1]) for x in decoded)
     wmax = max(int(x.shape[2]) for x in decoded)
     padded = torch.zeros((len(decoded), 3, hmax, wmax), dtype=torch.uint8, device=device)
@@ -528,7 +530,10 @@ def test_gpu_decode_crops_before_padding(monkeypatch):
 
     monkeypatch.setattr(torchvision.ops, "roi_align", spy)
 
-    out = gpu_decode(batch, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # TorchCodec, not torchvision.io's deprecated decode_jpeg
+        warnings.simplefilter("error", UserWarning)
+        out = gpu_decode(batch, "cpu")
     windows = [crop_window(b, w, h) for b, (w, h) in zip(batch.boxes, sizes)]
     assert seen == [(5, 3, *crop_buffer_shape(windows))]
     assert crop_buffer_shape(windows) == (43, 42)  # the 40 x 41 crop + 1 px each side; images are up to 300 x 200

@@ -68,6 +68,7 @@ MAX_WORKERS = 1024
 MAX_BATCH_SIZE = 65_536
 """Samples per batch: 64 Ki 224-px images are already ~10 GB of uint8 per batch."""
 MAX_PREFETCH_FACTOR = 64
+MAX_DECODE_THREADS = 256
 """Batches prefetched per DataLoader worker; beyond a few, prefetching only costs RAM."""
 MAX_REMOTE_STREAMS = 64
 """Range requests in flight per worker on a remote shard (each of at least 1 MiB)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -18,7 +19,7 @@ from gpufeed.loader.errors import WorkerFailure
 from gpufeed.loader.gpu import EncodedBatch, prepare_encoded
 from gpufeed.loader.plan import crop_rng, plan_slot, resume_slot, shuffle_rng, split_of
 from gpufeed.loader.reader import ShardReader
-from gpufeed.loader.stages import Decode, OnError, batch, fill, read_segments, shuffle
+from gpufeed.loader.stages import Decode, OnError, ThreadedDecode, batch, fill, read_segments, shuffle
 from gpufeed.shardset.manifest import DEFAULT_LABEL_SOURCE, read_label
 
 
@@ -106,15 +107,25 @@ class ShardStream(IterableDataset):
         buffer = cfg.shuffle_buffer if self.train else 0
         rows = BatchRows(1 if self.per_sample else cfg.batch_size, cfg.image_size, info is not None,
                          cfg.decode == "gpu")
-        decode = Decode(self._label, lambda data: dec.check_header(data, cfg.max_pixels),
-                        partial(self._decode, rows, epoch), handler, skip)
+        check = partial(dec.check_header, max_pixels=cfg.max_pixels)
+        threads = cfg.decode_threads if cfg.decode != "gpu" else 1
+        if threads > 1:
+            S = cfg.image_size
+            decode = ThreadedDecode(self._label, check, partial(self._decode_to, epoch), partial(_commit, rows),
+                                    lambda: np.empty((S, S, 3), dtype=np.uint8), handler, threads, skip)
+        else:
+            decode = Decode(self._label, check, partial(self._decode, rows, epoch), handler, skip)
 
         def one_pass():
             return decode(shuffle(read_segments(plan.segments, self.reader, handler), buffer, rng))
 
         empty = (f"rank {self.world.rank} worker {slot}: no readable sample in its {plan.num_samples} planned "
                  f"samples (shards {sorted({s.shard for s in plan.segments})})")
-        yield from batch(fill(one_pass, quota, handler, empty), rows)
+        try:
+            yield from batch(fill(one_pass, quota, handler, empty), rows)
+        finally:
+            if isinstance(decode, ThreadedDecode):
+                decode.close()
 
     def _label(self, sample: dict) -> int:
         return read_label(sample, self.label, self.classes, self.class_index)
@@ -125,6 +136,12 @@ class ShardStream(IterableDataset):
             return partial(dec.train_crop, rng=rng)
         return partial(dec.eval_crop, size=self.cfg.image_size, crop_ratio=getattr(self.cfg, "crop_ratio", 0.875))
 
+    def _decode_to(self, epoch: int, sample: dict, ext: str, data: bytes, out: np.ndarray) -> None:
+        """Decode one sample into ``out`` (a decode thread's buffer; :func:`_commit` copies it into the batch)."""
+        cfg = self.cfg
+        dec.decode_into(data, ext, cfg.decode, self._crop_fn(sample, epoch), cfg.image_size, out,
+                        resize=getattr(cfg, "resize", "torch"), max_pixels=cfg.max_pixels)
+
     def _decode(self, rows: BatchRows, epoch: int, sample: dict, ext: str, data: bytes) -> None:
         """Decode one sample into the next row of ``rows`` (or record its JPEG for the device)."""
         images, enc, row = rows.target()
@@ -133,3 +150,9 @@ class ShardStream(IterableDataset):
             return
         dec.decode_into(data, ext, cfg.decode, self._crop_fn(sample, epoch), cfg.image_size, images[row],
                         resize=getattr(cfg, "resize", "torch"), max_pixels=cfg.max_pixels)
+
+
+def _commit(rows: BatchRows, out: np.ndarray) -> None:
+    """A decoded image into the next row of the batch being built."""
+    images, _, row = rows.target()
+    images[row] = out

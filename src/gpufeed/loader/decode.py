@@ -28,6 +28,7 @@ from __future__ import annotations
 import io
 import math
 import random
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -268,7 +269,8 @@ def _import_simplejpeg():
 
 def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str = "torch",
                       max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
-    """libjpeg-turbo decode at the smallest M/8 scale that keeps the crop >= ``size``; CMYK goes to PIL.
+    """libjpeg-turbo decode at 1/2, 1/4 or 1/8 scale when the crop stays >= ``size`` there, into this thread's reused
+    buffer; CMYK goes to PIL.
 
     The header's size is checked against ``max_pixels`` before decoding (by PIL when TurboJPEG cannot read it).
     """
@@ -282,14 +284,26 @@ def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *, resiz
         return
     check_pixels(w, h, max_pixels)
     crop = crop_fn(w, h)
-    min_w = min(w, math.ceil(w * size / max(crop.width, 1e-6)))
-    min_h = min(h, math.ceil(h * size / max(crop.height, 1e-6)))
-    arr = sj.decode_jpeg(data, colorspace="RGB", min_width=min_w, min_height=min_h)
+    scale = draft_scale(crop, size)  # 1/2, 1/4, 1/8 when the crop keeps >= size pixels; other M/8 scales gain nothing
+    min_w, min_h = -(-w // scale), -(-h // scale)  # libjpeg's 1/scale output size: the M/8 scale picked is 1/scale
+    dh, dw, _, _ = sj.decode_jpeg_header(data, min_height=min_h, min_width=min_w)
+    arr = sj.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, buffer=_decode_buffer(dh * dw * 3))
     dh, dw = arr.shape[:2]
     if resize == "torch":
         resize_array_into(arr, crop, size, out, dw / w, dh / h)
     else:
         _finish(Image.fromarray(arr), crop, size, out, dw / w, dh / h, resize)
+
+
+_scratch = threading.local()
+
+
+def _decode_buffer(nbytes: int) -> np.ndarray:
+    """This thread's reused decode output buffer, at least ``nbytes`` (grown by half again when too small)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _scratch.buf = np.empty(max(nbytes, 3 * (buf.size if buf is not None else 0) // 2), dtype=np.uint8)
+    return buf
 
 
 def decode_into(data: bytes, ext: str, method: DecodeMethod, crop_fn, size: int, out: np.ndarray, *,

@@ -107,8 +107,25 @@ def crop_buffer_shape(windows: list[tuple[int, int, int, int]]) -> tuple[int, in
     return max(y1 - y0 for _, y0, _, y1 in windows), max(x1 - x0 for x0, _, x1, _ in windows)
 
 
+def jpeg_decoder() -> Callable[[list[torch.Tensor], str | torch.device], list[torch.Tensor]]:
+    """The batched JPEG decode ``gpu_decode`` calls: ``decoder(chunks, device)`` -> RGB uint8 ``[3, H, W]`` tensors.
+
+    TorchCodec's ``decode_jpeg`` (nvJPEG on CUDA, libjpeg-turbo on the CPU; one nvJPEG call for the batch), the
+    successor of ``torchvision.io.decode_jpeg`` (deprecated since torchvision 0.29). Without the ``torchcodec``
+    package it falls back to torchvision's, which still works but prints its deprecation warning.
+    """
+    try:
+        from torchcodec.decoders import decode_jpeg
+    except ImportError:  # torchcodec not installed (pip install torchcodec)
+        from torchvision.io import ImageReadMode
+        from torchvision.io import decode_jpeg as tv_decode_jpeg
+
+        return lambda chunks, device: tv_decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
+    return lambda chunks, device: decode_jpeg(chunks, mode="RGB", device=device)
+
+
 def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bool = True) -> torch.Tensor:
-    """``torchvision.io.decode_jpeg`` of the batch's JPEGs on ``device``, then crop + resize + flip there.
+    """Batched JPEG decode (:func:`jpeg_decoder`) of the batch's JPEGs on ``device``, then crop + resize + flip there.
 
     One batched decode call; then, per image, its crop window (:func:`crop_window`) is copied into a zero
     buffer of :func:`crop_buffer_shape` (the window's last row/column replicated once into the padding, so
@@ -118,7 +135,6 @@ def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bo
     bilinear filter) resizes every crop to ``S x S``, then flips and the uint8 cast are batched. Memory
     besides the decoded JPEGs is bounded by the crops: ``K x 3 x window`` uint8 and float32.
     """
-    from torchvision.io import ImageReadMode, decode_jpeg
     from torchvision.ops import roi_align
 
     S = batch.size
@@ -128,7 +144,7 @@ def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bo
             return out
     else:
         out = torch.empty((len(batch), S, S, 3), dtype=torch.uint8, device=device).permute(0, 3, 1, 2)
-    decoded = decode_jpeg(batch.chunks(), mode=ImageReadMode.RGB, device=device)
+    decoded = list(jpeg_decoder()(batch.chunks(), device))
     windows = [crop_window(box, int(img.shape[2]), int(img.shape[1])) for img, box in zip(decoded, batch.boxes)]
     hmax, wmax = crop_buffer_shape(windows)
     padded = torch.zeros((len(decoded), 3, hmax, wmax), dtype=torch.uint8, device=device)

@@ -9,6 +9,8 @@ resumed iteration's first samples without decoding them) holds its own small sta
 from __future__ import annotations
 
 import random
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterator, Protocol, TypeVar
 
 from gpufeed.core.errors import DataError, one_line
@@ -29,6 +31,9 @@ class OnError:
         self.policy = policy
         self.lost = 0
         """Samples lost so far (corrupt, unreadable or surplus), one by one."""
+        self.ahead = 0
+        """Of :attr:`lost`, those a read-ahead stage (:class:`ThreadedDecode`) counted beyond the sample it hands
+        out now: the sequential stages would count them later, so :func:`fill` leaves them out until then."""
 
     def __call__(self, message: str, lost: int) -> None:
         if self.policy == "raise":
@@ -140,25 +145,109 @@ class Decode:
             ext = sample["__ext__"]
             passing = self.to_skip > 0
             try:
-                if "__duplicate__" in sample:
-                    raise ValueError(f"its .{sample['__duplicate__']} member appears twice (index and verify "
-                                     f"report it; which one is meant is not known)")
-                label = self.label(sample)
-                if ext is None:
-                    raise ValueError("no image data")
-                data = sample[ext]
+                label, data = self._checked(sample, ext)
                 if passing:  # before the resume point: the checks that need no decode, no pixels
                     self.check(data)
                 else:
                     self.decode(sample, ext, data)
             except Exception as exc:  # noqa: BLE001 - the policy decides
-                member = f"{sample.get('__key__')}.{ext}" if ext else sample.get("__key__")
-                self.handler(f"corrupt sample {str(member)!r} in shard {printable(sample.get('__url__'))}: "
-                             f"{reason(exc)}", 1)
+                self._lost(sample, ext, exc)
                 continue
             if passing:
                 self.to_skip -= 1
             yield label, not passing
+
+    def _checked(self, sample: dict, ext: str | None) -> tuple[int, bytes]:
+        """``(label, image bytes)`` of a sample, or the exception that makes it a lost sample."""
+        if "__duplicate__" in sample:
+            raise ValueError(f"its .{sample['__duplicate__']} member appears twice (index and verify "
+                             f"report it; which one is meant is not known)")
+        label = self.label(sample)
+        if ext is None:
+            raise ValueError("no image data")
+        return label, sample[ext]
+
+    def _lost(self, sample: dict, ext: str | None, exc: Exception) -> None:
+        member = f"{sample.get('__key__')}.{ext}" if ext else sample.get("__key__")
+        self.handler(f"corrupt sample {str(member)!r} in shard {printable(sample.get('__url__'))}: {reason(exc)}", 1)
+
+
+class ThreadedDecode(Decode):
+    """The decode stage with ``threads`` images decoding at once in this process (``decode_threads`` > 1).
+
+    ``decode_to(sample, ext, data, out)`` runs on a thread pool and writes the image into ``out``, one of
+    ``2 x threads`` reused ``[S, S, 3]`` buffers (``buffer()`` makes one); the results are taken in the samples'
+    order, and ``commit(out)`` copies each good one into the batch's next row. Everything else (the label and
+    header checks, the resume's passing over, each loss reported to the handler) happens in order in the calling
+    thread, so the samples, their order, the crops and the counts are those of :class:`Decode`.
+    """
+
+    def __init__(self, label: Callable[[dict], int], check: Callable[[bytes], None],
+                 decode_to: Callable[[dict, str, bytes, object], None], commit: Callable[[object], None],
+                 buffer: Callable[[], object], handler: OnError, threads: int, skip: int = 0):
+        super().__init__(label, check, lambda *a: None, handler, skip)
+        self.decode_to, self.commit = decode_to, commit
+        self.reported = 0
+        """Losses this stage reported (the rest of ``handler.lost`` was counted upstream)."""
+        self.depth = 2 * threads
+        self.free = [buffer() for _ in range(self.depth)]
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="gpufeed-decode")
+
+    def __call__(self, samples: Iterator[dict]) -> Iterator[tuple[int, bool]]:
+        pending: deque = deque()
+        done = False
+        try:
+            for sample in samples:
+                if self.to_skip > 0:  # resume: nothing in flight before the first decoded sample
+                    yield from super().__call__(iter((sample,)))
+                    continue
+                pending.append((*self._submit(sample), self._upstream()))
+                if len(pending) >= self.depth:
+                    yield from self._take(pending.popleft())
+            while pending:
+                yield from self._take(pending.popleft())
+            done = True
+        finally:  # left early (quota reached, an error): let the threads finish with the buffers
+            wait([e[3] for e in pending if isinstance(e[3], Future)])
+            self.free += [e[4] for e in pending if e[4] is not None]
+            if not done:  # losses read ahead of the last sample handed out: the sequential stages never reach them
+                self.handler.lost -= self.handler.ahead
+            self.handler.ahead = 0
+
+    def _upstream(self) -> int:
+        return self.handler.lost - self.reported
+
+    def _lost(self, sample: dict, ext: str | None, exc: Exception) -> None:
+        self.reported += 1
+        super()._lost(sample, ext, exc)
+
+    def _submit(self, sample: dict) -> tuple:
+        ext = sample["__ext__"]
+        try:
+            label, data = self._checked(sample, ext)
+        except Exception as exc:  # noqa: BLE001 - reported in order, by _take
+            return sample, ext, None, exc, None
+        out = self.free.pop()
+        return sample, ext, label, self.pool.submit(self.decode_to, sample, ext, data, out), out
+
+    def _take(self, entry: tuple) -> Iterator[tuple[int, bool]]:
+        sample, ext, label, job, out, upstream = entry
+        try:
+            if not isinstance(job, Future):
+                raise job
+            job.result()
+            self.commit(out)
+        except Exception as exc:  # noqa: BLE001 - the policy decides
+            self._lost(sample, ext, exc)
+            return
+        finally:
+            if out is not None:
+                self.free.append(out)
+        self.handler.ahead = self._upstream() - upstream  # counted upstream after this sample was read
+        yield label, True
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def fill(one_pass: Callable[[], Iterator[T]], quota: int, handler: OnError,
@@ -177,7 +266,7 @@ def fill(one_pass: Callable[[], Iterator[T]], quota: int, handler: OnError,
             done += 1
             if passes > 0:
                 repeated += 1  # every good sample of the range was used once on the first pass
-            yield item, handler.lost if passes == 0 else first_pass_lost, repeated
+            yield item, handler.lost - handler.ahead if passes == 0 else first_pass_lost, repeated
             if done >= quota:
                 break
         passes += 1

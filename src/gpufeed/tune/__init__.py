@@ -23,8 +23,8 @@ from gpufeed.tune.records import KNOBS, TrialRecord, TuneReport, trial_record
 from gpufeed.tune.report import PASSWORD_REMOVED, plot_trials, render, storage_line, write_outputs
 from gpufeed.tune.search import (BUDGET_SATURATED, STREAMS_LADDER, WORKER_LADDER, CheckFn, MeasureFn, Search,
                                  climb_streams, climb_workers, has_module, measure_baseline_imagefolder, refine,
-                                 refine_batching, refine_decode, refine_pinning, refine_prefetch, settle_unmeasured,
-                                 worker_ladder)
+                                 refine_batching, refine_decode, refine_pinning, refine_prefetch, refine_threads,
+                                 settle_unmeasured, worker_ladder)
 from gpufeed.tune.trials import measure_imagefolder, measure_loader, trial_from_stream
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
     "classify_bound", "climb_streams", "climb_workers", "combine_ranks", "compare_on", "describe",
     "has_module", "measure_baseline_imagefolder", "measure_imagefolder", "measure_loader", "measure_node",
     "measure_ranks", "node_ranks", "plot_trials", "possible_cores", "rank_world", "refine",
-    "refine_batching", "refine_decode", "refine_pinning", "refine_prefetch", "render", "settle_unmeasured",
+    "refine_batching", "refine_decode", "refine_pinning", "refine_prefetch", "refine_threads", "render", "settle_unmeasured",
     "staged_world", "storage_line", "trial_from_stream", "trial_record", "tune", "tune_within", "worker_ladder",
     "write_outputs",
 ]
@@ -90,7 +90,7 @@ def tune_within(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: M
 
     s.decisions += climb_workers(s, worker_ladder(s.ceiling))
     if s.point_rec is not None and not s.target_reached():
-        for phase in (climb_streams, refine_decode, refine_batching, refine_prefetch, refine_pinning):
+        for phase in (climb_streams, refine_decode, refine_threads, refine_batching, refine_prefetch, refine_pinning):
             s.decisions += phase(s)
     best = s.point_rec  # the search path's point: a knob moved only when it won by min_gain
     chosen = settle_unmeasured(s, best, samples) if best is not None else None

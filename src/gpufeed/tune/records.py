@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 KNOBS = ("num_workers", "decode", "worker_batching", "prefetch_factor", "pin_memory", "persistent_workers",
-         "shuffle_buffer", "remote_streams")
+         "shuffle_buffer", "remote_streams", "decode_threads")
 """LoaderConfig fields the tuner may move (batch_size and image_size are fixed by the caller)."""
 
 
@@ -92,6 +92,8 @@ class TrialRecord:
     """The slowest rank's median samples/s (None for a one-rank trial): DDP steps at this rank's pace."""
     remote_streams: int = LoaderConfig.remote_streams
     """Range requests in flight per worker on a remote shard (no effect on a local set)."""
+    decode_threads: int = LoaderConfig.decode_threads
+    """Decode threads per loader process."""
     note: str = ""
     error: str | None = None
     """Why the trial failed, one sentence."""
@@ -118,7 +120,8 @@ def trial_record(cfg: LoaderConfig, rates: list[float] | None = None, *, pipelin
         batch_size=cfg.batch_size, num_workers=cfg.num_workers, decode=cfg.decode,
         worker_batching=cfg.worker_batching, prefetch_factor=cfg.prefetch_factor, pin_memory=cfg.pin_memory,
         persistent_workers=cfg.persistent_workers, shuffle_buffer=cfg.shuffle_buffer, image_size=cfg.image_size,
-        remote_streams=cfg.remote_streams, samples_per_s=None if error or stat is None else stat.median,
+        remote_streams=cfg.remote_streams, decode_threads=cfg.decode_threads,
+        samples_per_s=None if error or stat is None else stat.median,
         samples_per_s_min=None if stat is None else stat.min,
         samples_per_s_max=None if stat is None else stat.max,
         samples_per_s_runs=rates, error=error, **extra,

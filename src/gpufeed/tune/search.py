@@ -264,15 +264,16 @@ def climb_streams(s: Search) -> list[Decision]:
     return out
 
 
-def refine(s: Search, knob: str, values: list[Any]) -> list[Decision]:
-    """Try each of ``values`` for ``knob`` at the search point; move the point when a candidate wins by min_gain
-    (on the quantity :func:`compare_on` names). A candidate the budget has no room for is noted in ``skipped``."""
+def refine(s: Search, knob: str, values: list[Any], also: dict[str, Any] | None = None) -> list[Decision]:
+    """Try each of ``values`` for ``knob`` at the search point (with the changes in ``also``); move the point when a
+    candidate wins by min_gain (on the quantity :func:`compare_on` names). A candidate the budget has no room for
+    is noted in ``skipped``."""
     out: list[Decision] = []
     for v in values:
         ref = s.point_rec
         if ref is None or s.target_reached():
             break
-        cand = dataclasses.replace(s.point, **{knob: v})
+        cand = dataclasses.replace(s.point, **{knob: v, **(also or {})})
         rec = s.run(cand, knob, deadline=s.search_deadline)
         if rec is None:
             s.skipped.setdefault(knob, "budget: no time left for this trial")
@@ -310,6 +311,17 @@ def refine_decode(s: Search) -> list[Decision]:
         s.skipped["decode=pil"] = ("not measured: same libjpeg decoder as pil-draft, which only adds reduced-size "
                                    "DCT scaling when the crop allows it, so full decode cannot be faster")
     return refine(s, "decode", decodes)
+
+
+def refine_threads(s: Search) -> list[Decision]:
+    """Phase 2b: decode threads x worker processes (CPU decode): 2 decode threads in half the worker processes
+    (the same cores busy, half the processes and no sample pickled between them), or 2 threads in the one process
+    that decodes (0 or 1 workers)."""
+    if s.point.decode == "gpu":
+        s.skipped["decode_threads"] = "decode = gpu: the device decodes, threads only read"
+        return []
+    w = s.point.num_workers
+    return refine(s, "decode_threads", [2], also={"num_workers": w // 2} if w > 1 else None)
 
 
 def refine_batching(s: Search) -> list[Decision]:

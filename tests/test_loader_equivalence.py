@@ -1,0 +1,95 @@
+"""Every CPU decode path against a PIL reference (full decode, ``convert("RGB")``, ``resize(box=crop)`` bilinear, flip):
+per-image mean absolute error <= 2 levels of 255 and no channel off by more than 8 away from the output's border,
+over the shipped fixture (28x28 PNG digits) and synthetic JPEGs: grayscale, 4:4:4, 4:2:2, 4:2:0 progressive,
+CMYK, and large ones whose crops take the reduced-size (1/2, 1/4, 1/8) decodes."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gpufeed.loader import decode as dec
+from tests.test_loader import encode, smooth_image
+
+S = 32
+FIXTURE = Path(__file__).parent / "fixtures" / "webdataset-sample.tgz"
+
+
+def _reference(data: bytes, crop: dec.Crop) -> np.ndarray:
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    img = img.resize((S, S), Image.Resampling.BILINEAR, box=crop.box)
+    if crop.flip:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return np.asarray(img)
+
+
+def _synthetic() -> list[tuple[str, str, bytes]]:
+    rgb = smooth_image(180, 140, 1)
+    big = smooth_image(1400, 1100, 2)
+    return [
+        ("gray", "jpg", encode(rgb.convert("L"), quality=92)),
+        ("444", "jpg", encode(rgb, quality=92, subsampling=0)),
+        ("422", "jpg", encode(rgb, quality=92, subsampling=1)),
+        ("420-progressive", "jpg", encode(rgb, quality=92, subsampling=2, progressive=True)),
+        ("cmyk", "jpg", encode(rgb.convert("CMYK"), quality=92)),
+        ("big-420", "jpg", encode(big, quality=92)),
+        ("big-gray-progressive", "jpg", encode(big.convert("L"), quality=92, progressive=True)),
+    ]
+
+
+def _fixture(limit: int = 12) -> list[tuple[str, str, bytes]]:
+    with tarfile.open(FIXTURE) as tf:
+        return [(m.name, "png", tf.extractfile(m).read()) for m in tf.getmembers() if m.name.endswith(".png")][:limit]
+
+
+def _crops(data: bytes) -> list:
+    rng = random.Random(len(data))
+    crop_fns = [partial(dec.train_crop, rng=random.Random(rng.random())) for _ in range(6)]
+    return crop_fns + [partial(dec.eval_crop, size=S)]
+
+
+KNOWN = {
+    ("big-420", "pil-draft"): "1/8 DCT-scaled decode of a 1400 x 1100 crop to 32 px: mean error 2.1",
+    ("big-420", "simplejpeg"): "1/8 DCT-scaled decode of a 1400 x 1100 crop to 32 px: mean error 4.1",
+    ("big-gray-progressive", "pil-draft"): "1/8 DCT-scaled decode of a 536 x 433 crop to 32 px: mean error 3.0",
+    ("big-gray-progressive", "simplejpeg"): "1/8 DCT-scaled decode: mean error 2.3",
+    **{(f"{n}.png", m): "3x upscale of a 28 px binary digit: torch's uint8 bilinear differs from PIL's by up to 13 "
+                        "levels on hard edges (all paths, resize = torch)" for n in (11, 17, 19)
+       for m in ("pil", "pil-draft", "simplejpeg")},
+}
+"""Cases over the issue's bounds today (found by this test, not yet fixed): xfail, so a fix shows up as XPASS."""
+
+
+def _cases():
+    for name, ext, data in _synthetic() + _fixture():
+        for method in ("pil", "pil-draft", "simplejpeg"):
+            why = KNOWN.get((name, method))
+            marks = [pytest.mark.xfail(reason=why, strict=False)] if why else []
+            yield pytest.param(method, name, ext, data, marks=marks, id=f"{name}-{method}")
+
+
+@pytest.mark.parametrize("method,name,ext,data", list(_cases()))
+def test_decode_paths_match_a_pil_reference(method, name, ext, data):
+    if method == "simplejpeg":
+        pytest.importorskip("simplejpeg")
+    w, h = dec.image_size(data)
+    for make in _crops(data):
+        crop = make(w, h)
+        out = np.zeros((S, S, 3), np.uint8)
+        dec.decode_into(data, ext, method, lambda *_: crop, S, out)
+        ref = _reference(data, crop)
+        diff = np.abs(out.astype(np.int16) - ref.astype(np.int16))
+        assert diff.mean() <= 2.0, (name, crop, diff.mean())
+        assert diff[1:-1, 1:-1].max() <= 8, (name, crop, diff[1:-1, 1:-1].max())
+
+
+def test_big_crops_take_the_reduced_size_decode():
+    """The equivalence above covers the scaled decodes: a whole-image crop of a 1400 x 1100 image decodes at 1/8."""
+    assert dec.draft_scale(dec.Crop((0, 0, 1400, 1100)), S) == 8 and dec.draft_scale(dec.Crop((0, 0, 70, 80)), S) == 2

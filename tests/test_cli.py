@@ -92,7 +92,8 @@ def test_os_error_becomes_input_error(tmp_path, image_folder) -> None:
 # --------------------------------------------------------------------------- help from the config dataclasses
 
 FILE_ONLY = {
-    "loader": {"pin_memory", "persistent_workers", "worker_batching", "shuffle_buffer", "decode", "on_error", "check",
+    "loader": {"pin_memory", "persistent_workers", "worker_batching", "shuffle_buffer", "decode", "decode_threads",
+               "on_error", "check",
                "seed", "crop_ratio", "resize", "remote_streams", "shard_split"},
     "tune": {"warmup_batches", "min_gain", "target_margin"},
     "train": {"num_classes", "min_lr", "timing_warmup_steps", "progress"},

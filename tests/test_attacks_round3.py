@@ -50,3 +50,34 @@ def test_a_postscript_image_never_reaches_ghostscript(tmp_path: Path, fake_gs: P
     r = invoke(["shard", src, tmp_path / "out", "--workers", "1", "--json"])
     assert [x["path"] for x in json.loads(r.stdout)["rejected"]] == ["a/evil.jpg"]
     assert not fake_gs.exists()
+
+
+# ------------------------------------------------------- C2: a URL of an unsupported scheme becomes a path, password shown
+@pytest.mark.parametrize("args", [
+    ["verify", "ftp://alice:SHORTPW@host/set/"],
+    ["index", "ftp://alice:SHORTPW@host/set/x-{0..1}.tar", "--out", "OUT"],
+    ["io", "sftp://alice:SHORTPW@host/set/"],
+    ["stage", "HTTPS+X://alice:SHORTPW@host/set/", "OUT"],
+    ["tune", "file://alice:SHORTPW@host/set/"],
+    ["train", "--shards", "hdfs://alice:SHORTPW@host/set/", "--steps", "1"],
+])
+def test_an_unsupported_url_scheme_is_refused_with_its_password_hidden(tmp_path: Path, args: list[str]) -> None:
+    """pathlib turns ``ftp://u:pw@h`` into ``ftp:/u:pw@h``, which no longer looks like a URL to redact(): every
+    command refuses the scheme before it becomes a path (exit 2, one sentence), the password hidden."""
+    r = invoke([a.replace("OUT", str(tmp_path / "out")) for a in args] + ["--json"], expect=2)
+    assert "SHORTPW" not in r.stdout + r.stderr
+    assert "does not read" in json.loads(r.stdout)["error"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_open_set_refuses_an_unsupported_scheme_and_redact_catches_the_collapsed_form() -> None:
+    """The library edge (a config file's ``shards``) refuses it too; redact() hides a ``scheme:/user:pw@`` that a
+    path made of a URL still carries, wherever it comes from."""
+    from gpufeed.core.errors import DataError
+    from gpufeed.core.redact import redact
+    from gpufeed.shardset.source import open_set
+
+    with pytest.raises(DataError, match=r"^webdav://bob:\*\*\*@h/s: gpufeed does not read webdav://"):
+        open_set("webdav://bob:PW@h/s")
+    assert redact("folder ftp:/alice:SHORTPW@host/set is missing") == "folder ftp:/alice:***@host/set is missing"
+    assert redact("/data/C:/x and ftp:/host/a@b") == "/data/C:/x and ftp:/host/a@b"

@@ -22,6 +22,10 @@ HIDDEN = "***"
 
 _SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
 """A URL's start: ``scheme://`` not inside a longer word."""
+_REDACT_START = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*:/(/)?")
+"""What :func:`redact` looks for: :data:`_SCHEME`, or ``scheme:/``, the form pathlib leaves of a URL made
+into a path (``ftp://u:pw@host/x`` -> ``ftp:/u:pw@host/x``), whose first path segment is taken as an authority
+only when it holds an ``@``."""
 _AUTHORITY_END = re.compile(r"[/?#\r\n]")
 _PORT = re.compile(r"[0-9]*")
 
@@ -56,6 +60,12 @@ def _userinfo_end(text: str, start: int) -> int:
     return text.rfind("@", start, stop)
 
 
+def _collapsed_userinfo_end(text: str, start: int) -> int:
+    """The last ``@`` of the first path segment after ``scheme:/`` at ``text[start]``, or -1."""
+    m = _AUTHORITY_END.search(text, start)
+    return text.rfind("@", start, m.start() if m else len(text))
+
+
 def _hide(userinfo: str) -> str:
     user, colon, _ = userinfo.partition(":")
     return f"{user}:{HIDDEN}" if colon else HIDDEN
@@ -64,14 +74,14 @@ def _hide(userinfo: str) -> str:
 def redact(text: str) -> str:
     """``text`` with the password (or lone token) of every ``scheme://user:password@`` in it replaced by
     ``***``; the user name stays. Idempotent."""
-    if "://" not in text:
+    if ":/" not in text:
         return text
     out, pos = [], 0
-    for m in _SCHEME.finditer(text):
+    for m in _REDACT_START.finditer(text):
         if m.start() < pos:  # inside a userinfo already hidden
             continue
         start = m.end()
-        at = _userinfo_end(text, start)
+        at = _userinfo_end(text, start) if m.group(1) else _collapsed_userinfo_end(text, start)
         if at < 0:
             continue
         hidden = _hide(text[start:at])

@@ -138,6 +138,26 @@ def is_url(spec: str | Path) -> bool:
     return isinstance(spec, str) and spec[:8].lower().startswith(REMOTE_PREFIXES)
 
 
+_ANY_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_location(spec: str | Path) -> None:
+    """Refuse (DataError, exit 2) a typed location that starts like a URL gpufeed does not read (``ftp://``,
+    ``file://``, ``HTTPS+X://``: pathlib would make a path of it, turning ``//`` into ``/`` and so the URL's password
+    into text that no longer looks like one) or a URL holding a control character; the message shows the URL with
+    its password hidden."""
+    if not isinstance(spec, str):
+        return
+    m = _ANY_SCHEME.match(spec)
+    shown = repr(spec) if _CONTROL.search(spec) else spec  # one line, its password hidden whole
+    if m and not is_url(spec):
+        raise DataError(f"{shown}: gpufeed does not read {m.group(0)} URLs (only http://, https://, s3://, gs://, "
+                        f"a pipe: command or a local path)")
+    if m and _CONTROL.search(spec):
+        raise DataError(f"{shown}: a URL may not hold a control character (a line break, a tab)")
+
+
 def normal_url(spec: str) -> str:
     """``spec`` with the scheme of a URL (:func:`is_url`) in lower case, as fsspec and the checks here take it;
     anything else as it is."""
@@ -772,6 +792,8 @@ def open_set(spec: str | Path, manifest: str | Path | None = None, retry: Retry 
     the one next to the pattern, required for ``pipe:``), whose shard names must be the pattern's basenames in
     order. A folder given together with ``manifest`` holds the shards that manifest names (its ``root`` is not
     used). Raises DataError (one sentence)."""
+    check_location(spec)
+    check_location(manifest)
     text = normal_url(str(spec))
     pipe = text.startswith(PIPE_PREFIX)
     remote = pipe or is_url(text)

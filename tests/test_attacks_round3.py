@@ -81,3 +81,49 @@ def test_open_set_refuses_an_unsupported_scheme_and_redact_catches_the_collapsed
         open_set("webdav://bob:PW@h/s")
     assert redact("folder ftp:/alice:SHORTPW@host/set is missing") == "folder ftp:/alice:***@host/set is missing"
     assert redact("/data/C:/x and ftp:/host/a@b") == "/data/C:/x and ftp:/host/a@b"
+
+
+# ------------------------------------------- H1: a manifest's root makes stage copy a private file into DEST
+def _rooted_set(tmp_path: Path, shard: Path) -> Path:
+    """A set folder whose manifest's absolute ``root`` points at ``shard``'s folder, naming it without a sha256."""
+    from tests.train_shards import write_tiny_shards
+
+    folder = write_tiny_shards(tmp_path / "set", [3], image_px=16)
+    m = json.loads((folder / "manifest.json").read_text())
+    s = dict(m["shards"][0], name=shard.name, bytes=shard.stat().st_size, sha256=None)
+    m.update(shards=[s], num_samples=s["num_samples"], total_bytes=s["bytes"], url_pattern=shard.name,
+             root=str(shard.parent))
+    (folder / "manifest.json").write_text(json.dumps(m))
+    return folder
+
+
+def test_stage_never_copies_a_non_tar_nor_loosens_a_private_files_mode(tmp_path: Path) -> None:
+    """An unhashed shard is checked as a tar holding the manifest's samples before it is published (a private
+    non-tar is not copied, and nothing of it is printed); a private real shard keeps its 0600 in DEST."""
+    from tests.train_shards import write_tiny_shards
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    secret = private / "notatar.tar"
+    secret.write_bytes(os.urandom(12345))
+    secret.chmod(0o600)
+    r = invoke(["stage", _rooted_set(tmp_path / "a", secret), tmp_path / "dest", "--json"], expect=1)
+    assert "does not read as a tar" in json.loads(r.stdout)["error"]
+    assert not (tmp_path / "dest" / "notatar.tar").exists()
+    real = write_tiny_shards(tmp_path / "private2", [3], image_px=16) / "train-000000.tar"
+    real.chmod(0o600)
+    invoke(["stage", _rooted_set(tmp_path / "b", real), tmp_path / "dest2"])
+    assert (tmp_path / "dest2" / "train-000000.tar").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_header_that_does_not_check_out_is_reported_without_its_bytes(tmp_path: Path) -> None:
+    """The name field of a header whose checksum or numbers are wrong is any bytes of the file (a secret behind a
+    link, random data): the tar reader's sentence gives the offset and the reason, never those bytes."""
+    from gpufeed.shardset.sidecars import tar_members
+    from gpufeed.shardset.tar import TarFormatError
+
+    for junk in (b"TOPSECRET-NAME" + b"\x94" * 498, b"TOPSECRET-NAME" + b"\0" * 110 + b"12345678zz" + b"\0" * 378):
+        (tmp_path / "x.tar").write_bytes(junk + b"\0" * 1024)
+        with pytest.raises(TarFormatError) as e:
+            list(tar_members(str(tmp_path / "x.tar")))
+        assert "TOPSECRET" not in str(e.value) and "zz" not in str(e.value)

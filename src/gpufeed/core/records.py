@@ -38,12 +38,12 @@ def to_jsonable(obj: Any) -> Any:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | Path, mode: int | None = None) -> Iterator[BinaryIO]:
+def atomic_writer(path: str | Path, mode: int | None = None, limit: int = 0o777) -> Iterator[BinaryIO]:
     """THE atomic writer: yields a temporary file in ``path``'s folder; on a clean exit it is fsynced, renamed
     over ``path`` and the folder fsynced, so ``path`` holds either its old content or all that was written, even
     after a power loss; on an exception the temporary file is removed. The file gets ``mode`` (default
     ``0666 & ~umask``; 0600 for a file holding a secret, which then is never readable by others, not even
-    before the rename)."""
+    before the rename). ``limit``: permission bits the file may have at most (a copy's: its source's)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -51,7 +51,7 @@ def atomic_writer(path: str | Path, mode: int | None = None) -> Iterator[BinaryI
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~_umask() if mode is None else mode)  # mkstemp makes 0600
+            os.fchmod(f.fileno(), (0o666 & ~_umask() if mode is None else mode) & limit)  # mkstemp makes 0600
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -127,3 +127,29 @@ def test_a_header_that_does_not_check_out_is_reported_without_its_bytes(tmp_path
         with pytest.raises(TarFormatError) as e:
             list(tar_members(str(tmp_path / "x.tar")))
         assert "TOPSECRET" not in str(e.value) and "zz" not in str(e.value)
+
+
+# --------------------------------------------- H2: rendezvous hangs past its bound when the store port answers nothing
+@pytest.mark.timeout(60)
+def test_a_store_port_that_accepts_and_says_nothing_ends_the_rendezvous_within_its_bound(monkeypatch) -> None:
+    """A port that accepts connections and never answers (a silent listener, a wrong service): torch's TCPStore
+    client waits on its first handshake with no bound; the rank gives up at the bound, naming rank 0."""
+    import socket
+    import time
+
+    from gpufeed.core import world
+    from gpufeed.core.errors import RunError
+
+    for key in ("TORCHELASTIC_USE_AGENT_STORE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(world, "STORE_GRACE_S", 0.5, raising=False)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # accepted by the kernel, never read or answered
+        env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(silent.getsockname()[1]), "GPUFEED_RENDEZVOUS_TIMEOUT_S": "2"}
+        t0 = time.monotonic()
+        with pytest.raises(RunError, match=r"rank 1 could not reach the store at 127\.0\.0\.1:\d+ within 2 s: rank 0"):
+            world.join(world.World(rank=1, world_size=2), env)
+        assert time.monotonic() - t0 < 10
+

@@ -153,3 +153,30 @@ def test_a_store_port_that_accepts_and_says_nothing_ends_the_rendezvous_within_i
             world.join(world.World(rank=1, world_size=2), env)
         assert time.monotonic() - t0 < 10
 
+
+# ------------------------------------- H3: img2dataset records read through links out of the set, contents printed
+def test_img2dataset_records_linked_from_outside_the_set_are_refused_unread(tmp_path: Path) -> None:
+    """``NNNNN.parquet`` and ``NNNNN_stats.json`` are files of the set like any other: a link out of the set is
+    refused by name (counted as unreadable), and nothing of the target reaches stdout, stderr or --json."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.test_bounds_round2 import _jpeg
+
+    folder, elsewhere = tmp_path / "set", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    folder.mkdir()
+    jpg = _jpeg()
+    write_tar(folder / "00000.tar",
+              [m for k in range(3) for m in ((f"{k:09d}.jpg", jpg), (f"{k:09d}.txt", f"cat{k % 2}".encode()))])
+    pq.write_table(pa.table({"url": ["https://corp/x?sig=SIGNATURESECRET"], "status": ["failed_to_download"],
+                             "error_message": ["TOPSECRET"]}), elsewhere / "o.parquet")
+    (elsewhere / "s.json").write_text('{"count": 7, "successes": 3, "failed_to_download": 4, '
+                                      '"failed_to_resize": 0, "note": "STATSECRET"}')
+    (folder / "00000.parquet").symlink_to(elsewhere / "o.parquet")
+    (folder / "00000_stats.json").symlink_to(elsewhere / "s.json")
+    r = invoke(["index", folder, "--label", "txt", "--json"], expect=None)
+    out = r.stdout + r.stderr
+    assert "SIGNATURESECRET" not in out and "TOPSECRET" not in out
+    assert "00000.parquet is a symbolic link that leads out of the set folder" in out
+    assert "00000_stats.json is a symbolic link that leads out of the set folder" in out

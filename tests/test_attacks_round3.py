@@ -180,3 +180,36 @@ def test_img2dataset_records_linked_from_outside_the_set_are_refused_unread(tmp_
     assert "SIGNATURESECRET" not in out and "TOPSECRET" not in out
     assert "00000.parquet is a symbolic link that leads out of the set folder" in out
     assert "00000_stats.json is a symbolic link that leads out of the set folder" in out
+
+
+# ------------------------------- H4: resume on a set indexed again with another class order continues, mislabelled
+from tests.test_train_integrity import _trainer, checkpoint_of_forty, two_sets  # noqa: E402,F401 - fixtures
+
+
+def test_resume_on_the_same_shards_with_another_class_order_is_refused(two_sets, checkpoint_of_forty, tmp_path):
+    """The same shards indexed again with the class list reversed (or another label member): every label index
+    names another class, so the checkpoint is for another set (refused, or --resume-other-set); a checkpoint
+    written before the class list was recorded resumes with a note."""
+    import shutil
+
+    import torch
+
+    from gpufeed.core.errors import DataError
+
+    swapped = tmp_path / "swapped"
+    shutil.copytree(two_sets[0], swapped)
+    m = json.loads((swapped / "manifest.json").read_text())
+    m["classes"] = m["classes"][::-1]
+    (swapped / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DataError, match=r"another shard set \(the same shards, other classes, another class order"):
+        _trainer(swapped, checkpoint_of_forty).load_checkpoint()
+    t = _trainer(swapped, checkpoint_of_forty, resume_other_set=True)
+    t.load_checkpoint()
+    assert t.step_in_epoch == 0
+    state = torch.load(checkpoint_of_forty / "last.pt", map_location="cpu", weights_only=True)
+    del state["shard_set"]["labels"]
+    (tmp_path / "old").mkdir()
+    torch.save(state, tmp_path / "old" / "last.pt")
+    t = _trainer(swapped, tmp_path / "old")
+    t.load_checkpoint()
+    assert t.step_in_epoch == 4 and any("records no class list" in n for n in t.notes)

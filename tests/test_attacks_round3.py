@@ -213,3 +213,30 @@ def test_resume_on_the_same_shards_with_another_class_order_is_refused(two_sets,
     t = _trainer(swapped, tmp_path / "old")
     t.load_checkpoint()
     assert t.step_in_epoch == 4 and any("records no class list" in n for n in t.notes)
+
+
+# ------------------------------------------ H5: a false num_samples defeats the class-count bound (memory blowup)
+def test_claimed_samples_are_bounded_by_claimed_bytes_and_those_by_the_file(tmp_path: Path) -> None:
+    """A manifest adding 1.5 M samples (and as many classes) to a 20-sample shard: refused by the parser, since a
+    sample takes at least 512 bytes of tar; claiming 1 TiB for it as well is refused before the run, against the
+    file's real size, so the class-count bound never sees the false count (no model head of 1.5 M classes)."""
+    from gpufeed.core.errors import DataError
+    from gpufeed.shardset.manifest import read_manifest
+    from tests.train_shards import write_tiny_shards
+
+    folder = write_tiny_shards(tmp_path / "set", [20])
+    m = json.loads((folder / "manifest.json").read_text())
+    n = 200_000
+    m["classes"] = [f"c{i}" for i in range(n)]
+    m["shards"][0]["num_samples"] += n
+    m["num_samples"] += n
+    (folder / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DataError, match=r"claims 200020 samples in \d+ bytes; a sample takes at least 512"):
+        read_manifest(folder)
+    m["shards"][0]["bytes"] = 2 ** 40
+    (folder / "manifest.json").write_text(json.dumps(m))
+    args = ["train", "--shards", folder, "--arch", "resnet18", "--image-size", "32", "--num-workers", "0", "--amp",
+            "off", "--device", "cpu", "--batch-size", "2", "--steps", "1", "--threads", "1",
+            "--run-dir", tmp_path / "run"]
+    r = invoke(args, expect=2)
+    assert "is " in r.stderr and "bytes, the manifest says 1099511627776" in r.stderr

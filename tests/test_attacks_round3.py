@@ -240,3 +240,16 @@ def test_claimed_samples_are_bounded_by_claimed_bytes_and_those_by_the_file(tmp_
             "--run-dir", tmp_path / "run"]
     r = invoke(args, expect=2)
     assert "is " in r.stderr and "bytes, the manifest says 1099511627776" in r.stderr
+
+
+# ------------------------------------------------------------- L1: a password holding a line break leaks
+def test_a_password_holding_a_line_break_is_hidden_and_such_a_url_refused() -> None:
+    """The authority's userinfo runs to its last ``@`` even across a line break; a typed URL holding a control
+    character is refused (exit 2) in one line, its password hidden."""
+    from gpufeed.core.redact import redact
+
+    assert redact("http://alice:NLpw\nrest@127.0.0.1:1/ok/") == "http://alice:***@127.0.0.1:1/ok/"
+    assert redact("at http://h:1\nme@x/") == "at http://h:1\nme@x/"  # a host:port line stays as it is
+    r = invoke(["verify", "http://alice:NLpw\nrest@127.0.0.1:1/ok/", "--json"], expect=2)
+    assert "NLpw" not in r.stdout + r.stderr and r.stderr.count("\n") == 1
+    assert "control character" in json.loads(r.stdout)["error"]

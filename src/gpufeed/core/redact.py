@@ -28,6 +28,7 @@ into a path (``ftp://u:pw@host/x`` -> ``ftp:/u:pw@host/x``), whose first path se
 only when it holds an ``@``."""
 _AUTHORITY_END = re.compile(r"[/?#\r\n]")
 _PORT = re.compile(r"[0-9]*")
+_PATH_START = re.compile(r"[/?#]")
 
 
 MAX_EXTENDED_USERINFO = 4096
@@ -53,11 +54,15 @@ def _userinfo_end(text: str, start: int) -> int:
     at = text.rfind("@", start, end)
     if at >= 0 or _looks_like_host(text[start:end]):
         return at
-    stop = min(len(text), start + MAX_EXTENDED_USERINFO)
+    bound = stop = min(len(text), start + MAX_EXTENDED_USERINFO)
     for brk in "\n\r":
         i = text.find(brk, start, stop)
         stop = stop if i < 0 else i
-    return text.rfind("@", start, stop)
+    at = text.rfind("@", start, stop)
+    if at < 0 and stop < bound:  # a password holding a line break: its userinfo ends at the @ before / ? #
+        m = _PATH_START.search(text, start, bound)
+        at = text.rfind("@", start, m.start() if m else bound)
+    return at
 
 
 def _collapsed_userinfo_end(text: str, start: int) -> int:

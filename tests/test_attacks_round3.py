@@ -253,3 +253,13 @@ def test_a_password_holding_a_line_break_is_hidden_and_such_a_url_refused() -> N
     r = invoke(["verify", "http://alice:NLpw\nrest@127.0.0.1:1/ok/", "--json"], expect=2)
     assert "NLpw" not in r.stdout + r.stderr and r.stderr.count("\n") == 1
     assert "control character" in json.loads(r.stdout)["error"]
+
+
+# --------------------------------------------------------------- L3: LOCAL_WORLD_SIZE=0 is accepted
+def test_a_node_of_zero_ranks_is_refused_by_the_launch_check() -> None:
+    """LOCAL_RANK=0 is not below LOCAL_WORLD_SIZE=0: no node runs zero ranks (exit 2, naming the variable)."""
+    from gpufeed.core.errors import ConfigError
+    from gpufeed.core.world import check_launch_env
+
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE=0"):
+        check_launch_env({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "0", "RANK": "0", "WORLD_SIZE": "1"})

@@ -141,6 +141,8 @@ def check_launch_env(environ: Mapping[str, str] | None = None) -> None:
     if rank >= 0 and world_size > 0 and rank >= world_size:
         raise ConfigError(f"environment variable RANK={rank} is not below WORLD_SIZE={world_size}: ranks are "
                           f"0..{world_size - 1}")
+    if local_ws == 0:
+        raise ConfigError(f"environment variable LOCAL_WORLD_SIZE=0: a node runs at least one rank ({fix})")
     if local_rank >= 0 and local_ws > 0 and local_rank >= local_ws:
         raise ConfigError(f"environment variable LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_ws}")
     if local_rank >= 0 and world_size > 0 and local_rank >= world_size:

@@ -263,3 +263,16 @@ def test_a_node_of_zero_ranks_is_refused_by_the_launch_check() -> None:
 
     with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE=0"):
         check_launch_env({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "0", "RANK": "0", "WORLD_SIZE": "1"})
+
+
+# ------------------------------------------------------------------- L4: a class name "" is accepted
+def test_an_empty_class_name_in_a_manifest_is_refused(tmp_path: Path) -> None:
+    """The threat model says class names are non-empty: the parser refuses ``""`` (train and stage, exit 2)."""
+    from tests.train_shards import write_tiny_shards
+
+    folder = write_tiny_shards(tmp_path / "set", [4])
+    m = json.loads((folder / "manifest.json").read_text())
+    m["classes"][1] = ""
+    (folder / "manifest.json").write_text(json.dumps(m))
+    r = invoke(["stage", folder, tmp_path / "dest"], expect=2)
+    assert "class '' is not a class name (a non-empty string" in r.stderr

@@ -177,8 +177,8 @@ class Manifest:
         if len(classes) > MAX_CLASSES:
             raise DataError(f"{where}: {len(classes)} classes; a manifest lists at most {MAX_CLASSES}")
         for c in classes:
-            if not isinstance(c, str) or len(c.encode("utf-8", "surrogatepass")) > MAX_LABEL_BYTES:
-                raise DataError(f"{where}: class {str(c)[:80]!r} is not a class name (a string of at most "
+            if not isinstance(c, str) or not c or len(c.encode("utf-8", "surrogatepass")) > MAX_LABEL_BYTES:
+                raise DataError(f"{where}: class {str(c)[:80]!r} is not a class name (a non-empty string of at most "
                                 f"{MAX_LABEL_BYTES} bytes)")
         dup = first_duplicate(classes)
         if dup is not None:

@@ -276,3 +276,18 @@ def test_an_empty_class_name_in_a_manifest_is_refused(tmp_path: Path) -> None:
     (folder / "manifest.json").write_text(json.dumps(m))
     r = invoke(["stage", folder, tmp_path / "dest"], expect=2)
     assert "class '' is not a class name (a non-empty string" in r.stderr
+
+
+# ------------------------------------------------------------- L5: OMP_NUM_THREADS=10^20 reports ok
+@pytest.mark.parametrize("value", ["99999999999999999999", "5000", "8," + "9" * 5000])
+def test_doctor_fails_an_omp_num_threads_no_machine_can_run(value: str) -> None:
+    """A thread count over 4096 (or 64 per usable core) is no usable setting; a 5,000-digit one is refused without
+    converting it."""
+    from gpufeed import doctor as d
+    from gpufeed.config import LoaderConfig
+
+    report = d.run_checks(d.Facts(env={"OMP_NUM_THREADS": value}, usable_cpus=64), LoaderConfig())
+    env = next(c for c in report.checks if c.name == "environment")
+    assert env.status == "fail" and "not a usable thread count" in env.evidence and not report.ok
+    ok = d.run_checks(d.Facts(env={"OMP_NUM_THREADS": "4096"}, usable_cpus=64), LoaderConfig()).checks
+    assert next(c for c in ok if c.name == "environment").status == "ok"

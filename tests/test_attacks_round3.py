@@ -291,3 +291,33 @@ def test_doctor_fails_an_omp_num_threads_no_machine_can_run(value: str) -> None:
     assert env.status == "fail" and "not a usable thread count" in env.evidence and not report.ok
     ok = d.run_checks(d.Facts(env={"OMP_NUM_THREADS": "4096"}, usable_cpus=64), LoaderConfig()).checks
     assert next(c for c in ok if c.name == "environment").status == "ok"
+
+
+# --------------------------------------- L2: an output that cannot be written, found only after the sweep
+def test_tune_checks_out_before_the_sweep_and_a_late_write_failure_names_the_file(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """``--out`` in a folder that takes no file is a usage error before any trial (exit 2); a write that fails
+    once the sweep ran is a failed run (exit 1) naming ``x.toml``, never its temporary."""
+    import time
+
+    import gpufeed.tune as tune_module
+    from tests.train_shards import write_tiny_shards
+
+    shards = write_tiny_shards(tmp_path / "set", [8], image_px=16)
+    args = ["tune", shards, "--budget", "3", "--batch-size", "4", "--image-size", "32", "--max-workers", "1",
+            "--repeats", "1", "--window", "0.2", "--run-dir", tmp_path / "run"]
+    t0 = time.monotonic()
+    r = invoke([*args, "--out", "/proc/self/x.toml"], expect=2)
+    assert "--out /proc/self/x.toml cannot be written" in r.stderr and time.monotonic() - t0 < 3
+    folder = tmp_path / "out"
+    folder.mkdir()
+    real = tune_module.write_outputs
+
+    def folder_gone(*a, **kw):  # the folder replaced by a file while the sweep ran
+        folder.rmdir()
+        folder.write_text("")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tune_module, "write_outputs", folder_gone)
+    r = invoke([*args, "--out", folder / "x.toml"], expect=1)
+    assert f"cannot write {folder / 'x.toml'} (" in r.stderr and ".tmp" not in r.stderr

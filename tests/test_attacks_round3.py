@@ -321,3 +321,32 @@ def test_tune_checks_out_before_the_sweep_and_a_late_write_failure_names_the_fil
     monkeypatch.setattr(tune_module, "write_outputs", folder_gone)
     r = invoke([*args, "--out", folder / "x.toml"], expect=1)
     assert f"cannot write {folder / 'x.toml'} (" in r.stderr and ".tmp" not in r.stderr
+
+
+# ------------------------------------------- M1: io's steps wait on a stalled remote shard with no bound
+from tests.test_bounds_round2 import raw_server  # noqa: E402,F401 - fixture
+
+
+@pytest.mark.timeout(60)
+def test_an_io_step_on_a_stalled_server_ends_by_its_seconds(raw_server, fast_retry, monkeypatch) -> None:
+    """A server that sends a range's headers and then nothing: the step's remote reads are bounded by its
+    ``--seconds`` (plus ``STEP_GRACE_S``), and the step ends "stopped by seconds" instead of waiting 60 s a try."""
+    import time
+
+    from gpufeed import storage
+
+    size = 4 << 20
+    monkeypatch.setattr(storage, "STEP_GRACE_S", 0.5, raising=False)
+
+    def stall(req: bytes):
+        if req.startswith(b"HEAD"):
+            return [(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n".encode(), 0)]
+        return [(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1048576\r\nContent-Range: bytes 0-1048575/"
+                 + str(size).encode() + b"\r\n\r\n", 0)] + [(b"", 0.1)] * 100  # then silence for 10 s
+
+    server = raw_server(stall)
+    files = [(server.url + "/a.tar", size)]
+    t0 = time.monotonic()
+    nbytes, _, _, stopped_by = storage.run_step(files, "shards", 1, seconds=0.5, limit=size,
+                                                opener=storage.remote_opener(files))
+    assert stopped_by == "seconds" and nbytes == 0 and time.monotonic() - t0 < 5

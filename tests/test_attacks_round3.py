@@ -350,3 +350,25 @@ def test_an_io_step_on_a_stalled_server_ends_by_its_seconds(raw_server, fast_ret
     nbytes, _, _, stopped_by = storage.run_step(files, "shards", 1, seconds=0.5, limit=size,
                                                 opener=storage.remote_opener(files))
     assert stopped_by == "seconds" and nbytes == 0 and time.monotonic() - t0 < 5
+
+
+@pytest.mark.timeout(60)
+def test_a_range_that_times_out_twice_in_a_row_is_not_tried_again(raw_server, monkeypatch) -> None:
+    """Each try on a stalled server waits its whole time bound: two in a row end the read (verify and stage read
+    shards this way), saying why, however many attempts the retry bound allows."""
+    from gpufeed.core.errors import DataError
+    from gpufeed.shardset import source
+
+    size = 4 << 20
+    monkeypatch.setattr(source, "READ_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(source, "RETRY", source.Retry(attempts=10, first_wait_s=0.01, max_wait_s=1.0))
+
+    def stall(req: bytes):
+        return [(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1048576\r\nContent-Range: bytes 0-1048575/"
+                 + str(size).encode() + b"\r\n\r\n", 0)] + [(b"", 0.1)] * 30
+
+    server = raw_server(stall)
+    with pytest.raises(DataError, match=r"2 tries in a row timed out \(slower than 64 KiB/s, or no answer in 0.3 s"):
+        with source.open_shard(server.url + "/a.tar", size=size) as f:
+            f.read(1 << 20)
+    assert sum(r.startswith(b"GET") for r in server.requests) == 2

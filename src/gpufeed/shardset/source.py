@@ -61,6 +61,9 @@ READ_TIMEOUT_S = 60.0
 MIN_BYTES_PER_S = 64 << 10
 """The slowest rate a range request may run at: one that takes longer than ``READ_TIMEOUT_S`` plus its size at
 this rate counts as failed (timed out), so a server trickling bytes cannot hold a read forever."""
+MAX_TIMEOUTS_IN_A_ROW = 2
+"""Tries of one range that may time out in a row (each waited its whole time bound and brought no progress)
+before the read fails, whatever ``Retry.attempts`` allows: a stalled or trickling server is not waited on 5 times."""
 MIN_PROGRESS_BYTES = 1 << 20
 """Bytes a cut-short try must bring for the retry bound to count from zero again (a try bringing fewer, or a
 range's last bytes, is a failure): a server sending one byte per request ends within the bound."""
@@ -451,7 +454,7 @@ class RemoteStream(io.RawIOBase):
         parts: list[bytes] = []
         got = start
         waits = self.retry.waits()
-        failures = 0
+        failures = timeouts = 0
         while True:
             left = _left(self.deadline, self.url, f" (at byte {got} of {self.size})")
             try:
@@ -472,6 +475,11 @@ class RemoteStream(io.RawIOBase):
                 if not transient:
                     raise SourceError(f"{self.url}: {reason}") from None
                 failures += 1
+                timeouts = timeouts + 1 if reason == "timed out" else 0
+                if timeouts >= MAX_TIMEOUTS_IN_A_ROW:  # no try gets through: waiting on is the stall's to choose
+                    raise SourceError(f"{self.url}: stream ended at byte {got} of {self.size}: {timeouts} tries in a "
+                                      f"row timed out (slower than {MIN_BYTES_PER_S >> 10} KiB/s, or no answer in "
+                                      f"{READ_TIMEOUT_S:g} s){_endpoint_note(self.url)}") from None
                 left = _left(self.deadline, self.url, f" (at byte {got} of {self.size}, {reason})")
                 if failures >= self.retry.attempts:
                     detail = "" if isinstance(exc, _ShortRead) else f" ({reason})"

@@ -63,7 +63,8 @@ MIN_BYTES_PER_S = 64 << 10
 this rate counts as failed (timed out), so a server trickling bytes cannot hold a read forever."""
 MAX_TIMEOUTS_IN_A_ROW = 2
 """Tries of one range that may time out in a row (each waited its whole time bound and brought no progress)
-before the read fails, whatever ``Retry.attempts`` allows: a stalled or trickling server is not waited on 5 times."""
+before a read with no deadline (a shard read by verify or stage) fails, whatever ``Retry.attempts`` allows: a stalled
+or trickling server is not waited on 5 times. A read with a deadline (a manifest, a job's budget) ends by it."""
 MIN_PROGRESS_BYTES = 1 << 20
 """Bytes a cut-short try must bring for the retry bound to count from zero again (a try bringing fewer, or a
 range's last bytes, is a failure): a server sending one byte per request ends within the bound."""
@@ -476,7 +477,7 @@ class RemoteStream(io.RawIOBase):
                     raise SourceError(f"{self.url}: {reason}") from None
                 failures += 1
                 timeouts = timeouts + 1 if reason == "timed out" else 0
-                if timeouts >= MAX_TIMEOUTS_IN_A_ROW:  # no try gets through: waiting on is the stall's to choose
+                if timeouts >= MAX_TIMEOUTS_IN_A_ROW and self.deadline is None:  # a bounded read says its bound
                     raise SourceError(f"{self.url}: stream ended at byte {got} of {self.size}: {timeouts} tries in a "
                                       f"row timed out (slower than {MIN_BYTES_PER_S >> 10} KiB/s, or no answer in "
                                       f"{READ_TIMEOUT_S:g} s){_endpoint_note(self.url)}") from None

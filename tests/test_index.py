@@ -259,8 +259,8 @@ def _write_manifest_json(folder: Path, **changes) -> Path:
     import json
 
     d = {"format": "gpufeed-shards", "format_version": 1, "prefix": "data", "classes": ["cat", "dog"],
-         "shards": [{"name": "data-000.tar", "num_samples": 3, "bytes": 10, "sha256": None},
-                    {"name": "data-001.tar", "num_samples": 2, "bytes": 10, "sha256": None}],
+         "shards": [{"name": "data-000.tar", "num_samples": 3, "bytes": 10240, "sha256": None},
+                    {"name": "data-001.tar", "num_samples": 2, "bytes": 10240, "sha256": None}],
          "num_samples": 5, "created_by": "gpufeed index"}
     d.update(changes)
     folder.mkdir(exist_ok=True)

@@ -174,7 +174,7 @@ def test_read_label_takes_each_source():
 
 def _manifest_json(folder: Path, **changes) -> Path:
     d = {"format": "gpufeed-shards", "format_version": 1, "prefix": "data", "classes": ["cat", "dog"],
-         "shards": [{"name": "data-000.tar", "num_samples": 3, "bytes": 10, "sha256": None}],
+         "shards": [{"name": "data-000.tar", "num_samples": 3, "bytes": 10240, "sha256": None}],
          "num_samples": 3, "created_by": "gpufeed index"}
     d.update(changes)
     folder.mkdir(exist_ok=True)
@@ -221,7 +221,7 @@ def test_a_set_labelled_from_txt_or_json_is_format_version_2_and_a_cls_set_stays
     from gpufeed.shardset.manifest import Manifest, ShardInfo
 
     def manifest(label: str) -> dict:
-        return Manifest(prefix="a", classes=["cat", "dog"], shards=[ShardInfo("a.tar", 2, 10, None)], num_samples=2,
+        return Manifest(prefix="a", classes=["cat", "dog"], shards=[ShardInfo("a.tar", 2, 10240, None)], num_samples=2,
                         label=label).to_dict()
 
     assert manifest("cls")["format_version"] == 1 and "label" not in manifest("cls")

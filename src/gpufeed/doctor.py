@@ -499,18 +499,25 @@ def check_path(p: PathFacts, f: Facts) -> list[Check]:
     return out
 
 
-def omp_threads_problem(value: str) -> str | None:
+MAX_OMP_THREADS = 4096
+"""Most threads ``OMP_NUM_THREADS`` may ask for (and never more than 64 per usable core)."""
+
+
+def omp_threads_problem(value: str, cpus: int = 1) -> str | None:
     """Why an ``OMP_NUM_THREADS`` value is not a thread count (None when it is): a positive integer, or a comma
-    list of them (one per nesting level)."""
+    list of them (one per nesting level), each at most ``MAX_OMP_THREADS`` and 64 per usable core (``cpus``)."""
     parts = value.strip().split(",")
-    if all(x.strip().isascii() and x.strip().isdigit() and int(x) > 0 for x in parts):
-        return None
-    return "it is not a positive whole number of threads (OpenMP ignores it or fails, and torch warns)"
+    if not all(x.strip().isascii() and x.strip().isdigit() and x.strip().strip("0") for x in parts):
+        return "it is not a positive whole number of threads (OpenMP ignores it or fails, and torch warns)"
+    most = min(MAX_OMP_THREADS, 64 * max(1, cpus))
+    if any(len(x.strip()) > 9 or int(x) > most for x in parts):  # no int() of a 5,000-digit string
+        return f"it is not a usable thread count (more than {most}: {MAX_OMP_THREADS} at most, 64 per usable core)"
+    return None
 
 
 def check_env(f: Facts) -> Check:
     omp = f.env.get("OMP_NUM_THREADS")
-    why = None if omp is None else omp_threads_problem(omp)
+    why = None if omp is None else omp_threads_problem(omp, f.usable_cpus)
     if why:
         return Check("environment", "fail", f"OMP_NUM_THREADS={omp[:40]!r}: {why}",
                      "unset OMP_NUM_THREADS or set it to a positive integer (e.g. 1 per loader worker)")

@@ -53,7 +53,7 @@ from gpufeed.shardset.manifest import (DEFAULT_LABEL_SOURCE, MANIFEST_NAME, MAX_
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, TEXT_EXTENSION,
                                    UNGROUPED_FIX, KeyDigest, SampleGrouper, dotted_image, split_member)
 from gpufeed.core.redact import redact
-from gpufeed.shardset.source import SourceError, expand_pattern, is_pipe, is_remote, open_shard, source_name
+from gpufeed.shardset.source import SourceError, check_location, expand_pattern, is_pipe, is_remote, open_shard, source_name
 from gpufeed.shardset.tar import TarFormatError, TarPass, TruncatedMember, file_problem
 
 CLASS_MAP_NAME = "classes.txt"
@@ -134,6 +134,7 @@ def resolve_shards(spec: str | Path) -> list[Path]:
     (``*.tar``, ...) a regular file (a symbolic link to one is fine), not a FIFO, device or folder: DataError
     otherwise.
     """
+    check_location(spec)
     text = str(spec)
     p = Path(text)
     if p.is_dir():

@@ -14,7 +14,7 @@ through :mod:`gpufeed.shardset.source`); DEST is a local folder. In order:
    either by its sidecar ``DEST/.gpufeed-stage/<shard>.done.json`` (size, mtime_ns and sha256 written after the
    rename; a file changed since has another mtime or size) or, without a sidecar, by re-hashing it. A manifest
    without sha256 (``gpufeed index --no-hash``) can only be compared by size: such a shard is kept only with a
-   sidecar written by an earlier stage run, and the report says the copies were checked by size only.
+   sidecar written by an earlier stage run, and the report says the copies were checked by size and tar structure only.
 4. Free space: the bytes still to copy (plus 1%) must fit in ``shutil.disk_usage(DEST).free``. When DEST is on
    tmpfs/ramfs (``/dev/shm``) the staged set lives in RAM: the report (and a refusal) names how much, next to
    the RAM available now (``psutil.virtual_memory().available``), since it comes out of the page cache.
@@ -64,7 +64,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from gpufeed.config import MAX_NODES, StageConfig
 from gpufeed.core.errors import DataError, RunError
@@ -214,6 +214,38 @@ def _writing(path: Path, outcome: str) -> Iterator[None]:
         raise RunError(f"cannot write {exc.filename or path} ({exc.strerror or exc}); {outcome}") from None
 
 
+def copy_mode(src: Any) -> int:
+    """The mode a copy of the open file ``src`` is created with: ``0666`` (less the umask), and never a
+    permission its source lacks (a local source's mode bits; a remote one has none to keep)."""
+    try:
+        return 0o666 & os.fstat(src.fileno()).st_mode
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return 0o666
+
+
+def _check_unhashed_copy(path: Path, info: ShardInfo, where: str) -> None:
+    """For a shard the manifest gives no sha256: the copy must read as a tar (every header, the end blocks)
+    holding the manifest's samples (and key sequence, when it has one), else RunError; the reason never quotes
+    the file."""
+    from gpufeed.shardset.keys import READ_IMAGE_EXTENSIONS
+    from gpufeed.shardset.tar import ShardRead, iter_samples
+
+    read, total = ShardRead(), [0]
+    try:  # read under the shard's name: a .tgz is read as gzip
+        for _ in iter_samples(info.name, frozenset(), READ_IMAGE_EXTENSIONS, total=total, stream=True,
+                              fileobj=open(path, "rb"), seekable=True, read=read):
+            pass
+    except Exception:  # noqa: BLE001 - whatever it fails on, the message never quotes the file
+        raise RunError(f"source shard {where} does not read as a tar (the manifest has no sha256 for it, so its "
+                       f"structure was checked); it was not staged") from None
+    if total[0] != info.num_samples:
+        raise RunError(f"source shard {where} holds {total[0]} samples, the manifest says {info.num_samples}; it was "
+                       f"not staged")
+    if info.keys_sha256 and read.keys.hexdigest() != info.keys_sha256:
+        raise RunError(f"source shard {where} holds other sample keys than the manifest's keys_sha256; it was not "
+                       f"staged")
+
+
 def copy_shard(source: LocalSource | RemoteSource, info: ShardInfo, dest: Path, *, chunk: int, stop: threading.Event,
                progress: Callable[[int], None]) -> str:
     """Copy one shard to ``dest/.<name>.tmp`` (hashing as it reads), fsync, check size and sha256 against
@@ -230,7 +262,7 @@ def copy_shard(source: LocalSource | RemoteSource, info: ShardInfo, dest: Path, 
     try:
         with source.open(info.name) as src:
             with _writing(tmp, f"{info.name} was not staged"):
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, copy_mode(src))
             with os.fdopen(fd, "wb") as out:
                 while got < limit:
                     if stop.is_set():
@@ -257,6 +289,8 @@ def copy_shard(source: LocalSource | RemoteSource, info: ShardInfo, dest: Path, 
         if info.sha256 is not None and digest != info.sha256:
             raise RunError(f"source shard {source.path(info.name)} has sha256 {digest[:16]}..., the manifest says "
                            f"{info.sha256[:16]}...; it is corrupt and was not staged")
+        if info.sha256 is None:
+            _check_unhashed_copy(tmp, info, source.path(info.name))
         with _writing(final, f"{info.name} was not staged"):
             publish(dest, info.name)
     except BaseException:
@@ -426,7 +460,7 @@ def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], sour
     unhashed = sum(i.sha256 is None for i in mine)
     if unhashed:
         warnings.append(f"the manifest has no sha256 for {unhashed} shard(s) (indexed with --no-hash): their copies "
-                        f"were checked by size only")
+                        f"were checked by size and tar structure only")
     jobs = cfg.jobs if cfg.jobs is not None else min(MAX_JOBS_DEFAULT, max(1, len(todo)))
     if todo:
         try:  # the set at DEST is incomplete until this run writes the manifest again
@@ -436,7 +470,7 @@ def _run(cfg: StageConfig, m: Manifest, src_label: str, sides: list[_Side], sour
         _copy_all(source, todo, dest, state, jobs, progress)
     for side in sides:
         with _writing(dest / side.name, "the set at DEST is incomplete"):
-            with side.open() as f, atomic_writer(dest / side.name) as out:
+            with side.open() as f, atomic_writer(dest / side.name, limit=copy_mode(f)) as out:
                 copied = 0
                 while data := f.read(min(CHUNK_BYTES, side.size + 1 - copied)):  # never more than it said, plus 1
                     out.write(data)

@@ -27,7 +27,6 @@ Shards are read with :class:`gpufeed.shardset.tar.TarPass` and grouped with
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
@@ -46,6 +45,7 @@ from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_E
                                    split_member)
 from gpufeed.core.redact import redact
 from gpufeed.shardset.source import SourceError, is_pipe, is_remote, open_set, open_shard, remote_size
+from gpufeed.shardset.images import open_image
 from gpufeed.shardset.tar import MAX_MEMBER_BYTES, TarFormatError, TarPass, TruncatedMember, file_problem
 from gpufeed.shardset.manifest import staged_node
 from gpufeed.core.world import node_shards
@@ -110,7 +110,7 @@ def _check_image(member: str, data: bytes, decode: bool, max_pixels: int, bad: C
     # the header before any pixel is decoded.
     Image.MAX_IMAGE_PIXELS = None
     try:
-        im = Image.open(io.BytesIO(data))
+        im = open_image(data)
         w, h = im.size
         if w * h > max_pixels:
             bad(member, f"decompression bomb: {w}x{h} = {w * h} pixels > max_pixels {max_pixels}")

@@ -198,9 +198,23 @@ def _render(where: str) -> Callable[[Any], str]:
     return render
 
 
+def _check_locations(args: dict[str, Any]) -> None:
+    """Exit 2 before any work when a typed value starts like a URL gpufeed does not read (``ftp://``), or is a URL
+    holding a control character (:func:`gpufeed.shardset.source.check_location`)."""
+    from gpufeed.shardset.source import check_location
+
+    for value in args.values():
+        for text in value if isinstance(value, (list, tuple)) else (value,):
+            try:
+                check_location(text)
+            except GpufeedError as exc:
+                fail(str(exc), exc.exit_code)
+
+
 def _command(job: Job) -> click.Command:
     """``gpufeed NAME`` from its row of the table: parse, resolve the config, run the entry, render, exit."""
     def callback(as_json: bool, **args: Any) -> None:
+        _check_locations(args)
         conf = _resolve(args.pop("config_path", None), args, params) if job.load else None
         shell = Shell(quiet=is_quiet(), lines=progress_lines())
         run_job(lambda: job.entry(conf, shell, **args), _render(job.render), as_json)

@@ -38,29 +38,53 @@ def to_jsonable(obj: Any) -> Any:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | Path, mode: int | None = None) -> Iterator[BinaryIO]:
+def atomic_writer(path: str | Path, mode: int | None = None, limit: int = 0o777) -> Iterator[BinaryIO]:
     """THE atomic writer: yields a temporary file in ``path``'s folder; on a clean exit it is fsynced, renamed
     over ``path`` and the folder fsynced, so ``path`` holds either its old content or all that was written, even
     after a power loss; on an exception the temporary file is removed. The file gets ``mode`` (default
     ``0666 & ~umask``; 0600 for a file holding a secret, which then is never readable by others, not even
-    before the rename)."""
+    before the rename). ``limit``: permission bits the file may have at most (a copy's: its source's)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _named(exc, path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~_umask() if mode is None else mode)  # mkstemp makes 0600
+            os.fchmod(f.fileno(), (0o666 & ~_umask() if mode is None else mode) & limit)  # mkstemp makes 0600
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError) and exc.filename in (None, tmp):  # the write's own failure, not the caller's
+            raise _named(exc, path) from None
         raise
     fsync_dir(path.parent)
+
+
+def _named(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path``, the file being written, rather than its temporary (or nothing)."""
+    return type(exc)(exc.errno, exc.strerror, str(path)) if exc.errno else exc
+
+
+def check_writable(path: str | Path, what: str) -> None:
+    """ConfigError (exit 2) unless a file can be written at ``path`` (its folder exists and takes a new file): an
+    output checked before the work whose result it will hold."""
+    from gpufeed.core.errors import ConfigError
+
+    p = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as exc:
+        raise ConfigError(f"{what} {p} cannot be written: {exc.strerror or exc} ({p.parent})") from None
+    os.close(fd)
+    os.unlink(tmp)
 
 
 MAX_TEMP_SCAN = 100_000

@@ -22,8 +22,13 @@ HIDDEN = "***"
 
 _SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
 """A URL's start: ``scheme://`` not inside a longer word."""
+_REDACT_START = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*:/(/)?")
+"""What :func:`redact` looks for: :data:`_SCHEME`, or ``scheme:/``, the form pathlib leaves of a URL made
+into a path (``ftp://u:pw@host/x`` -> ``ftp:/u:pw@host/x``), whose first path segment is taken as an authority
+only when it holds an ``@``."""
 _AUTHORITY_END = re.compile(r"[/?#\r\n]")
 _PORT = re.compile(r"[0-9]*")
+_PATH_START = re.compile(r"[/?#]")
 
 
 MAX_EXTENDED_USERINFO = 4096
@@ -49,11 +54,21 @@ def _userinfo_end(text: str, start: int) -> int:
     at = text.rfind("@", start, end)
     if at >= 0 or _looks_like_host(text[start:end]):
         return at
-    stop = min(len(text), start + MAX_EXTENDED_USERINFO)
+    bound = stop = min(len(text), start + MAX_EXTENDED_USERINFO)
     for brk in "\n\r":
         i = text.find(brk, start, stop)
         stop = stop if i < 0 else i
-    return text.rfind("@", start, stop)
+    at = text.rfind("@", start, stop)
+    if at < 0 and stop < bound:  # a password holding a line break: its userinfo ends at the @ before / ? #
+        m = _PATH_START.search(text, start, bound)
+        at = text.rfind("@", start, m.start() if m else bound)
+    return at
+
+
+def _collapsed_userinfo_end(text: str, start: int) -> int:
+    """The last ``@`` of the first path segment after ``scheme:/`` at ``text[start]``, or -1."""
+    m = _AUTHORITY_END.search(text, start)
+    return text.rfind("@", start, m.start() if m else len(text))
 
 
 def _hide(userinfo: str) -> str:
@@ -64,14 +79,14 @@ def _hide(userinfo: str) -> str:
 def redact(text: str) -> str:
     """``text`` with the password (or lone token) of every ``scheme://user:password@`` in it replaced by
     ``***``; the user name stays. Idempotent."""
-    if "://" not in text:
+    if ":/" not in text:
         return text
     out, pos = [], 0
-    for m in _SCHEME.finditer(text):
+    for m in _REDACT_START.finditer(text):
         if m.start() < pos:  # inside a userinfo already hidden
             continue
         start = m.end()
-        at = _userinfo_end(text, start)
+        at = _userinfo_end(text, start) if m.group(1) else _collapsed_userinfo_end(text, start)
         if at < 0:
             continue
         hidden = _hide(text[start:at])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,8 @@ def check_launch_env(environ: Mapping[str, str] | None = None) -> None:
     if rank >= 0 and world_size > 0 and rank >= world_size:
         raise ConfigError(f"environment variable RANK={rank} is not below WORLD_SIZE={world_size}: ranks are "
                           f"0..{world_size - 1}")
+    if local_ws == 0:
+        raise ConfigError(f"environment variable LOCAL_WORLD_SIZE=0: a node runs at least one rank ({fix})")
     if local_rank >= 0 and local_ws > 0 and local_rank >= local_ws:
         raise ConfigError(f"environment variable LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_ws}")
     if local_rank >= 0 and world_size > 0 and local_rank >= world_size:
@@ -172,6 +174,35 @@ def rendezvous_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     return value
 
 
+STORE_GRACE_S = 5.0
+"""Seconds past the rendezvous bound that the store's constructor gets before the wait is abandoned (torch's own
+timeout covers a store that answers; its first handshake with a port that accepts and then says nothing has none)."""
+
+
+def _within(seconds: float, make: Callable[[], Any]) -> Any:
+    """``make()`` run in a daemon thread, waited on for at most ``seconds``: its result, its exception, or
+    TimeoutError (the thread is left blocked; it dies with the process)."""
+    import threading
+
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, make()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            out.append((False, exc))
+
+    t = threading.Thread(target=run, name="gpufeed-rendezvous", daemon=True)
+    t.start()
+    t.join(seconds)
+    if not out:
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 def join(world: World, environ: Mapping[str, str] | None = None) -> Any:
     """Rendezvous of ``world`` through the TCPStore at MASTER_ADDR:MASTER_PORT, every wait bounded by
     :func:`rendezvous_timeout_s`; returns the store for ``init_process_group(store=...)``.
@@ -194,9 +225,10 @@ def join(world: World, environ: Mapping[str, str] | None = None) -> Any:
     serve = world.rank == 0 and not agent
     deadline = time.perf_counter() + bound
     try:
-        store = dist.TCPStore(host, port, world.world_size, is_master=serve, timeout=timedelta(seconds=bound),
-                              wait_for_workers=False, multi_tenant=True)
-    except (RuntimeError, ValueError, OSError) as exc:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
+        store = _within(bound + STORE_GRACE_S, lambda: dist.TCPStore(
+            host, port, world.world_size, is_master=serve, timeout=timedelta(seconds=bound), wait_for_workers=False,
+            multi_tenant=True))
+    except (RuntimeError, ValueError, OSError, TimeoutError) as exc:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
         if serve:
             raise RunError(f"rendezvous: rank 0 cannot serve the store at {where} ({one_line(exc)[:160]})") from None
         server = "torchrun's agent" if agent else "rank 0"

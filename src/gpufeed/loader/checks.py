@@ -4,6 +4,7 @@ samples for one batch per rank (docs/design.md §3). ``train`` and ``tune`` both
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,13 @@ def open_shards(shards: str | Path, loader_cfg: LoaderConfig, world: World, *, t
 
     loader = build_loader(shards, dataclasses.replace(loader_cfg, num_workers=0), world, train=train,
                           manifest_file=manifest_file)
-    for path in [] if loader.shard_set.remote else [loader.paths[i] for i in loader.shards_here]:
+    for i in [] if loader.shard_set.remote else loader.shards_here:
+        path, claimed = loader.paths[i], loader.manifest.shards[i].bytes
         try:
-            with open(path, "rb"):
-                pass
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
         except OSError as exc:
             raise DataError(f"shard {path} cannot be opened: {exc.strerror or exc}") from None
+        if size != claimed:  # the sample counts the run sizes itself by are bounded by the claimed bytes
+            raise DataError(f"shard {path} is {size} bytes, the manifest says {claimed}")
     return loader

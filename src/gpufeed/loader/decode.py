@@ -25,7 +25,6 @@ does, which is what torchvision's ImageFolder loader does). Non-JPEG images alwa
 
 from __future__ import annotations
 
-import io
 import math
 import random
 import threading
@@ -38,6 +37,7 @@ from PIL import Image
 
 from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import ConfigError
+from gpufeed.shardset.images import open_image
 
 DecodeMethod = Literal["pil", "pil-draft", "simplejpeg", "gpu"]
 JPEG_EXTENSIONS = ("jpg", "jpeg")
@@ -156,7 +156,7 @@ def check_pixels(width: int, height: int, max_pixels: int) -> None:
 
 def image_size(data: bytes) -> tuple[int, int]:
     """``(width, height)`` from the header only (no pixel decode)."""
-    with Image.open(io.BytesIO(data)) as img:
+    with open_image(data) as img:
         return img.size
 
 
@@ -236,7 +236,7 @@ def decode_pil(data: bytes, crop_fn, size: int, out: np.ndarray, *, draft: bool 
 
     ``Image.open`` reads only the header: the size is checked against ``max_pixels`` before ``load``.
     """
-    img = Image.open(io.BytesIO(data))
+    img = open_image(data)
     w, h = img.size
     check_pixels(w, h, max_pixels)
     crop = crop_fn(w, h)
@@ -327,7 +327,7 @@ def is_gpu_decodable(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple
     Reads the header only; raises :class:`ImageTooLarge` when the image has more than ``max_pixels`` pixels
     (whatever its format: the CPU fallback would decode it too).
     """
-    with Image.open(io.BytesIO(data)) as img:
+    with open_image(data) as img:
         w, h = img.size
         ok = img.format == "JPEG" and img.mode in ("RGB", "L")
     check_pixels(w, h, max_pixels)

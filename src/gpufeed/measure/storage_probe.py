@@ -34,6 +34,10 @@ MAX_RECORD_BYTES = 64 << 20
 """Largest record read: a train summary.json for its GPU ceiling, a gpufeed io summary.json for its rate."""
 REMOTE_CHUNK_BYTES = 1 << 20
 """Bytes per range request of a remote reader (small, so a step's seconds bound is kept on a slow source)."""
+STEP_GRACE_S = 5.0
+"""Seconds past a step's ``seconds`` that a remote read under way may take before it is abandoned (a stalled or
+trickling server then ends the step: ``shardset.source.reads_bounded_by``)."""
+STEP_BOUND = "the io step's --seconds bound ran out while this read waited"
 REMOTE_CACHE = "remote"
 """The ``cache`` of a remote step: no page cache on this side, so neither cold nor warm."""
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm")
@@ -327,14 +331,20 @@ def run_step(loc_files: list[tuple[str, int]], kind: str, readers: int, *, secon
                 if not whole:
                     return
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            if STEP_BOUND in str(exc):  # a remote read still waiting at the step's end: the step's seconds
+                budget.hit = budget.hit or "seconds"
+                return
             errors.append(exc)
 
     threads = [threading.Thread(target=reader, args=(r,), name=f"gpufeed-io-{r}", daemon=True)
                for r in range(readers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    from gpufeed.shardset.source import reads_bounded_by
+
+    with reads_bounded_by(time.monotonic() + seconds + STEP_GRACE_S, STEP_BOUND):  # every remote read of the step
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     elapsed = time.perf_counter() - start
     if errors:
         exc = errors[0]

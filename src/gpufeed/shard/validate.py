@@ -18,6 +18,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpufeed.shard.report import Bar
+from gpufeed.shardset.images import SOURCE_FORMATS, open_image
 from gpufeed.shard.scan import Scan
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ def _encode(data: bytes, action: str, opts: CheckOptions) -> tuple[bytes, str, i
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        im = Image.open(io.BytesIO(data))
+        im = open_image(data, SOURCE_FORMATS)
         if action == "reencode":
             target = _out_size(im.width, im.height, opts.max_size)
             if im.format in ("JPEG", "MPO") and target != im.size:
@@ -306,7 +307,7 @@ def inspect_bytes(data: bytes, st: os.stat_result, opts: CheckOptions) -> _Check
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            im = Image.open(io.BytesIO(data))
+            im = open_image(data, SOURCE_FORMATS)
         except Image.DecompressionBombError as exc:
             return _reject(f"decompression bomb ({exc})")
         except UnidentifiedImageError:

@@ -18,11 +18,14 @@ named, not skipped silently; successes that differ from the samples found in the
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufeed.shardset.manifest import MAX_NUM_SAMPLES, SHARD_SUFFIXES
+from gpufeed.core.errors import DataError
 from gpufeed.core.redact import redact
+from gpufeed.core.safefs import open_set_file, read_set_file
 
 STATS_SUFFIX = "_stats.json"
 PARQUET_SUFFIX = ".parquet"
@@ -86,15 +89,10 @@ def _regular(path: Path) -> bool:
         return False
 
 
-def _read_stats(path: Path) -> dict[str, int]:
-    """The four counts of a ``_stats.json``. Raises ValueError (the reason)."""
-    size = path.stat().st_size
-    if size > MAX_STATS_BYTES:
-        raise ValueError(f"{size} bytes, more than the {MAX_STATS_BYTES} gpufeed reads")
-    with open(path, "rb") as f:
-        data = f.read(MAX_STATS_BYTES + 1)
-    if len(data) > MAX_STATS_BYTES:
-        raise ValueError(f"more than the {MAX_STATS_BYTES} bytes gpufeed reads")
+def _read_stats(path: Path, folder: Path) -> dict[str, int]:
+    """The four counts of a ``_stats.json`` of the set in ``folder``. Raises ValueError (the reason), DataError
+    (a link out of the set, a file too large: :func:`gpufeed.core.safefs.read_set_file`)."""
+    data = read_set_file(path, folder, MAX_STATS_BYTES, what="img2dataset record")
     try:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, RecursionError, ValueError) as exc:
@@ -112,16 +110,15 @@ def _read_stats(path: Path) -> dict[str, int]:
     return counts
 
 
-def _read_parquet(path: Path, shard: str, examples: list[str]) -> dict[str, int]:
-    """The status counts of a per-shard ``.parquet``, appending failure examples. Raises ValueError."""
+def _read_parquet(path: Path, folder: Path, shard: str, examples: list[str]) -> dict[str, int]:
+    """The status counts of a per-shard ``.parquet`` of the set in ``folder``, appending failure examples. Raises
+    ValueError, DataError (as :func:`_read_stats`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    size = path.stat().st_size
-    if size > MAX_PARQUET_BYTES:
-        raise ValueError(f"{size} bytes, more than the {MAX_PARQUET_BYTES} gpufeed reads")
+    f = os.fdopen(open_set_file(path, folder, max_bytes=MAX_PARQUET_BYTES, what="img2dataset record"), "rb")
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(f)
         rows = pf.metadata.num_rows
         names = set(pf.schema_arrow.names)
         if "status" not in names:
@@ -158,6 +155,8 @@ def _read_parquet(path: Path, shard: str, examples: list[str]) -> dict[str, int]
         return counts
     except (OSError, pa.ArrowException) as exc:  # before ValueError: pyarrow's ArrowInvalid is one too
         raise ValueError(f"not a readable parquet file ({type(exc).__name__}: {_text(exc)[:80]})") from None
+    finally:
+        f.close()
 
 
 def read_records(folder: Path, samples: dict[str, int]) -> Img2DatasetRecords | None:
@@ -174,13 +173,13 @@ def read_records(folder: Path, samples: dict[str, int]) -> Img2DatasetRecords | 
         found = True
         counts = None
         examples: list[str] = []
-        for path, have, read in ((stats_path, have_stats, _read_stats),
-                                 (parquet_path, have_parquet, lambda p: _read_parquet(p, shard, examples))):
+        for path, have, read in ((stats_path, have_stats, lambda p: _read_stats(p, folder)),
+                                 (parquet_path, have_parquet, lambda p: _read_parquet(p, folder, shard, examples))):
             if not have:
                 continue
             try:
                 got = read(path)
-            except (ValueError, OSError) as exc:
+            except (ValueError, OSError, DataError) as exc:  # DataError: a link out of the set, nothing read
                 rec.num_unreadable += 1
                 if len(rec.unreadable) < MAX_EXAMPLES:
                     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

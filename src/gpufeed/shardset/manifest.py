@@ -177,8 +177,8 @@ class Manifest:
         if len(classes) > MAX_CLASSES:
             raise DataError(f"{where}: {len(classes)} classes; a manifest lists at most {MAX_CLASSES}")
         for c in classes:
-            if not isinstance(c, str) or len(c.encode("utf-8", "surrogatepass")) > MAX_LABEL_BYTES:
-                raise DataError(f"{where}: class {str(c)[:80]!r} is not a class name (a string of at most "
+            if not isinstance(c, str) or not c or len(c.encode("utf-8", "surrogatepass")) > MAX_LABEL_BYTES:
+                raise DataError(f"{where}: class {str(c)[:80]!r} is not a class name (a non-empty string of at most "
                                 f"{MAX_LABEL_BYTES} bytes)")
         dup = first_duplicate(classes)
         if dup is not None:
@@ -207,6 +207,8 @@ class Manifest:
             if not isinstance(value, str):
                 raise DataError(f"{where}: {key} must be a string")
             strings[key] = value
+        for info in shards:  # last: every other field is checked first
+            samples_bytes_problem(info, compression == "gzip", where)
         return cls(
             prefix=strings["prefix"], classes=list(classes), shards=shards, num_samples=num_samples,
             num_rejected=_count(d, "num_rejected", where, MAX_NUM_SAMPLES, default=0),
@@ -240,6 +242,23 @@ URL_SYNTAX = frozenset(':/\\{}[]*?#|;&$<>`\'"')
 """Characters refused in shard names: path separators, URL scheme and query syntax (``pipe:``, ``s3://``,
 ``?``, ``#``), webdataset's brace expansion, glob and shell syntax. A shard name is a plain local file name."""
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+MIN_SAMPLE_TAR_BYTES = 512
+"""The fewest tar bytes a sample takes: the header of its image member (its data, its label, the archive's end
+blocks add more)."""
+MAX_GZIP_RATIO = 1032
+"""The most bytes deflate expands one compressed byte to (RFC 1951's longest match per shortest code)."""
+
+
+def samples_bytes_problem(info: ShardInfo, gzip: bool, where: str) -> None:
+    """Refuse (DataError) a shard whose claimed sample count cannot fit in its claimed bytes (a plain tar holds at
+    most ``bytes / 512`` samples, a gzip one ``1032 x`` that): counts derived from it (the class bound, the model
+    head, the epoch's length) are then bounded by the bytes, which the loader checks against the file."""
+    tar_bytes = info.bytes * MAX_GZIP_RATIO + 1024 if gzip or info.name.endswith((".tgz", ".tar.gz")) else info.bytes
+    if info.num_samples * MIN_SAMPLE_TAR_BYTES > tar_bytes:
+        raise DataError(f"{where}: shard {info.name!r} claims {info.num_samples} samples in {info.bytes} bytes; a "
+                        f"sample takes at least {MIN_SAMPLE_TAR_BYTES} bytes of tar")
 
 
 def class_count_problem(num_classes: int, num_samples: int) -> str | None:

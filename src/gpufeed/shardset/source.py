@@ -61,6 +61,10 @@ READ_TIMEOUT_S = 60.0
 MIN_BYTES_PER_S = 64 << 10
 """The slowest rate a range request may run at: one that takes longer than ``READ_TIMEOUT_S`` plus its size at
 this rate counts as failed (timed out), so a server trickling bytes cannot hold a read forever."""
+MAX_TIMEOUTS_IN_A_ROW = 2
+"""Tries of one range that may time out in a row (each waited its whole time bound and brought no progress)
+before a read with no deadline (a shard read by verify or stage) fails, whatever ``Retry.attempts`` allows: a stalled
+or trickling server is not waited on 5 times. A read with a deadline (a manifest, a job's budget) ends by it."""
 MIN_PROGRESS_BYTES = 1 << 20
 """Bytes a cut-short try must bring for the retry bound to count from zero again (a try bringing fewer, or a
 range's last bytes, is a failure): a server sending one byte per request ends within the bound."""
@@ -136,6 +140,26 @@ def is_url(spec: str | Path) -> bool:
     """Whether ``spec`` is a URL read through fsspec (``http``, ``https``, ``s3``, ``gs``; the scheme in any case:
     ``HTTP://`` is a URL, not a local path)."""
     return isinstance(spec, str) and spec[:8].lower().startswith(REMOTE_PREFIXES)
+
+
+_ANY_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_location(spec: str | Path) -> None:
+    """Refuse (DataError, exit 2) a typed location that starts like a URL gpufeed does not read (``ftp://``,
+    ``file://``, ``HTTPS+X://``: pathlib would make a path of it, turning ``//`` into ``/`` and so the URL's password
+    into text that no longer looks like one) or a URL holding a control character; the message shows the URL with
+    its password hidden."""
+    if not isinstance(spec, str):
+        return
+    m = _ANY_SCHEME.match(spec)
+    shown = repr(spec) if _CONTROL.search(spec) else spec  # one line, its password hidden whole
+    if m and not is_url(spec):
+        raise DataError(f"{shown}: gpufeed does not read {m.group(0)} URLs (only http://, https://, s3://, gs://, "
+                        f"a pipe: command or a local path)")
+    if m and _CONTROL.search(spec):
+        raise DataError(f"{shown}: a URL may not hold a control character (a line break, a tab)")
 
 
 def normal_url(spec: str) -> str:
@@ -431,7 +455,7 @@ class RemoteStream(io.RawIOBase):
         parts: list[bytes] = []
         got = start
         waits = self.retry.waits()
-        failures = 0
+        failures = timeouts = 0
         while True:
             left = _left(self.deadline, self.url, f" (at byte {got} of {self.size})")
             try:
@@ -452,6 +476,11 @@ class RemoteStream(io.RawIOBase):
                 if not transient:
                     raise SourceError(f"{self.url}: {reason}") from None
                 failures += 1
+                timeouts = timeouts + 1 if reason == "timed out" else 0
+                if timeouts >= MAX_TIMEOUTS_IN_A_ROW and self.deadline is None:  # a bounded read says its bound
+                    raise SourceError(f"{self.url}: stream ended at byte {got} of {self.size}: {timeouts} tries in a "
+                                      f"row timed out (slower than {MIN_BYTES_PER_S >> 10} KiB/s, or no answer in "
+                                      f"{READ_TIMEOUT_S:g} s){_endpoint_note(self.url)}") from None
                 left = _left(self.deadline, self.url, f" (at byte {got} of {self.size}, {reason})")
                 if failures >= self.retry.attempts:
                     detail = "" if isinstance(exc, _ShortRead) else f" ({reason})"
@@ -772,6 +801,8 @@ def open_set(spec: str | Path, manifest: str | Path | None = None, retry: Retry 
     the one next to the pattern, required for ``pipe:``), whose shard names must be the pattern's basenames in
     order. A folder given together with ``manifest`` holds the shards that manifest names (its ``root`` is not
     used). Raises DataError (one sentence)."""
+    check_location(spec)
+    check_location(manifest)
     text = normal_url(str(spec))
     pipe = text.startswith(PIPE_PREFIX)
     remote = pipe or is_url(text)

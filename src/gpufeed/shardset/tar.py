@@ -88,7 +88,7 @@ def _octal(field: bytes) -> int:
     if not text:
         return 0
     if not _OCTAL.fullmatch(text):
-        raise ValueError(f"{text[:20]!r} is not an octal number")
+        raise ValueError("not an octal number")  # the field is any bytes of the file: never shown
     return int(text, 8)
 
 
@@ -139,12 +139,13 @@ def parse_header(hdr: bytes, pos: int) -> tuple[str, int, bytes]:
                 _CHECKED_FIELDS.clear()
             _CHECKED_FIELDS.add(fixed)
     except ValueError as exc:
-        raise TarFormatError(f"member {_show(raw_name)} (header at offset {pos}): bad numeric field ({exc})") from None
+        # the name of a header that does not check out is any bytes of the file: never shown
+        raise TarFormatError(f"header at offset {pos}: bad numeric field ({exc})") from None
     unsigned = sum(hdr) - sum(hdr[148:156]) + 256
     if chk != unsigned:
         signed = unsigned - 256 * (sum(1 for x in hdr[:148] if x > 127) + sum(1 for x in hdr[156:] if x > 127))
         if chk != signed:
-            raise TarFormatError(f"member {_show(raw_name)} (header at offset {pos}): bad header checksum")
+            raise TarFormatError(f"header at offset {pos}: bad header checksum")
     typ = hdr[156:157]
     if typ == b"\0" and raw_name.endswith("/"):
         typ = b"5"  # tarfile: an old-style directory

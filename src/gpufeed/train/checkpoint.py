@@ -281,7 +281,18 @@ def set_identity(manifest: Any) -> dict[str, Any]:
 
     listing = [[s.name, s.num_samples, s.bytes, s.sha256] for s in manifest.shards]
     digest = hashlib.sha256(json.dumps(listing, separators=(",", ":")).encode("utf-8", "surrogatepass")).hexdigest()
-    return {"sha256": digest, "num_samples": int(manifest.num_samples), "num_shards": len(manifest.shards)}
+    return {"sha256": digest, "num_samples": int(manifest.num_samples), "num_shards": len(manifest.shards),
+            "labels": labels_identity(manifest)}
+
+
+def labels_identity(manifest: Any) -> str:
+    """The sha256 of what a sample's label index means: the class list, in order, and the label source (a set
+    indexed again with another class order or label member holds the same shards but other labels)."""
+    import hashlib
+    import json
+
+    text = json.dumps([list(manifest.classes), manifest.label], separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _saved_identity(state: dict[str, Any], path: Path) -> dict[str, Any] | None:
@@ -289,8 +300,9 @@ def _saved_identity(state: dict[str, Any], path: Path) -> dict[str, Any] | None:
     saved = state.get("shard_set")
     if saved is None:
         return None
-    if not (isinstance(saved, dict) and set(saved) == {"sha256", "num_samples", "num_shards"}
-            and isinstance(saved["sha256"], str) and len(saved["sha256"]) == 64):
+    if not (isinstance(saved, dict) and set(saved) - {"labels"} == {"sha256", "num_samples", "num_shards"}
+            and all(isinstance(saved.get(k, "-" * 64), str) and len(saved.get(k, "-" * 64)) == 64
+                    for k in ("sha256", "labels"))):
         raise DataError(f"{path}: shard_set is {_short(saved)}, not a shard-set identity")
     for k in ("num_samples", "num_shards"):
         _count(saved, k, path)
@@ -433,12 +445,20 @@ class Checkpointer:
                                   "gpufeed), so it is not checked that it trained on this set")
             return True
         if saved["sha256"] == ours["sha256"]:
-            return True
+            if "labels" not in saved:
+                self.notes.append("resume: the checkpoint records no class list (written by an older gpufeed), so it "
+                                  "is not checked that its labels mean the same classes")
+            if saved.get("labels", ours.get("labels")) == ours.get("labels"):
+                return True
         change = (f"{saved['num_samples']} samples in {saved['num_shards']} shard(s) -> {ours['num_samples']} in "
                   f"{ours['num_shards']}")
+        other, why = "other shards", "would pass over samples of this set never trained on"
+        if saved["sha256"] == ours["sha256"]:  # the labels differ
+            change, other = "the same shards", "other classes, another class order or another label source"
+            why = "would go on training with label indices that now name other classes"
         if not getattr(self.cfg, "resume_other_set", False):
-            raise DataError(f"{path} was written for another shard set ({change}, other shards): resuming at step "
-                            f"{step_in_epoch} of epoch {epoch} would pass over samples of this set never trained on; "
+            raise DataError(f"{path} was written for another shard set ({change}, {other}): resuming at step "
+                            f"{step_in_epoch} of epoch {epoch} {why}; "
                             f"pass --resume-other-set to keep the step, weights and LR and read epoch {epoch} of this "
                             f"set from its beginning, or start without --resume")
         self.notes.append(f"resume: the checkpoint was written for another shard set ({change}); with "

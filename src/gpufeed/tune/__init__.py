@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 from gpufeed.config import LoaderConfig, TuneConfig
+from gpufeed.core.errors import RunError
 from gpufeed.core.world import World
 from gpufeed.tune.decisions import SENTENCES, Decision, Reason, classify_bound, compare_on, describe, possible_cores
 from gpufeed.tune.phases import (check_request, check_shard_set, close_search, epoch_samples, node_world,
@@ -99,5 +100,9 @@ def tune_within(cfg: TuneConfig, base: LoaderConfig | None = None, *, measure: M
 
     report = summarize(s, chosen, best, baseline, storage)
     if write:
-        report = write_outputs(report, cfg, base)
+        try:
+            report = write_outputs(report, cfg, base)
+        except OSError as exc:  # the sweep ran: a run that failed (exit 1), naming the file
+            raise RunError(f"cannot write {exc.filename or 'the results'} ({exc.strerror or exc}); the sweep "
+                           f"ran but its results were not saved") from None
     return report

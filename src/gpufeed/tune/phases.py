@@ -26,6 +26,10 @@ def check_request(cfg: TuneConfig) -> str:
     if not cfg.shards:
         raise ConfigError("tune needs a shard set: gpufeed tune SHARDS")
     shards = str(cfg.shards)
+    if cfg.out:
+        from gpufeed.core.records import check_writable
+
+        check_writable(cfg.out, "--out")
     if cfg.baseline_imagefolder and not Path(cfg.baseline_imagefolder).is_dir():
         raise ConfigError(f"--baseline-imagefolder {cfg.baseline_imagefolder} is not a folder")
     if cfg.baseline_imagefolder and (cfg.nproc_per_node or 1) > 1:

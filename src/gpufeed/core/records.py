@@ -74,12 +74,13 @@ def _named(exc: OSError, path: Path) -> OSError:
 
 
 def check_writable(path: str | Path, what: str) -> None:
-    """ConfigError (exit 2) unless a file can be written at ``path`` (its folder exists and takes a new file): an
-    output checked before the work whose result it will hold."""
+    """ConfigError (exit 2) unless a file can be written at ``path`` (its folder, made as :func:`atomic_writer`
+    would make it, takes a new file): an output checked before the work whose result it will hold."""
     from gpufeed.core.errors import ConfigError
 
     p = Path(path)
     try:
+        p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     except OSError as exc:
         raise ConfigError(f"{what} {p} cannot be written: {exc.strerror or exc} ({p.parent})") from None

@@ -1,24 +1,96 @@
 """tune's records (docs/design.md §4, §5): a measured loader configuration (:class:`TrialRecord`, a row of
-trials.parquet) and what ``gpufeed tune`` returns (:class:`TuneReport`, summary.json)."""
+trials.parquet), one step of the search path (:class:`Decision`) and what ``gpufeed tune`` returns (:class:`TuneReport`, summary.json)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
 from gpufeed.config import LayoutConfig, LoaderConfig
 from gpufeed.measure.bounds import TrialBound
 from gpufeed.measure.metrics import Stat
 from gpufeed.measure.storage_rate import StorageRate
 
-if TYPE_CHECKING:
-    from gpufeed.tune.decisions import Decision
-
 
 KNOBS = ("num_workers", "decode", "worker_batching", "prefetch_factor", "pin_memory", "persistent_workers",
          "shuffle_buffer", "remote_streams", "decode_threads")
 """LoaderConfig fields the tuner may move (batch_size and image_size are fixed by the caller)."""
+
+
+Reason = Literal[
+    "setup",                     # the budgets the search runs under
+    "contended-remeasured",      # a worker count measured again: other processes held the CPU the first time
+    "stopped-budget",            # the climb stopped: no time left for the next worker count
+    "stopped-ram-budget",        # the climb stopped: a trial exceeded the RAM budget
+    "gain-flattened",            # the climb stopped: more workers gained less than min_gain
+    "cpu-saturated",             # the climb stopped: the loader used (nearly) all of its CPU budget
+    "zero-workers-within-gain",  # 0 workers was faster, but by less than min_gain: workers kept
+    "workers-chosen",            # the worker count the refinements start from
+    "adopted",                   # a candidate won by min_gain: the knob moved
+    "no-gain",                   # a candidate did not win by min_gain: the knob stayed
+    "candidate-failed",          # the candidate's trial failed: the knob stayed
+    "contended-warning",         # some trials ran while other processes held the CPU
+    "streams-io-bound",          # a remote set whose best trial waits on reads: the streams climb starts
+    "streams-stopped-budget",    # the streams climb stopped: no time left for the next count
+    "streams-flattened",         # the streams climb stopped: more streams gained less than min_gain
+    "streams-chosen",            # the range requests per worker kept for a remote set
+    "chart-failed",              # tune.png could not be written (the records stand)
+]
+"""Why the search took a step: the code tests and tools read; :attr:`Decision.sentence` is its English."""
+
+SENTENCES: dict[str, str] = {
+    "setup": "{usable} usable CPUs, {ranks} rank(s) per node, {trainer_cores} core(s) left to each training process, "
+             "cpu_budget {cpu_budget:g} -> {loader_cores:g} cores for the loaders, up to {ceiling} workers per rank; "
+             "RAM budget {ram_budget}; {repeats} windows of {window_s:.2f} s per trial",
+    "contended-remeasured": "{workers} workers measured while the CPU was contended ({first:.0f} samples/s), "
+                            "again: {again:.0f}",
+    "stopped-budget": "stopped before {workers} workers (budget)",
+    "stopped-ram-budget": "stopped at {workers} workers: {error}",
+    "gain-flattened": "gain flattened at {workers} workers ({rate:.0f} vs {best_rate:.0f} samples/s at "
+                      "{best_workers}, < {min_gain:.0%})",
+    "cpu-saturated": "CPU budget saturated at {workers} workers (tree used {cores_used:.2f} of {cores_budget:.2f} "
+                     "cores)",
+    "zero-workers-within-gain": "0 workers measured {zero_rate:.0f} samples/s, within {min_gain:.0%} of {chosen} "
+                                "workers: workers kept (they overlap loading with training)",
+    "workers-chosen": "keep {chosen} ({rate:.0f} samples/s)",
+    "adopted": "{previous!r} -> {chosen!r} ({metric} {ref:.0f} -> {value:.0f}; samples/s {ref_rate:.0f} -> "
+               "{rate:.0f})",
+    "no-gain": "keep {chosen!r} ({candidate!r} gave {metric} {value:.0f}, needs > {needed:.0f})",
+    "candidate-failed": "keep {chosen!r} ({candidate!r} failed: {error})",
+    "contended-warning": "warning: {count} of {total} trials ({trials}) ran while other processes held the CPU "
+                         "(machine >= {busy_pct:.0f}% busy, loader < {saturated:.0%} of its cores): their samples/s "
+                         "are lower bounds; rerun on a quiet machine to trust the worker count",
+    "chart-failed": "chart not written: {error}",
+    "streams-io-bound": "remote set whose loader waits on reads ({evidence}): more range requests in flight per "
+                        "worker may help; trying {ladder}",
+    "streams-stopped-budget": "stopped before {streams} streams (budget)",
+    "streams-flattened": "gain flattened at {streams} streams ({rate:.0f} vs {best_rate:.0f} samples/s at "
+                         "{best_streams}, < {min_gain:.0%})",
+    "streams-chosen": "keep {chosen} streams per worker ({rate:.0f} samples/s)",
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One step of the search path (summary.json ``decisions``; report.md's "Search path" lists the sentences)."""
+
+    knob: str
+    """The LoaderConfig field this step decided (num_workers, decode, ...), or "search" / "outputs" for a note
+    on the run as a whole."""
+    reason: Reason
+    chosen: Any = None
+    """The knob's value after this step; None for a step that settles no value (the climb's stop, a note)."""
+    candidates: tuple[int, ...] = ()
+    """Numbers of the trials this step compared (the reference first)."""
+    detail: dict[str, Any] = field(default_factory=dict)
+    """The numbers the sentence names."""
+    sentence: str = field(init=False)
+    """The step in English, rendered from the fields above."""
+
+    def __post_init__(self) -> None:
+        text = SENTENCES[self.reason].format(chosen=self.chosen, **self.detail)
+        object.__setattr__(self, "sentence", text if self.knob == "search" else f"{self.knob}: {text}")
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,10 @@ LOADER_SNIPPET = r"""
 import json, sys, time
 from gpufeed.config import LoaderConfig
 from gpufeed.loader import build_loader
-from gpufeed.core.world import World
+try:
+    from gpufeed.core.world import World
+except ImportError:  # a tree from before the packages (issue 18)
+    from gpufeed.world import World
 cfg = LoaderConfig(batch_size=64, num_workers=2, image_size=224, decode="simplejpeg", pin_memory=False,
                    seed=int(sys.argv[3]))
 loader = build_loader(sys.argv[1], cfg, World.single(), train=sys.argv[2] == "train")

@@ -104,7 +104,16 @@ def _train(conf: Any, shell: Shell) -> Any:
     from gpufeed.train.launch import launch
 
     train = dataclasses.replace(conf.train, progress=False) if shell.quiet else conf.train
-    return launch(train, conf.loader, conf.layout)
+    return launch(train, conf.loader, conf.layout, stager=_stage_for_fix)
+
+
+def _stage_for_fix(src: str, dest: str) -> str:
+    """``train --fix`` stages a storage-bound set with the stage job, which train may not import itself."""
+    from gpufeed.config import StageConfig
+    from gpufeed.stage import stage
+
+    stage(StageConfig(src=src, dest=dest), progress=False)
+    return dest
 
 
 def _io(conf: Any, shell: Shell, paths: tuple[str, ...]) -> Any:
@@ -220,7 +229,7 @@ COMMANDS: tuple[Job, ...] = (
         *_MODES, *field_options("train", "measure_steps", "log_every"), field_option("loader", "num_workers"),
         *field_options("train", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port",
                        "rdzv_endpoint", "rdzv_id", "device", "threads", "storage_bytes_per_s", "storage_record",
-                       "storage_probe_s", "run_dir"))),
+                       "storage_probe_s", "fix", "fix_budget_s", "fix_stage_dir", "run_dir"))),
     Job("io", _io, "gpufeed.storage:render", params=(
         click.Argument(["paths"], nargs=-1, required=True, type=click.Path()),
         *field_options("io", "seconds", "bytes", "max_readers", "max_files", "target_rate", "gpu_ceiling",

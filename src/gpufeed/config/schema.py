@@ -277,6 +277,17 @@ class TrainConfig:
     storage_probe_s: float = bounded(3.0, 0.0, MAX_WINDOW_S)
     """Seconds ``--measure`` spends probing the shard set's read rate (gpufeed io's reader ladder, cold where
     measurable) before the modes, unless storage_bytes_per_s or storage_record is given; 0 = no probe."""
+    fix: bool = False
+    """With mode = measure: when the verdict is starved by something gpufeed can change itself ([loader]
+    num_workers, prefetch_factor, decode, pin_memory, remote_streams, or staging the set to /dev/shm or
+    fix_stage_dir), apply one change at a time, re-measure, keep it only when it helps beyond the spread of the
+    timing windows, and write the improved settings to fixed.toml in the run folder."""
+    fix_budget_s: float = bounded(300.0, 0.0, MAX_DURATION_S, min_open=True)
+    """Wall-clock seconds --fix may spend trying fixes (staging included); a fix is started only when the
+    longest measurement so far still fits."""
+    fix_stage_dir: str | None = None
+    """Where --fix stages a storage-bound shard set; None = /dev/shm/gpufeed-fix-<set name> when the set fits in
+    /dev/shm's free space (else staging is printed, not tried)."""
     nproc_per_node: int = bounded(1, 1, MAX_NPROC_PER_NODE)
     """Processes (GPUs) per node; > 1 or nnodes > 1 launches through torchrun."""
     nnodes: str = "1"
@@ -305,6 +316,8 @@ class TrainConfig:
             raise ConfigError("resume needs checkpoint_dir (the folder holding last.pt)")
         if self.storage_bytes_per_s is not None and self.storage_record is not None:
             raise ConfigError("give storage_bytes_per_s (--storage-rate) or storage_record, not both")
+        if self.fix and self.mode != "measure":
+            raise ConfigError("fix needs mode = measure (--measure): a fix is kept only when a re-measure shows it helps")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -172,6 +172,11 @@ class TuneConfig:
     None = the [train] nproc_per_node."""
     trainer_cores: int = bounded(1, 0, MAX_WORKERS)
     """Cores left to each training process, kept out of its loader's worker budget."""
+    with_model: str | None = None
+    """A torchvision arch (as [train] arch): every trial runs this model's training step on each batch it reads,
+    with the torch threads (or the GPU) a training rank gets, so a trial measures what training will get: on the
+    CPU the loader shares the cores with the step, and num_workers = 0 loads in series with it, as in training.
+    None = the loader alone (its ceiling)."""
     storage_probe_s: float = bounded(3.0, 0.0, MAX_WINDOW_S)
     """Seconds spent probing the shard set's read rate before the trials (gpufeed io's reader ladder, cold where
     measurable), so the bound line can say whether the loader reads at the storage's limit; 0 = no probe."""

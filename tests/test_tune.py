@@ -839,3 +839,5 @@ def test_a_trial_with_model_steps_the_model_on_every_batch_it_reads(tiny_shards:
                                 model="resnet18")
     assert rec.ok, rec.error
     assert rec.samples_per_s > 0 and len(steps) >= 1 + 2 * 2 and set(steps) == {4}
+    # the step is compute, reported on its own: it does not make the trial look copy-bound
+    assert rec.model_step_s > 0 and rec.copy_s < rec.model_step_s and rec.num_batches == 4

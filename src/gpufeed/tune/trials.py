@@ -57,19 +57,29 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
             moved = batch
         touch(moved)
         if "step" in holder:
+            t = time.perf_counter()
             holder["step"](moved)
+            holder.setdefault("step_s", []).append(time.perf_counter() - t)
         return moved
+
+    def stream() -> StreamResult:
+        result = measure_stream(open_batches, opts, to_device=move, cuda_sync=sync,
+                                skipped=lambda: getattr(holder.get("loader"), "num_skipped", 0),
+                                repeated=lambda: getattr(holder.get("loader"), "num_repeated", 0),
+                                start_barrier=start_barrier)
+        # the windows' batches are the last num_batches moved: their training steps are compute, not copy
+        step_s = sum(holder.get("step_s", [])[-result.num_batches:]) if result.num_batches else 0.0
+        holder["model_step_s"] = step_s
+        return dataclasses.replace(result, copy_s=max(0.0, result.copy_s - step_s))
 
     opts = StreamOptions(num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
                          warmup_batches=warmup_batches, window_s=window_s, window_batches=window_batches,
                          repeats=repeats, deadline=deadline, ram_budget_bytes=ram_budget_bytes)
     sync = device_sync(world)
-    return trial_from_stream(
-        lambda: measure_stream(open_batches, opts, to_device=move, cuda_sync=sync,
-                               skipped=lambda: getattr(holder.get("loader"), "num_skipped", 0),
-                               repeated=lambda: getattr(holder.get("loader"), "num_repeated", 0),
-                               start_barrier=start_barrier),
-        cfg, "gpufeed", t0, cleanup=holder.clear)
+    steps: dict[str, float] = {}
+    rec = trial_from_stream(stream, cfg, "gpufeed", t0,
+                            cleanup=lambda: (steps.update(s=holder.get("model_step_s", 0.0)), holder.clear()))
+    return dataclasses.replace(rec, model_step_s=steps["s"]) if model else rec
 
 
 def measure_imagefolder(src: str | Path, cfg: LoaderConfig, world: World | None = None, *, warmup_batches: int = 2,

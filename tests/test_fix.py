@@ -245,3 +245,17 @@ def test_fix_stages_a_throttled_remote_set_and_keeps_it_only_because_it_measured
         assert "kept: stage the set to" in (run / "report.md").read_text()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_final_verdict_never_prescribes_a_change_this_run_measured_as_no_better() -> None:
+    from gpufeed.train.records import FixRecord
+
+    v = Verdict("starved", "decode/CPU", "r", ["num_workers = 0 decodes in the training process: use num_workers >= 1",
+                                              "store images at <= 512 px (gpufeed shard --max-size 512)"], {})
+    dropped = FixRecord("num_workers 0 -> 1", {"num_workers": 1}, 50.0, 48.0, False, "dropped")
+    out = fix.measured_fixes(v, [dropped])
+    assert out.fixes[0].startswith("measured, not kept: num_workers 0 -> 1 went 50.0 -> 48.0 samples/s")
+    assert out.fixes[1] == v.fixes[1]
+    # a drop measured before a later kept fix was measured on other settings: the line stays
+    kept = FixRecord("stage", {"shards": "/dev/shm/x"}, 48.0, 90.0, True, "kept")
+    assert fix.measured_fixes(v, [dropped, kept]).fixes == v.fixes

@@ -313,6 +313,29 @@ def _merge(into: list[str], more: Iterable[str]) -> list[str]:
     return into + [m for m in more if m not in into]
 
 
+def measured_fixes(verdict: Verdict | None, tried: list[FixRecord]) -> Verdict | None:
+    """The verdict with each fix line that names a change ``--fix`` measured on the settings kept (after the last
+    fix kept) and dropped replaced by that measurement: a verdict never prescribes what its own run measured as no
+    better."""
+    if verdict is None or not verdict.fixes:
+        return verdict
+    last_kept = max((i for i, r in enumerate(tried) if r.kept), default=-1)
+    dropped = [r for r in tried[last_kept + 1:] if not r.kept and r.after_samples_per_s is not None]
+    if not dropped:
+        return verdict
+
+    def names(line: str, r: FixRecord) -> bool:
+        return any((k == "shards" and "gpufeed stage" in line) or (k != "shards" and k in line) for k in r.changes)
+
+    fixes = []
+    for line in verdict.fixes:
+        r = next((r for r in dropped if names(line, r)), None)
+        fixes.append(line if r is None else
+                     f"measured, not kept: {r.fix} went {r.before_samples_per_s:.1f} -> {r.after_samples_per_s:.1f} "
+                     f"samples/s in this run (--fix), not beyond the noise; instead of: {line}")
+    return dataclasses.replace(verdict, fixes=fixes)
+
+
 def fixed_toml(loader: LoaderConfig, shards: str | None, tried: list[FixRecord]) -> str:
     """fixed.toml: the [loader] kept, and ``[train] shards`` when the set was staged (``shards`` not None), under a
     header naming each fix tried with its before -> after."""

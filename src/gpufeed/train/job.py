@@ -25,7 +25,7 @@ from gpufeed.measure.health import HEALTH_NAME, GpuHealth, HealthSampler
 from gpufeed.measure.storage_rate import StorageRate
 from gpufeed.measure.verdict import Verdict, classify
 from gpufeed.train.fix import FIXED_NAME, Candidate, FixInputs, FixRecord, Measured, Stager, candidates, fixed_toml, \
-    run_fixes, stage_target
+    measured_fixes, run_fixes, stage_target
 from gpufeed.train.preflight import run_loader_config
 from gpufeed.train.records import ModeRecord, TrainRecord, ValRecord
 from gpufeed.train.stop import StopRequest
@@ -171,7 +171,7 @@ def _finish(trainer: Trainer, sampler: HealthSampler | None, modes: dict[str, Mo
                      storage=storage, gpu_health=gpus)
     if fixed is not None:
         record = dataclasses.replace(record, fixes_tried=fixed.tried, fixes_not_tried=fixed.not_tried,
-                                     fixed_config=fixed.config)
+                                     fixed_config=fixed.config, verdict=measured_fixes(record.verdict, fixed.tried))
     if run_dir is not None:
         from gpufeed.train.report import write_report
 

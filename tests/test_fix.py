@@ -241,6 +241,7 @@ def test_fix_stages_a_throttled_remote_set_and_keeps_it_only_because_it_measured
         assert s["verdict"]["bound"] != "storage" and s["storage"]["bytes_per_s"] > 10 * 20_000
         fixed = load_config(run / "fixed.toml")
         assert fixed.train.shards == str(base / "set") and fixed.loader.remote_streams == 1
+        assert (fixed.loader.batch_size, fixed.loader.image_size) == (4, 32)  # what it was measured at
         assert (base / "set" / "manifest.json").is_file()
         assert "kept: stage the set to" in (run / "report.md").read_text()
     finally:

@@ -244,8 +244,9 @@ def _use(trainer: Trainer, loader_cfg: LoaderConfig, shards: str) -> None:
 def fix_loop(trainer: Trainer, modes: dict[str, ModeRecord], storage: StorageRate | None, loader_cfg: LoaderConfig,
              *, stager: Stager | None, run_dir: str | Path | None, first_cost_s: float) -> Fixed:
     """``--fix`` (collective): from the measured modes' verdict, try the fixes :mod:`gpufeed.train.fix` derives,
-    each re-measured with the loader-only and real modes (the compute ceiling stays: no fix changes the model);
-    the trainer ends on the settings kept, and rank 0 writes them to fixed.toml when any fix was tried."""
+    each re-measured with the loader-only and real modes (the compute ceiling stays: no fix changes the model;
+    once a fix was kept it is measured again, so the final verdict compares numbers of one period); the trainer
+    ends on the settings kept, and rank 0 writes them to fixed.toml when any fix was tried."""
     from gpufeed.core.records import atomic_write_text
     from gpufeed.core.system import usable_cpus
     from gpufeed.shardset.source import is_url
@@ -302,12 +303,20 @@ def fix_loop(trainer: Trainer, modes: dict[str, ModeRecord], storage: StorageRat
 
             shutil.rmtree(dest, ignore_errors=True)
     kept_storage = state["storage"] if out.shards != start_shards else start_storage
+    measured = out.measured
+    if trainer.gather(any(r.kept for r in out.tried))[0]:
+        # the compute ceiling again, beside the kept settings' modes: the final verdict compares one period's numbers
+        synth = trainer.run_mode("synthetic", trainer.cfg.measure_steps)
+        if world.is_main and measured.modes is not None and synth is not None:
+            ms = {"synthetic": synth, **{k: m for k, m in measured.modes.items() if k != "synthetic"}}
+            measured = Measured(ms, verdict_of(ms, kept_storage))
     config = None
     if world.is_main and run_dir is not None and out.tried:
         config = str(Path(run_dir) / FIXED_NAME)
-        atomic_write_text(Path(config), fixed_toml(out.loader, out.shards if out.shards != start_shards else None,
+        kept_loader = run_loader_config(trainer.cfg, out.loader)  # with the batch and image size it was measured at
+        atomic_write_text(Path(config), fixed_toml(kept_loader, out.shards if out.shards != start_shards else None,
                                                    out.tried))
-    return Fixed(out.measured, kept_storage, out.tried, out.not_tried, config)
+    return Fixed(measured, kept_storage, out.tried, out.not_tried, config)
 
 
 def _has_simplejpeg() -> bool:

@@ -798,3 +798,46 @@ def test_cli_tune_reads_the_layout_from_train_and_refuses_an_incomparable_baseli
     res = invoke(["tune", tiny_shards, "--config", config, "--nproc-per-node", "2", "--baseline-imagefolder", tmp_path,
                   "--budget", "5"], expect=2)
     assert "the aggregate of 2 ranks" in res.stderr  # the command line wins over [train]
+
+
+# --------------------------------------------------------------------------- --with-model: what training will get
+
+
+@pytest.mark.usefixtures("four_cpus")
+def test_with_model_every_gpufeed_trial_runs_the_training_step_beside_the_loader(tmp_path: Path) -> None:
+    seen: list[Any] = []
+
+    class Recording(ToyPipeline):
+        def __call__(self, shards: Any, cfg: LoaderConfig, world: World, **kw: Any) -> TrialRecord:
+            seen.append(kw.get("model"))
+            return super().__call__(shards, cfg, world, **kw)
+
+    tune(toy_cfg(tmp_path, with_model="resnet18"), measure=Recording(), **FAKE)
+    assert seen and set(seen) == {"resnet18"}
+    seen.clear()
+    tune(toy_cfg(tmp_path, run_dir=str(tmp_path / "run2")), measure=Recording(), **FAKE)
+    assert seen and set(seen) == {None}
+
+
+def test_a_trial_with_model_steps_the_model_on_every_batch_it_reads(tiny_shards: Path, monkeypatch) -> None:
+    import gpufeed.tune.trials as trials
+
+    steps = []
+    real_step = trials.training_step
+
+    def counting(arch: str, world: World, num_classes: int):
+        step = real_step(arch, world, num_classes)
+
+        def counted(batch: Any) -> None:
+            steps.append(batch[0].shape[0])
+            step(batch)
+        return counted
+
+    monkeypatch.setattr(trials, "training_step", counting)
+    cfg = LoaderConfig(batch_size=4, num_workers=0, image_size=32, shuffle_buffer=0)
+    rec = trials.measure_loader(tiny_shards, cfg, window_batches=2, repeats=2, warmup_batches=1, window_s=None,
+                                model="resnet18")
+    assert rec.ok, rec.error
+    assert rec.samples_per_s > 0 and len(steps) >= 1 + 2 * 2 and set(steps) == {4}
+    # the step is compute, reported on its own: it does not make the trial look copy-bound
+    assert rec.model_step_s > 0 and rec.copy_s < rec.model_step_s and rec.num_batches == 4

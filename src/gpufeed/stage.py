@@ -614,3 +614,10 @@ def render_stage(r: StageReport) -> str:
             f"{r.shards_kept} kept ({_mb(r.bytes_kept)}), {r.elapsed_s:.1f} s, {rate}, checked by {r.checked}")
     note = [] if r.node_rank is None else [f"note: {NODE_REMINDER}"]
     return "\n".join([line, *note, *(f"warning: {w}" for w in r.warnings)])
+
+
+def stage_copy(src: str, dest: str) -> str:
+    """Stage the set ``src`` to ``dest`` with the defaults and no progress bar; returns ``dest``: the stager that
+    ``train --fix`` is handed (by the CLI and ``gpufeed run``, which may import this job; train may not)."""
+    stage(StageConfig(src=src, dest=dest), progress=False)
+    return dest

@@ -108,7 +108,9 @@ def _train(conf: Any, shell: Shell) -> Any:
     from gpufeed.train.launch import launch
 
     train = dataclasses.replace(conf.train, progress=False) if shell.quiet else conf.train
-    return launch(train, conf.loader, conf.layout)
+    from gpufeed.stage import stage_copy  # train --fix stages with the stage job, which train may not import
+
+    return launch(train, conf.loader, conf.layout, stager=stage_copy)
 
 
 def _io(conf: Any, shell: Shell, paths: tuple[str, ...]) -> Any:
@@ -236,7 +238,7 @@ COMMANDS: tuple[Job, ...] = (
         FieldArgument("tune", "shards"),
         *field_options("tune", "manifest", "budget_s", "batch_size", "image_size", "max_workers", "cpu_budget",
                        "ram_budget", "target_rate", "baseline_imagefolder", "out", "run_dir", "repeats", "window_s",
-                       "device", "nproc_per_node", "trainer_cores", "storage_probe_s"))),
+                       "device", "nproc_per_node", "trainer_cores", "with_model", "storage_probe_s"))),
     Job("synth", _synth, "gpufeed.synth:render_synth", params=(
         FieldArgument("synth", "dest"), *field_options("synth", "images", "classes", "seed", "workers"),
         field_option("synth", "overwrite", switch=False))),
@@ -248,7 +250,7 @@ COMMANDS: tuple[Job, ...] = (
         *_MODES, *field_options("train", "measure_steps", "log_every"), field_option("loader", "num_workers"),
         *field_options("train", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port",
                        "rdzv_endpoint", "rdzv_id", "device", "threads", "storage_bytes_per_s", "storage_record",
-                       "storage_probe_s", "run_dir"))),
+                       "storage_probe_s", "fix", "fix_budget_s", "fix_stage_dir", "run_dir"))),
     Job("io", _io, "gpufeed.storage:render", params=(
         click.Argument(["paths"], nargs=-1, required=True, type=click.Path()),
         *field_options("io", "seconds", "bytes", "max_readers", "max_files", "target_rate", "gpu_ceiling",

@@ -191,6 +191,11 @@ class TuneConfig:
     None = the [train] nproc_per_node."""
     trainer_cores: int = bounded(1, 0, MAX_WORKERS)
     """Cores left to each training process, kept out of its loader's worker budget."""
+    with_model: str | None = None
+    """A torchvision arch (as [train] arch): every trial runs this model's training step on each batch it reads,
+    with the torch threads (or the GPU) a training rank gets, so a trial measures what training will get: on the
+    CPU the loader shares the cores with the step, and num_workers = 0 loads in series with it, as in training.
+    None = the loader alone (its ceiling)."""
     storage_probe_s: float = bounded(3.0, 0.0, MAX_WINDOW_S)
     """Seconds spent probing the shard set's read rate before the trials (gpufeed io's reader ladder, cold where
     measurable), so the bound line can say whether the loader reads at the storage's limit; 0 = no probe."""
@@ -296,6 +301,17 @@ class TrainConfig:
     storage_probe_s: float = bounded(3.0, 0.0, MAX_WINDOW_S)
     """Seconds ``--measure`` spends probing the shard set's read rate (gpufeed io's reader ladder, cold where
     measurable) before the modes, unless storage_bytes_per_s or storage_record is given; 0 = no probe."""
+    fix: bool = False
+    """With mode = measure: when the verdict is starved by something gpufeed can change itself ([loader]
+    num_workers, prefetch_factor, decode, pin_memory, remote_streams, or staging the set to /dev/shm or
+    fix_stage_dir), apply one change at a time, re-measure, keep it only when it helps beyond the spread of the
+    timing windows, and write the improved settings to fixed.toml in the run folder."""
+    fix_budget_s: float = bounded(300.0, 0.0, MAX_DURATION_S, min_open=True)
+    """Wall-clock seconds --fix may spend trying fixes (staging included); a fix is started only when the
+    longest measurement so far still fits."""
+    fix_stage_dir: str | None = None
+    """Where --fix stages a storage-bound shard set; None = /dev/shm/gpufeed-fix-<set name> when the set fits in
+    /dev/shm's free space (else staging is printed, not tried)."""
     nproc_per_node: int = bounded(1, 1, MAX_NPROC_PER_NODE)
     """Processes (GPUs) per node; > 1 or nnodes > 1 launches through torchrun."""
     nnodes: str = "1"
@@ -324,6 +340,8 @@ class TrainConfig:
             raise ConfigError("resume needs checkpoint_dir (the folder holding last.pt)")
         if self.storage_bytes_per_s is not None and self.storage_record is not None:
             raise ConfigError("give storage_bytes_per_s (--storage-rate) or storage_record, not both")
+        if self.fix and self.mode != "measure":
+            raise ConfigError("fix needs mode = measure (--measure): a fix is kept only when a re-measure shows it helps")
 
 
 @dataclass(frozen=True, kw_only=True)

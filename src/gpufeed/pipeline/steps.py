@@ -255,9 +255,10 @@ def _train_options(train: TrainConfig, loader: LoaderConfig, layout: LayoutConfi
 
 
 def _launch(train: TrainConfig, loader: LoaderConfig, layout: LayoutConfig) -> dict[str, Any]:
+    from gpufeed.stage import stage_copy
     from gpufeed.train.launch import launch
 
-    return launch(train, loader, layout)
+    return launch(train, loader, layout, stager=stage_copy)
 
 
 def prepare_ceiling(ctx: Context) -> tuple[Any, dict[str, Any], dict[str, Any]]:

@@ -40,6 +40,7 @@ from gpufeed.core.errors import ConfigError, GpufeedError, Interrupted, RunError
 from gpufeed.core.records import atomic_write_bytes, make_run_dir, to_jsonable, write_json
 from gpufeed.core.redact import redact
 from gpufeed.core.safefs import read_set_file
+from gpufeed.train.fix import Stager
 from gpufeed.train.job import train
 from gpufeed.train.preflight import check_data
 from gpufeed.train.records import CONFIG_NAME, SUMMARY_NAME
@@ -81,7 +82,8 @@ def _min_world_size(cfg: TrainConfig) -> int:
     return max(1, int(cfg.nnodes.split(":")[0])) * max(1, cfg.nproc_per_node)
 
 
-def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | None = None) -> dict[str, Any]:
+def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | None = None, *,
+           stager: Stager | None = None) -> dict[str, Any]:
     """Check the data, create the run folder (resolved config, environment), run every rank, return
     summary.json as a dict.
 
@@ -89,7 +91,8 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
     Errors: what every rank would refuse before starting is refused here (exit 2, see :func:`check_data`);
     when torchrun fails, the first rank's cause (from the ``rank-R.error`` files) is raised with that
     rank's exit code: 2 when it failed before its first step, else 1 (RunError). ``layout`` is the config's
-    [layout] (the one the loader was tuned for): a different one is named in one line (``gpufeed.layout.run_warning``)."""
+    [layout] (the one the loader was tuned for): a different one is named in one line (``gpufeed.layout.run_warning``).
+    ``stager`` stages the set for ``--fix`` in a single-process run (:mod:`gpufeed.train.fix`)."""
     from gpufeed.layout import run_warning
     from gpufeed.core.system import environment_snapshot, usable_cpus
 
@@ -108,7 +111,7 @@ def launch(cfg: TrainConfig, loader_cfg: LoaderConfig, layout: LayoutConfig | No
     write_json(run_dir / "environment.json", environment_snapshot())
     if not needs_torchrun(cfg):
         world = World.from_env(cfg.device)
-        record = train(cfg, loader_cfg, world, run_dir=run_dir)
+        record = train(cfg, loader_cfg, world, run_dir=run_dir, stager=stager)
         return to_jsonable(record)
     env = dict(os.environ)
     if "OMP_NUM_THREADS" not in env:

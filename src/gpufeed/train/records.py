@@ -5,6 +5,7 @@ and :func:`aggregate`, which turns the ranks' timings of one mode into its recor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpufeed.measure.health import GpuHealth
 from gpufeed.measure.metrics import Stat
@@ -81,6 +82,28 @@ class ValRecord:
 
 
 @dataclass(frozen=True)
+class FixRecord:
+    """One fix ``train --measure --fix`` applied and re-measured (:mod:`gpufeed.train.fix`)."""
+
+    fix: str
+    """What was changed, in words (``num_workers 0 -> 1``, ``stage the set to /dev/shm/...``)."""
+    changes: dict[str, Any]
+    """The [loader] keys changed, and ``shards`` when the set was staged."""
+    before_samples_per_s: float
+    """End-to-end samples/s (median of the real mode's windows) of the settings kept so far."""
+    after_samples_per_s: float | None
+    """The same with this fix; None when the re-measure failed (``error``)."""
+    kept: bool
+    why: str
+    """Why it was kept or dropped: the gain next to the windows' spread."""
+    verdict: Verdict | None = None
+    """The verdict measured with this fix applied."""
+    error: str | None = None
+    seconds: float = 0.0
+    """Wall-clock seconds this fix took: staging and the re-measure."""
+
+
+@dataclass(frozen=True)
 class TrainRecord:
     mode: str
     arch: str
@@ -129,6 +152,13 @@ class TrainRecord:
     gpu_health: list[GpuHealth] = field(default_factory=list)
     """Each CUDA rank's GPU over the run (:mod:`gpufeed.measure.health`), by rank; empty when no GPU was sampled through
     NVML (CPU runs, no driver or no nvidia-ml-py)."""
+    fixes_tried: list[FixRecord] = field(default_factory=list)
+    """``--fix``: each fix applied and re-measured, in order; the modes and the verdict above are those of the
+    settings kept at the end."""
+    fixes_not_tried: list[str] = field(default_factory=list)
+    """``--fix``: the fixes that need a person (more cores, re-sharding, another GPU) or did not fit the budget."""
+    fixed_config: str | None = None
+    """``--fix``: fixed.toml in the run folder (the [loader] kept, and [train] shards when the set was staged)."""
 
 
 

@@ -87,6 +87,7 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"checkpoint: {s['checkpoint']}")
     if s.get("run_dir"):
         lines.append(f"run folder: {s['run_dir']}")
+    lines += fix_lines(s)
     v = s.get("verdict")
     if v:
         head = f"verdict: {v['status'].upper()}" + (f" ({v['bound']}-bound)" if v.get("bound") else "")
@@ -96,6 +97,25 @@ def render(s: dict[str, Any]) -> str:
     else:
         lines += [f"note: {n}" for n in throttle_notes(s)]
     return "\n".join(lines)
+
+
+def fix_lines(s: dict[str, Any]) -> list[str]:
+    """``--fix``: each fix tried, before -> after samples/s and whether it was kept; the fixes not tried; where
+    the kept settings are. Empty without --fix."""
+    tried, not_tried = s.get("fixes_tried") or [], s.get("fixes_not_tried") or []
+    if not tried and not not_tried:
+        return []
+    lines = [f"fixes tried: {len(tried)}, kept {sum(1 for r in tried if r['kept'])}"]
+    for r in tried:
+        after = f"{r['after_samples_per_s']:.1f}" if r.get("after_samples_per_s") is not None else "failed"
+        v = r.get("verdict") or {}
+        then = f"; then {v['status']}" + (f" ({v['bound']}-bound)" if v.get("bound") else "") if v else ""
+        lines.append(f"  {'kept' if r['kept'] else 'dropped'}: {r['fix']}: {r['before_samples_per_s']:.1f} -> "
+                     f"{after} samples/s{then}")
+    lines += [f"  not tried: {n}" for n in not_tried]
+    if s.get("fixed_config"):
+        lines.append(f"  kept settings: {s['fixed_config']}")
+    return lines
 
 
 def _gpu_label(s: dict[str, Any], h: dict[str, Any]) -> str:
@@ -303,6 +323,8 @@ def render_markdown(s: dict[str, Any], plot: str | None = None) -> str:
     if s.get("storage"):
         out += ["", storage_line(s).replace("storage: ", "Storage: ", 1)]
     out += [""] + health_markdown(s)
+    if s.get("fixes_tried") or s.get("fixes_not_tried"):
+        out += ["", "Fixes (`--fix`):", ""] + [f"- {line.strip()}" for line in fix_lines(s)[1:]]
     v = s.get("verdict")
     if v:
         out += ["", f"**Verdict: {v['status']}**" + (f" ({v['bound']}-bound)" if v.get("bound") else "") +

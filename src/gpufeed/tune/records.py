@@ -131,6 +131,8 @@ class TrialRecord:
     """Seconds blocked in next(loader) inside the windows."""
     copy_s: float = 0.0
     """Seconds in the host-to-device move inside the windows (synchronised on CUDA)."""
+    model_step_s: float = 0.0
+    """``tune --with-model``: seconds of the model's training step inside the windows (not in copy_s)."""
     cpu_percent_per_core: list[float] = field(default_factory=list)
     cpu_percent_mean: float | None = None
     tree_cores_used: float | None = None

@@ -112,6 +112,8 @@ class Search:
             return None
         fn = measure or self.measure
         extra = {"manifest_file": self.cfg.manifest} if self.cfg.manifest and source is None else {}
+        if self.cfg.with_model and source is None:  # the training step beside the loader (not the baseline's)
+            extra["model"] = self.cfg.with_model
         t_start = time.perf_counter()
         try:
             rec = fn(source or self.shards, lc, self.world, warmup_batches=self.cfg.warmup_batches,

@@ -21,7 +21,7 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
                    window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
                    deadline: float | None = None, ram_budget_bytes: int | None = None,
                    start_barrier: Callable[[], None] | None = None,
-                   manifest_file: str | Path | None = None) -> TrialRecord:
+                   manifest_file: str | Path | None = None, model: str | None = None) -> TrialRecord:
     """The loader ceiling (docs/design.md §4) of ``build_loader(shards, cfg, world, manifest_file=...)``: never
     raises for a bad trial.
 
@@ -30,6 +30,8 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
     seconds (or ``window_batches`` batches), start-up and telemetry; ``error`` is set when the loader
     raised, the RAM budget was exceeded, or ``deadline`` passed before anything was measured.
     ``start_barrier``: see :func:`gpufeed.measure.stream.measure_stream` (:func:`measure_ranks` passes it).
+    ``model`` (``tune --with-model``): each batch also goes through that model's training step
+    (:func:`training_step`), so the rate is what training gets, not the loader's ceiling.
     """
     world = world or World.single()
     t0 = time.perf_counter()
@@ -40,6 +42,8 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
 
         if "loader" not in holder:
             holder["loader"] = build_loader(shards, cfg, world, train=True, epoch=epoch, manifest_file=manifest_file)
+            if model:
+                holder["step"] = training_step(model, world, holder["loader"].manifest.num_classes or 1)
         loader = holder["loader"]
         if epoch and hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
@@ -52,18 +56,30 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
         else:
             moved = batch
         touch(moved)
+        if "step" in holder:
+            t = time.perf_counter()
+            holder["step"](moved)
+            holder.setdefault("step_s", []).append(time.perf_counter() - t)
         return moved
+
+    def stream() -> StreamResult:
+        result = measure_stream(open_batches, opts, to_device=move, cuda_sync=sync,
+                                skipped=lambda: getattr(holder.get("loader"), "num_skipped", 0),
+                                repeated=lambda: getattr(holder.get("loader"), "num_repeated", 0),
+                                start_barrier=start_barrier)
+        # the windows' batches are the last num_batches moved: their training steps are compute, not copy
+        step_s = sum(holder.get("step_s", [])[-result.num_batches:]) if result.num_batches else 0.0
+        holder["model_step_s"] = step_s
+        return dataclasses.replace(result, copy_s=max(0.0, result.copy_s - step_s))
 
     opts = StreamOptions(num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
                          warmup_batches=warmup_batches, window_s=window_s, window_batches=window_batches,
                          repeats=repeats, deadline=deadline, ram_budget_bytes=ram_budget_bytes)
     sync = device_sync(world)
-    return trial_from_stream(
-        lambda: measure_stream(open_batches, opts, to_device=move, cuda_sync=sync,
-                               skipped=lambda: getattr(holder.get("loader"), "num_skipped", 0),
-                               repeated=lambda: getattr(holder.get("loader"), "num_repeated", 0),
-                               start_barrier=start_barrier),
-        cfg, "gpufeed", t0, cleanup=holder.clear)
+    steps: dict[str, float] = {}
+    rec = trial_from_stream(stream, cfg, "gpufeed", t0,
+                            cleanup=lambda: (steps.update(s=holder.get("model_step_s", 0.0)), holder.clear()))
+    return dataclasses.replace(rec, model_step_s=steps["s"]) if model else rec
 
 
 def measure_imagefolder(src: str | Path, cfg: LoaderConfig, world: World | None = None, *, warmup_batches: int = 2,
@@ -138,3 +154,32 @@ def trial_from_stream(fn: Callable[[], StreamResult], cfg: LoaderConfig, pipelin
     if rec.ok and rec.tree_cores_used:
         rec = dataclasses.replace(rec, samples_per_core_s=rec.samples_per_s / rec.tree_cores_used)
     return rec
+
+
+def training_step(arch: str, world: World, num_classes: int) -> Callable[[Any], None]:
+    """``tune --with-model``: a training step of ``arch`` (random weights, SGD, fp32) on ``world``'s device, taking a
+    moved ``(uint8 images, labels)`` batch. On the CPU it gets the torch threads a training rank gets (the usable
+    CPUs over the node's ranks, as ``gpufeed train`` sets them), so it takes the cores training would take."""
+    import torch
+
+    from gpufeed.core.system import usable_cpus
+    from gpufeed.model import build_model, build_optimizer
+
+    device = torch.device(world.device)
+    if not world.is_cuda:
+        torch.set_num_threads(max(1, usable_cpus() // max(1, world.local_world_size)))
+    module = build_model(arch, num_classes, device, channels_last=True)
+    optimizer = build_optimizer(module, lr=0.01, weight_decay=0.0)
+    criterion = torch.nn.CrossEntropyLoss()
+
+    def step(batch: Any) -> None:
+        images, labels = batch
+        x = images.to(device, non_blocking=True).float().div_(255.0)
+        loss = criterion(module(x), labels.to(device, non_blocking=True) % num_classes)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if world.is_cuda:
+            torch.cuda.synchronize(device)
+
+    return step

@@ -264,6 +264,14 @@ class TrainConfig:
     """Steps at the start of each mode left out of the timing (start-up, cudnn autotune, compile)."""
     log_every: int = bounded(10, 1, MAX_STEPS)
     """Optimizer steps per JSONL log record."""
+    # --- issue 19, measurement side: enough measurement and the timeline
+    measure_seconds: float = bounded(40.0, 0.0, MAX_WINDOW_S)
+    """Seconds --measure may spend, over its three modes, extending a mode window by window until its windows
+    settle (at least 3, disagreeing by less than the verdict's margins); each mode runs its measure_steps anyway.
+    Unsettled when the budget ends: the verdict is inconclusive (too noisy). 0 = measure_steps only."""
+    profile_steps: int = bounded(0, 0, MAX_MEASURE_STEPS)
+    """Real-mode steps captured with torch.profiler (CUDA and CPU activity) into the run folder's profile/ as a
+    Chrome trace; 0 = none."""
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda or cuda:N; under torchrun each rank takes cuda:LOCAL_RANK."""
     threads: int | None = bounded(None, 1, MAX_WORKERS)

@@ -55,7 +55,9 @@ class RankTiming:
     samples_per_s: float
     stall_pct: float
     window_rates: list[float]
-    """samples/s of consecutive windows of log_every steps."""
+    """samples/s of consecutive windows of log_every steps (--measure: of the mode's window steps)."""
+    window_stalls: list[float] = field(default_factory=list)
+    """Data stall % of the same windows."""
     cores_used: float | None = None
     """CPU cores this rank's process tree (incl. loader workers) kept busy."""
     read_bytes: int = 0
@@ -306,12 +308,13 @@ class Meter:
         step_s, next_s, h2d_s, comp_s = (float(sum(c)) for c in cols[:4])
         samples = int(sum(cols[4]))
         windows = self.window_rates(self.window_steps or self.log_every)
+        stalls = self.window_stalls(self.window_steps or self.log_every)
         return RankTiming(
             rank=self.world.rank, num_steps=len(self.steps), num_samples=samples, wall_s=wall,
             step_s=step_s, data_wait_s=next_s + h2d_s, next_wait_s=next_s, h2d_s=h2d_s, compute_s=comp_s,
             samples_per_s=samples / wall if wall > 0 else 0.0,
             stall_pct=100.0 * (next_s + h2d_s) / step_s if step_s > 0 else 0.0,
-            window_rates=windows,
+            window_rates=windows, window_stalls=stalls,
             cores_used=tel.tree_cores_used if tel else None,
             read_bytes=tel.tree_read_bytes if tel else 0,
             rss_max_bytes=tel.rss_max_bytes if tel else 0,

@@ -73,3 +73,54 @@ def stall_pct(trace: dict[str, Any], mode: str) -> float:
     step = sum(e["dur"] for e in evs if e["name"] == "step")
     wait = sum(e["dur"] for e in evs if e["name"] in WAIT_KINDS)
     return 100.0 * wait / step if step > 0 else 0.0
+
+
+PROFILE_DIR = "profile"
+"""The run folder's torch.profiler traces (``--profile-steps``)."""
+
+
+class StepProfiler:
+    """``--profile-steps N``: N training steps under ``torch.profiler`` (CPU activity, and CUDA on a GPU), after one
+    step of profiler warm-up, exported as a Chrome trace ``profile/rank-R.json`` in the run folder. Call
+    :meth:`step` after every step; it stops by itself after N + 1 steps (:meth:`close` stops it early)."""
+
+    def __init__(self, num_steps: int, run_dir: Path | None, *, cuda: bool, rank: int) -> None:
+        self.num_steps, self.rank, self.cuda = num_steps, rank, cuda
+        self.out = Path(run_dir) / PROFILE_DIR if run_dir is not None and num_steps > 0 else None
+        self.path: Path | None = None
+        self._prof: Any = None
+        self._count = 0
+
+    def start(self) -> "StepProfiler":
+        if self.out is None:
+            return self
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._prof = profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=self.num_steps,
+                                                                      repeat=1), on_trace_ready=self._export)
+        self._prof.__enter__()
+        return self
+
+    def _export(self, prof: Any) -> None:
+        assert self.out is not None
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = self.out / f"rank-{self.rank}.json"
+        prof.export_chrome_trace(str(self.path))
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def step(self) -> None:
+        if self._prof is None:
+            return
+        self._prof.step()
+        self._count += 1
+        if self._count >= self.num_steps + 1:
+            self.close()
+
+    def close(self) -> None:
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            prof.__exit__(None, None, None)

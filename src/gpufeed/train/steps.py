@@ -97,8 +97,8 @@ def real_step(compute: Compute, clock: Clock, batches: Iterator[Any], to_device:
 
 
 class SyntheticStep:
-    """The compute ceiling: the training step on one fixed uint8 batch made on the device (seeded from ``seed``),
-    with no fetch."""
+    """The compute ceiling: the training step on one fixed uint8 batch made on the device (seeded from ``seed``, in the
+    loader's memory layout), with no fetch."""
 
     def __init__(self, compute: Compute, clock: Clock, *, seed: int, batch_size: int, image_size: int,
                  num_classes: int, device: torch.device) -> None:
@@ -113,6 +113,9 @@ class SyntheticStep:
             x = torch.randint(0, 256, (self.batch_size, 3, self.image_size, self.image_size), dtype=torch.uint8,
                               generator=g)
             y = torch.randint(0, self.num_classes, (self.batch_size,), generator=g)
+            # laid out as the loader delivers its batches (NHWC memory, :mod:`gpufeed.loader.dataset`), so that the
+            # ceiling pays the same layout conversion in normalize as the real step does
+            x = x.contiguous(memory_format=torch.channels_last)
             self._batch = (x.to(self.device), y.to(self.device))
         return self._batch
 

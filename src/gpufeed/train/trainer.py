@@ -28,7 +28,7 @@ from gpufeed.core.world import World
 from gpufeed.loader import LoaderPosition
 from gpufeed.measure.settle import spread, window_steps
 from gpufeed.measure.timing import Clock, CudaClock, HostClock, Meter, RankTiming, StepMarks
-from gpufeed.measure.trace import TRACE_NAME, RankSpans, write_trace
+from gpufeed.measure.trace import TRACE_NAME, RankSpans, StepProfiler, write_trace
 from gpufeed.model import Amp, LrSchedule, build_model, build_optimizer, default_warmup
 from gpufeed.train.checkpoint import Checkpointer, Resume, RngState, set_identity
 from gpufeed.train.logger import RunLogger
@@ -228,6 +228,8 @@ class Trainer:
             for k, mode in enumerate(modes):
                 deadline = t0 + cfg.measure_seconds * (k + 1) / len(modes) if measure else None
                 records[mode] = self.run_mode(mode, steps, deadline=deadline)
+            if cfg.profile_steps and "real" in modes:
+                self.profile_real()
             return {mode: rec for mode, rec in records.items() if rec is not None}, []
         finally:
             if self.run_dir is not None and self.world.is_main and self.trace:
@@ -273,6 +275,20 @@ class Trainer:
         finally:
             del it  # the loader's workers stop here
         return self._aggregate(mode, meter, judge=judge)
+
+    def profile_real(self) -> StepProfiler:
+        """--profile-steps N after the measured modes: N + 1 real steps under torch.profiler, outside every timed
+        window (the profiler's cost stays out of the verdict's numbers), into the run folder's profile/."""
+        prof = StepProfiler(self.cfg.profile_steps, self.run_dir, cuda=self.cuda, rank=self.world.rank).start()
+        step, it = self._step_of("real"), self._cycle()
+        try:
+            while prof.active:
+                step(it)
+                prof.step()
+        finally:
+            prof.close()
+            del it
+        return prof
 
     def _go_on(self, meter: Meter, window: int, deadline: float | None) -> bool:
         """Collective, at a window's end: go on when some rank's windows have not settled and every rank is inside
@@ -343,6 +359,10 @@ class Trainer:
         self._mode = "real"
         self.started = True
         meter = Meter(self._real_warmup(), self.cfg.log_every, self.world, self.clock)
+        prof = StepProfiler(self.cfg.profile_steps, self.run_dir, cuda=self.cuda, rank=self.world.rank).start()
+        if prof.active:
+            self.notes.append(f"the first {self.cfg.profile_steps + 1} steps ran under torch.profiler "
+                              f"(--profile-steps), in {prof.out}")
         vals: list[ValRecord] = []
         self.model.module.train()
         try:
@@ -352,6 +372,7 @@ class Trainer:
                     marks = real_step(self.compute, self.clock, self._epoch_batches(), self._to_device,
                                       batch_size=self.batch_size)
                     epoch_end, run_end = self._advance()
+                    prof.step()
                     self._count_step("real", marks, meter, last=run_end)
                     if epoch_end or run_end:
                         self._batches = None  # the loader's workers stop before validation
@@ -371,6 +392,7 @@ class Trainer:
                         with meter.paused():
                             self._stop(signum, saved=saved)
         finally:
+            prof.close()
             self._batches = None
         return self._aggregate("real", meter), vals
 

@@ -29,7 +29,9 @@ class StreamOptions:
     window_s: float | None = 2.0
     """A window lasts this long and at least 2 batches per worker."""
     window_batches: int | None = None
-    """A window of exactly this many batches instead."""
+    """A window of exactly this many batches instead (with ``min_window_s``: at least this many)."""
+    min_window_s: float | None = None
+    """With ``window_batches``: a window also lasts at least this long."""
     repeats: int = 3
     """Windows to time; with ``min_repeats``, the most windows (see :func:`measure_stream`'s ``settled``)."""
     min_repeats: int | None = None
@@ -236,9 +238,9 @@ def _windows(stream: Iterator[Any], opts: StreamOptions, move: Callable[[Any], A
                     on_batch(ta, tb, tc)
                 nb += 1
                 ns += _batch_len(batch)
-                if window_batches is not None and nb >= window_batches:
+                if window_batches is not None and nb >= window_batches and tc - ts >= (opts.min_window_s or 0.0):
                     break
-                if span is not None and tc - ts >= span and nb >= min_batches:
+                if window_batches is None and span is not None and tc - ts >= span and nb >= min_batches:
                     break
                 if _past(deadline):
                     out["truncated"] = True

@@ -39,6 +39,8 @@ from gpufeed.train.stop import StopRequest
 from gpufeed.train.validate import Validator
 
 MODES_MEASURE = ("synthetic", "loader-only", "real")
+LOADER_WINDOW_S = 0.5
+"""--measure: a loader-only window lasts at least this long (a window of a few fast batches measures jitter)."""
 
 # --------------------------------------------------------------------------- building the parts
 
@@ -315,7 +317,8 @@ class Trainer:
             windows = -(-timed // self.cfg.log_every)
             per = -(-timed // windows)
         opts = StreamOptions(num_workers=lc.num_workers, prefetch_factor=lc.prefetch_factor,
-                             warmup_batches=self.cfg.timing_warmup_steps * accum, window_s=None,
+                             warmup_batches=self.cfg.timing_warmup_steps * accum,
+                             window_s=None, min_window_s=LOADER_WINDOW_S if judge else None,
                              window_batches=per * accum, repeats=10_000 if judge else windows,
                              min_repeats=windows if judge else None)
         spans = RankSpans("loader-only", self.world.rank, self.world.node_rank, "", 0.0, 0.0)

@@ -67,3 +67,32 @@ def test_windows_settle_when_they_disagree_by_less_than_the_verdicts_margins() -
     assert not spread([100, 101, 99], [1.0, 8.0, 2.0]).settled  # 7 points across the line
     assert spread([100, 101, 99], [1.0, 3.0, 2.0]).stall_spread_pts == pytest.approx(2.0)
     assert window_steps(20) * MIN_WINDOWS <= 20 and window_steps(1) == 1
+
+
+def _rank(rank: int, node: int, busy: float, own: float, others: list[OtherProcess], pids: tuple[int, ...]):
+    from gpufeed.measure.timing import RankTiming
+
+    return RankTiming(rank=rank, num_steps=3, num_samples=12, wall_s=1.0, step_s=1.0, data_wait_s=0.0,
+                      next_wait_s=0.0, h2d_s=0.0, compute_s=1.0, samples_per_s=12.0, stall_pct=0.0,
+                      window_rates=[4.0, 4.0, 4.0], window_stalls=[0.0, 0.0, 0.0], node=node,
+                      contention=Contention(1.0, 8, busy, own, pids, others))
+
+
+def test_records_carry_the_cores_others_held_per_node_and_the_verdict_names_them() -> None:
+    """Injected telemetry through the records into the verdict: contention on one node of one mode."""
+    from gpufeed.measure.verdict import VerdictInputs, classify
+    from gpufeed.train.records import aggregate
+    from gpufeed.train.verdict_inputs import mode_neighbours
+
+    hog = OtherProcess(555, "yes", 2.0)
+    quiet = aggregate("synthetic", [_rank(0, 0, 2.1, 2.0, [], (1,)), _rank(1, 1, 2.0, 2.0, [], (2,))], 2, judge=True)
+    busy = aggregate("real", [_rank(0, 0, 2.1, 2.0, [], (1,)), _rank(1, 1, 4.1, 2.0, [hog], (2,))], 2, judge=True)
+    assert quiet.other_cores == pytest.approx(0.1) and quiet.settled
+    assert [n.other_cores for n in busy.per_node] == [pytest.approx(0.1), pytest.approx(2.1)]
+    assert busy.other_cores == pytest.approx(2.1) and busy.other_process == hog
+    n = mode_neighbours({"synthetic": quiet, "real": busy})
+    assert [(x.mode, x.node, x.pid) for x in n] == [("synthetic", 0, None), ("real", 1, 555)]
+    v = classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=24.0, gpu_ceiling=24.0, neighbours=n))
+    assert v.status == "inconclusive" and "2.10 of 8 cores in the real mode" in v.reason and "yes (pid 555" in v.reason
+    calm = classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=24.0, gpu_ceiling=24.0, neighbours=n[:1]))
+    assert calm.status == "fed"

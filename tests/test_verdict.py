@@ -356,3 +356,10 @@ def test_another_process_on_the_gpu_is_named_with_its_memory() -> None:
     n = (ModeNeighbours("real", 0.0, 64, "python", 777, 0.0, 30_000_000_000),)
     v = classify(VerdictInputs(**STARVED_RUN, neighbours=n))
     assert v.cause == "other processes" and "python (pid 777, 30.0 GB on the GPU)" in v.reason
+
+
+def test_a_training_run_without_ceilings_stays_unverified_beside_other_processes() -> None:
+    n = _neighbours(real=1.5)
+    assert classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=100, neighbours=n)).status == "unverified"
+    # a high stall beside them is not called starved: the bound would rest on disturbed numbers
+    assert classify(VerdictInputs(stall_pct=30.0, end_to_end_rate=100, neighbours=n)).cause == "other processes"

@@ -3,9 +3,9 @@
 cannot move the verdict across a line.
 
 - samples/s: (max - min) / median at most :data:`RATE_SPREAD_MAX`, the width of the 0.9 x ceiling line
-  (1 - :data:`~gpufeed.measure.verdict.CEILING_FRACTION`);
+  (1 - :data:`~gpufeed.measure.bounds.CEILING_FRACTION`);
 - data stall: max - min at most :data:`STALL_SPREAD_MAX` points (half the 5 % line), or every window on the same
-  side of :data:`~gpufeed.measure.verdict.STALL_FED_PCT`.
+  side of :data:`~gpufeed.measure.bounds.STALL_FED_PCT`.
 
 Pure functions of the window figures; ``gpufeed train --measure`` extends each mode window by window until they hold,
 within ``--measure-seconds``.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpufeed.measure.verdict import CEILING_FRACTION, STALL_FED_PCT
+from gpufeed.measure.bounds import CEILING_FRACTION, STALL_FED_PCT
 
 MIN_WINDOWS = 3
 """Fewest timing windows a mode's figures are judged on."""

@@ -219,7 +219,7 @@ class Meter:
         self._pause0: float | None = None
         self.tel: Telemetry | None = None
         self.origin: Any = None
-        """The clock's mark at the window's start (spans are placed from it)."""
+        """The first timed step's start mark (spans are placed from it)."""
         self.t0_unix: float | None = None
         """time.time() at the window's start: where the spans sit on the run's timeline."""
         self.spans: list[tuple[str, float, float]] = []
@@ -232,12 +232,13 @@ class Meter:
             self.clock.sync()  # the warm-up's queued work stays out of the window
             self.tel = Telemetry(interval_s=0.5, gpu_index=gpu)
             self.tel.start()
-            self.origin = self.clock.mark()
             self.t0_unix = time.time()
             self.t0 = self.wall()
 
     def add(self, marks: StepMarks) -> None:
         if self.t0 is not None:
+            if self.origin is None:
+                self.origin = marks.start
             if len(self.steps) + len(self.pending) < MAX_TRACE_STEPS:
                 marks.origin = self.origin
             self.pending.append(marks)

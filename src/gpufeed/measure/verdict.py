@@ -18,12 +18,10 @@ from statistics import median
 from typing import Any, Callable, Literal, Sequence
 
 from gpufeed.measure import bounds
-from gpufeed.measure.bounds import Bound
+from gpufeed.measure.contention import contended, threshold_text
+from gpufeed.measure.settle import MIN_WINDOWS, RATE_SPREAD_MAX, STALL_SPREAD_MAX
+from gpufeed.measure.bounds import CEILING_FRACTION, STALL_FED_PCT, Bound
 
-STALL_FED_PCT = 5.0
-"""A run is fed only below this data stall %."""
-CEILING_FRACTION = 0.9
-"""... and only when end-to-end samples/s reach this fraction of the lower ceiling."""
 LARGE_SAMPLE_BYTES = 48_000
 """Mean stored sample size above which decoding is needlessly expensive at training resolution
 (a 224-px crop needs no 500-px-plus JPEG; ImageNet's originals average ~110 KB)."""
@@ -263,11 +261,10 @@ def _inconclusive(cause: str, reason: str, fixes: list[str], f: Facts, **nums: A
 
 
 def neighbours(f: Facts) -> Verdict | None:
-    """Other processes held the CPU (or the GPU) in some mode: every figure after it is disturbed."""
-    from gpufeed.measure.contention import contended, threshold_text
-
+    """Other processes held the CPU (or the GPU) in some mode: every figure after it is disturbed. (A training run
+    without ceilings and with a low stall stays unverified: it claims nothing that they could disturb.)"""
     hit = [n for n in f.v.neighbours if contended(n.other_cores, n.machine_cores) or n.gpu_mem_bytes]
-    if not hit:
+    if not hit or (f.lower is None and f.stall_ok):  # unverified already: no ceiling, no bound, nothing to disturb
         return None
     worst = max(hit, key=lambda n: (n.other_cores, n.gpu_mem_bytes or 0))
     modes = ", ".join(f"{n.mode} {n.other_cores:.2f}" for n in f.v.neighbours)
@@ -288,8 +285,6 @@ def neighbours(f: Facts) -> Verdict | None:
 
 def too_noisy(f: Facts) -> Verdict | None:
     """A mode's windows did not settle within --measure-seconds: one hiccup could move the verdict."""
-    from gpufeed.measure.settle import MIN_WINDOWS, RATE_SPREAD_MAX, STALL_SPREAD_MAX
-
     bad = [w for w in f.v.windows if not w.settled]
     if not bad:
         return None

@@ -162,7 +162,8 @@ def _pct(part: float, whole: float) -> float:
 
 
 def per_node(ranks: list[RankTiming]) -> list[NodeRecord]:
-    """The ranks' timings grouped by their node: sums over each node's ranks, rate over its longest window."""
+    """The ranks' timings grouped by their node: sums over each node's ranks, rate over its longest window; the
+    cores other processes held on its host (:func:`gpufeed.measure.contention.node_other_cores`)."""
     nodes: dict[int, list[RankTiming]] = {}
     for r in sorted(ranks, key=lambda r: r.rank):
         nodes.setdefault(r.node, []).append(r)
@@ -172,7 +173,9 @@ def per_node(ranks: list[RankTiming]) -> list[NodeRecord]:
         samples = sum(r.num_samples for r in rs)
         step_s = sum(r.step_s for r in rs)
         cores = [r.cores_used for r in rs if r.cores_used is not None]
-        other, big, machine = node_other_cores([r.contention for r in rs if r.contention is not None])
+        # the machine is the host: ranks of other nodes on the same host (tests, a node per socket) are not neighbours
+        same_host = [r for r in ranks if r.host == rs[0].host] if rs[0].host else rs
+        other, big, machine = node_other_cores([r.contention for r in same_host if r.contention is not None])
         out.append(NodeRecord(
             node=node, host=rs[0].host, ranks=[r.rank for r in rs], num_samples=samples,
             samples_per_s=samples / wall if wall > 0 else 0.0,

@@ -217,6 +217,8 @@ def derive(v: VerdictInputs) -> Facts:
                             "gpu_ceiling": v.gpu_ceiling, "loader_ceiling": v.loader_ceiling}
     if lower is not None:
         nums["fraction_of_ceiling"] = v.end_to_end_rate / lower
+    if v.read_bytes_per_s is not None:  # every verdict carries the loader's read rate (the report shows it)
+        nums["read_bytes_per_s"] = v.read_bytes_per_s
     stall_ok = v.stall_pct < STALL_FED_PCT
     rate_ok = lower is None or v.end_to_end_rate >= CEILING_FRACTION * lower
     target = v.gpu_ceiling if _known(v.gpu_ceiling) else (

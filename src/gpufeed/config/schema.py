@@ -270,8 +270,8 @@ class TrainConfig:
     settle (at least 3, disagreeing by less than the verdict's margins); each mode runs its measure_steps anyway.
     Unsettled when the budget ends: the verdict is inconclusive (too noisy). 0 = measure_steps only."""
     profile_steps: int = bounded(0, 0, MAX_MEASURE_STEPS)
-    """Real-mode steps captured with torch.profiler (CUDA and CPU activity) into the run folder's profile/ as a
-    Chrome trace; 0 = none."""
+    """Steps captured with torch.profiler (CPU, and CUDA on a GPU) as a Chrome trace in the run folder's profile/:
+    with --measure, extra real steps after the timed modes; in training, the first steps; 0 = none."""
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda or cuda:N; under torchrun each rank takes cuda:LOCAL_RANK."""
     threads: int | None = bounded(None, 1, MAX_WORKERS)

@@ -203,10 +203,18 @@ def test_throttled_source_is_storage_bound_and_the_staged_copy_is_not(http_serve
     before, st = _verdict(tmp_path / "remote")
     assert (st["source"], st["cache"], st["readers"]) == ("probe", "remote", 1)
     assert 0 < st["bytes_per_s"] <= 1.3 * 60_000
-    assert (before["status"], before["bound"]) == ("starved", "storage"), before
-    assert any(f"gpufeed stage {url} " in fix for fix in before["fixes"]), before["fixes"]
-    # the report shows the read rate the verdict used (socket reads are not in the I/O counters)
     summary = json.loads((tmp_path / "remote" / "summary.json").read_text())
+    if before["status"] == "inconclusive":  # a shared machine: only when the run's own records say why
+        from gpufeed.measure.contention import contended
+
+        modes = summary["modes"].values()
+        assert (before["cause"] == "other processes" and any(contended(m["other_cores"], m["machine_cores"])
+                                                             for m in modes)) or \
+            (before["cause"] == "too noisy" and any(m["settled"] is False for m in modes)), before
+    else:
+        assert (before["status"], before["bound"]) == ("starved", "storage"), before
+        assert any(f"gpufeed stage {url} " in fix for fix in before["fixes"]), before["fixes"]
+    # the report shows the read rate the verdict used (socket reads are not in the I/O counters)
     read = summary["loader_read_bytes_per_s"]
     assert read == before["numbers"]["read_bytes_per_s"] and read > 0
     assert f"the loader read {read / 1e6:,.1f} MB/s" in (tmp_path / "remote" / "report.md").read_text()

@@ -109,3 +109,21 @@ def test_trainer_steps_and_meter_count_only_device_idle_time(trainer: Trainer, m
     assert r.num_steps == 3 and r.num_samples == 12
     assert r.next_wait_s == 6.0 and r.compute_s == 21.0 and r.step_s == 27.0
     assert r.stall_pct == pytest.approx(100 * 6.0 / 27.0)
+
+
+def test_the_meters_spans_add_up_to_its_stall(trainer: Trainer, monkeypatch) -> None:
+    """trace.json's events come from the same marks as the stall %: their sums agree exactly."""
+    dev = FakeDevice()
+    monkeypatch.setattr(trainer.compute, "forward_backward", lambda x, y, last: (dev.enqueue(3.0), torch.zeros(()))[1])
+    monkeypatch.setattr(trainer.compute, "optimizer_step", lambda: dev.enqueue(1.0))
+    it = batches(dev, [0.0, 2.0, 9.0, 1.0, 4.0, 0.0])
+    meter = Meter(0, 10, World.single(), dev)
+    meter.before_step()
+    for _ in range(3):
+        meter.add(real_step(trainer.compute, dev, it, lambda b: b, batch_size=trainer.batch_size))
+    r = meter.finish()
+    total = {k: sum(d for kind, _, d in meter.spans if kind == k) for k in ("step", "data wait", "copy", "compute")}
+    assert total["step"] == pytest.approx(r.step_s) and total["data wait"] == pytest.approx(r.next_wait_s)
+    assert 100 * (total["data wait"] + total["copy"]) / total["step"] == pytest.approx(r.stall_pct)
+    starts = [t for kind, t, _ in meter.spans if kind == "step"]
+    assert starts == sorted(starts) and starts[0] >= 0.0

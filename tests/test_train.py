@@ -167,7 +167,8 @@ def test_synthetic_and_loader_only_produce_their_records(shards, tmp_path: Path)
     for name in ("config.toml", "environment.json", "summary.json", "report.md", "log.jsonl", "throughput.png"):
         assert (run / name).is_file(), name
     assert "[loader]" in (run / "config.toml").read_text() and "[train]" in (run / "config.toml").read_text()
-    assert len(read_log(run)) == 5 and read_log(run)[0]["mode"] == "loader-only"
+    # loader-only is measured by the harness tune uses: one record per timed window (4 windows of log_every = 1)
+    assert len(read_log(run)) == 4 and read_log(run)[0]["mode"] == "loader-only"
 
 
 def test_grad_accumulation_matches_the_large_batch_gradient() -> None:
@@ -294,13 +295,15 @@ def test_ddp_measure_runs_three_modes_and_ends_with_the_verdict(shards, tmp_path
     s = json.loads((run / "summary.json").read_text())
     assert res.exit_code == (0 if s["ok"] else 1)
     assert list(s["modes"]) == ["synthetic", "loader-only", "real"]
-    for m in s["modes"].values():
-        assert m["num_ranks"] == 2 and m["num_steps"] == 3 and m["samples_per_s"] > 0
-    # the verdict follows its rule from the recorded numbers (fed: stall < 5 % and >= 0.9 x the lower ceiling)
+    for m in s["modes"].values():  # at least the steps asked for: --measure goes on until its windows settle
+        assert m["num_ranks"] == 2 and m["num_steps"] >= 3 and m["samples_per_s"] > 0 and m["other_cores"] >= 0
+    # the verdict follows its rules from the recorded numbers (fed: stall < 5 % and >= 0.9 x the lower ceiling);
+    # a disturbed or noisy measurement is inconclusive, never fed
     real, ceiling = s["modes"]["real"], min(s["modes"]["synthetic"]["samples_per_s"],
                                             s["modes"]["loader-only"]["samples_per_s"])
-    fed = real["stall_pct"] < 5.0 and real["samples_per_s"] >= 0.9 * ceiling
-    assert s["verdict"]["status"] == ("fed" if fed else "starved") and s["ok"] == fed
+    fed = real["stall_pct"] < 5.0 and 0.9 * ceiling <= real["samples_per_s"] <= ceiling / 0.9
+    assert s["verdict"]["status"] == "inconclusive" or (s["verdict"]["status"] == "fed") == fed
+    assert s["ok"] == (s["verdict"]["status"] == "fed")
     assert s["rank_param_checksums"][0] == s["rank_param_checksums"][1]
     assert res.stdout.strip().splitlines()[-1 - len(s["verdict"]["fixes"])].startswith("verdict: ")
 

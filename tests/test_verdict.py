@@ -32,12 +32,77 @@ def test_low_stall_without_ceilings_is_unverified_not_fed() -> None:
     assert classify(VerdictInputs(stall_pct=20.0, end_to_end_rate=100)).status == "starved"
 
 
-def test_low_stall_but_far_below_ceiling_is_starved() -> None:
-    v = classify(VerdictInputs(stall_pct=3.0, end_to_end_rate=500, gpu_ceiling=1000, loader_ceiling=4000,
-                               loader_cores_used=4, usable_cores=8, num_workers=4, read_bytes_per_s=1e6))
-    assert v.status == "starved" and v.bound == "decode/CPU"
-    assert "slows the training processes" in v.reason
-    assert any("costs ~1.0 cores at 1000.0 samples/s per core" in f for f in v.fixes)  # 1000/s at 4000/4 per core
+GAP = dict(stall_pct=3.0, end_to_end_rate=500, gpu_ceiling=1000, loader_ceiling=4000, loader_cores_used=4,
+           usable_cores=8, num_workers=4, read_bytes_per_s=1e6)
+"""Low stall, but half the compute ceiling: the gap needs a cause."""
+
+
+def test_low_stall_far_below_the_ceiling_without_a_measured_cause_is_inconclusive_unexplained() -> None:
+    v = classify(VerdictInputs(**GAP))
+    assert v.status == "inconclusive" and v.cause == "unexplained" and not v.ok
+    assert "compute per step not measured" in v.reason and "no measured cause explains the gap" in v.reason
+    # the same compute per step in both modes: still no cause, and the numbers say so
+    same = classify(VerdictInputs(**GAP, real_compute_step_s=0.101, synthetic_compute_step_s=0.1))
+    assert same.cause == "unexplained" and "0.101 s real, 0.100 s synthetic" in same.reason
+    # no fix that its own numbers contradict: nothing about giving the loader cores
+    assert not any("cores of its own" in fx for fx in v.fixes + same.fixes)
+
+
+def test_the_loaders_processes_on_the_trainers_cores_are_named_with_their_cores() -> None:
+    v = classify(VerdictInputs(**GAP, real_compute_step_s=0.2, synthetic_compute_step_s=0.1, real_cores_used=7.8,
+                               synthetic_cores_used=6.0))
+    assert v.status == "starved" and v.bound == "decode/CPU" and not v.ok
+    assert "compute took 0.200 s per step in the real mode against 0.100 s on the synthetic batch (+100%)" in v.reason
+    assert "took 1.80 cores on top of the 6.00 the trainer used alone, 7.80 of 8 usable" in v.reason
+    assert v.fixes == ["give the loader cores of its own: torch threads = 6 per node (--threads) leaves 1.8 cores "
+                       "to the loader, or make decoding cheaper"]
+    # a loader that used (almost) no cores cannot be what slowed compute: no such fix
+    idle = classify(VerdictInputs(**GAP, real_compute_step_s=0.2, synthetic_compute_step_s=0.1, real_cores_used=6.1,
+                                  synthetic_cores_used=6.0))
+    assert idle.cause == "unexplained" and not any("cores of its own" in fx for fx in idle.fixes)
+
+
+def test_a_gpu_that_throttled_only_in_the_real_mode_is_named() -> None:
+    v = classify(VerdictInputs(**{**GAP, "is_cuda": True}, real_compute_step_s=0.2, synthetic_compute_step_s=0.1,
+                               gpu_slowdowns=("hw_thermal_slowdown",), synthetic_gpu_slowdowns=()))
+    assert v.status == "slowed" and v.cause == "GPU throttle" and not v.ok
+    assert "hw_thermal_slowdown" in v.reason and "nvidia-smi" in v.fixes[0]
+    assert v.render().startswith("verdict: SLOWED (GPU throttle): ")
+    # throttled in both modes: the ceiling was measured throttled too, so it is not the cause of the gap
+    both = classify(VerdictInputs(**{**GAP, "is_cuda": True}, real_compute_step_s=0.2, synthetic_compute_step_s=0.1,
+                                  gpu_slowdowns=("sw_power_cap",), synthetic_gpu_slowdowns=("sw_power_cap",)))
+    assert both.cause == "unexplained"
+
+
+def test_real_batches_unlike_the_synthetic_one_are_named() -> None:
+    v = classify(VerdictInputs(**GAP, real_compute_step_s=0.15, synthetic_compute_step_s=0.1,
+                               real_batch="uint8 [32, 3, 224, 224] strided cuda",
+                               synthetic_batch="uint8 [32, 3, 224, 224] contiguous cuda"))
+    assert v.status == "slowed" and v.cause == "batches differ"
+    assert "strided" in v.reason and "contiguous" in v.fixes[0]
+
+
+def test_a_ceiling_below_the_end_to_end_rate_is_unreliable_not_fed() -> None:
+    v = classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=200, gpu_ceiling=100, loader_ceiling=5000))
+    assert v.status == "inconclusive" and v.cause == "unreliable ceiling" and not v.ok
+    assert "200% of the compute ceiling (CPU) (100.0)" in v.reason
+    # within the margin it is still fed (101% of the ceiling is measurement noise, not a wrong ceiling)
+    assert classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=101, gpu_ceiling=100, loader_ceiling=5000)).status == "fed"
+
+
+def test_windows_that_did_not_settle_make_it_inconclusive_too_noisy() -> None:
+    from gpufeed.measure.verdict import ModeWindows
+
+    v = classify(VerdictInputs(stall_pct=6.8, end_to_end_rate=50, gpu_ceiling=49.6, loader_ceiling=900,
+                               windows=(ModeWindows("synthetic", True, 3, 0.04, 0.0),
+                                        ModeWindows("real", False, 5, 0.31, 9.5))))
+    assert v.status == "inconclusive" and v.cause == "too noisy"
+    assert "real: 5 window(s), samples/s spread 31%, stall spread 9.5 points" in v.reason
+    assert "synthetic" not in v.reason.split("(")[1].split(";")[0]
+    assert v.numbers["unsettled"]["real"]["rate_spread"] == 0.31
+    settled = classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=48, gpu_ceiling=49.6, loader_ceiling=900,
+                                     windows=(ModeWindows("real", True, 3, 0.05, 0.4),)))
+    assert settled.status == "fed"
 
 
 def test_decode_bound_names_cores_needed_at_per_core_rate() -> None:
@@ -247,3 +312,54 @@ def test_the_first_rule_that_fires_wins_and_carries_its_numbers() -> None:
     # the last rule always fires; a rule that does not fire returns None
     assert verdict.decode_cpu(facts).bound == "decode/CPU" and verdict.rank_imbalance(facts) is None
     assert verdict.fed(facts) is None and verdict.unverified(facts) is None
+
+
+# --------------------------------------------------------------------------- other processes on the machine
+
+def _neighbours(**per_mode: float):
+    from gpufeed.measure.verdict import ModeNeighbours
+
+    return tuple(ModeNeighbours(mode.replace("_", "-"), cores, 2, "stress", 4242, cores, None)
+                 for mode, cores in per_mode.items())
+
+
+STARVED_RUN = dict(stall_pct=40.0, end_to_end_rate=600, gpu_ceiling=1000, loader_ceiling=600, loader_cores_used=2,
+                   usable_cores=2, num_workers=2, read_bytes_per_s=95e6, storage_bytes_per_s=100e6)
+"""Numbers that alone would name a storage bound."""
+
+
+def test_other_processes_in_one_mode_make_the_verdict_inconclusive_naming_the_mode_and_process() -> None:
+    v = classify(VerdictInputs(**STARVED_RUN, neighbours=_neighbours(synthetic=0.05, loader_only=1.2, real=0.1)))
+    assert v.status == "inconclusive" and v.cause == "other processes" and v.bound is None and not v.ok
+    assert v.reason.startswith("other processes held 1.20 of 2 cores in the loader-only mode")
+    assert "synthetic 0.05, loader-only 1.20, real 0.10" in v.reason and "stress (pid 4242, 1.20 cores)" in v.reason
+    assert v.fixes == ["run on an idle machine, or pin the run with taskset/cgroups"]
+    assert "storage" not in v.render()  # never a bound built on disturbed numbers
+
+
+def test_other_processes_in_every_mode_and_on_a_small_machine() -> None:
+    v = classify(VerdictInputs(**STARVED_RUN, neighbours=_neighbours(synthetic=0.6, loader_only=0.7, real=0.9)))
+    assert v.cause == "other processes" and "0.90 of 2 cores in every mode" in v.reason
+    # 0.3 of 2 cores is under 0.5 core but more than 10% of the machine
+    small = classify(VerdictInputs(**STARVED_RUN, neighbours=_neighbours(synthetic=0.0, loader_only=0.0, real=0.3)))
+    assert small.cause == "other processes" and "the real mode" in small.reason
+
+
+def test_without_other_processes_the_numbers_decide() -> None:
+    v = classify(VerdictInputs(**STARVED_RUN, neighbours=_neighbours(synthetic=0.02, loader_only=0.1, real=0.15)))
+    assert v.status == "starved" and v.bound == "storage"
+
+
+def test_another_process_on_the_gpu_is_named_with_its_memory() -> None:
+    from gpufeed.measure.verdict import ModeNeighbours
+
+    n = (ModeNeighbours("real", 0.0, 64, "python", 777, 0.0, 30_000_000_000),)
+    v = classify(VerdictInputs(**STARVED_RUN, neighbours=n))
+    assert v.cause == "other processes" and "python (pid 777, 30.0 GB on the GPU)" in v.reason
+
+
+def test_a_training_run_without_ceilings_stays_unverified_beside_other_processes() -> None:
+    n = _neighbours(real=1.5)
+    assert classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=100, neighbours=n)).status == "unverified"
+    # a high stall beside them is not called starved: the bound would rest on disturbed numbers
+    assert classify(VerdictInputs(stall_pct=30.0, end_to_end_rate=100, neighbours=n)).cause == "other processes"

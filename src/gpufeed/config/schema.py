@@ -288,6 +288,14 @@ class TrainConfig:
     """Steps at the start of each mode left out of the timing (start-up, cudnn autotune, compile)."""
     log_every: int = bounded(10, 1, MAX_STEPS)
     """Optimizer steps per JSONL log record."""
+    # --- issue 19, measurement side: enough measurement and the timeline
+    measure_seconds: float = bounded(40.0, 0.0, MAX_WINDOW_S)
+    """Seconds --measure may spend, over its three modes, extending a mode window by window until its windows
+    settle (at least 3, disagreeing by less than the verdict's margins); each mode runs its measure_steps anyway.
+    Unsettled when the budget ends: the verdict is inconclusive (too noisy). 0 = measure_steps only."""
+    profile_steps: int = bounded(0, 0, MAX_MEASURE_STEPS)
+    """Steps captured with torch.profiler (CPU, and CUDA on a GPU) as a Chrome trace in the run folder's profile/:
+    with --measure, extra real steps after the timed modes; in training, the first steps; 0 = none."""
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda or cuda:N; under torchrun each rank takes cuda:LOCAL_RANK."""
     threads: int | None = bounded(None, 1, MAX_WORKERS)

@@ -32,6 +32,11 @@ IDLE_FRACTION = 0.5
 """Storage-bound also when the loader processes keep fewer than this fraction of their cores busy while reading."""
 SATURATED_FRACTION = 0.75
 """The loader's CPU is saturated when its processes keep at least this fraction of their cores busy ..."""
+STALL_FED_PCT = 5.0
+"""A run is fed only below this data stall % (the verdict's line; :mod:`gpufeed.measure.settle` sizes its windows'
+spread from it) ..."""
+CEILING_FRACTION = 0.9
+"""... and only when end-to-end samples/s reach this fraction of the lower ceiling."""
 MACHINE_BUSY_PCT = 90.0
 """... or the whole machine is at least this % busy."""
 

@@ -105,3 +105,23 @@ def _handle_by_uuid(pynvml: Any, torch_index: int) -> Any:
         return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
     except Exception:  # older torch without .uuid, MIG devices, no CUDA: fall back to the index
         return None
+
+
+def gpu_processes(n: Any, h: Any) -> list[tuple[int, int | None]]:
+    """(pid, GPU memory bytes or None) of every compute and graphics process on handle ``h``; [] when NVML cannot
+    tell (containers often hide other processes' pids)."""
+    out: dict[int, int | None] = {}
+    for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        fn = getattr(n, name, None)
+        procs = get(lambda: fn(h)) if fn is not None else None
+        for p in procs or ():
+            pid = getattr(p, "pid", None)
+            if isinstance(pid, int):
+                mem = getattr(p, "usedGpuMemory", None)
+                out[pid] = int(mem) if isinstance(mem, int) else None
+    return sorted(out.items())
+
+
+def clock_slowdowns(bits: Any) -> tuple[str, ...]:
+    """The reasons of a clocks-event mask that mean heat, power or the board held the clocks back."""
+    return tuple(r for r in decode_reasons(bits) if r in SLOWDOWN_LABELS)

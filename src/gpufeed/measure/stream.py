@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from gpufeed.core.errors import ConfigError, GpufeedError, one_line
+from gpufeed.measure.contention import Contention
 from gpufeed.core.world import World
 
 
@@ -28,8 +29,13 @@ class StreamOptions:
     window_s: float | None = 2.0
     """A window lasts this long and at least 2 batches per worker."""
     window_batches: int | None = None
-    """A window of exactly this many batches instead."""
+    """A window of exactly this many batches instead (with ``min_window_s``: at least this many)."""
+    min_window_s: float | None = None
+    """With ``window_batches``: a window also lasts at least this long."""
     repeats: int = 3
+    """Windows to time; with ``min_repeats``, the most windows (see :func:`measure_stream`'s ``settled``)."""
+    min_repeats: int | None = None
+    """With ``settled``: windows go on past this many only until ``settled(window rates)`` is true."""
     deadline: float | None = None
     """``time.monotonic()`` after which windows are cut short (``truncated``)."""
     ram_budget_bytes: int | None = None
@@ -65,6 +71,8 @@ class StreamResult:
     disk_read_bytes_per_s: float | None = None
     num_skipped: int = 0
     num_repeated: int = 0
+    contention: Contention | None = None
+    """What the rest of the machine did over the windows (:mod:`gpufeed.measure.contention`)."""
 
     @property
     def samples_per_s(self) -> float | None:
@@ -97,7 +105,9 @@ class LoaderFailed(StreamError):
 def measure_stream(open_batches: Callable[[int], Iterable[Any]], opts: StreamOptions | None = None, *,
                    to_device: Callable[[Any], Any] | None = None, cuda_sync: Callable[[], None] | None = None,
                    skipped: Callable[[], int] | None = None, repeated: Callable[[], int] | None = None,
-                   start_barrier: Callable[[], None] | None = None) -> StreamResult:
+                   start_barrier: Callable[[], None] | None = None,
+                   settled: Callable[[list[float]], bool] | None = None,
+                   on_batch: Callable[[float, float, float], None] | None = None) -> StreamResult:
     """Measure steady-state samples/s of any batch iterable.
 
     ``open_batches(epoch)`` returns one epoch of ``(images, labels)`` batches; epochs are chained endlessly (a new
@@ -110,6 +120,10 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], opts: StreamOpt
     k at the first batch after ``k+1`` window_s from the barrier, so that all ranks measure the same wall windows
     (within one batch). A loader error is raised as a :class:`LoaderFailed` whose message is one sentence and whose
     ``partial`` holds what was measured before it.
+
+    ``settled(rates)`` (with ``opts.min_repeats``) ends the windows once at least ``min_repeats`` were timed and it
+    returns True for their samples/s (``repeats`` stays the most). ``on_batch(t_wait, t_got, t_copied)`` is called
+    with the perf_counter readings around each timed batch (``gpufeed train`` places them on its timeline).
     """
     opts = opts or StreamOptions()
     if opts.window_s is None and opts.window_batches is None:
@@ -120,7 +134,8 @@ def measure_stream(open_batches: Callable[[int], Iterable[Any]], opts: StreamOpt
     stream = _endless(open_batches)
     try:
         _warm_up(stream, opts, to_device or touch, cuda_sync or (lambda: None), out)
-        _windows(stream, opts, to_device or touch, cuda_sync or (lambda: None), start_barrier, out)
+        _windows(stream, opts, to_device or touch, cuda_sync or (lambda: None), start_barrier, out, settled=settled,
+                 on_batch=on_batch)
         if skipped is not None:
             out["num_skipped"] = int(skipped())
         if repeated is not None:
@@ -180,7 +195,9 @@ def _warm_up(stream: Iterator[Any], opts: StreamOptions, move: Callable[[Any], A
 
 
 def _windows(stream: Iterator[Any], opts: StreamOptions, move: Callable[[Any], Any], sync: Callable[[], None],
-             start_barrier: Callable[[], None] | None, out: dict[str, Any]) -> None:
+             start_barrier: Callable[[], None] | None, out: dict[str, Any], *,
+             settled: Callable[[list[float]], bool] | None = None,
+             on_batch: Callable[[float, float, float], None] | None = None) -> None:
     """The measurement windows, under telemetry, into ``out``."""
     import psutil
 
@@ -202,6 +219,8 @@ def _windows(stream: Iterator[Any], opts: StreamOptions, move: Callable[[Any], A
             if r > 0 and _past(deadline, window_s or 0.0):
                 out["truncated"] = True
                 break
+            if settled is not None and opts.min_repeats is not None and r >= opts.min_repeats and settled(runs):
+                break
             ts = time.perf_counter()
             # on a shared clock: this window ends (r+1) windows after the barrier, whatever the last one took
             span = begin + (r + 1) * window_s - ts if start_barrier is not None and window_s else window_s
@@ -215,11 +234,13 @@ def _windows(stream: Iterator[Any], opts: StreamOptions, move: Callable[[Any], A
                 tc = time.perf_counter()
                 wait_s += tb - ta
                 copy_s += tc - tb
+                if on_batch is not None:
+                    on_batch(ta, tb, tc)
                 nb += 1
                 ns += _batch_len(batch)
-                if window_batches is not None and nb >= window_batches:
+                if window_batches is not None and nb >= window_batches and tc - ts >= (opts.min_window_s or 0.0):
                     break
-                if span is not None and tc - ts >= span and nb >= min_batches:
+                if window_batches is None and span is not None and tc - ts >= span and nb >= min_batches:
                     break
                 if _past(deadline):
                     out["truncated"] = True
@@ -239,6 +260,7 @@ def _windows(stream: Iterator[Any], opts: StreamOptions, move: Callable[[Any], A
         rss_max_bytes=tel_s.rss_max_bytes,
         read_bytes_per_s=tel_s.tree_read_bytes / tel_s.duration_s,
         disk_read_bytes_per_s=None if tel_s.disk_read_bytes is None else tel_s.disk_read_bytes / tel_s.duration_s,
+        contention=tel_s.contention,
     )
     if opts.ram_budget_bytes is not None and tel_s.rss_max_bytes > opts.ram_budget_bytes:
         raise OverRamBudget(f"RAM budget exceeded: loader processes peaked at {megabytes(tel_s.rss_max_bytes)} > "

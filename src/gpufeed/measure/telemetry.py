@@ -6,7 +6,10 @@ A daemon thread samples, every ``interval_s``:
 - RSS summed over that tree (shared pages are counted once per process, so this is an upper bound);
 - storage read bytes of the tree (psutil ``io_counters().read_bytes``, page-cache hits excluded) and
   the machine's disk read bytes;
-- GPU utilisation, memory, power, temperature and SM clock through NVML when nvidia-ml-py and a GPU exist.
+- GPU utilisation, memory, power, temperature, SM clock and clocks-event (throttle) reasons through NVML when
+  nvidia-ml-py and a GPU exist;
+- what the rest of the machine did over the window (:mod:`gpufeed.measure.contention`): the cores other processes
+  used and the largest of them, and the other processes on the GPU.
 
 Usage::
 
@@ -26,7 +29,8 @@ from typing import Any
 
 import psutil
 
-from gpufeed.measure.nvml import open_device, read_health
+from gpufeed.measure.contention import Contention, ContentionProbe
+from gpufeed.measure.nvml import clock_slowdowns, open_device, read_health
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,10 @@ class TelemetrySummary:
     disk_read_bytes: int | None
     """Machine-wide disk read bytes (None where psutil cannot tell)."""
     gpu: dict[str, Any] = field(default_factory=dict)
-    """NVML readings (util_mean_pct, mem_used_max_bytes, power_mean_w, temp_max_c, sm_clock_mean_mhz) or {}."""
+    """NVML readings (util_mean_pct, mem_used_max_bytes, power_mean_w, temp_max_c, sm_clock_mean_mhz, slowdowns:
+    the heat/power clocks-event reasons seen in any sample) or {}."""
+    contention: Contention | None = None
+    """The rest of the machine over the window (other processes' cores, the largest of them, the GPU's others)."""
 
 
 class _Nvml:
@@ -67,7 +74,9 @@ class _Nvml:
         if self.handle is None:
             return None
         sample = read_health(self.nvml, self.handle)
-        return {k: sample[k] for k in _TELEMETRY_FIELDS if sample[k] is not None}
+        out: dict[str, Any] = {k: sample[k] for k in _TELEMETRY_FIELDS if sample[k] is not None}
+        out["slowdowns"] = clock_slowdowns(sample.get("reasons"))
+        return out
 
 
 _TELEMETRY_FIELDS = ("util_pct", "mem_used_bytes", "power_w", "temp_c", "sm_clock_mhz")
@@ -92,6 +101,7 @@ class Telemetry:
         self._t0 = self._t1 = 0.0
         self._disk0: Any = None
         self._disk1: Any = None
+        self._probe = ContentionProbe((self._nvml.nvml, self._nvml.handle) if self._nvml.handle is not None else None)
 
     def _tree(self) -> list[psutil.Process]:
         try:
@@ -152,6 +162,7 @@ class Telemetry:
     def start(self) -> None:
         psutil.cpu_percent(percpu=True)  # prime the per-core counters
         self._disk0 = _disk_read()
+        self._probe.start()
         self._t0 = time.perf_counter()
         self._sample(first=True)
         self._thread = threading.Thread(target=self._run, name="gpufeed-telemetry", daemon=True)
@@ -167,6 +178,7 @@ class Telemetry:
         self._t1 = time.perf_counter()
         self._per_core = psutil.cpu_percent(percpu=True)
         self._disk1 = _disk_read()
+        self._probe.stop()
 
     def summary(self) -> TelemetrySummary:
         duration = max(self._t1 - self._t0, 1e-9)
@@ -183,6 +195,7 @@ class Telemetry:
                 "power_mean_w": _mean(col("power_w")),
                 "temp_max_c": max(col("temp_c"), default=None),
                 "sm_clock_mean_mhz": _mean(col("sm_clock_mhz")),
+                "slowdowns": sorted({r for g in self._gpu for r in g.get("slowdowns", ())}),
                 "num_samples": len(self._gpu),
             }
         elif self._nvml.error:
@@ -203,6 +216,7 @@ class Telemetry:
             tree_read_bytes=max(int(io), 0),
             disk_read_bytes=disk,
             gpu=gpu,
+            contention=self._probe.result(self._cpu_last, max(cpu_s, 0.0) / duration) if self._t1 else None,
         )
 
 

@@ -27,8 +27,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
+from gpufeed.measure.contention import Contention
 from gpufeed.measure.telemetry import Telemetry
 from gpufeed.core.world import World
+
+MAX_TRACE_STEPS = 20_000
+"""Steps of one mode whose spans are kept for trace.json (a long training run keeps its first ones)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,9 @@ class RankTiming:
     samples_per_s: float
     stall_pct: float
     window_rates: list[float]
-    """samples/s of consecutive windows of log_every steps."""
+    """samples/s of consecutive windows of log_every steps (--measure: of the mode's window steps)."""
+    window_stalls: list[float] = field(default_factory=list)
+    """Data stall % of the same windows."""
     cores_used: float | None = None
     """CPU cores this rank's process tree (incl. loader workers) kept busy."""
     read_bytes: int = 0
@@ -61,6 +67,8 @@ class RankTiming:
     """The rank's node (torchrun's GROUP_RANK)."""
     host: str = ""
     """The node's host name."""
+    contention: Contention | None = None
+    """What the rest of the machine did over the window (:mod:`gpufeed.measure.contention`)."""
 
 
 class Clock(Protocol):
@@ -128,6 +136,11 @@ class StepMarks:
     computes: list[tuple[Any, Any]] = field(default_factory=list)
     end: Any = None
     samples: int = 0
+    origin: Any = None
+    """A mark of the mode's timed window (set by :meth:`Meter.add`): the step's spans are placed from it."""
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+    """(kind, start s from ``origin``, seconds) of the step and each of its waits, copies and computes, once
+    resolved with an origin: the rows of trace.json (:mod:`gpufeed.measure.trace`)."""
     _times: StepTimes | None = None
 
     def begin(self) -> "StepMarks":
@@ -164,6 +177,12 @@ class StepMarks:
             self._times = (el(self.start, self.end), sum(el(a, b) for a, b in self.waits),
                            sum(el(a, b) for a, b in self.copies), sum(el(a, b) for a, b in self.computes),
                            self.samples)
+            if self.origin is not None:
+                o = self.origin
+                self.spans = [("step", el(o, self.start), self._times[0])]
+                for kind, pairs in (("data wait", self.waits), ("copy", self.copies), ("compute", self.computes)):
+                    self.spans += [(kind, el(o, a), el(a, b)) for a, b in pairs]
+                self.origin = None
             self.start = self.end = None  # drop the events
             self.waits, self.copies, self.computes = [], [], []
         return self._times
@@ -188,6 +207,8 @@ class Meter:
         self.wall = wall
         """The wall clock of the window (injectable for tests)."""
         self.warmup, self.log_every, self.world = warmup, log_every, world
+        self.window_steps: int | None = None
+        """Steps per timing window (None: log_every)."""
         self.clock = clock
         self.index = 0
         self.steps: list[StepTimes] = []
@@ -197,6 +218,11 @@ class Meter:
         self.paused_s = 0.0
         self._pause0: float | None = None
         self.tel: Telemetry | None = None
+        self.origin: Any = None
+        """The first timed step's start mark (spans are placed from it)."""
+        self.t0_unix: float | None = None
+        """time.time() at the window's start: where the spans sit on the run's timeline."""
+        self.spans: list[tuple[str, float, float]] = []
 
     def before_step(self) -> None:
         if self.index == self.warmup and self.t0 is None:
@@ -206,10 +232,15 @@ class Meter:
             self.clock.sync()  # the warm-up's queued work stays out of the window
             self.tel = Telemetry(interval_s=0.5, gpu_index=gpu)
             self.tel.start()
+            self.t0_unix = time.time()
             self.t0 = self.wall()
 
     def add(self, marks: StepMarks) -> None:
         if self.t0 is not None:
+            if self.origin is None:
+                self.origin = marks.start
+            if len(self.steps) + len(self.pending) < MAX_TRACE_STEPS:
+                marks.origin = self.origin
             self.pending.append(marks)
         self.index += 1
 
@@ -217,7 +248,28 @@ class Meter:
         """Read the timed steps so far (one sync), keeping their seconds only."""
         if self.pending:
             self.steps += resolve(self.clock, self.pending)
+            for m in self.pending:
+                self.spans += m.spans
+                m.spans = []
             self.pending = []
+
+    def _chunks(self, window_steps: int) -> list[list[StepTimes]]:
+        """Consecutive windows of ``window_steps`` settled steps (a last partial window only when it is the first),
+        each with some step time."""
+        out: list[list[StepTimes]] = []
+        for i in range(0, len(self.steps), window_steps):
+            chunk = self.steps[i:i + window_steps]
+            if (len(chunk) == window_steps or not out) and sum(s[0] for s in chunk) > 0:
+                out.append(chunk)
+        return out
+
+    def window_rates(self, window_steps: int) -> list[float]:
+        """samples/s of each window (:meth:`_chunks`)."""
+        return [sum(s[4] for s in c) / sum(s[0] for s in c) for c in self._chunks(window_steps)]
+
+    def window_stalls(self, window_steps: int) -> list[float]:
+        """Data stall % of each window (:meth:`_chunks`)."""
+        return [100.0 * sum(s[1] + s[2] for s in c) / sum(s[0] for s in c) for c in self._chunks(window_steps)]
 
     def pause(self) -> None:
         """Leave what follows (validation, checkpoints) out of the timed window."""
@@ -256,21 +308,17 @@ class Meter:
         cols = list(zip(*self.steps)) if self.steps else [(), (), (), (), ()]
         step_s, next_s, h2d_s, comp_s = (float(sum(c)) for c in cols[:4])
         samples = int(sum(cols[4]))
-        windows = []
-        for i in range(0, len(self.steps), self.log_every):
-            chunk = self.steps[i:i + self.log_every]
-            if len(chunk) == self.log_every or not windows:
-                t = sum(s[0] for s in chunk)
-                if t > 0:
-                    windows.append(sum(s[4] for s in chunk) / t)
+        windows = self.window_rates(self.window_steps or self.log_every)
+        stalls = self.window_stalls(self.window_steps or self.log_every)
         return RankTiming(
             rank=self.world.rank, num_steps=len(self.steps), num_samples=samples, wall_s=wall,
             step_s=step_s, data_wait_s=next_s + h2d_s, next_wait_s=next_s, h2d_s=h2d_s, compute_s=comp_s,
             samples_per_s=samples / wall if wall > 0 else 0.0,
             stall_pct=100.0 * (next_s + h2d_s) / step_s if step_s > 0 else 0.0,
-            window_rates=windows,
+            window_rates=windows, window_stalls=stalls,
             cores_used=tel.tree_cores_used if tel else None,
             read_bytes=tel.tree_read_bytes if tel else 0,
             rss_max_bytes=tel.rss_max_bytes if tel else 0,
             gpu=dict(tel.gpu) if tel else {},
+            contention=tel.contention if tel else None,
         )

@@ -2,8 +2,10 @@
 
 Each rule is a pure function of :class:`Facts` (the :class:`VerdictInputs` and the figures derived from them once)
 that returns a :class:`Verdict` carrying the numbers that made it fire, or None; :func:`classify` returns the first
-that fires, in the order of :data:`RULES`: unverified, fed, then the starved bounds (rank imbalance, GPU decode,
-copy, storage, decode/CPU). The bound names and the copy/storage/idle thresholds are
+that fires, in the order of :data:`RULES`: first what makes the numbers unfit to decide on (other processes on the
+machine, windows too noisy, a ceiling below the end-to-end rate: ``inconclusive``), then unverified, fed, the
+explained gap (low stall but well below the compute ceiling: the cause the numbers support, else ``inconclusive``),
+then the starved bounds (rank imbalance, GPU decode, copy, storage, decode/CPU). The bound names and the copy/storage/idle thresholds are
 :mod:`gpufeed.measure.bounds`, shared with ``gpufeed tune``. No torch here: every rule is unit-tested.
 """
 
@@ -16,15 +18,49 @@ from statistics import median
 from typing import Any, Callable, Literal, Sequence
 
 from gpufeed.measure import bounds
-from gpufeed.measure.bounds import Bound
+from gpufeed.measure.contention import contended, threshold_text
+from gpufeed.measure.settle import MIN_WINDOWS, RATE_SPREAD_MAX, STALL_SPREAD_MAX
+from gpufeed.measure.bounds import CEILING_FRACTION, STALL_FED_PCT, Bound
 
-STALL_FED_PCT = 5.0
-"""A run is fed only below this data stall %."""
-CEILING_FRACTION = 0.9
-"""... and only when end-to-end samples/s reach this fraction of the lower ceiling."""
 LARGE_SAMPLE_BYTES = 48_000
 """Mean stored sample size above which decoding is needlessly expensive at training resolution
 (a 224-px crop needs no 500-px-plus JPEG; ImageNet's originals average ~110 KB)."""
+
+
+COMPUTE_SLOWER = 1.1
+"""The real mode's compute per step counts as slower than the synthetic one's from this factor on."""
+UNRELIABLE_CEILING = 1.0 / CEILING_FRACTION
+"""An end-to-end rate above this factor x a ceiling means that ceiling was not measured right."""
+LOADER_CORES_MIN = 0.25
+"""Loader processes with fewer extra cores than this in the real mode cannot be what slowed compute."""
+IDLE_MACHINE_FIX = "run on an idle machine, or pin the run with taskset/cgroups"
+
+
+@dataclass(frozen=True)
+class ModeNeighbours:
+    """What other processes did while one mode ran (:mod:`gpufeed.measure.contention`), on its busiest node."""
+
+    mode: str
+    other_cores: float
+    machine_cores: float | None = None
+    name: str | None = None
+    """The largest other process's name and pid (None when none could be named, e.g. outside a container)."""
+    pid: int | None = None
+    process_cores: float | None = None
+    gpu_mem_bytes: int | None = None
+    """Its memory on this run's GPU, when it shares it."""
+    node: int = 0
+
+
+@dataclass(frozen=True)
+class ModeWindows:
+    """How one mode's timing windows disagreed (:mod:`gpufeed.measure.settle`)."""
+
+    mode: str
+    settled: bool
+    num_windows: int
+    rate_spread: float | None = None
+    stall_spread_pts: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,13 +115,33 @@ class VerdictInputs:
     """The loader's decode path (pil, pil-draft, simplejpeg, gpu)."""
     is_cuda: bool = False
     """The model ran on CUDA devices; else on the CPU, and the texts name the CPU's compute, not a GPU."""
+    neighbours: tuple[ModeNeighbours, ...] = ()
+    """Per mode, what other processes held (empty = not measured)."""
+    windows: tuple[ModeWindows, ...] = ()
+    """Per mode judged by --measure, whether its windows settled (empty = not judged)."""
+    real_compute_step_s: float | None = None
+    """Compute seconds per optimizer step in the real mode (mean over ranks)."""
+    synthetic_compute_step_s: float | None = None
+    """... and in the synthetic mode: the same model and batch size on a fixed batch."""
+    real_cores_used: float | None = None
+    """CPU cores the run's processes (trainer + loader) kept busy in the real mode, per node."""
+    synthetic_cores_used: float | None = None
+    """... in the synthetic mode (the trainer alone), per node."""
+    gpu_slowdowns: tuple[str, ...] = ()
+    """NVML clocks-event reasons of heat or power seen in the real mode (:data:`gpufeed.measure.nvml.SLOWDOWN_LABELS`)."""
+    synthetic_gpu_slowdowns: tuple[str, ...] = ()
+    real_batch: str | None = None
+    """The real batch as the model got it (dtype, shape, layout, device), and the synthetic one."""
+    synthetic_batch: str | None = None
 
 
 @dataclass(frozen=True)
 class Verdict:
-    status: Literal["fed", "starved", "unverified"]
+    status: Literal["fed", "starved", "slowed", "unverified", "inconclusive"]
     """'unverified': stall is low but no ceiling was measured, so the second condition of docs/design.md §4
-    cannot be checked."""
+    cannot be checked. 'slowed': the data keeps up, but the training step ran slower than the compute ceiling for a
+    measured cause that is not the loader (a throttled GPU, other batches). 'inconclusive': the numbers cannot
+    decide (``cause`` says why)."""
     bound: Bound | None
     """None unless starved; then one of :data:`gpufeed.measure.bounds.Bound`: 'rank imbalance', 'copy', 'GPU decode',
     'storage' or 'decode/CPU'."""
@@ -95,14 +151,19 @@ class Verdict:
     """What would fix it, in numbers."""
     numbers: dict[str, Any] = field(default_factory=dict)
     """Derived figures (target rate, per-core rate, cores needed, ...)."""
+    cause: str | None = None
+    """Inconclusive or slowed: why, in a few words ('other processes', 'too noisy', 'unreliable ceiling',
+    'unexplained', 'GPU throttle', 'batches differ')."""
 
     @property
     def ok(self) -> bool:
-        """False only when starved: an unverified run is not a failed check, but it is not called fed either."""
-        return self.status != "starved"
+        """True when fed or unverified (an unverified run is not a failed check, but it is not called fed either);
+        starved, slowed and inconclusive exit 1."""
+        return self.status in ("fed", "unverified")
 
     def render(self) -> str:
-        head = f"verdict: {self.status.upper()}" + (f" ({bounds.label(self.bound)})" if self.bound else "")
+        label = bounds.label(self.bound) if self.bound else self.cause
+        head = f"verdict: {self.status.upper()}" + (f" ({label})" if label else "")
         lines = [f"{head}: {self.reason}"]
         lines += [f"  fix: {f}" for f in self.fixes]
         return "\n".join(lines)
@@ -156,6 +217,8 @@ def derive(v: VerdictInputs) -> Facts:
                             "gpu_ceiling": v.gpu_ceiling, "loader_ceiling": v.loader_ceiling}
     if lower is not None:
         nums["fraction_of_ceiling"] = v.end_to_end_rate / lower
+    if v.read_bytes_per_s is not None:  # every verdict carries the loader's read rate (the report shows it)
+        nums["read_bytes_per_s"] = v.read_bytes_per_s
     stall_ok = v.stall_pct < STALL_FED_PCT
     rate_ok = lower is None or v.end_to_end_rate >= CEILING_FRACTION * lower
     target = v.gpu_ceiling if _known(v.gpu_ceiling) else (
@@ -195,6 +258,67 @@ def _smaller_images_fix(v: VerdictInputs) -> str | None:
 # --------------------------------------------------------------------------- the rules, in the order they are tried
 
 
+def _inconclusive(cause: str, reason: str, fixes: list[str], f: Facts, **nums: Any) -> Verdict:
+    return Verdict("inconclusive", None, reason, fixes, {**f.numbers, **nums}, cause=cause)
+
+
+def neighbours(f: Facts) -> Verdict | None:
+    """Other processes held the CPU (or the GPU) in some mode: every figure after it is disturbed. (A training run
+    without ceilings and with a low stall stays unverified: it claims nothing that they could disturb.)"""
+    hit = [n for n in f.v.neighbours if contended(n.other_cores, n.machine_cores) or n.gpu_mem_bytes]
+    if not hit or (f.lower is None and f.stall_ok):  # unverified already: no ceiling, no bound, nothing to disturb
+        return None
+    worst = max(hit, key=lambda n: (n.other_cores, n.gpu_mem_bytes or 0))
+    modes = ", ".join(f"{n.mode} {n.other_cores:.2f}" for n in f.v.neighbours)
+    where = "every mode" if len(hit) == len(f.v.neighbours) and len(hit) > 1 else f"the {worst.mode} mode"
+    of = f" of {worst.machine_cores:.0f}" if worst.machine_cores else ""
+    reason = (f"other processes held {worst.other_cores:.2f}{of} cores in {where} (cores others held per mode: "
+              f"{modes}; the threshold is {threshold_text(worst.machine_cores)})")
+    if worst.name is not None:
+        reason += f"; the largest: {worst.name} (pid {worst.pid}"
+        reason += f", {worst.process_cores:.2f} cores" if worst.process_cores else ""
+        reason += f", {worst.gpu_mem_bytes / 1e9:.1f} GB on the GPU" if worst.gpu_mem_bytes else ""
+        reason += ")"
+    reason += "; the stall, the ceilings and any bound measured beside them are disturbed"
+    return _inconclusive("other processes", reason, [IDLE_MACHINE_FIX], f, other_cores=worst.other_cores,
+                         other_mode=worst.mode, other_pid=worst.pid, other_name=worst.name,
+                         other_cores_per_mode={n.mode: n.other_cores for n in f.v.neighbours})
+
+
+def too_noisy(f: Facts) -> Verdict | None:
+    """A mode's windows did not settle within --measure-seconds: one hiccup could move the verdict."""
+    bad = [w for w in f.v.windows if not w.settled]
+    if not bad:
+        return None
+
+    def says(w: ModeWindows) -> str:
+        parts = [f"{w.num_windows} window(s)"]
+        if w.rate_spread is not None:
+            parts.append(f"samples/s spread {100 * w.rate_spread:.0f}%")
+        if w.stall_spread_pts is not None and w.mode != "loader-only":
+            parts.append(f"stall spread {w.stall_spread_pts:.1f} points")
+        return f"{w.mode}: " + ", ".join(parts)
+
+    reason = ("the windows did not settle within the time budget (" + "; ".join(says(w) for w in bad) +
+              f"; needed: >= {MIN_WINDOWS} windows, samples/s spread <= {100 * RATE_SPREAD_MAX:.0f}% and stall "
+              f"spread <= {STALL_SPREAD_MAX:.1f} points)")
+    return _inconclusive("too noisy", reason, [f"give it more time (--measure-seconds), or {IDLE_MACHINE_FIX}"], f,
+                         unsettled={w.mode: {"num_windows": w.num_windows, "rate_spread": w.rate_spread,
+                                             "stall_spread_pts": w.stall_spread_pts} for w in bad})
+
+
+def unreliable_ceiling(f: Facts) -> Verdict | None:
+    """The real run beat a ceiling by more than the margin: that ceiling was not measured right."""
+    v = f.v
+    if f.lower is None or v.end_to_end_rate <= UNRELIABLE_CEILING * f.lower:
+        return None
+    reason = (f"the real run reached {v.end_to_end_rate:.1f} samples/s, {100 * v.end_to_end_rate / f.lower:.0f}% of "
+              f"the {f.lower_name} ({f.lower:.1f}): a ceiling below the end-to-end rate was not measured right, "
+              "so no verdict is built on it")
+    return _inconclusive("unreliable ceiling", reason, [f"measure again, with more time (--measure-seconds), or "
+                                                        f"{IDLE_MACHINE_FIX}"], f)
+
+
 def unverified(f: Facts) -> Verdict | None:
     """Low stall, but no ceiling to compare the rate with."""
     v = f.v
@@ -217,6 +341,51 @@ def fed(f: Facts) -> Verdict | None:
         reason += ("; the GPU is the bound, as it should be" if v.is_cuda
                    else "; the CPU's compute is the bound, as it should be")
     return Verdict("fed", None, reason, [], dict(f.numbers))
+
+
+def explained_gap(f: Facts) -> Verdict | None:
+    """Low stall, yet end-to-end well below the lower ceiling: compare compute per step, real vs synthetic, and name
+    the cause the numbers support (the loader's processes on the trainer's cores, a GPU that throttled, other
+    batches), else inconclusive."""
+    v = f.v
+    if not (f.stall_ok and not f.rate_ok):
+        return None
+    real, synth = v.real_compute_step_s, v.synthetic_compute_step_s
+    nums = dict(_starved_numbers(f), real_compute_step_s=real, synthetic_compute_step_s=synth)
+    slower = _known(real) and _known(synth) and real >= COMPUTE_SLOWER * synth
+    if slower:
+        f_reason = (f"{f.why}; compute took {real:.3f} s per step in the real mode against {synth:.3f} s on the "
+                    f"synthetic batch (+{100 * (real / synth - 1):.0f}%)")
+        nums["compute_slowdown"] = real / synth
+        extra = (v.real_cores_used - v.synthetic_cores_used) if (
+            v.real_cores_used is not None and v.synthetic_cores_used is not None) else None
+        if (extra is not None and extra >= LOADER_CORES_MIN and _known(v.usable_cores)
+                and v.synthetic_cores_used + extra > CEILING_FRACTION * v.usable_cores):
+            nums.update(loader_extra_cores=extra, trainer_cores=v.synthetic_cores_used)
+            return Verdict(
+                "starved", bounds.DECODE_CPU,
+                f"{f_reason}: the loader's processes took {extra:.2f} cores on top of the {v.synthetic_cores_used:.2f} "
+                f"the trainer used alone, {v.synthetic_cores_used + extra:.2f} of {v.usable_cores:.0f} usable: they "
+                "ran on the trainer's cores",
+                [f"give the loader cores of its own: torch threads = {max(1, math.floor(v.usable_cores - extra))} "
+                 f"per node (--threads) leaves {extra:.1f} cores to the loader, or make decoding cheaper"],
+                nums)
+        new = tuple(r for r in v.gpu_slowdowns if r not in v.synthetic_gpu_slowdowns)
+        if v.is_cuda and new:
+            nums["gpu_slowdowns"] = list(new)
+            return Verdict("slowed", None, f"{f_reason}: the GPU throttled in the real mode ({', '.join(new)}) and not "
+                           "on the synthetic batch", ["check the GPU's cooling and power limit (nvidia-smi -q -d "
+                                                      "PERFORMANCE), then measure again"], nums, cause="GPU throttle")
+        if v.real_batch and v.synthetic_batch and v.real_batch != v.synthetic_batch:
+            nums.update(real_batch=v.real_batch, synthetic_batch=v.synthetic_batch)
+            return Verdict("slowed", None, f"{f_reason}: the real batches ({v.real_batch}) differ from the synthetic "
+                           f"one ({v.synthetic_batch})", ["make the loader deliver the batch the model is fastest on "
+                                                          f"({v.synthetic_batch})"], nums, cause="batches differ")
+    else:
+        f_reason = f.why + (f"; compute per step is the same in both modes ({real:.3f} s real, {synth:.3f} s "
+                            "synthetic)" if _known(real) and _known(synth) else "; compute per step not measured")
+    return _inconclusive("unexplained", f"{f_reason}; no measured cause explains the gap", [
+        "measure again; if it repeats, compare the real and synthetic modes in trace.json"], f, **nums)
 
 
 def rank_imbalance(f: Facts) -> Verdict | None:
@@ -327,8 +496,6 @@ def decode_cpu(f: Facts) -> Verdict:
         nums.update(per_core_rate=per_core, loader_cores_used=v.loader_cores_used)
         fixes, late = _cores_fixes(f, per_core, nums)
         reason += f"; the loader decodes {per_core:.1f} samples/s per core{late}"
-    if f.stall_ok:
-        reason += "; the loader's CPU work slows the training processes down"
     if v.is_cuda and v.decode != "gpu":
         fixes.append('use GPU decode (decode = "gpu": nvjpeg through torchvision.io.decode_jpeg)')
     fixes += [fix for fix in (_smaller_images_fix(v),) if fix]
@@ -339,8 +506,8 @@ def decode_cpu(f: Facts) -> Verdict:
 
 Rule = Callable[[Facts], Verdict | None]
 
-RULES: tuple[Rule, ...] = (unverified, fed, rank_imbalance, gpu_decode, copy, storage_at_limit, storage_idle,
-                           decode_cpu)
+RULES: tuple[Rule, ...] = (neighbours, too_noisy, unreliable_ceiling, unverified, fed, explained_gap, rank_imbalance,
+                           gpu_decode, copy, storage_at_limit, storage_idle, decode_cpu)
 """The verdict's rules in the order they are tried (docs/design.md §4): the first that fires wins. Add a cause by
 adding a rule at its place."""
 
@@ -376,10 +543,6 @@ def _cores_fixes(f: Facts, per_core: float, nums: dict[str, Any]) -> tuple[list[
         fixes.append(f"needs ~{math.ceil(more)} more cores{where} at the measured {per_core:.1f} samples/s "
                      f"per core ({need_node:.1f} cores{where} to feed {per_node_target:.0f} samples/s; "
                      f"{used_node:.1f} busy now)")
-    elif f.stall_ok:
-        fixes.append(f"decoding {per_node_target:.0f} samples/s costs ~{need_node:.1f} cores{where} at "
-                     f"{per_core:.1f} samples/s per core, taken from the training processes: give the loader "
-                     "cores of its own, or make decoding cheaper")
     elif v.num_workers:
         late = (f"; the loader's rate suffices on average ({v.loader_ceiling:.1f} vs {target:.1f} samples/s "
                 "needed) but batches arrive late")

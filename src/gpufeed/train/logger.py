@@ -12,7 +12,7 @@ import torch
 
 from gpufeed.core.records import append_jsonl, utc_now
 from gpufeed.core.world import World
-from gpufeed.measure.timing import Clock, Meter, StepMarks, resolve
+from gpufeed.measure.timing import Clock, Meter, RankTiming, StepMarks, resolve
 from gpufeed.train.records import LOG_NAME
 
 
@@ -62,6 +62,25 @@ class RunLogger:
         if last or len(self._window) >= self.log_every:
             self.log(mode, self._window, meter, step=step, epoch=epoch, loss=loss, lr=lr)
             self._window = []
+
+    def end(self, mode: str, meter: Meter, *, step: int, epoch: int, loss: torch.Tensor | None, lr: float) -> None:
+        """The mode ends after the step just counted (--measure's windows settled or its budget ran out): the timed
+        window closes, and the steps since the last record are logged."""
+        meter.stop()
+        self.log(mode, self._window, meter, step=step, epoch=epoch, loss=loss, lr=lr)
+        self._window = []
+
+    def window(self, timing: RankTiming, *, mode: str, step: int, epoch: int) -> None:
+        """A mode measured by the loader-ceiling harness (loader-only): one log.jsonl record per timed window."""
+        if self.run_dir is None or not self.world.is_main:
+            return
+        n = len(timing.window_rates)
+        for i, rate in enumerate(timing.window_rates):
+            append_jsonl(self.run_dir / LOG_NAME, {
+                "time": utc_now(), "mode": mode, "step": step, "epoch": epoch, "rank": self.world.rank,
+                "window": i, "num_steps": timing.num_steps // max(1, n), "samples_per_s": rate,
+                "samples_per_s_all_ranks_est": rate * self.world.world_size, "stall_pct": 100.0,
+                "memory_bytes": memory_bytes(self.world)})
 
     def log(self, mode: str, marks: list[StepMarks], meter: Meter, *, step: int, epoch: int,
             loss: torch.Tensor | None, lr: float) -> None:

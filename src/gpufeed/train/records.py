@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufeed.measure.contention import OtherProcess, node_other_cores
 from gpufeed.measure.health import GpuHealth
 from gpufeed.measure.metrics import Stat
+from gpufeed.measure.settle import spread
 from gpufeed.measure.storage_rate import StorageRate
 from gpufeed.measure.timing import RankTiming
 from gpufeed.measure.verdict import Verdict
@@ -37,6 +39,11 @@ class NodeRecord:
     loader_cores_used: float | None
     """Σ cores busy over this node's ranks (rank processes + their loader workers)."""
     read_bytes_per_s: float
+    other_cores: float | None = None
+    """CPU cores other processes on this node held over the window (:mod:`gpufeed.measure.contention`)."""
+    other_process: OtherProcess | None = None
+    """The largest of those processes (name, pid, cores; GPU memory when it shares this run's GPU)."""
+    machine_cores: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,24 @@ class ModeRecord:
     final_loss: float | None = None
     per_node: list[NodeRecord] = field(default_factory=list)
     """The ranks grouped by node (:func:`per_node`), in node order."""
+    other_cores: float | None = None
+    """CPU cores other processes held over the window, on the node where they held the most (per node:
+    ``per_node[].other_cores``); None when not measured."""
+    other_process: OtherProcess | None = None
+    """The largest process outside the run on that node."""
+    machine_cores: int | None = None
+    """That node's logical CPUs."""
+    stall_pct_stat: Stat | None = None
+    """Median and spread of the windows' data stall %."""
+    settled: bool | None = None
+    """--measure: at least 3 windows that disagree by less than the verdict's margins (:mod:`gpufeed.measure.settle`);
+    None when the mode was not judged (a plain training run)."""
+    rate_spread: float | None = None
+    """(max - min) / median of the windows' samples/s."""
+    stall_spread_pts: float | None = None
+    """max - min of the windows' data stall %, in points."""
+    batch: str | None = None
+    """The batch the model got, as :func:`gpufeed.train.steps.describe_batch` writes it (dtype, shape, layout, device)."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +192,8 @@ def _pct(part: float, whole: float) -> float:
 
 
 def per_node(ranks: list[RankTiming]) -> list[NodeRecord]:
-    """The ranks' timings grouped by their node: sums over each node's ranks, rate over its longest window."""
+    """The ranks' timings grouped by their node: sums over each node's ranks, rate over its longest window; the
+    cores other processes held on its host (:func:`gpufeed.measure.contention.node_other_cores`)."""
     nodes: dict[int, list[RankTiming]] = {}
     for r in sorted(ranks, key=lambda r: r.rank):
         nodes.setdefault(r.node, []).append(r)
@@ -177,19 +203,25 @@ def per_node(ranks: list[RankTiming]) -> list[NodeRecord]:
         samples = sum(r.num_samples for r in rs)
         step_s = sum(r.step_s for r in rs)
         cores = [r.cores_used for r in rs if r.cores_used is not None]
+        # the machine is the host: ranks of other nodes on the same host (tests, a node per socket) are not neighbours
+        same_host = [r for r in ranks if r.host == rs[0].host] if rs[0].host else rs
+        other, big, machine = node_other_cores([r.contention for r in same_host if r.contention is not None])
         out.append(NodeRecord(
             node=node, host=rs[0].host, ranks=[r.rank for r in rs], num_samples=samples,
             samples_per_s=samples / wall if wall > 0 else 0.0,
             stall_pct=_pct(sum(r.data_wait_s for r in rs), step_s),
             copy_wait_pct=_pct(sum(r.h2d_s for r in rs), step_s),
             loader_cores_used=sum(cores) if cores else None,
-            read_bytes_per_s=sum(r.read_bytes for r in rs) / wall if wall > 0 else 0.0))
+            read_bytes_per_s=sum(r.read_bytes for r in rs) / wall if wall > 0 else 0.0,
+            other_cores=other, other_process=big, machine_cores=machine))
     return out
 
 
-def aggregate(mode: str, ranks: list[RankTiming], num_nodes: int = 1, final_loss: float | None = None) -> ModeRecord:
+def aggregate(mode: str, ranks: list[RankTiming], num_nodes: int = 1, final_loss: float | None = None, *,
+              judge: bool = False) -> ModeRecord:
     """Per-rank timings -> one ModeRecord (sums over ranks; rate over the longest window), with the per-node
-    sums. ``read_bytes_per_s`` is per node: the read rate of all ranks / ``num_nodes``."""
+    sums and the cores other processes held (the node where they held most). ``read_bytes_per_s`` is per node: the
+    read rate of all ranks / ``num_nodes``. ``judge`` (--measure): whether the windows settled."""
     ranks = sorted(ranks, key=lambda r: r.rank)
     wall = max((r.wall_s for r in ranks), default=0.0)
     samples = sum(r.num_samples for r in ranks)
@@ -198,7 +230,12 @@ def aggregate(mode: str, ranks: list[RankTiming], num_nodes: int = 1, final_loss
     h2d = sum(r.h2d_s for r in ranks)
     n_win = min((len(r.window_rates) for r in ranks), default=0)
     windows = [sum(r.window_rates[i] for r in ranks) for i in range(n_win)]
+    n_stall = min((len(r.window_stalls) for r in ranks), default=0)
+    stalls = [sum(r.window_stalls[i] for r in ranks) / len(ranks) for i in range(n_stall)]
     cores = [r.cores_used for r in ranks if r.cores_used is not None]
+    nodes = per_node(ranks)
+    worst = max((n for n in nodes if n.other_cores is not None), key=lambda n: n.other_cores, default=None)
+    sp = spread(windows, stalls if mode != "loader-only" else None) if judge else None
     return ModeRecord(
         mode=mode, num_ranks=len(ranks), num_steps=max((r.num_steps for r in ranks), default=0),
         num_samples=samples, wall_s=wall, samples_per_s=samples / wall if wall > 0 else 0.0,
@@ -208,6 +245,11 @@ def aggregate(mode: str, ranks: list[RankTiming], num_nodes: int = 1, final_loss
         compute_s=sum(r.compute_s for r in ranks), step_s=step_s,
         loader_cores_used=sum(cores) if cores else None,
         read_bytes_per_s=sum(r.read_bytes for r in ranks) / wall / max(1, num_nodes) if wall > 0 else 0.0,
-        per_rank=ranks, final_loss=final_loss, per_node=per_node(ranks),
+        per_rank=ranks, final_loss=final_loss, per_node=nodes,
+        other_cores=worst.other_cores if worst else None, other_process=worst.other_process if worst else None,
+        machine_cores=worst.machine_cores if worst else None,
+        stall_pct_stat=Stat.of(stalls) if stalls else None,
+        settled=sp.settled if sp else None, rate_spread=sp.rate_spread if sp else None,
+        stall_spread_pts=sp.stall_spread_pts if sp else None,
     )
 

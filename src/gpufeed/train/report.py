@@ -63,6 +63,7 @@ def render(s: dict[str, Any]) -> str:
             lines.append("  GPU utilisation %: " + ", ".join(f"{u:.0f}" for u in util))
         if len(m["per_rank"]) > 1 and name != "loader-only":
             lines.append("  per rank stall %: " + ", ".join(f"r{r['rank']} {r['stall_pct']:.1f}" for r in m["per_rank"]))
+        lines += mode_notes(name, m)
         if len(m.get("per_node", [])) > 1:
             lines.append("  per node: " + "; ".join(
                 f"node {n['node']} ({_ranks(n['ranks'])}) {n['samples_per_s']:.1f} samples/s"
@@ -87,10 +88,13 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"checkpoint: {s['checkpoint']}")
     if s.get("run_dir"):
         lines.append(f"run folder: {s['run_dir']}")
+        if s.get("modes"):
+            lines.append(f"timeline: {s['run_dir']}/trace.json (Perfetto, chrome://tracing)")
     lines += fix_lines(s)
     v = s.get("verdict")
     if v:
-        head = f"verdict: {v['status'].upper()}" + (f" ({v['bound']}-bound)" if v.get("bound") else "")
+        label = f"{v['bound']}-bound" if v.get("bound") else v.get("cause")
+        head = f"verdict: {v['status'].upper()}" + (f" ({label})" if label else "")
         lines.append(f"{head}: {v['reason']}")
         lines += [f"  note: {n}" for n in throttle_notes(s)]
         lines += [f"  fix: {f}" for f in v.get("fixes", [])]
@@ -116,6 +120,25 @@ def fix_lines(s: dict[str, Any]) -> list[str]:
     if s.get("fixed_config"):
         lines.append(f"  kept settings: {s['fixed_config']}")
     return lines
+
+
+def mode_notes(name: str, m: dict[str, Any]) -> list[str]:
+    """A mode's stall over its windows (median, min–max), the cores other processes held beside it (and the largest
+    of them), and windows that did not settle."""
+    out = []
+    st = m.get("stall_pct_stat")
+    if st and name != "loader-only" and st["n"] > 1:
+        out.append(f"  stall % over windows: {st['median']:.1f} ({st['min']:.1f}–{st['max']:.1f}, n={st['n']})")
+    if m.get("other_cores") is not None:
+        p = m.get("other_process")
+        big = f"; largest {p['name']} (pid {p['pid']}, {p['cores']:.2f} cores)" if p else ""
+        of = f" of {m['machine_cores']}" if m.get("machine_cores") else ""
+        out.append(f"  other processes: {m['other_cores']:.2f}{of} cores{big}")
+    if m.get("settled") is False:
+        rs, ss = m.get("rate_spread"), m.get("stall_spread_pts")
+        out.append("  windows did not settle: samples/s spread " + ("-" if rs is None else f"{100 * rs:.0f}%")
+                   + ("" if ss is None or name == "loader-only" else f", stall spread {ss:.1f} points"))
+    return out
 
 
 def _gpu_label(s: dict[str, Any], h: dict[str, Any]) -> str:
@@ -327,8 +350,8 @@ def render_markdown(s: dict[str, Any], plot: str | None = None) -> str:
         out += ["", "Fixes (`--fix`):", ""] + [f"- {line.strip()}" for line in fix_lines(s)[1:]]
     v = s.get("verdict")
     if v:
-        out += ["", f"**Verdict: {v['status']}**" + (f" ({v['bound']}-bound)" if v.get("bound") else "") +
-                f": {v['reason']}"]
+        label = f"{v['bound']}-bound" if v.get("bound") else v.get("cause")
+        out += ["", f"**Verdict: {v['status']}**" + (f" ({label})" if label else "") + f": {v['reason']}"]
         out += [f"- **Note:** {n}" for n in throttle_notes(s)]
         out += [f"- {f}" for f in v.get("fixes", [])]
     if plot:

@@ -1,7 +1,7 @@
 """One step of each mode (docs/design.md §4), marked for :func:`gpufeed.measure.timing.resolve`: the real step
 (micro-batches from the loader), the synthetic step (a fixed batch already on the device: the compute ceiling)
-and the loader-only step (batches moved to the device and dropped: the loader ceiling); and
-:func:`timing_window`, the warm-up and timed steps of a mode.
+and :func:`timing_window`, the warm-up and timed steps of a mode. (The loader-only mode, the loader ceiling, is
+measured by the harness tune uses: :func:`gpufeed.measure.stream.measure_stream`.)
 
 Nothing here waits for the device: the marks are read in bulk at log steps.
 """
@@ -97,8 +97,8 @@ def real_step(compute: Compute, clock: Clock, batches: Iterator[Any], to_device:
 
 
 class SyntheticStep:
-    """The compute ceiling: the training step on one fixed uint8 batch made on the device (seeded from ``seed``),
-    with no fetch."""
+    """The compute ceiling: the training step on one fixed uint8 batch made on the device (seeded from ``seed``, in the
+    loader's memory layout), with no fetch."""
 
     def __init__(self, compute: Compute, clock: Clock, *, seed: int, batch_size: int, image_size: int,
                  num_classes: int, device: torch.device) -> None:
@@ -113,6 +113,9 @@ class SyntheticStep:
             x = torch.randint(0, 256, (self.batch_size, 3, self.image_size, self.image_size), dtype=torch.uint8,
                               generator=g)
             y = torch.randint(0, self.num_classes, (self.batch_size,), generator=g)
+            # laid out as the loader delivers its batches (NHWC memory, :mod:`gpufeed.loader.dataset`), so that the
+            # ceiling pays the same layout conversion in normalize as the real step does
+            x = x.contiguous(memory_format=torch.channels_last)
             self._batch = (x.to(self.device), y.to(self.device))
         return self._batch
 
@@ -120,18 +123,6 @@ class SyntheticStep:
         marks = StepMarks(self.clock).begin()
         self.compute.accumulate(marks, self.batch)
         return marks.finish(self.batch_size * self.compute.accum)
-
-
-def loader_step(clock: Clock, batches: Iterator[Any], to_device: ToDevice, *, accum: int,
-                batch_size: int) -> StepMarks:
-    """The loader ceiling: fetch ``accum`` batches, move them to the device, drop them.
-
-    The copies are not waited for: the caching allocators keep the pinned host and the device buffers until the
-    stream has used them."""
-    marks = StepMarks(clock).begin()
-    for _ in range(accum):
-        marks.fetch(batches, to_device)
-    return marks.finish(batch_size * accum)
 
 
 def timing_window(mode: str, num_steps: int, *, warmup_steps: int, num_workers: int, prefetch_factor: int,
@@ -144,3 +135,13 @@ def timing_window(mode: str, num_steps: int, *, warmup_steps: int, num_workers: 
     backlog = num_workers * prefetch_factor if num_workers > 0 else 0
     per_step = 1 if mode == "loader-only" else accum
     return max(warmup_steps, -(-backlog // per_step) + 1), max(num_steps, -(-2 * num_workers // per_step))
+
+
+def describe_batch(x: torch.Tensor) -> str:
+    """The batch as the model gets it, before normalisation: ``uint8 [4, 3, 32, 32] contiguous cpu`` (the layout is
+    ``channels_last``, ``contiguous`` or ``strided``): real and synthetic batches compare by this."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        layout = "channels_last"
+    else:
+        layout = "contiguous" if x.is_contiguous() else "strided"
+    return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)} {layout} {x.device.type}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpufeed.measure.storage_rate import StorageRate
-from gpufeed.measure.verdict import VerdictInputs
+from gpufeed.measure.verdict import ModeNeighbours, ModeWindows, VerdictInputs
 from gpufeed.train.records import ModeRecord
 
 
@@ -18,6 +18,39 @@ def _shm_free_bytes() -> int | None:
         return int(shutil.disk_usage("/dev/shm").free)
     except OSError:
         return None
+
+
+def mode_neighbours(modes: dict[str, ModeRecord]) -> tuple[ModeNeighbours, ...]:
+    """Per mode, what other processes held on its busiest node and the largest of them (modes without a reading
+    are left out)."""
+    out = []
+    for name, m in modes.items():
+        if m.other_cores is None:
+            continue
+        p = m.other_process
+        node = next((n.node for n in m.per_node if n.other_cores == m.other_cores), 0)
+        out.append(ModeNeighbours(name, m.other_cores, m.machine_cores, p.name if p else None, p.pid if p else None,
+                                  p.cores if p else None, p.gpu_mem_bytes if p else None, node))
+    return tuple(out)
+
+
+def mode_windows(modes: dict[str, ModeRecord]) -> tuple[ModeWindows, ...]:
+    """Per mode judged by --measure, whether its windows settled."""
+    return tuple(ModeWindows(name, bool(m.settled), m.samples_per_s_stat.n if m.samples_per_s_stat else 0,
+                             m.rate_spread, m.stall_spread_pts) for name, m in modes.items() if m.settled is not None)
+
+
+def compute_step_s(m: ModeRecord | None) -> float | None:
+    """Compute seconds per optimizer step, mean over ranks."""
+    if m is None or not m.num_steps or not m.num_ranks:
+        return None
+    return m.compute_s / (m.num_steps * m.num_ranks)
+
+
+def _slowdowns(m: ModeRecord | None) -> tuple[str, ...]:
+    if m is None:
+        return ()
+    return tuple(sorted({r for rank in m.per_rank for r in (rank.gpu or {}).get("slowdowns", ())}))
 
 
 def verdict_inputs(modes: dict[str, ModeRecord], trainer: Any,
@@ -68,4 +101,11 @@ def verdict_inputs(modes: dict[str, ModeRecord], trainer: Any,
         shm_free_bytes=_shm_free_bytes(),
         mean_sample_bytes=manifest.mean_sample_bytes if manifest else None,
         decode=trainer.loader_cfg.decode, is_cuda=trainer.cuda,
+        neighbours=mode_neighbours(modes), windows=mode_windows(modes),
+        real_compute_step_s=compute_step_s(real), synthetic_compute_step_s=compute_step_s(synth),
+        real_cores_used=real.loader_cores_used / trainer.num_nodes if real.loader_cores_used is not None else None,
+        synthetic_cores_used=(synth.loader_cores_used / trainer.num_nodes
+                              if synth is not None and synth.loader_cores_used is not None else None),
+        gpu_slowdowns=_slowdowns(real), synthetic_gpu_slowdowns=_slowdowns(synth),
+        real_batch=real.batch, synthetic_batch=synth.batch if synth else None,
     )

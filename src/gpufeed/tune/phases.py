@@ -11,7 +11,7 @@ from typing import Callable
 from gpufeed.config import LayoutConfig, LoaderConfig, TuneConfig
 from gpufeed.core.errors import ConfigError
 from gpufeed.core.world import World
-from gpufeed.measure import bounds
+from gpufeed.measure import bounds, contention
 from gpufeed.measure.metrics import Stat
 from gpufeed.measure.storage_rate import StorageRate
 from gpufeed.measure.stream import megabytes
@@ -144,7 +144,7 @@ def close_search(s: Search) -> None:
     if busy:
         s.decisions.append(Decision("search", "contended-warning", candidates=tuple(busy), detail={
             "count": len(busy), "total": len(s.trials), "trials": "#" + ", #".join(map(str, busy)),
-            "busy_pct": bounds.MACHINE_BUSY_PCT, "saturated": bounds.SATURATED_FRACTION}))
+            "threshold": contention.threshold_text(s.usable)}))
     if s.target_reached():
         s.stop_reason = f"target reached: best >= {cfg.target_rate:g} x {cfg.target_margin:g} samples/s"
     elif not s.stop_reason:

@@ -59,7 +59,7 @@ SENTENCES: dict[str, str] = {
     "no-gain": "keep {chosen!r} ({candidate!r} gave {metric} {value:.0f}, needs > {needed:.0f})",
     "candidate-failed": "keep {chosen!r} ({candidate!r} failed: {error})",
     "contended-warning": "warning: {count} of {total} trials ({trials}) ran while other processes held the CPU "
-                         "(machine >= {busy_pct:.0f}% busy, loader < {saturated:.0%} of its cores): their samples/s "
+                         "({threshold}, the detector train uses): their samples/s "
                          "are lower bounds; rerun on a quiet machine to trust the worker count",
     "chart-failed": "chart not written: {error}",
     "streams-io-bound": "remote set whose loader waits on reads ({evidence}): more range requests in flight per "

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from gpufeed.config import LayoutConfig, LoaderConfig, TuneConfig
 from gpufeed.core.errors import one_line
 from gpufeed.core.world import World
-from gpufeed.measure import bounds
+from gpufeed.measure import bounds, contention
 from gpufeed.measure.stream import error_sentence, megabytes
 from gpufeed.tune.decisions import Decision, classify_bound, compare_on, describe, possible_cores
 from gpufeed.tune.records import KNOBS, TrialRecord, trial_record
@@ -125,9 +125,8 @@ class Search:
             rec = dataclasses.replace(rec, wall_s=time.perf_counter() - t_start)
         over = bool(rec.ok and rec.tree_cores_used is not None and self.cfg.cpu_budget < 1
                     and rec.tree_cores_used > self.cores_budget * 1.1)
-        contended = bool(rec.ok and rec.cpu_percent_mean is not None and rec.tree_cores_used is not None
-                         and rec.cpu_percent_mean >= bounds.MACHINE_BUSY_PCT
-                         and not bounds.cpu_saturated(rec.tree_cores_used, possible_cores(rec, self.usable)))
+        contended = bool(rec.ok and trial_other_cores(rec, self.usable) is not None
+                         and contention.contended(trial_other_cores(rec, self.usable), machine_cores(rec, self.usable)))
         rec = dataclasses.replace(rec, trial=len(self.trials), phase=phase, over_cpu_budget=over, contended=contended)
         if self.remote and self.mean_sample_bytes and rec.ok and rec.samples_per_s and source is None:
             rec = dataclasses.replace(rec, read_bytes_per_s=rec.samples_per_s * self.mean_sample_bytes)
@@ -397,3 +396,16 @@ def has_module(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def machine_cores(rec: TrialRecord, usable: int) -> int:
+    """The machine's cores as the trial's telemetry saw them (one busy % per core), else the usable CPUs."""
+    return len(rec.cpu_percent_per_core) or usable
+
+
+def trial_other_cores(rec: TrialRecord, usable: int) -> float | None:
+    """Cores other processes held during a trial (:mod:`gpufeed.measure.contention`, the detector train uses): the
+    machine's busy cores minus the trial's process tree; None when not measured."""
+    if rec.cpu_percent_mean is None or rec.tree_cores_used is None:
+        return None
+    return contention.other_cores(rec.cpu_percent_mean / 100.0 * machine_cores(rec, usable), rec.tree_cores_used)

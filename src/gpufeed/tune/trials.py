@@ -149,6 +149,7 @@ def trial_from_stream(fn: Callable[[], StreamResult], cfg: LoaderConfig, pipelin
     finally:
         cleanup()
     rates = fields_.pop("samples_per_s_runs", [])
+    fields_.pop("contention", None)  # tune judges contention from cpu_percent_mean and tree_cores_used (search.py)
     fields_["wall_s"] = time.perf_counter() - t0
     rec = trial_record(cfg, rates, pipeline=pipeline, error=error, **fields_)
     if rec.ok and rec.tree_cores_used:

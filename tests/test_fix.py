@@ -232,6 +232,12 @@ def test_fix_stages_a_throttled_remote_set_and_keeps_it_only_because_it_measured
         invoke(["train", "--shards", url, *TINY, "--config", conf, "--run-dir", run, "--fix", "--fix-stage-dir",
                 base, "--fix-budget-s", "120"], expect=None)
         s = json.loads((run / "summary.json").read_text())
+        if s["verdict"]["status"] == "inconclusive" and not s["fixes_tried"]:
+            # other processes held this machine's cores while it measured: no bound is built on disturbed
+            # numbers, so the loop must try nothing (issue 19: never a fix from a disturbed run)
+            assert "other processes" in (s["verdict"].get("cause") or "") + s["verdict"]["reason"], s["verdict"]
+            pytest.skip("other processes were busy on this machine: the verdict was inconclusive and, as it must, "
+                        "the loop tried no fix; the staging proof needs a quiet machine")
         staged = [r for r in s["fixes_tried"] if "shards" in r["changes"]]
         assert staged, s["fixes_tried"]
         r = staged[0]

@@ -497,7 +497,7 @@ def decode_cpu(f: Facts) -> Verdict:
         fixes, late = _cores_fixes(f, per_core, nums)
         reason += f"; the loader decodes {per_core:.1f} samples/s per core{late}"
     if v.is_cuda and v.decode != "gpu":
-        fixes.append('use GPU decode (decode = "gpu": nvjpeg through torchvision.io.decode_jpeg)')
+        fixes.append('use GPU decode (decode = "gpu": nvJPEG through TorchCodec)')
     fixes += [fix for fix in (_smaller_images_fix(v),) if fix]
     if not fixes:
         fixes.append("run gpufeed train --measure to get the ceilings and per-core rates behind a fix")

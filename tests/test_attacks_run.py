@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpufeed.core.errors import DataError
-from tests.conftest import invoke
+from tests.conftest import invoke, invoke_json
 from tests.train_shards import write_tiny_shards
 
 SECRET = "OUTSIDE-FILE-CONTENT-hunter2"
@@ -40,7 +40,7 @@ def _nowhere(text: str, folder: Path, *outputs: str) -> None:
             assert text.encode() not in p.read_bytes(), p
 
 
-# --------------------------------------------------------------------------- a run folder
+# --------------------------------------------------------------------------- F2: skipped outputs from run.json
 
 
 @pytest.fixture()
@@ -52,6 +52,94 @@ def verified_run(tmp_path: Path) -> tuple[Path, Path, Path]:
     invoke(["run", cfg, "--quiet"], expect=None)
     assert [s["status"] for s in _run_json(tmp_path / "rd")["steps"]] == ["done", "done"]
     return cfg, tmp_path / "rd", shards
+
+
+def test_a_forged_output_of_a_skipped_step_is_never_passed_forward(verified_run, tmp_path: Path) -> None:
+    """run.json's doctor line, whose hash anyone can compute from the config, says it output another set (a URL
+    here; a folder works the same): the set passed to verify stays the config's, and doctor runs again."""
+    cfg, run, shards = verified_run
+    state = _run_json(run)
+    state["steps"][0]["output"] = {"set": "http://127.0.0.1:9/exfil/x", "io_record": "/etc/passwd",
+                                   "tuned": str(tmp_path / "elsewhere.toml")}
+    (run / "run.json").write_text(json.dumps(state))
+    record = invoke_json(["run", cfg, "--quiet"], expect=None)
+    after = _run_json(run)
+    assert record["ran"] == ["doctor"] and record["skipped"] == ["verify"], record
+    assert after["steps"][1]["inputs"]["set"] == str(shards)
+    assert after["steps"][0]["output"] == {}
+
+
+def test_a_record_path_out_of_the_run_folder_is_refused(verified_run) -> None:
+    cfg, run, _ = verified_run
+    for record in ("../../etc/passwd", "/etc/passwd", "verify/../../x", ""):
+        state = _run_json(run)
+        state["steps"][1]["record"] = record
+        (run / "run.json").write_text(json.dumps(state))
+        r = invoke(["run", cfg], expect=2)
+        assert "is not a gpufeed run record (a step's record must be a path inside the run folder" in r.stderr
+
+
+def test_a_step_line_whose_record_is_another_file_is_not_done(verified_run) -> None:
+    """A relative record path that is not the step's own summary.json (with that file's sha256) is not taken as the
+    step being done: the step runs again."""
+    cfg, run, _ = verified_run
+    state = _run_json(run)
+    state["steps"][1]["record"] = "doctor/summary.json"
+    state["steps"][1]["record_sha256"] = state["steps"][0]["record_sha256"]
+    (run / "run.json").write_text(json.dumps(state))
+    record = invoke_json(["run", cfg, "--quiet"], expect=None)
+    assert record["ran"] == ["verify"] and _run_json(run)["steps"][1]["record"] == "verify/summary.json"
+
+
+def test_the_derived_output_is_compared_not_copied(tmp_path: Path) -> None:
+    """Unit: a step whose run.json output differs from what its output function derives now is not done before."""
+    from gpufeed.config import Config
+    from gpufeed.pipeline import _done_before
+    from gpufeed.pipeline.state import StepState, file_sha256
+    from gpufeed.pipeline.steps import STEP_TABLE, Carry, Context
+
+    ctx = Context(cfg=Config(), run_dir=tmp_path, carry=Carry())
+    step = next(s for s in STEP_TABLE if s.name == "tune")
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "summary.json").write_text("{}")
+    (tmp_path / "tune" / "tuned.toml").write_text("[loader]\nnum_workers = 2\n")
+    prepared, _, _ = step.prepare(ctx)
+    sha = file_sha256(tmp_path / "tune" / "summary.json")
+    good = StepState(name="tune", status="done", hash="a" * 64, record="tune/summary.json", record_sha256=sha,
+                     output=step.output(ctx, prepared))
+    now = StepState(name="tune", hash="a" * 64)
+    assert good.output["tuned"] == str(tmp_path / "tune" / "tuned.toml") and good.output["tuned_sha256"]
+    assert _done_before(step, good, now, prepared, ctx)
+    forged = StepState(**{**good.__dict__, "output": {**good.output, "tuned": str(tmp_path / "x.toml")}})
+    assert not _done_before(step, forged, now, prepared, ctx)
+    (tmp_path / "tune" / "tuned.toml").write_text("[loader]\nnum_workers = 3\n")  # the file changed since
+    assert not _done_before(step, good, now, prepared, ctx)
+
+
+# --------------------------------------------------------------------------- F3: links in the run folder
+
+
+@pytest.mark.parametrize("link", ["synth/images", "shard/set", "synth"])
+def test_run_never_writes_through_a_link_in_its_folder(tmp_path: Path, link: str) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    run = tmp_path / "rd"
+    (run / link).parent.mkdir(parents=True, exist_ok=True)
+    (run / link).symlink_to(victim)
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'[run]\nsteps = ["synth", "shard"]\ndir = "{run}"\n[synth]\nimages = 8\nclasses = 2\n'
+                   f"[shard]\nshard_samples = 4\n")
+    r = invoke(["run", cfg, "--quiet"], expect=2)
+    assert f"{run / link} is a symbolic link in the run folder" in r.stderr and r.stderr.count("\n") == 1
+    assert list(victim.iterdir()) == []
+
+
+def test_link_below_names_the_first_link() -> None:
+    from gpufeed.core.safefs import link_below
+
+    with pytest.raises(DataError, match="is not inside the run folder"):
+        link_below("/tmp/a", "/tmp/b/c")
+    assert link_below("/tmp", "/tmp/no-such-folder/x") is None
 
 
 # --------------------------------------------------------------------------- F4: reading through links
@@ -84,6 +172,17 @@ def test_run_reads_no_run_json_through_a_link(verified_run, tmp_path: Path) -> N
     r = invoke(["run", cfg], expect=2)
     assert "run.json" in r.stderr and "symbolic link" in r.stderr
     assert SECRET not in r.stdout + r.stderr
+
+
+def test_a_record_reached_through_a_link_is_never_hashed_as_done(verified_run, tmp_path: Path) -> None:
+    """verify/summary.json replaced by a link to a copy of itself outside: the run does not count verify as done
+    (file_sha256 reads only below the run folder), so verify runs again into a real folder."""
+    cfg, run, _ = verified_run
+    copy = tmp_path / "outside-verify"
+    (run / "verify").rename(copy)
+    (run / "verify").symlink_to(copy)
+    r = invoke(["run", cfg, "--quiet"], expect=2)
+    assert f"{run / 'verify'} is a symbolic link in the run folder" in r.stderr
 
 
 def test_read_below_refuses_every_link_and_reads_real_files(tmp_path: Path) -> None:

@@ -135,6 +135,12 @@ def open_set_file(path: str | os.PathLike, root: str | os.PathLike, *, max_bytes
         if exc.errno == errno.ENOENT:
             raise
         raise DataError(f"cannot read {what} {p} ({_strerror(exc)})") from None
+    return _regular_read_fd(fd, p, max_bytes, what)
+
+
+def _regular_read_fd(fd: int, p: str, max_bytes: int | None, what: str) -> int:
+    """``fd``, opened non-blocking for reading ``p``, checked to be a regular file of at most ``max_bytes`` and made
+    blocking; else closed, and DataError naming ``p`` as ``what``."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -280,17 +286,10 @@ def open_below(path: str | os.PathLike, root: str | os.PathLike, *, max_bytes: i
                 raise DataError(f"cannot read {what} {p} ({_strerror(exc)})") from None
             os.close(fd)
             fd = nxt
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DataError(f"{what} {p} is not a regular file; it was not read")
-        if max_bytes is not None and st.st_size > max_bytes:
-            raise DataError(f"{what} {p} is {st.st_size} bytes, more than the {max_bytes} gpufeed reads; it was not "
-                            f"read")
-        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return _regular_read_fd(fd, p, max_bytes, what)
 
 
 def read_below(path: str | os.PathLike, root: str | os.PathLike, max_bytes: int, *, what: str = "file",

@@ -135,6 +135,12 @@ def open_set_file(path: str | os.PathLike, root: str | os.PathLike, *, max_bytes
         if exc.errno == errno.ENOENT:
             raise
         raise DataError(f"cannot read {what} {p} ({_strerror(exc)})") from None
+    return _regular_read_fd(fd, p, max_bytes, what)
+
+
+def _regular_read_fd(fd: int, p: str, max_bytes: int | None, what: str) -> int:
+    """``fd``, opened non-blocking for reading ``p``, checked to be a regular file of at most ``max_bytes`` and made
+    blocking; else closed, and DataError naming ``p`` as ``what``."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -217,5 +223,82 @@ def make_state_folder(path: str | os.PathLike, *, what: str = "state folder") ->
                         f"remove it")
 
 
+def _parts_below(root: str, path: str, what: str, where: str) -> list[str]:
+    """The components of ``path`` below the folder ``root`` (both made absolute, lexically); DataError when
+    ``path`` is not below ``root``."""
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(root))
+    if rel == os.curdir:
+        return []
+    parts = rel.split(os.sep)
+    if os.path.isabs(rel) or os.pardir in parts:
+        raise DataError(f"{what} {path} is not inside the {where} {root}; gpufeed reads and writes only there")
+    return parts
+
+
+def link_below(root: str | os.PathLike, path: str | os.PathLike, *, what: str = "path",
+               where: str = "run folder") -> str | None:
+    """The first component of ``path`` below the folder ``root`` that is a symbolic link (or None: none is; the
+    walk ends at the first missing component, which whoever writes there creates as a real one). ``root`` itself
+    may be a link: the user named it. DataError when ``path`` is not below ``root``."""
+    r, p = os.fspath(root), os.fspath(path)
+    cur = os.path.abspath(r)
+    for part in _parts_below(r, p, what, where):
+        cur = os.path.join(cur, part)
+        try:
+            if stat.S_ISLNK(os.lstat(cur).st_mode):
+                return cur
+        except FileNotFoundError:
+            return None
+    return None
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
+
+
+def open_below(path: str | os.PathLike, root: str | os.PathLike, *, max_bytes: int | None = None,
+               what: str = "file", where: str = "run folder") -> int:
+    """A read-only descriptor of ``path``, a file below the folder ``root`` (a run folder someone else may have
+    prepared), opened one component at a time from ``root`` with ``O_NOFOLLOW``: no folder on the way and not the
+    file may be a symbolic link (gpufeed writes none there), the file must be a regular file of at most
+    ``max_bytes``; else DataError naming it, never its contents. A missing file raises FileNotFoundError."""
+    r, p = os.fspath(root), os.fspath(path)
+    parts = _parts_below(r, p, what, where)
+    if not parts:
+        raise DataError(f"{what} {p} is the {where} itself, not a file in it")
+    walk = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(r, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the root may be a link: the user named it
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            try:
+                nxt = os.open(part, walk | (os.O_NONBLOCK if last else os.O_DIRECTORY), dir_fd=fd)
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    raise
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(part, fd):
+                    link = os.path.join(os.path.abspath(r), *parts[:i + 1])
+                    raise DataError(f"{what} {p} is reached through the symbolic link {link}; gpufeed reads only "
+                                    f"real files and folders inside the {where} {r}") from None
+                raise DataError(f"cannot read {what} {p} ({_strerror(exc)})") from None
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return _regular_read_fd(fd, p, max_bytes, what)
+
+
+def read_below(path: str | os.PathLike, root: str | os.PathLike, max_bytes: int, *, what: str = "file",
+               where: str = "run folder") -> bytes:
+    """The bytes of ``path``, a file below the folder ``root`` (:func:`open_below`), at most ``max_bytes``."""
+    fd = open_below(path, root, max_bytes=max_bytes, what=what, where=where)
+    return _read_bounded(fd, os.fspath(path), max_bytes, what)
+
+
 __all__ = ["open_regular", "open_append", "open_write", "lock_file", "set_link_problem", "open_set_file",
-           "read_set_file", "open_user_file", "read_user_file", "folder_link_note", "make_state_folder"]
+           "read_set_file", "open_user_file", "read_user_file", "folder_link_note", "make_state_folder", "link_below",
+           "open_below", "read_below"]

@@ -20,7 +20,7 @@ from gpufeed.config import Config, load_config
 from gpufeed.core.errors import DataError, GpufeedError, one_line
 from gpufeed.core.records import utc_now
 from gpufeed.pipeline.state import RunState, StepState, file_sha256, load_previous, sha256_json
-from gpufeed.pipeline.steps import STEP_TABLE, Carry, Context, Step, manifest_sha256
+from gpufeed.pipeline.steps import STEP_TABLE, Carry, Context, Step, check_no_link, manifest_sha256
 
 __all__ = ["RunRecord", "run_pipeline", "render", "default_run_dir"]
 
@@ -56,14 +56,14 @@ def default_run_dir(config_path: str | Path) -> Path:
     return Path("runs") / Path(config_path).name.removesuffix(".toml")
 
 
-def _initial_carry(cfg: Config) -> Carry:
+def _initial_carry(cfg: Config, run_dir: Path) -> Carry:
     """What the run starts from when a producing step is not in it: the config's own paths."""
     carry = Carry(images=cfg.shard.src, loader=cfg.loader, layout=cfg.layout)
     if "shard" not in cfg.run.steps:
         carry.set = cfg.train.shards or cfg.tune.shards
-        carry.set_sha256 = manifest_sha256(carry.set)
+        carry.set_sha256 = manifest_sha256(carry.set, run_dir)
         carry.val = cfg.train.val_shards
-        carry.val_sha256 = manifest_sha256(carry.val)
+        carry.val_sha256 = manifest_sha256(carry.val, run_dir)
     return carry
 
 
@@ -90,11 +90,26 @@ def _fresh(folder: Path) -> None:
     folder.mkdir(parents=True)
 
 
-def _intact(state: StepState, run_dir: Path) -> bool:
-    if state.record is None or file_sha256(run_dir / state.record) != state.record_sha256:
+def _done_before(step: Step, before: StepState | None, st: StepState, prepared: Any, ctx: Context) -> bool:
+    """Whether run.json's line ``before`` shows ``step`` done with this hash, its record the one the step writes
+    (``<step>/summary.json``) with the sha256 recorded, and its output what the config resolves to now: the paths
+    derived from it and the identities read back from the files (set manifests, the tuned config), the ceiling
+    read back from its record. Nothing of run.json's output is used, only compared."""
+    if before is None or before.status not in ("done", "check_failed") or before.hash != st.hash:
         return False
-    files = state.output.get("files") or {}
-    return all(file_sha256(p) == sha for p, sha in files.items())
+    record = ctx.record(step.name)
+    if before.record != str(record.relative_to(ctx.run_dir)):
+        return False
+    if file_sha256(record, ctx.run_dir) != before.record_sha256:
+        return False
+    return step.output(ctx, prepared) == before.output
+
+
+def _check_writes(step: Step, prepared: Any, ctx: Context) -> None:
+    """Refuse (DataError naming it) a symbolic link on the way to any path the step's job writes in the run folder:
+    its folder and the paths the pipeline derives there (synth's images, shard's set, tune's tuned config, ...)."""
+    for path in [ctx.folder(step.name), *step.writes(prepared)]:
+        check_no_link(ctx.run_dir, path, f"the {step.name} step's output")
 
 
 def run_pipeline(config_path: str | Path, *, run_dir: str | Path | None = None, quiet: bool = False,
@@ -118,7 +133,7 @@ def run_pipeline(config_path: str | Path, *, run_dir: str | Path | None = None, 
         state = RunState(config=str(config_path), config_sha256=file_sha256(config_path), run_dir=str(out_dir),
                          steps=[StepState(name=s.name, folder=s.name) for s in chosen])
         state.invocations = 1 + max((p.attempts for p in previous.values()), default=0)
-        ctx = Context(cfg=cfg, run_dir=out_dir, carry=_initial_carry(cfg), quiet=quiet, lines=lines)
+        ctx = Context(cfg=cfg, run_dir=out_dir, carry=_initial_carry(cfg, out_dir), quiet=quiet, lines=lines)
         state.save(out_dir)
         try:
             _run_steps(chosen, state, previous, ctx, say)
@@ -149,13 +164,13 @@ def _run_steps(chosen: list[Step], state: RunState, previous: dict[str, StepStat
         st.hash = sha256_json({"step": step.name, "options": options, "inputs": inputs})
         before = previous.get(step.name)
         st.attempts = before.attempts if before else 0
-        if not dirty and before is not None and before.status in ("done", "check_failed") \
-                and before.hash == st.hash and _intact(before, ctx.run_dir):
+        if not dirty and _done_before(step, before, st, prepared, ctx):
+            assert before is not None
             for key in ("status", "record", "record_sha256", "output", "ok", "started", "finished", "wall_s"):
                 setattr(st, key, getattr(before, key))
             st.skipped = True
             state.skipped.append(step.name)
-            ctx.carry.apply(st.output)
+            ctx.carry.apply(step.output(ctx, prepared), ctx.run_dir)
             state.save(ctx.run_dir)
             say(f"run: {step.name}: skipped (done before, same options and inputs)")
             if st.status == "check_failed" and step.name in ("shard", "verify", "stage"):
@@ -163,6 +178,7 @@ def _run_steps(chosen: list[Step], state: RunState, previous: dict[str, StepStat
             continue
         changed = before is not None and before.hash != st.hash
         folder = ctx.folder(step.name)
+        _check_writes(step, prepared, ctx)
         if step.fresh_folder:
             _fresh(folder)
         else:
@@ -179,9 +195,9 @@ def _run_steps(chosen: list[Step], state: RunState, previous: dict[str, StepStat
         st.finished, st.ok = utc_now(), outcome.ok
         st.status = "done" if outcome.ok else "check_failed"
         st.record = str(outcome.record.relative_to(ctx.run_dir))
-        st.record_sha256 = file_sha256(outcome.record)
-        st.output = outcome.output
-        ctx.carry.apply(outcome.output)
+        st.record_sha256 = file_sha256(outcome.record, ctx.run_dir)
+        st.output = step.output(ctx, prepared)
+        ctx.carry.apply(st.output, ctx.run_dir)
         state.save(ctx.run_dir)
         say(f"run: {step.name}: {st.status} in {st.wall_s:.1f} s")
         if step.feeds:
@@ -218,13 +234,15 @@ def _write_report(run_dir: Path, state: RunState, say: Callable[[str], None]) ->
 
 
 def _record(state: RunState, run_dir: Path, wall_s: float) -> RunRecord:
-    from gpufeed.pipeline.steps import read_record
+    from gpufeed.report.runfolder import MAX_RECORD_BYTES, read_json
 
     verdict = None
     for name in ("train", "measure"):
         st = next((s for s in state.steps if s.name == name and s.record), None)
         if st is not None:
-            verdict = read_record(run_dir / st.record).get("verdict")
+            record = read_json(run_dir / st.record, run_dir, f"{name} record", MAX_RECORD_BYTES)
+            verdict = record.get("verdict") if isinstance(record, dict) else None
+            verdict = verdict if isinstance(verdict, dict) else None
             break
     report = run_dir / "report.html"
     notes = [state.error] if state.error else []

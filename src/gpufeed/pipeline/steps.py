@@ -1,7 +1,9 @@
-"""The steps of ``gpufeed run``, one function pair each (docs/design.md §8): ``prepare`` resolves the step's job
-config from the run's config and what earlier steps passed forward (``Carry``) and names its inputs' identities;
-``execute`` calls the job's public entry function, writes the step's record in its folder and says what it passes
-forward. No step reads another job's internals: what passes forward is read back from the records and files."""
+"""The steps of ``gpufeed run``, three functions each (docs/design.md §8): ``prepare`` resolves the step's job
+config from the run's config and what earlier steps passed forward (``Carry``), names its inputs' identities and the
+paths its job writes; ``execute`` calls the job's public entry function and writes the step's record in its folder;
+``output`` says what the step passes forward, derived from the resolved config and read back from the files the
+step wrote, whether it ran now or was done before: run.json, which someone else may have written, is never its
+source. No step reads another job's internals: what passes forward is read back from the records and files."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpufeed.config import Config, LayoutConfig, LoaderConfig, TrainConfig, load_config
-from gpufeed.core.errors import ConfigError
-from gpufeed.core.records import read_json_file, to_jsonable, write_json
-from gpufeed.pipeline.state import MAX_RECORD_BYTES, file_sha256
+from gpufeed.core.errors import ConfigError, DataError
+from gpufeed.core.records import to_jsonable, write_json
+from gpufeed.core.safefs import link_below
+from gpufeed.pipeline.state import MAX_RECORD_BYTES, below, file_sha256
+from gpufeed.report.runfolder import read_json
 
 SUMMARY = "summary.json"
 
@@ -43,14 +47,15 @@ class Carry:
     def identity(self) -> dict[str, Any]:
         return {"set": self.set, "set_sha256": self.set_sha256}
 
-    def apply(self, output: dict[str, Any]) -> None:
-        """Take a step's output (fresh, or from run.json when the step is skipped)."""
+    def apply(self, output: dict[str, Any], run_dir: Path) -> None:
+        """Take a step's output (its ``output`` function's, never run.json's)."""
         for key, value in output.items():
             if key in ("files",):
                 continue
             if hasattr(self, key):
                 setattr(self, key, value)
         if output.get("tuned"):
+            check_no_link(run_dir, output["tuned"], "the tuned config")
             tuned = load_config(output["tuned"])
             self.loader, self.layout = tuned.loader, tuned.layout
 
@@ -66,24 +71,39 @@ class Context:
     def folder(self, name: str) -> Path:
         return self.run_dir / name
 
+    def record(self, name: str) -> Path:
+        """The step's record: every step writes its folder's summary.json."""
+        return self.folder(name) / SUMMARY
+
 
 @dataclass(frozen=True)
 class Outcome:
-    """What ``execute`` returns: the record's path, whether its checks passed, whether the run may go on, and what
-    passes forward (``files``: path -> sha256 that must still match for the step to count as done)."""
+    """What ``execute`` returns: the record's path, whether its checks passed, and whether the run may go on."""
 
     record: Path
     ok: bool
-    output: dict[str, Any]
     stop: bool = False
 
 
-def manifest_sha256(spec: str | None) -> str | None:
-    """A local set's identity: its manifest.json's sha256 (a folder or the manifest itself); None otherwise."""
+def check_no_link(run_dir: Path, path: str | Path | None, what: str) -> None:
+    """DataError naming the link when ``path``, inside the run folder, is reached through a symbolic link (a link a
+    job would write through, or read a file the run passes on from); a path outside the run folder is the user's
+    (the jobs guard their own folders)."""
+    if path is None or "://" in str(path) or str(path).startswith("pipe:") or not below(path, run_dir):
+        return
+    link = link_below(run_dir, path, what=what)
+    if link is not None:
+        raise DataError(f"{link} is a symbolic link in the run folder {run_dir}; gpufeed run never writes or reads "
+                        f"{what} ({path}) through a link: remove it")
+
+
+def manifest_sha256(spec: str | None, run_dir: Path | None = None) -> str | None:
+    """A local set's identity: its manifest.json's sha256 (a folder or the manifest itself); None otherwise. A set
+    in the run folder ``run_dir`` is read below it (no link: :func:`gpufeed.pipeline.state.file_sha256`)."""
     if spec is None or "://" in spec or spec.startswith("pipe:"):
         return None
     p = Path(spec)
-    return file_sha256(p / "manifest.json" if p.is_dir() else p)
+    return file_sha256(p / "manifest.json" if p.is_dir() else p, run_dir)
 
 
 def _inside(path: str, root: Path) -> bool:
@@ -91,6 +111,11 @@ def _inside(path: str, root: Path) -> bool:
         return Path(path).resolve().is_relative_to(root.resolve())
     except OSError:
         return False
+
+
+def _set_output(ctx: Context, spec: str | None, key: str = "set") -> dict[str, Any]:
+    """``{key: spec, key_sha256: its manifest's sha256 now}`` (read back from the set the step wrote)."""
+    return {key: spec, f"{key}_sha256": manifest_sha256(spec, ctx.run_dir)}
 
 
 def _set_files(spec: str | None, sha: str | None) -> dict[str, str]:
@@ -120,7 +145,16 @@ def execute_doctor(ctx: Context, paths: Any, folder: Path, changed: bool) -> Out
 
     record = doctor(paths, ctx.cfg.loader)
     path = write_json(folder / SUMMARY, record)
-    return Outcome(path, bool(record.ok), {})
+    return Outcome(path, bool(record.ok))
+
+
+def no_output(ctx: Context, prepared: Any) -> dict[str, Any]:
+    """The output of a step that passes nothing forward (doctor, verify, measure, train)."""
+    return {}
+
+
+def no_writes(prepared: Any) -> list[Any]:
+    return []
 
 
 # --------------------------------------------------------------------------- synth
@@ -139,7 +173,15 @@ def execute_synth(ctx: Context, synth: Any, folder: Path, changed: bool) -> Outc
     overwrite = synth.overwrite or _inside(synth.dest, ctx.run_dir)
     record = synthesize(dataclasses.replace(synth, overwrite=overwrite))
     path = write_json(folder / SUMMARY, record)
-    return Outcome(path, True, {"images": synth.dest})
+    return Outcome(path, True)
+
+
+def output_synth(ctx: Context, synth: Any) -> dict[str, Any]:
+    return {"images": synth.dest}
+
+
+def writes_synth(synth: Any) -> list[Any]:
+    return [synth.dest]
 
 
 # --------------------------------------------------------------------------- shard (+ val)
@@ -174,12 +216,21 @@ def execute_shard(ctx: Context, prepared: Any, folder: Path, changed: bool) -> O
     path = write_json(folder / SUMMARY, records["train"])
     if "val" in records:
         write_json(folder / "val.json", records["val"])
-    out: dict[str, Any] = {"set": train.dest, "set_sha256": manifest_sha256(train.dest)}
-    if val is not None:
-        out.update(val=val.dest, val_sha256=manifest_sha256(val.dest))
-    out["files"] = {**_set_files(out["set"], out["set_sha256"]), **_set_files(out.get("val"), out.get("val_sha256"))}
     ok = all(bool(getattr(r, "ok", True)) for r in records.values())
-    return Outcome(path, ok, out, stop=not ok)
+    return Outcome(path, ok, stop=not ok)
+
+
+def output_shard(ctx: Context, prepared: Any) -> dict[str, Any]:
+    train, val = prepared
+    out = _set_output(ctx, train.dest)
+    if val is not None:
+        out.update(_set_output(ctx, val.dest, "val"))
+    out["files"] = {**_set_files(out["set"], out["set_sha256"]), **_set_files(out.get("val"), out.get("val_sha256"))}
+    return out
+
+
+def writes_shard(prepared: Any) -> list[Any]:
+    return [cfg.dest for cfg in prepared if cfg is not None]
 
 
 # --------------------------------------------------------------------------- verify
@@ -200,7 +251,7 @@ def execute_verify(ctx: Context, sets: Any, folder: Path, changed: bool) -> Outc
         written = write_json(folder / (SUMMARY if i == 0 else "val.json"), record)
         path = path if i else written
         ok = ok and bool(record.ok)
-    return Outcome(path, ok, {}, stop=not ok)  # a set that fails verify is not one to tune or train on
+    return Outcome(path, ok, stop=not ok)  # a set that fails verify is not one to tune or train on
 
 
 # --------------------------------------------------------------------------- io
@@ -216,7 +267,15 @@ def execute_io(ctx: Context, io: Any, folder: Path, changed: bool) -> Outcome:
 
     measure_io([ctx.carry.set], io, progress=ctx.lines)
     path = folder / SUMMARY
-    return Outcome(path, bool(read_record(path).get("ok", True)), {"io_record": str(path)})
+    return Outcome(path, bool(read_record(ctx, path).get("ok", True)))
+
+
+def output_io(ctx: Context, io: Any) -> dict[str, Any]:
+    return {"io_record": str(ctx.record("io"))}
+
+
+def writes_io(io: Any) -> list[Any]:
+    return [io.run_dir]
 
 
 # --------------------------------------------------------------------------- stage
@@ -234,9 +293,16 @@ def execute_stage(ctx: Context, stage: Any, folder: Path, changed: bool) -> Outc
 
     record = stage_set(stage, progress=not ctx.quiet)
     path = write_json(folder / SUMMARY, record)
-    sha = manifest_sha256(stage.dest)
-    return Outcome(path, bool(record.ok), {"set": stage.dest, "set_sha256": sha,
-                                           "files": _set_files(stage.dest, sha)}, stop=not record.ok)
+    return Outcome(path, bool(record.ok), stop=not record.ok)
+
+
+def output_stage(ctx: Context, stage: Any) -> dict[str, Any]:
+    out = _set_output(ctx, stage.dest)
+    return {**out, "files": _set_files(stage.dest, out["set_sha256"])}
+
+
+def writes_stage(stage: Any) -> list[Any]:
+    return [stage.dest]
 
 
 # --------------------------------------------------------------------------- train modes
@@ -268,9 +334,26 @@ def prepare_ceiling(ctx: Context) -> tuple[Any, dict[str, Any], dict[str, Any]]:
 
 
 def execute_ceiling(ctx: Context, train: Any, folder: Path, changed: bool) -> Outcome:
-    record = _launch(train, ctx.cfg.loader, ctx.cfg.layout)
-    mode = (record.get("modes") or {}).get("synthetic") or {}
-    return Outcome(folder / SUMMARY, True, {"ceiling": mode.get("samples_per_s")})
+    _launch(train, ctx.cfg.loader, ctx.cfg.layout)
+    return Outcome(folder / SUMMARY, True)
+
+
+MAX_RATE = 1e12
+"""A rate (samples/s) passed forward at most; a measured one is far below."""
+
+
+def output_ceiling(ctx: Context, train: Any) -> dict[str, Any]:
+    """The compute ceiling: the synthetic mode's samples/s, read back from the ceiling's record; None when the
+    record holds no positive finite rate."""
+    modes = read_record(ctx, ctx.record("ceiling")).get("modes")
+    mode = modes.get("synthetic") if isinstance(modes, dict) else None
+    rate = mode.get("samples_per_s") if isinstance(mode, dict) else None
+    ok = isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate <= MAX_RATE
+    return {"ceiling": float(rate) if ok else None}
+
+
+def writes_train(train: Any) -> list[Any]:
+    return [train.run_dir, train.checkpoint_dir]
 
 
 def prepare_tune(ctx: Context) -> tuple[Any, dict[str, Any], dict[str, Any]]:
@@ -287,8 +370,16 @@ def execute_tune(ctx: Context, tune: Any, folder: Path, changed: bool) -> Outcom
     from gpufeed.tune import tune as tune_loader
 
     tune_loader(tune, ctx.cfg.loader, progress=ctx.lines)
-    sha = file_sha256(tune.out)
-    return Outcome(folder / SUMMARY, True, {"tuned": tune.out, "tuned_sha256": sha, "files": {tune.out: sha}})
+    return Outcome(folder / SUMMARY, True)
+
+
+def output_tune(ctx: Context, tune: Any) -> dict[str, Any]:
+    sha = file_sha256(tune.out, ctx.run_dir)
+    return {"tuned": tune.out, "tuned_sha256": sha, "files": {tune.out: sha}}
+
+
+def writes_tune(tune: Any) -> list[Any]:
+    return [tune.run_dir, tune.out]
 
 
 def _with_fix(train: TrainConfig) -> TrainConfig:
@@ -301,7 +392,7 @@ def _with_fix(train: TrainConfig) -> TrainConfig:
 def _train_inputs(ctx: Context) -> dict[str, Any]:
     c = ctx.carry
     return {**c.identity(), "tuned_sha256": c.tuned_sha256, "io_record_sha256": c.io_record and
-            file_sha256(c.io_record), "val_sha256": c.val_sha256}
+            file_sha256(c.io_record, ctx.run_dir), "val_sha256": c.val_sha256}
 
 
 def prepare_measure(ctx: Context) -> tuple[Any, dict[str, Any], dict[str, Any]]:
@@ -317,11 +408,13 @@ def prepare_train(ctx: Context) -> tuple[Any, dict[str, Any], dict[str, Any]]:
 
 def execute_train(ctx: Context, train: Any, folder: Path, changed: bool) -> Outcome:
     record = _launch(train, ctx.carry.loader, ctx.carry.layout)
-    return Outcome(folder / SUMMARY, bool(record.get("ok", True)), {})
+    return Outcome(folder / SUMMARY, bool(record.get("ok", True)))
 
 
-def read_record(path: Path) -> dict[str, Any]:
-    data = read_json_file(path, MAX_RECORD_BYTES, "step record")
+def read_record(ctx: Context, path: Path) -> dict[str, Any]:
+    """A step's record in the run folder ({} when it is missing or not an object), read below the run folder
+    (no link, bounded: :func:`gpufeed.report.runfolder.read_json`)."""
+    data = read_json(path, ctx.run_dir, "step record", MAX_RECORD_BYTES)
     return data if isinstance(data, dict) else {}
 
 
@@ -330,6 +423,11 @@ class Step:
     name: str
     prepare: Callable[[Context], tuple[Any, dict[str, Any], dict[str, Any]]]
     execute: Callable[[Context, Any, Path, bool], Outcome]
+    output: Callable[[Context, Any], dict[str, Any]] = no_output
+    """What the step passes forward, from its prepared config and the files it wrote (run.json is only compared
+    with it)."""
+    writes: Callable[[Any], list[Any]] = no_writes
+    """The paths its job writes besides its folder (each checked for a link when inside the run folder)."""
     feeds: bool = True
     """Whether later steps depend on it: a step that runs makes every later feeding step run too."""
     fresh_folder: bool = True
@@ -338,14 +436,14 @@ class Step:
 
 STEP_TABLE: tuple[Step, ...] = (
     Step("doctor", prepare_doctor, execute_doctor, feeds=False),
-    Step("synth", prepare_synth, execute_synth, fresh_folder=False),
-    Step("shard", prepare_shard, execute_shard, fresh_folder=False),
+    Step("synth", prepare_synth, execute_synth, output_synth, writes_synth, fresh_folder=False),
+    Step("shard", prepare_shard, execute_shard, output_shard, writes_shard, fresh_folder=False),
     Step("verify", prepare_verify, execute_verify),
-    Step("io", prepare_io, execute_io),
-    Step("stage", prepare_stage, execute_stage, fresh_folder=False),
-    Step("ceiling", prepare_ceiling, execute_ceiling),
-    Step("tune", prepare_tune, execute_tune),
-    Step("measure", prepare_measure, execute_train),
-    Step("train", prepare_train, execute_train),
+    Step("io", prepare_io, execute_io, output_io, writes_io),
+    Step("stage", prepare_stage, execute_stage, output_stage, writes_stage, fresh_folder=False),
+    Step("ceiling", prepare_ceiling, execute_ceiling, output_ceiling, writes_train),
+    Step("tune", prepare_tune, execute_tune, output_tune, writes_tune),
+    Step("measure", prepare_measure, execute_train, writes=writes_train),
+    Step("train", prepare_train, execute_train, writes=writes_train),
 )
 """Every step, in pipeline order (``config.STEPS``)."""

@@ -9,56 +9,97 @@ config."""
 from __future__ import annotations
 
 import html
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpufeed.core.errors import DataError
-from gpufeed.core.records import atomic_write_text, read_file_bytes, read_json_file, utc_now
+from gpufeed.core.records import atomic_write_text, utc_now
 from gpufeed.core.redact import redact
 from gpufeed.report import svg
+from gpufeed.report.runfolder import MAX_RECORD_BYTES, MAX_RUN_JSON_BYTES, read_json, read_log
 from gpufeed.report.svg import fmt
 
 __all__ = ["WrittenReport", "build", "report", "write_report", "render"]
 
-MAX_RECORD_BYTES = 64 << 20
-MAX_LOG_BYTES = 64 << 20
-MAX_LOG_LINES = 50_000
 STEP_FOLDERS = ("doctor", "synth", "shard", "verify", "io", "stage", "ceiling", "tune", "measure", "train")
+RECORD_BYTES = {"doctor": 1 << 20, "synth": 1 << 20, "io": 4 << 20, "stage": 4 << 20, "shard": 64 << 20}
+"""A step's summary.json at most, by step (others :data:`MAX_RECORD_BYTES`): shard's lists every rejected file."""
+MAX_ROWS = 50
+"""Rows of a table, items of a list, bars of a chart and ranks of a stacked chart, at most; the page says how many
+more the record held."""
+MAX_TRIAL_BARS = 40
+"""Trials drawn in tune's chart at most (the first ones)."""
+MAX_SERIES = 16
+"""Lines of a line chart at most."""
+MAX_POINTS = 1_000
+"""Points of one line at most (evenly thinned beyond, saying so)."""
+MAX_CELL_CHARS = 300
+"""Characters of a value from a record in a table cell, a list item or a label (cut with '…')."""
+MAX_PARA_CHARS = 2_000
+"""Characters of a paragraph (a verdict's reason, a note)."""
+MAX_PAGE_CHARS = 8 << 20
+"""The page at most: the caps above keep it far below (every section is bounded); a page past it is refused."""
+TRIAL_FIELDS = ("trial", "phase", "num_workers", "samples_per_s", "error", "pipeline")
+LOG_FIELDS = ("step", "samples_per_s", "stall_pct", "mode", "rank")
+HEALTH_FIELDS = ("t_s", "time_s", "rank", "temperature_c", "power_w", "sm_clock_mhz")
 
 
-def _read(path: Path) -> Any | None:
-    """A record, or None when the file is not there. A file there that is not JSON is an error (exit 2)."""
-    if not path.exists() and not path.is_symlink():
-        return None
-    return read_json_file(path, MAX_RECORD_BYTES, "record")
-
-
-def _read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The rows of a log.jsonl (bounded), and how many lines were not JSON objects."""
-    if not path.exists():
-        return [], 0
-    data = read_file_bytes(path, MAX_LOG_BYTES, "log")
-    rows, bad = [], 0
-    for line in data.decode("utf-8", "replace").splitlines()[:MAX_LOG_LINES]:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            bad += 1
-    return rows, bad
+def _cut(value: Any, limit: int = MAX_CELL_CHARS) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _num(value: Any) -> float | None:
-    """A number of a record: a plain one, or the median of a ``Stat`` ({median, min, max, ...}); else None."""
+    """A finite number of a record: a plain one, or the median of a ``Stat`` ({median, min, max, ...}); else
+    None."""
     if isinstance(value, dict):
         value = value.get("median")
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past the floats
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _list(value: Any) -> list[Any]:
+    """A list of a record (anything else, a string or an object where a list belongs, as none)."""
+    return value if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _capped(items: list[Any], what: str, page: "Page") -> list[Any]:
+    """The first :data:`MAX_ROWS` of ``items`` for a chart; the page says how many more were left out."""
+    if len(items) > MAX_ROWS:
+        page.para(_left_out(MAX_ROWS, len(items), what), "note")
+    return items[:MAX_ROWS]
+
+
+def _lines(page: Page, by_name: dict[str, list[tuple[float, float]]]) -> list[tuple[str, list[tuple[float, float]]]]:
+    """The series of a line chart: at most :data:`MAX_SERIES` lines of at most :data:`MAX_POINTS` points each
+    (evenly thinned), the page saying what was left out."""
+    names = list(by_name)
+    if len(names) > MAX_SERIES:
+        page.para(_left_out(MAX_SERIES, len(names), "lines"), "note")
+    out = []
+    for name in names[:MAX_SERIES]:
+        pts = by_name[name]
+        if len(pts) > MAX_POINTS:
+            stride = -(-len(pts) // MAX_POINTS)
+            page.para(f"{_cut(name, 80)}: every {stride}th of its {len(pts):,} points is drawn.", "note")
+            pts = pts[::stride]
+        out.append((_cut(name, 80), pts))
+    return out
+
+
+def _left_out(shown: int, total: int, what: str) -> str:
+    return f"{total - shown:,} more {what} in the record were left out (the page shows the first {shown:,})."
 
 
 class Records:
@@ -66,20 +107,21 @@ class Records:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.run = _read(folder / "run.json")
+        self.run = read_json(folder / "run.json", folder, "run.json", MAX_RUN_JSON_BYTES)
         self.kind = "run"
         self.by_step: dict[str, dict[str, Any]] = {}
         self.dirs: dict[str, Path] = {}
         if self.run is not None:
             for name in STEP_FOLDERS:
-                rec = _read(folder / name / "summary.json")
+                rec = read_json(folder / name / "summary.json", folder, f"{name} record",
+                                RECORD_BYTES.get(name, MAX_RECORD_BYTES))
                 if isinstance(rec, dict):
                     self.by_step[name], self.dirs[name] = rec, folder / name
-            val = _read(folder / "shard" / "val.json")
+            val = read_json(folder / "shard" / "val.json", folder, "shard record", RECORD_BYTES["shard"])
             if isinstance(val, dict):
                 self.by_step["shard.val"] = val
             return
-        rec = _read(folder / "summary.json")
+        rec = read_json(folder / "summary.json", folder, "record")
         if not isinstance(rec, dict):
             raise DataError(f"{folder} holds neither run.json (a gpufeed run folder) nor summary.json (a tune or "
                             f"train run folder)")
@@ -115,6 +157,7 @@ class Page:
         self.md.append(f"\n## {title}\n")
 
     def para(self, text: str, cls: str = "") -> None:
+        text = _cut(text, MAX_PARA_CHARS)
         c = f' class="{cls}"' if cls else ""
         self.html.append(f"<p{c}>{html.escape(text)}</p>")
         self.md.append(text + "\n")
@@ -123,11 +166,16 @@ class Page:
         self.missing.append(what)
         self.para(f"No {what} record in this folder ({why}).", "missing")
 
-    def items(self, rows: list[str]) -> None:
+    def items(self, rows: list[str], what: str = "items") -> None:
+        total, rows = len(rows), [_cut(r, MAX_PARA_CHARS) for r in rows[:MAX_ROWS]]
+        if total > len(rows):
+            rows.append(_left_out(len(rows), total, what))
         self.html.append("<ul>" + "".join(f"<li>{html.escape(r)}</li>" for r in rows) + "</ul>")
         self.md.append("".join(f"- {r}\n" for r in rows))
 
-    def table(self, head: list[str], rows: list[list[str]], classes: list[str] | None = None) -> None:
+    def table(self, head: list[str], rows: list[list[Any]], classes: list[str] | None = None,
+              what: str = "rows") -> None:
+        total, rows = len(rows), [[_cut("" if x is None else x) for x in r] for r in rows[:MAX_ROWS]]
         body = []
         for i, r in enumerate(rows):
             c = f' class="{classes[i]}"' if classes and classes[i] else ""
@@ -136,6 +184,8 @@ class Page:
                          + "</tr></thead><tbody>" + "".join(body) + "</tbody></table>")
         self.md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
                        + "".join("| " + " | ".join(str(x).replace("|", "\\|") for x in r) + " |\n" for r in rows))
+        if total > len(rows):
+            self.para(_left_out(len(rows), total, what), "note")
 
     def chart(self, svg_text: str, caption: str) -> None:
         self.html.append(f'<figure>{svg_text}<figcaption>{html.escape(caption)}</figcaption></figure>')
@@ -150,6 +200,7 @@ def _verdict(page: Page, rec: Records) -> str | None:
     tune = rec.by_step.get("tune")
     verdict = (train or {}).get("verdict")
     status = verdict.get("status") if isinstance(verdict, dict) else None
+    status = _cut(status, 40) if status is not None else None
     if train is None:
         page.html.append('<div class="verdict none"><div class="big">no verdict</div>')
         page.md.append("# Verdict: none\n")
@@ -161,7 +212,7 @@ def _verdict(page: Page, rec: Records) -> str | None:
         page.para(f"The {name} record holds no verdict (mode {train.get('mode')!r}: only --measure gives one).")
     else:
         bound = verdict.get("bound")
-        big = status + (f" — {bound}-bound" if bound else "")
+        big = status + (f" — {_cut(bound, 40)}-bound" if bound else "")
         page.html.append(f'<div class="verdict {html.escape(status)}"><div class="big">{html.escape(big)}</div>')
         page.md.append(f"# Verdict: {big}\n")
         page.para(str(verdict.get("reason") or ""), "reason")
@@ -188,9 +239,9 @@ def _verdict(page: Page, rec: Records) -> str | None:
     page.items(changed or ["nothing: neither tune nor train ran here"])
     page.html.append("</div><div><h3>What is left for you</h3>")
     page.md.append("\n**What is left for you**\n")
-    fixes = verdict.get("fixes") if isinstance(verdict, dict) else None
+    fixes = _list(verdict.get("fixes")) if isinstance(verdict, dict) else []
     if fixes:
-        page.items([str(f) for f in fixes])
+        page.items([str(f) for f in fixes], "fixes")
     elif status == "fed":
         page.items(["nothing: the GPUs are fed; train with the tuned config"])
     else:
@@ -203,7 +254,7 @@ def _first_trial(rec: Records) -> float | None:
     folder = rec.dirs.get("tune")
     if folder is None:
         return None
-    rows, _ = _read_log(folder / "trials.jsonl")
+    rows, _, _ = read_log(folder / "trials.jsonl", rec.folder, TRIAL_FIELDS)
     ok = [r for r in rows if _num(r.get("samples_per_s")) is not None and not r.get("error")
           and r.get("pipeline", "gpufeed") == "gpufeed"]
     return _num(ok[0]["samples_per_s"]) if ok else None
@@ -222,14 +273,14 @@ def _run_steps(page: Page, rec: Records) -> None:
         return
     page.section("Steps")
     rows, classes = [], []
-    for s in run.get("steps") or []:
+    for s in _list(run.get("steps")):
         if not isinstance(s, dict):
             continue
         took = "skipped (done before)" if s.get("skipped") else (f"{fmt(_num(s.get('wall_s')))} s"
                                                                  if s.get("wall_s") is not None else "-")
         rows.append([s.get("name"), s.get("status"), took, s.get("error") or ""])
         classes.append("bad" if s.get("status") in ("failed", "check_failed", "interrupted") else "")
-    page.table(["step", "status", "time", "error"], rows, classes)
+    page.table(["step", "status", "time", "error"], rows, classes, "steps")
     page.para(f"Run {run.get('status')}, started {run.get('started')}, updated {run.get('updated')}; config "
               f"{run.get('config')}.")
 
@@ -241,11 +292,11 @@ def _machine(page: Page, rec: Records) -> None:
         page.missing_record("doctor", "the doctor step did not run")
         return
     order = {"fail": 0, "warn": 1, "ok": 2}
-    checks = sorted((c for c in doc.get("checks") or [] if isinstance(c, dict)),
+    checks = sorted((c for c in _list(doc.get("checks")) if isinstance(c, dict)),
                     key=lambda c: order.get(str(c.get("status")), 3))
     page.table(["check", "status", "evidence", "fix"],
                [[c.get("name"), c.get("status"), c.get("evidence"), c.get("fix") or ""] for c in checks],
-               [{"fail": "bad", "warn": "warn"}.get(str(c.get("status")), "") for c in checks])
+               [{"fail": "bad", "warn": "warn"}.get(str(c.get("status")), "") for c in checks[:MAX_ROWS]], "checks")
 
 
 def _shards(page: Page, rec: Records) -> None:
@@ -259,7 +310,7 @@ def _shards(page: Page, rec: Records) -> None:
                  fmt(_num(r.get("num_rejected")))]
                 for which, r in (("train", sh), ("val", rec.by_step.get("shard.val"))) if isinstance(r, dict)]
         page.table(["set", "folder", "samples", "classes", "shards", "bytes", "rejected"], rows)
-        rejected = [r for r in sh.get("rejected") or [] if isinstance(r, dict)]
+        rejected = [r for r in _list(sh.get("rejected")) if isinstance(r, dict)]
         if rejected:
             page.para(f"Rejected files ({len(rejected)}; first 20):")
             page.table(["file", "reason"], [[r.get("path") or r.get("file"), r.get("reason")] for r in rejected[:20]])
@@ -278,22 +329,22 @@ def _storage(page: Page, rec: Records) -> None:
     if io is None:
         page.missing_record("io", "the io step did not run")
     else:
-        series = []
-        for loc in io.get("locations") or []:
+        by_name: dict[str, list[tuple[float, float]]] = {}
+        for loc in _list(io.get("locations")):
             if not isinstance(loc, dict):
                 continue
             for cache in ("cold", "warm"):
-                pts = [(float(s["readers"]), float(s["mb_per_s"])) for s in loc.get("steps") or []
-                       if isinstance(s, dict) and s.get("cache") == cache and _num(s.get("mb_per_s")) is not None
-                       and _num(s.get("readers")) is not None]
+                pts = [(x, y) for x, y in ((_num(s.get("readers")), _num(s.get("mb_per_s")))
+                                           for s in _list(loc.get("steps")) if isinstance(s, dict)
+                                           and s.get("cache") == cache) if x is not None and y is not None]
                 if pts:
-                    series.append((f"{Path(str(loc.get('path'))).name} {cache}", pts))
-        if series:
-            page.chart(svg.lines("Storage ladder: read rate by readers", series, "readers", "MB/s"),
+                    by_name[f"{Path(_cut(loc.get('path'))).name} {cache}"] = pts
+        if by_name:
+            page.chart(svg.lines("Storage ladder: read rate by readers", _lines(page, by_name), "readers", "MB/s"),
                        "MB/s read with 1, 2, 4, ... readers, cold (page cache dropped) and warm, from io/summary.json")
         else:
             page.para("The io record holds no measured steps.")
-        for note in (io.get("notes") or [])[:5]:
+        for note in _list(io.get("notes"))[:5]:
             page.para(f"note: {note}", "note")
     st = rec.by_step.get("stage")
     if st is not None:
@@ -308,11 +359,13 @@ def _tuning(page: Page, rec: Records) -> None:
     if tune is None:
         page.missing_record("tune", "the tune step did not run")
         return
-    rows, bad = _read_log(rec.dirs["tune"] / "trials.jsonl")
+    rows, _, unread = read_log(rec.dirs["tune"] / "trials.jsonl", rec.folder, TRIAL_FIELDS)
+    if len(rows) + unread > MAX_TRIAL_BARS:
+        page.para(_left_out(min(len(rows), MAX_TRIAL_BARS), len(rows) + unread, "trials"), "note")
     items, notes = [], []
     best = tune.get("best_trial")
-    for r in rows[:40]:
-        label = f"#{r.get('trial')} {r.get('phase') or ''} w={r.get('num_workers')}"
+    for r in rows[:MAX_TRIAL_BARS]:
+        label = _cut(f"#{r.get('trial')} {r.get('phase') or ''} w={r.get('num_workers')}", 60)
         items.append((label, None if r.get("error") else _num(r.get("samples_per_s"))))
         notes.append("best" if r.get("trial") == best else (f"error: {r.get('error')}"[:60] if r.get("error") else ""))
     if items:
@@ -344,8 +397,8 @@ def _rates(page: Page, rec: Records) -> None:
     name, train = _train_or_missing(page, rec)
     if train is None or name is None:
         return
-    modes = train.get("modes") or {}
-    ceiling = rec.by_step.get("ceiling", {}).get("modes", {}).get("synthetic") if "ceiling" in rec.by_step else None
+    modes = _dict(train.get("modes"))
+    ceiling = _dict(_dict(rec.by_step.get("ceiling")).get("modes")).get("synthetic")
 
     def rate(mode: str) -> float | None:
         m = modes.get(mode)
@@ -364,17 +417,15 @@ def _stalls(page: Page, rec: Records) -> None:
     name, train = _train_or_missing(page, rec)
     if train is None or name is None:
         return
-    real = (train.get("modes") or {}).get("real")
-    if not isinstance(real, dict) or not real.get("per_rank"):
+    real = _dict(train.get("modes")).get("real")
+    if not isinstance(real, dict) or not _list(real.get("per_rank")):
         page.para(f"The {name} record holds no real-mode ranks (mode {train.get('mode')!r}).", "missing")
         return
     rows = []
-    for r in real["per_rank"]:
-        if not isinstance(r, dict):
-            continue
+    for r in _capped([r for r in real["per_rank"] if isinstance(r, dict)], "ranks", page):
         step = _num(r.get("step_s")) or 0.0
         parts = [_num(r.get(k)) or 0.0 for k in ("data_wait_s", "h2d_s", "compute_s")]
-        rows.append((f"rank {r.get('rank')}", [100.0 * p / step if step > 0 else 0.0 for p in parts]))
+        rows.append((_cut(f"rank {r.get('rank')}", 40), [100.0 * p / step if step > 0 else 0.0 for p in parts]))
     page.chart(svg.stacked("Step time per rank (%)", rows, ["waiting for data", "copy", "compute"]),
                f"data wait, host-to-device copy and compute as % of each rank's step time, real mode of "
                f"{name}/summary.json; data stall {fmt(_num(real.get('stall_pct')))} %")
@@ -385,7 +436,10 @@ def _timeline(page: Page, rec: Records) -> None:
     name, train = _train_or_missing(page, rec)
     if train is None or name is None:
         return
-    rows, bad = _read_log(rec.dirs[name] / "log.jsonl")
+    rows, bad, unread = read_log(rec.dirs[name] / "log.jsonl", rec.folder, LOG_FIELDS)
+    if unread:
+        page.para(f"The first {len(rows) + bad:,} lines of {name}/log.jsonl are drawn; {unread:,} more were left out.",
+                  "note")
     if not rows:
         page.para(f"No rows in {name}/log.jsonl.", "missing")
         return
@@ -398,9 +452,9 @@ def _timeline(page: Page, rec: Records) -> None:
             by_mode.setdefault(key, []).append((step, rate))
         if step is not None and pct is not None:
             stall.setdefault(key, []).append((step, pct))
-    page.chart(svg.lines("Samples/s over steps", list(by_mode.items()), "step", "samples/s"),
+    page.chart(svg.lines("Samples/s over steps", _lines(page, by_mode), "step", "samples/s"),
                f"samples/s per log interval, from {name}/log.jsonl")
-    page.chart(svg.lines("Data wait over steps (% of step time)", list(stall.items()), "step", "data stall %",
+    page.chart(svg.lines("Data wait over steps (% of step time)", _lines(page, stall), "step", "data stall %",
                          y_max=100.0), f"data stall % per log interval, from {name}/log.jsonl")
     if bad:
         page.para(f"{bad} line(s) of log.jsonl were not JSON records and were left out.", "note")
@@ -409,9 +463,11 @@ def _timeline(page: Page, rec: Records) -> None:
 def _gpu_health(page: Page, rec: Records) -> None:
     page.section("GPU health")
     name, train = rec.train()
-    health = (train or {}).get("gpu_health") or []
+    health = [h for h in _list((train or {}).get("gpu_health")) if isinstance(h, dict)]
     folder = rec.dirs.get(name) if name else None
-    rows, _ = _read_log(folder / "gpu_health.jsonl") if folder else ([], 0)
+    rows, _, unread = read_log(folder / "gpu_health.jsonl", rec.folder, HEALTH_FIELDS) if folder else ([], 0, 0)
+    if unread:
+        page.para(f"{unread:,} more lines of gpu_health.jsonl were left out.", "note")
     if not health and not rows:
         page.para("Not sampled: no GPU was read through NVML in this run (a CPU run, or no driver).", "missing")
         return
@@ -422,11 +478,11 @@ def _gpu_health(page: Page, rec: Records) -> None:
             if t is not None and v is not None:
                 series.setdefault(f"rank {r.get('rank')}", []).append((t, v))
         if series:
-            page.chart(svg.lines(f"{field}", list(series.items()), "seconds", unit), f"{field} from gpu_health.jsonl")
-    for h in health:
-        if isinstance(h, dict):
-            page.para(f"rank {h.get('rank')}: " + ", ".join(f"{k} {v}" for k, v in h.items()
-                                                            if k != "rank" and not isinstance(v, (list, dict))))
+            page.chart(svg.lines(f"{field}", _lines(page, series), "seconds", unit), f"{field} from gpu_health.jsonl")
+    for h in _capped(health, "ranks", page):
+        values = [f"{_cut(k, 40)} {_cut(v, 80)}" for k, v in h.items()
+                  if k != "rank" and not isinstance(v, (list, dict))]
+        page.para(f"rank {_cut(h.get('rank'), 40)}: " + ", ".join(values[:MAX_ROWS]))
 
 
 CSS = """
@@ -481,6 +537,8 @@ def build(folder: str | Path) -> tuple[str, str, str, str | None, list[str]]:
            f"<footer>Written by gpufeed report at {utc_now()} from the records in {name}. Every number is "
            f"read from those records.</footer></body></html>\n")
     md = f"# {title}: {folder}\n\n" + "\n".join(head_md + page.md)
+    if len(doc) > MAX_PAGE_CHARS or len(md) > MAX_PAGE_CHARS:  # the caps above keep every section far below
+        raise DataError(f"the report of {folder} would be more than {MAX_PAGE_CHARS:,} characters; it was not written")
     return rec.kind, redact(doc), redact(md), status, sorted(set(page.missing))
 
 

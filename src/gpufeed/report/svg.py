@@ -7,6 +7,8 @@ import html
 import math
 from typing import Sequence
 
+MAX_MARKS = 400
+"""Points marked with a circle and a tooltip in one line chart at most (shared among its lines)."""
 PALETTE = ("#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#be185d", "#4b5563")
 FONT = 'font-family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif"'
 
@@ -136,13 +138,16 @@ def lines(title: str, series: Sequence[tuple[str, Sequence[tuple[float, float]]]
                f'<text x="{left + pw / 2:.0f}" y="{height - 6}" text-anchor="middle">{_e(x_label)}</text>'
                f'<text x="12" y="{top + ph / 2:.0f}" text-anchor="middle" transform="rotate(-90 12 '
                f'{top + ph / 2:.0f})">{_e(y_label)}</text>')
+    marks = MAX_MARKS  # points marked (with a tooltip) in the whole chart: the first of each line
     for j, (name, s) in enumerate(series):
         color = PALETTE[j % len(PALETTE)]
         ordered = sorted(s)
         if len(ordered) > 1:
             path = " ".join(f"{sx(a):.1f},{sy(b):.1f}" for a, b in ordered)
             out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
-        for a, b in ordered[:400]:
+        share = max(marks // max(len(series) - j, 1), 0)
+        marks -= min(share, len(ordered))
+        for a, b in ordered[:share]:
             out.append(f'<circle cx="{sx(a):.1f}" cy="{sy(b):.1f}" r="2.5" fill="{color}"><title>{_e(name)} '
                        f'{_e(fmt(a))}: {_e(fmt(b))}</title></circle>')
     out.append("</svg>")

@@ -142,23 +142,32 @@ def is_url(spec: str | Path) -> bool:
     return isinstance(spec, str) and spec[:8].lower().startswith(REMOTE_PREFIXES)
 
 
-_ANY_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_location(spec: str | Path) -> None:
-    """Refuse (DataError, exit 2) a typed location that starts like a URL gpufeed does not read (``ftp://``,
-    ``file://``, ``HTTPS+X://``: pathlib would make a path of it, turning ``//`` into ``/`` and so the URL's password
-    into text that no longer looks like one) or a URL holding a control character; the message shows the URL with
-    its password hidden."""
-    if not isinstance(spec, str):
+    """Refuse (DataError, exit 2) a typed location holding a ``scheme://`` gpufeed does not read (``ftp://``,
+    ``file://``, ``HTTPS+X://``, or any ``scheme://`` after other text: ``1https://``, ``-https://``, ``x/https://``):
+    pathlib would make a path of it, turning ``//`` into ``/`` and so the URL's password into text that no longer
+    looks like one. The scheme is found wherever it starts (:func:`gpufeed.core.redact.find_schemes`: at the first
+    letter of its run), not only at the start of the text. Also refused: a URL holding a control character. The
+    message shows the location with its password hidden. A ``pipe:`` command (which may hold URLs) is not checked."""
+    if not isinstance(spec, str) or is_pipe(spec):
         return
-    m = _ANY_SCHEME.match(spec)
+    from gpufeed.core.redact import find_schemes
+
+    scheme = next(((a, b) for a, b, slashes in find_schemes(spec) if slashes), None)
     shown = repr(spec) if _CONTROL.search(spec) else spec  # one line, its password hidden whole
-    if m and not is_url(spec):
-        raise DataError(f"{shown}: gpufeed does not read {m.group(0)} URLs (only http://, https://, s3://, gs://, "
-                        f"a pipe: command or a local path)")
-    if m and _CONTROL.search(spec):
+    if scheme is None:
+        return
+    if not is_url(spec):
+        name = spec[scheme[0]:scheme[1]]
+        if scheme[0] == 0:
+            raise DataError(f"{shown}: gpufeed does not read {name} URLs (only http://, https://, s3://, gs://, "
+                            f"a pipe: command or a local path)")
+        raise DataError(f"{shown}: holds {name} after other text, so it is neither a URL gpufeed reads (one starts "
+                        f"with http://, https://, s3:// or gs://) nor a local path")
+    if _CONTROL.search(spec):
         raise DataError(f"{shown}: a URL may not hold a control character (a line break, a tab)")
 
 

@@ -57,3 +57,122 @@ def test_redact_finds_a_scheme_wherever_it_starts() -> None:
     assert redact(long_word) == long_word
     for ok in ("https://u:pw@h/set", "/data/set", "pipe:curl -s https://u:pw@h/x-{0..1}.tar", "S3://b/k"):
         check_location(ok)
+
+
+# ---------------------------------------- F7, F8, F11: a forged validation batch of a static split is trusted
+def _batch_folder(root: Path) -> list[str]:
+    """Two JPEGs (stored as they are), a BMP (transcoded to PNG: the batch's cache) and a file that is no image."""
+    write_image(root / "a" / "0.jpg", size=(16, 12))
+    write_image(root / "a" / "1.bmp", size=(40, 40), fmt="BMP")
+    (root / "a" / "2.jpg").write_bytes(b"junk")
+    write_image(root / "a" / "3.jpg", size=(12, 16))
+    return [str(root / "a" / n) for n in ("0.jpg", "1.bmp", "2.jpg", "3.jpg")]
+
+
+def _forge(path: Path, **edits) -> None:
+    """Rewrite a saved batch file: ``column=(index, value)`` sets one value; ``reasons=`` replaces the reasons."""
+    import numpy as np
+
+    from gpufeed.shard.validate import COLUMNS
+
+    line, _, rest = path.read_bytes().partition(b"\n")
+    head = json.loads(line)
+    nf = head["n_files"]
+    parts, pos = [rest[:nf]], nf
+    for name, size in head["columns"]:
+        col = np.frombuffer(rest[pos:pos + size], dtype=COLUMNS[name][0]).copy()
+        if name in edits:
+            col[edits[name][0]] = edits[name][1]
+        parts.append(col.tobytes())
+        pos += size
+    head["reasons"] = edits.get("reasons", head["reasons"])
+    path.write_bytes(json.dumps(head).encode() + b"\n" + b"".join(parts))
+
+
+@pytest.mark.parametrize("edits", [
+    {"enc_cache": (0, 7), "enc_len": (0, 100)},  # a pass-through made to read another file's transcoded bytes
+    {"action": (0, 255)}, {"ext": (0, 255)}, {"enc_ext": (1, 9)},
+    {"width": (0, -5)}, {"height": (0, 2 ** 31 - 1)}, {"width": (2, 0)},
+    {"enc_off": (1, -100)}, {"enc_off": (1, 4)}, {"enc_len": (1, 1 << 40)}, {"enc_len": (1, 1)},
+    {"id_size": (0, 0)}, {"id_dev": (0, 7)}, {"action": (1, 0)},
+    {"reasons": {"2": "FAKE\nsecond line"}}, {"reasons": {"2": "\x1b[31mred"}}, {"reasons": {"2": "x" * 600}},
+    {"reasons": {"02": "not an image"}},
+])
+def test_every_value_of_a_batch_read_from_dest_is_checked(tmp_path: Path, edits: dict) -> None:
+    """A split node reads the batches other nodes validated from DEST's state folder, which anyone who can write
+    DEST can forge. Each forged value (a cache offset, an action or format code, a size, a reason of two lines) makes
+    the batch one that does not check out: it is validated again here, never used."""
+    from gpufeed.config import ShardConfig
+    from gpufeed.shard.split import BatchStore, NodeSplit, val_name
+    from gpufeed.shard.validate import CheckOptions, _validate_chunk, cache_name
+
+    opts = CheckOptions.of(ShardConfig())
+    state = tmp_path / "state"
+    state.mkdir()
+    batch = _validate_chunk(_batch_folder(tmp_path / "src"), opts, str(state / cache_name(0)))
+    assert list(batch["ok"]) == [1, 1, 0, 1] and (state / cache_name(0)).exists()
+    store = BatchStore(str(state), NodeSplit(2, 1), opts)
+    store.save(0, batch)
+    assert store.load(0, 4) is not None
+    _forge(state / val_name(0), **edits)
+    assert store.load(0, 4) is None
+
+
+def test_a_batch_with_an_honest_multi_line_reason_is_saved_as_one_line(tmp_path: Path) -> None:
+    from gpufeed.shard.split import BatchStore, NodeSplit
+    from gpufeed.shard.validate import _Checked, batch_columns
+
+    batch = batch_columns([_Checked(False, "decode failed (OSError: a\nb\x1b[0m)", None, 0, 0, 1)])
+    store = BatchStore(str(tmp_path), NodeSplit(2, 0))
+    assert store.save(0, batch)["reasons"] == {0: "decode failed (OSError: a b [0m)"}
+    assert store.load(0, 1)["reasons"] == {0: "decode failed (OSError: a b [0m)"}
+
+
+def test_cache_bytes_that_do_not_hash_to_the_validated_digest_never_reach_a_shard(tmp_path: Path) -> None:
+    """The writer hashes the transcoded bytes it reads back from a cache file and compares them with the sha256
+    validation recorded (which also goes into the sample's .json): another offset is a RunError, not a sample
+    silently holding another image."""
+    import hashlib
+
+    from gpufeed.core.errors import RunError
+    from gpufeed.shard.write import Item, write_range
+
+    cache = tmp_path / "enc-000000.bin"
+    cache.write_bytes(b"A" * 100 + b"B" * 100)
+    tmp = tmp_path / ".a.tar.tmp"
+    tmp.write_bytes(bytes(4096))
+    claimed = hashlib.sha256(b"A" * 100).hexdigest()
+    good = Item(0, "k", "png", 100, b"0", b"{}", "", "c/k.bmp", None, str(cache), 0, claimed)
+    write_range(str(tmp), [good])
+    with pytest.raises(RunError, match=r"does not hold the bytes validated for c/k\.bmp"):
+        write_range(str(tmp), [good._replace(coff=100)])
+
+
+def test_a_forged_batch_in_dest_makes_no_corrupt_sample(tmp_path: Path) -> None:
+    """F7's attack end to end: node 1 is given a batch in which a pass-through sample points at the transcode cache;
+    both nodes succeed and the set verifies, because the forged batch was validated again."""
+    import numpy as np
+
+    from gpufeed.shard.validate import cache_name
+    from gpufeed.shard.split import val_name
+
+    src = tmp_path / "src"
+    for c in range(2):
+        for i in range(4):
+            write_image(src / f"c{c}" / f"{i}.jpg", size=(16, 16), color=(c * 90, i * 40, 9))
+    write_image(src / "c0" / "x.bmp", size=(40, 40), fmt="BMP")
+    opts = ["--shard-samples", "4", "--num-nodes", "2", "--workers", "1"]
+    invoke(["shard", src, tmp_path / "d0", *opts, "--node-rank", "0"])
+    state0, state = tmp_path / "d0" / ".gpufeed", tmp_path / "d" / ".gpufeed"
+    state.mkdir(parents=True)
+    (state / cache_name(0)).write_bytes((state0 / cache_name(0)).read_bytes())
+    (state / val_name(0)).write_bytes((state0 / val_name(0)).read_bytes())
+    line, _, rest = (state / val_name(0)).read_bytes().partition(b"\n")
+    head = json.loads(line)
+    pos = head["n_files"] + sum(s for name, s in head["columns"][:head["columns"].index(
+        next(c for c in head["columns"] if c[0] == "enc_cache"))])
+    copy = int(np.argmax(np.frombuffer(rest[pos:pos + 8 * head["n"]], "<i8") < 0))
+    _forge(state / val_name(0), enc_cache=(copy, 0), enc_len=(copy, (state / cache_name(0)).stat().st_size))
+    invoke(["shard", src, tmp_path / "d", *opts, "--node-rank", "1"])
+    invoke(["shard", src, tmp_path / "d", *opts, "--node-rank", "0"])
+    invoke(["verify", tmp_path / "d"])

@@ -176,3 +176,74 @@ def test_a_forged_batch_in_dest_makes_no_corrupt_sample(tmp_path: Path) -> None:
     invoke(["shard", src, tmp_path / "d", *opts, "--node-rank", "1"])
     invoke(["shard", src, tmp_path / "d", *opts, "--node-rank", "0"])
     invoke(["verify", tmp_path / "d"])
+
+
+# -------------------------------------------- F12: no job-level bound on a stalled server; a trickle said "byte 0"
+from tests.test_bounds_round2 import raw_server  # noqa: E402,F401 - fixture
+
+
+def _range_reply(size: int, start: int = 0) -> bytes:
+    return (f"HTTP/1.1 206 Partial Content\r\nContent-Length: {size - start}\r\nContent-Range: bytes "
+            f"{start}-{size - 1}/{size}\r\n\r\n").encode()
+
+
+@pytest.mark.timeout(60)
+def test_a_trickled_range_keeps_its_bytes_and_says_where_it_ended(raw_server, monkeypatch) -> None:
+    """A server sending a few bytes now and then: each try times out, and the bytes that came count (the next try
+    asks from there), so the error says the byte the stream really ended at, not "byte 0"."""
+    from gpufeed.shardset import source
+
+    size = 1 << 20
+    monkeypatch.setattr(source, "READ_TIMEOUT_S", 0.4)
+    monkeypatch.setattr(source, "MIN_BYTES_PER_S", 1 << 40)  # the time bound: READ_TIMEOUT_S alone
+    monkeypatch.setattr(source, "RETRY", source.Retry(attempts=10, first_wait_s=0.01, max_wait_s=1.0))
+
+    def trickle(req: bytes):
+        return [(_range_reply(size), 0)] + [(b"x" * 10, 0.05)] * 40  # 200 B/s
+
+    server = raw_server(trickle)
+    with pytest.raises(source.ReadTimedOut, match=r"stream ended at byte [1-9]\d* of 1048576: 2 tries in a row "
+                                                   r"timed out"):
+        with source.open_shard(server.url + "/a.tar", size=size) as f:
+            f.read(size)
+    gets = [r for r in server.requests if r.startswith(b"GET")]
+    assert len(gets) == 2
+
+
+@pytest.mark.timeout(120)
+def test_verify_stops_after_shards_in_a_row_time_out(tmp_path: Path, raw_server, monkeypatch) -> None:
+    """A stalled server: each shard's read ends after two timed-out tries, and after
+    ``MAX_TIMED_OUT_READS_IN_A_ROW`` such shards the job stops (exit 1) naming the bound, instead of waiting the
+    same on every other shard of the set."""
+    from gpufeed.core.errors import RunError
+    from gpufeed.shardset import source
+    from gpufeed.verify import verify_shards
+    from tests.conftest import write_tar
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    jpeg = write_image(tmp_path / "x.jpg").read_bytes()
+    for k in range(8):
+        write_tar(folder / f"s-{k:06d}.tar", [(f"k{k}.cls", b"0"), (f"k{k}.jpg", jpeg)])
+    (folder / "classes.txt").write_text("a\n")
+    invoke(["index", folder])
+    manifest = (folder / "manifest.json").read_bytes()
+    size = (folder / "s-000000.tar").stat().st_size
+    monkeypatch.setattr(source, "READ_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(source, "MIN_BYTES_PER_S", 1 << 40)
+    monkeypatch.setattr(source, "RETRY", source.Retry(attempts=10, first_wait_s=0.01, max_wait_s=1.0))
+
+    def stall(req: bytes):
+        line = req.split(b"\r\n", 1)[0]
+        if b"manifest.json" in line:
+            head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(manifest)}\r\n\r\n".encode()
+            return [(head if line.startswith(b"HEAD") else head + manifest, 0)]
+        if line.startswith(b"HEAD"):
+            return [(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nAccept-Ranges: bytes\r\n\r\n".encode(), 0)]
+        return [(_range_reply(size), 0)] + [(b"", 0.1)] * 20  # headers, then silence
+
+    server = raw_server(stall)
+    with pytest.raises(RunError, match=r"verify stopped after 3 shards in a row whose reads timed out \(the job's "
+                                       r"bound, MAX_TIMED_OUT_READS_IN_A_ROW; the last: s-000002.tar\); 5 of 8 shards"):
+        verify_shards(server.url + "/", workers=1)
+    assert sum(r.startswith(b"GET") and b".tar" in r for r in server.requests) == 6

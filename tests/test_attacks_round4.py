@@ -247,3 +247,47 @@ def test_verify_stops_after_shards_in_a_row_time_out(tmp_path: Path, raw_server,
                                        r"bound, MAX_TIMED_OUT_READS_IN_A_ROW; the last: s-000002.tar\); 5 of 8 shards"):
         verify_shards(server.url + "/", workers=1)
     assert sum(r.startswith(b"GET") and b".tar" in r for r in server.requests) == 6
+
+
+# ------------------------------------------------ F9: --engine ray: Ray's signal handlers, a stack dump, exit 134
+def test_a_ray_job_stops_on_sigterm_in_one_sentence_and_puts_the_handlers_back(monkeypatch) -> None:
+    """ray.init replaces the driver's SIGTERM handler (``sys.exit(15)`` while it starts) and its core worker adds a
+    C++ one that dumps a stack and aborts (exit 134). The driver disables the C++ one, turns Ray's start-up exit into
+    Interrupted, and once Ray runs handles SIGTERM/SIGHUP itself: Interrupted (exit 143, one sentence), Ray shut down
+    by the pool, the previous handlers put back. Ray itself is not started here (its calls are stubbed)."""
+    import os
+    import signal
+
+    ray = pytest.importorskip("ray")
+    from gpufeed.config import ShardConfig
+    from gpufeed.core.errors import Interrupted
+    from gpufeed.shard import engine_ray
+
+    calls: list[str] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2})
+    monkeypatch.delenv("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", raising=False)
+
+    def init_killed(**kw):  # a SIGTERM while Ray starts: its own handler's sys.exit(15)
+        calls.append("init")
+        raise SystemExit(signal.SIGTERM)
+
+    monkeypatch.setattr(ray, "init", init_killed)
+    with pytest.raises(Interrupted, match=r"^shard stopped by SIGTERM; Ray was shut down") as info:
+        engine_ray.ray_pool(ShardConfig(workers=2))
+    assert info.value.exit_code == 143 and calls == ["init", "shutdown"]
+    assert os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] == "1"
+
+    monkeypatch.setattr(ray, "init", lambda **kw: signal.signal(signal.SIGTERM, lambda *a: os._exit(99)))
+    before = signal.getsignal(signal.SIGTERM)
+    workers, pool = engine_ray.ray_pool(ShardConfig(workers=2))
+    try:
+        with pytest.raises(Interrupted, match=r"^shard stopped by SIGTERM") as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs at the next bytecode
+                pass
+        assert info.value.exit_code == 143
+    finally:
+        pool.shutdown(cancel_futures=True)
+    assert signal.getsignal(signal.SIGTERM) is before and calls[-1] == "shutdown"

@@ -38,13 +38,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from gpufeed.config import LoaderConfig
-from gpufeed.core.errors import one_line
+from gpufeed.core.errors import RunError, one_line
 from gpufeed.shardset.manifest import (DEFAULT_LABEL_SOURCE, INDEX_NAME, SHARD_SUFFIXES, LabelError, MissingLabel, label_member,
                               manifest_path, read_label, shard_root)
 from gpufeed.shardset.keys import (LABEL_EXTENSION, META_EXTENSION, READ_IMAGE_EXTENSIONS, SampleGrouper, dotted_image,
                                    split_member)
 from gpufeed.core.redact import redact
-from gpufeed.shardset.source import SourceError, is_pipe, is_remote, open_set, open_shard, remote_size
+from gpufeed.shardset.source import (MAX_TIMED_OUT_READS_IN_A_ROW, ReadTimedOut, SourceError, is_pipe, is_remote,
+                                     open_set, open_shard, remote_size)
 from gpufeed.shardset.images import open_image
 from gpufeed.shardset.tar import MAX_MEMBER_BYTES, TarFormatError, TarPass, TruncatedMember, file_problem
 from gpufeed.shardset.manifest import staged_node
@@ -156,7 +157,7 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
             size = os.path.getsize(path)
     except SourceError as exc:
         return {"name": name, "problems": [(None, redact(one_line(exc)))], "num_problems": 1, "keys": [], "found": 0,
-                "decoded": 0}
+                "decoded": 0, "timed_out": isinstance(exc, ReadTimedOut)}
     if expected.get("bytes") and size is not None and size != expected["bytes"]:
         bad(None, f"size is {size} bytes, manifest says {expected['bytes']}")
     listed: set[str] = set()
@@ -225,6 +226,7 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
 
     tar = None
     grouper = SampleGrouper(bad)
+    timed_out = False
     try:
         with (open_shard(path, size=size) if remote else open(path, "rb")) as f:
             tar = TarPass(f, gzip, hash=bool(expected.get("sha256")))
@@ -235,6 +237,7 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
                 bad(tar.last, end)
     except SourceError as exc:  # a remote shard that stopped answering (after the retries)
         bad(tar.last if tar else None, redact(one_line(exc)))
+        timed_out = isinstance(exc, ReadTimedOut)
     except TruncatedMember as exc:
         bad(tar.last if tar else None, f"{exc}; the tar does not read to the end")
     except TarFormatError as exc:
@@ -252,7 +255,23 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
     if expected.get("num_samples") is not None and found != expected["num_samples"]:
         bad(None, f"holds {found} samples, manifest says {expected['num_samples']}")
     return {"name": name, "problems": problems, "num_problems": count[0], "keys": keys, "found": found,
-            "decoded": decoded}
+            "decoded": decoded, "timed_out": timed_out}
+
+
+def _within_timeout_bound(results: Iterator[dict[str, Any]], total: int, location: str) -> list[dict[str, Any]]:
+    """The shards' results in the set's order, stopping the job (RunError, exit 1) once
+    ``source.MAX_TIMED_OUT_READS_IN_A_ROW`` shards in a row failed because their reads timed out: a stalled or
+    trickling server would otherwise hold verify a read's whole bound per shard."""
+    out: list[dict[str, Any]] = []
+    in_a_row = 0
+    for r in results:
+        out.append(r)
+        in_a_row = in_a_row + 1 if r.get("timed_out") else 0
+        if in_a_row >= MAX_TIMED_OUT_READS_IN_A_ROW:
+            raise RunError(f"{redact(location)}: verify stopped after {in_a_row} shards in a row whose reads timed out "
+                           f"(the job's bound, MAX_TIMED_OUT_READS_IN_A_ROW; the last: {r['name']}); "
+                           f"{total - len(out)} of {total} shards were not verified")
+    return out
 
 
 def verify_shards(path: str | Path, decode: bool = True, workers: int | None = None,
@@ -288,9 +307,14 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
         from gpufeed.core.system import process_pool
 
         with process_pool(workers) as ex:
-            results = list(ex.map(_verify_shard, *zip(*jobs)))
+            futures = [ex.submit(_verify_shard, *j) for j in jobs]
+            try:
+                results = _within_timeout_bound((f.result() for f in futures), len(jobs), shard_set.location)
+            except BaseException:
+                ex.shutdown(wait=False, cancel_futures=True)  # only the shards being read are waited for
+                raise
     else:
-        results = [_verify_shard(*j) for j in jobs]
+        results = _within_timeout_bound((_verify_shard(*j) for j in jobs), len(jobs), shard_set.location)
 
     problems: list[VerifyProblem] = []
     num_problems = 0

@@ -15,17 +15,19 @@ holding ``/`` (``http://tok/en@host``) or a password of digits before a ``/`` (`
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterator
 
 HIDDEN = "***"
 """What a password (or a lone token) becomes."""
 
-_SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
-"""A URL's start: ``scheme://`` not inside a longer word."""
-_REDACT_START = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*:/(/)?")
-"""What :func:`redact` looks for: :data:`_SCHEME`, or ``scheme:/``, the form pathlib leaves of a URL made
-into a path (``ftp://u:pw@host/x`` -> ``ftp:/u:pw@host/x``), whose first path segment is taken as an authority
-only when it holds an ``@``."""
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+"""A URL's start: ``scheme://`` (used by :func:`split_url` at the start of a URL)."""
+_SCHEME_RUN = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z0-9+.\-]*:/(/)?")
+"""A whole run of scheme characters followed by ``:/`` or ``://``, matched once per run (the lookbehind keeps the
+scan linear). A scheme starts with a letter (RFC 3986 §3.1), so the scheme is the run from its first letter:
+``1https://``, ``.https://``, ``-https://`` and ``3s3://`` hold the schemes ``https`` and ``s3``. Found by
+:func:`find_schemes`."""
+_LETTER = re.compile(r"[A-Za-z]")
 _AUTHORITY_END = re.compile(r"[/?#\r\n]")
 _PORT = re.compile(r"[0-9]*")
 _PATH_START = re.compile(r"[/?#]")
@@ -76,17 +78,28 @@ def _hide(userinfo: str) -> str:
     return f"{user}:{HIDDEN}" if colon else HIDDEN
 
 
+def find_schemes(text: str) -> Iterator[tuple[int, int, bool]]:
+    """``(start, end, slashes)`` of every ``scheme:/`` in ``text``, wherever the scheme starts (at the first letter of
+    its run of scheme characters, whatever precedes it): ``text[start:end]`` is ``scheme://`` when ``slashes``,
+    else ``scheme:/`` (the form pathlib leaves of a URL made into a path: ``ftp://u:pw@host/x`` ->
+    ``ftp:/u:pw@host/x``)."""
+    for m in _SCHEME_RUN.finditer(text):
+        letter = _LETTER.search(text, m.start(), m.end())
+        if letter is not None:
+            yield letter.start(), m.end(), m.group(1) is not None
+
+
 def redact(text: str) -> str:
     """``text`` with the password (or lone token) of every ``scheme://user:password@`` in it replaced by
-    ``***``; the user name stays. Idempotent."""
+    ``***``; the user name stays. Idempotent. ``scheme:/user:pw@host/``, the collapsed form, has its first path
+    segment taken as an authority only when that segment holds an ``@``."""
     if ":/" not in text:
         return text
     out, pos = [], 0
-    for m in _REDACT_START.finditer(text):
-        if m.start() < pos:  # inside a userinfo already hidden
+    for _, start, slashes in find_schemes(text):
+        if start < pos:  # inside a userinfo already hidden
             continue
-        start = m.end()
-        at = _userinfo_end(text, start) if m.group(1) else _collapsed_userinfo_end(text, start)
+        at = _userinfo_end(text, start) if slashes else _collapsed_userinfo_end(text, start)
         if at < 0:
             continue
         hidden = _hide(text[start:at])

@@ -19,15 +19,49 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import signal
+import threading
 from typing import Any, Callable
 
 from gpufeed.config import ShardConfig
-from gpufeed.core.errors import ConfigError, GpufeedError, RunError
+from gpufeed.core.errors import ConfigError, GpufeedError, Interrupted, RunError, signal_name
 
 MAX_RETRIES = 3
 """Tries Ray makes again of a task whose worker died or that raised an OSError."""
 
 _remote: Any = None
+
+LOCAL_GCS_RECONNECT_S = 10
+"""``RAY_gcs_rpc_server_reconnect_timeout_s`` for a local instance started by ``shard --engine ray`` (Ray's default:
+60): once the job's Ray is gone (shut down, or the driver killed with SIGKILL), its ``ray::DashboardAgent`` and
+``ray::RuntimeEnvAgent`` wait this long for the dead GCS before they exit, instead of a minute or two."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a Ray job in one sentence, exit 128 + N (SIGINT stays Python's KeyboardInterrupt: "interrupted",
+exit 130). ``ray.init`` replaces the driver's SIGTERM handler with its own (``sys.exit(15)``) and, unless
+``RAY_DISABLE_FAILURE_SIGNAL_HANDLER`` is set, its core worker installs a C++ one that prints a stack dump and aborts
+(exit 134): gpufeed sets that variable for its driver and puts its own handlers back once Ray has started."""
+
+
+def stop_message(signum: int) -> str:
+    return (f"shard stopped by {signal_name(signum)}; Ray was shut down and the shards completed so far are kept (run "
+            f"the same command again to resume)")
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    """The driver's handler of :data:`STOP_SIGNALS` while a Ray job runs: the job unwinds (its pool's shutdown stops
+    Ray) and the CLI exits 128 + ``signum`` with :func:`stop_message`."""
+    raise Interrupted(stop_message(signum), signum)
+
+
+def _handlers(handler: Any) -> None:
+    """Set ``handler`` for :data:`STOP_SIGNALS` (or each signal's own, given a dict); nothing outside the main thread
+    (where Python cannot set them)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        previous = handler.get(sig) if isinstance(handler, dict) else handler
+        signal.signal(sig, signal.SIG_DFL if previous is None else previous)
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -43,6 +77,8 @@ def ray_pool(cfg: ShardConfig) -> tuple[int, RayPool]:
     except ImportError:
         raise ConfigError("--engine ray needs Ray: pip install 'gpufeed[ray]'") from None
     started = False
+    before = ({sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+              if threading.current_thread() is threading.main_thread() else {})  # the driver's, before Ray's
     if not ray.is_initialized():
         import logging
 
@@ -51,28 +87,44 @@ def ray_pool(cfg: ShardConfig) -> tuple[int, RayPool]:
                                   "include_dashboard": False}
         if address is None and cfg.workers:
             kwargs["num_cpus"] = cfg.workers
+        if address is None:  # the instance is this job's: its agents give up on its GCS in seconds, not a minute
+            os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(LOCAL_GCS_RECONNECT_S))
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")  # no stack dump and abort on SIGTERM
         try:
             ray.init(**kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
+            _handlers(before)
             where = address or "a local Ray instance"
             raise ConfigError(f"Ray at {where} cannot be joined ({str(exc).splitlines()[0] if str(exc) else exc}); "
                               f"check --ray-address / RAY_ADDRESS and that `ray start` runs there") from None
+        except SystemExit as exc:  # ray.init's own SIGTERM handler, during start-up: sys.exit(signum)
+            ray.shutdown()
+            _handlers(before)
+            signum = exc.code if isinstance(exc.code, int) and 0 < exc.code < 65 else signal.SIGTERM
+            raise Interrupted(stop_message(signum), signum) from None
         started = True
-    cpus = int(ray.cluster_resources().get("CPU", 1)) or 1
-    return cfg.workers or cpus, RayPool(started)
+    _handlers(_stop)
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 1)) or 1
+    except BaseException:
+        RayPool(started, before).shutdown()
+        raise
+    return cfg.workers or cpus, RayPool(started, before)
 
 
 class RayPool(cf.Executor):
     """``submit`` runs the function as a Ray task and returns a ``concurrent.futures.Future`` holding its result,
     or the job's own exception (Ray's wrapper removed), or a ``RunError`` once Ray gave up."""
 
-    def __init__(self, started: bool) -> None:
+    def __init__(self, started: bool, handlers: dict[int, Any] | None = None) -> None:
         import ray
 
         global _remote
         if _remote is None:
             _remote = ray.remote(_call)
         self._started = started
+        self._handlers = handlers or {}
+        """The driver's signal handlers before Ray's and the job's, put back by ``shutdown``."""
         self._refs: dict[Any, cf.Future] = {}
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future:  # type: ignore[override]
@@ -102,8 +154,13 @@ class RayPool(cf.Executor):
                     ray.cancel(ref, force=True)
                 except Exception:  # noqa: BLE001 - already finished or gone
                     pass
+        if self._handlers:
+            _handlers(signal.SIG_IGN)  # a second SIGTERM does not cut Ray's shutdown short
         if self._started:
             ray.shutdown()
+        if self._handlers:
+            _handlers(self._handlers)
+            self._handlers = {}
 
 
 def task_error(exc: BaseException, name: str) -> BaseException:

@@ -274,7 +274,7 @@ def _validate_and_plan(job: JobContext, scan: Scan, fingerprint: str, order: Any
     save the plan. ``est``: the bytes the job expects to write (for a DEST-full message)."""
     preload(finish_imports)
     try:
-        shared = {} if job.split is None else {"store": BatchStore(job.state, job.split)}  # a split's batches
+        shared = {} if job.split is None else {"store": BatchStore(job.state, job.split, job.opts)}  # a split's batches
         results = validate_candidates(scan, job.src, job.state, job.opts, job.pool, job.bar, order, job.workers,
                                       partial, **shared)
     except OSError as exc:

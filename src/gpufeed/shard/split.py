@@ -40,6 +40,8 @@ VAL_RE = re.compile(r"^val-\d{6,}\.bin$")
 _MAX_SPLIT_JSON_BYTES = 1 << 20
 _MAX_BATCH_FILE_BYTES = 64 << 20
 """A batch's results (at most 512 files, ~150 bytes each) are far below this."""
+_MAX_BATCH_HEAD_BYTES = 4 << 20
+"""A batch's JSON line: 512 reasons of at most ``MAX_REASON_CHARS`` characters (each up to 6 bytes escaped)."""
 
 RANK_ENV = ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX", "GROUP_RANK", "SLURM_NODEID")
 """Where a node's rank comes from without ``--node-rank``, in this order: a SLURM job array's task (less
@@ -194,16 +196,31 @@ def val_name(j: int) -> str:
     return f"val-{j:06d}.bin"
 
 
+MAX_REASON_CHARS = 500
+"""A rejected file's reason as a batch records it: one printable line of at most this many characters (saved so by
+:meth:`BatchStore.save`, required so by :meth:`BatchStore.load`)."""
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def reason_line(reason: str) -> str:
+    """``reason`` as a batch records it: control characters (a line break, ESC) as spaces, cut to
+    :data:`MAX_REASON_CHARS`."""
+    text = _UNPRINTABLE.sub(" ", reason)
+    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 1] + "\u2026"
+
+
 class BatchStore:
     """The validation batches of a split, shared through DEST's state folder: this node's first (``order``), each
     saved once validated (``save``) and read back when another node saved it (``load``). The file: one JSON line
     (counts, reasons, column sizes), then ``ok`` (a byte a file), the columns in ``validate.COLUMNS`` order and
-    the digests; every size is checked before use (the state folder is data too), and a file that does not check
-    out is validated again."""
+    the digests; every size and every value is checked before use (the state folder is data too:
+    :func:`batch_problem`), and a file that does not check out is validated again."""
 
-    def __init__(self, state: str, split: NodeSplit) -> None:
+    def __init__(self, state: str, split: NodeSplit, opts: Any = None) -> None:
         self.state = state
         self.split = split
+        self.opts = opts
+        """The job's ``validate.CheckOptions`` (the same on every node: ``split.json`` compares the options)."""
 
     def order(self, batches: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """This node's batches (``j % N == rank``), then the others (validated here unless another node has)."""
@@ -213,13 +230,14 @@ class BatchStore:
     def save(self, j: int, batch: dict[str, Any]) -> dict[str, Any]:
         """Save batch ``j``'s results (``validate.batch_columns``) -> the batch as every node uses it: each
         source's device number is 0 (each node's mount of a shared file system has its own; the writer then
-        checks size, mtime and inode)."""
+        checks size, mtime and inode), each reason one bounded line (:func:`reason_line`)."""
         from array import array
 
         from gpufeed.core.records import atomic_write_bytes
         from gpufeed.shard.validate import COLUMNS
 
-        batch = {**batch, "id_dev": array("Q", bytes(8 * batch["n"]))}
+        batch = {**batch, "id_dev": array("Q", bytes(8 * batch["n"])),
+                 "reasons": {i: reason_line(r) for i, r in batch["reasons"].items()}}
         cols = [bytes(batch[name]) if name == "sha256" else batch[name].tobytes() for name in COLUMNS]
         head = {"n_files": len(batch["ok"]), "n": batch["n"], "reasons": {str(i): r for i, r in
                                                                           batch["reasons"].items()},
@@ -229,44 +247,125 @@ class BatchStore:
         return batch
 
     def load(self, j: int, n_files: int) -> dict[str, Any] | None:
-        """Batch ``j``'s results when another node saved them and they check out, else None."""
-        import numpy as np
-
+        """Batch ``j``'s results when another node saved them and they check out (:func:`batch_problem`), else
+        None (the batch is then validated here)."""
         from gpufeed.core.safefs import read_set_file
-        from gpufeed.shard.validate import COLUMNS
 
         try:
             data = read_set_file(os.path.join(self.state, val_name(j)), self.state, _MAX_BATCH_FILE_BYTES,
                                  what="validation batch", where="state folder")
-        except FileNotFoundError:
+        except (OSError, DataError):
             return None
+        batch = parse_batch(data, n_files)
+        if batch is None or batch_problem(batch, self.opts, lambda: self._cache_size(j)):
+            return None
+        return batch
+
+    def _cache_size(self, j: int) -> int | None:
+        """The size of batch ``j``'s transcode cache file (None: missing, a link out, not a regular file)."""
+        from gpufeed.core.safefs import open_set_file
+        from gpufeed.shard.validate import cache_name
+
+        try:
+            fd = open_set_file(os.path.join(self.state, cache_name(j)), self.state, what="transcode cache",
+                               where="state folder")
         except (OSError, DataError):
             return None
         try:
-            line, _, rest = data.partition(b"\n")
-            head = json.loads(line)
-            n, reasons, spec = head["n"], head["reasons"], head["columns"]
-            if (head["n_files"] != n_files or type(n) is not int or not isinstance(reasons, dict)
-                    or [c[0] for c in spec] != list(COLUMNS)):
-                return None
-            ok = rest[:n_files]
-            pos = n_files
-            out: dict[str, Any] = {"n": n, "ok": ok}
-            for name, size in spec:
-                dt, shape = COLUMNS[name]
-                if type(size) is not int or size != n * np.dtype(dt).itemsize * int(np.prod(shape or (1,))):
-                    return None
-                out[name] = rest[pos:pos + size]
-                pos += size
-            rejected = {int(i): r for i, r in reasons.items()}
-            if (pos != len(rest) or len(ok) != n_files or set(ok) - {0, 1} or sum(ok) != n
-                    or set(rejected) != {i for i, b in enumerate(ok) if not b}
-                    or not all(type(r) is str for r in rejected.values())):
-                return None
-            out["reasons"] = rejected
-            return out
-        except (ValueError, KeyError, TypeError, IndexError):
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+
+def parse_batch(data: bytes, n_files: int) -> dict[str, Any] | None:
+    """A saved batch's fields (``ok``, ``n``, ``reasons`` by position, one buffer per column), every size checked,
+    or None."""
+    import numpy as np
+
+    from gpufeed.shard.validate import COLUMNS
+
+    line, _, rest = data.partition(b"\n")
+    if len(line) > _MAX_BATCH_HEAD_BYTES:
+        return None
+    try:
+        head = json.loads(line)
+        n, reasons, spec = head["n"], head["reasons"], head["columns"]
+        if (head["n_files"] != n_files or type(n) is not int or not isinstance(reasons, dict)
+                or not isinstance(spec, list) or [c[0] for c in spec] != list(COLUMNS)):
             return None
+        ok = rest[:n_files]
+        pos = n_files
+        out: dict[str, Any] = {"n": n, "ok": ok}
+        for name, size in spec:
+            dt, shape = COLUMNS[name]
+            if type(size) is not int or size != n * np.dtype(dt).itemsize * int(np.prod(shape or (1,))):
+                return None
+            out[name] = rest[pos:pos + size]
+            pos += size
+        if not all(type(i) is str and i.isascii() and i.isdigit() and str(int(i)) == i for i in reasons):
+            return None
+        rejected = {int(i): r for i, r in reasons.items()}
+        if (pos != len(rest) or len(ok) != n_files or set(ok) - {0, 1} or sum(ok) != n
+                or set(rejected) != {i for i, b in enumerate(ok) if not b}):
+            return None
+        out["reasons"] = rejected
+        return out
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+        return None
+
+
+def batch_problem(batch: dict[str, Any], opts: Any, cache_size: Any) -> str:
+    """Why the values of a parsed batch (:func:`parse_batch`) cannot be results ``validate`` gave ("" when they
+    can): each code in range; a pass-through (``copy``) with no cache fields and a non-empty source; a transcoded
+    file with its bytes in the batch's cache file, one after the other from offset 0 and filling it exactly
+    (``cache_size()``: its size, None when it is missing), the stored size within the original; sizes positive,
+    within ``opts.max_pixels`` (and ``max_size``); ``quality`` set: every file re-encoded; each reason one printable
+    line of at most :data:`MAX_REASON_CHARS` characters. The checks are numpy's over whole columns."""
+    import numpy as np
+
+    from gpufeed.shard.validate import ACTIONS, COLUMNS, EXTS
+    from gpufeed.shardset.tar import MAX_MEMBER_BYTES
+
+    for reason in batch["reasons"].values():
+        if type(reason) is not str or not reason or reason_line(reason) != reason:
+            return "a reason that is not one printable line"
+    n = batch["n"]
+    col = {name: np.frombuffer(batch[name], dtype=dt).reshape(n, *shape) for name, (dt, shape) in COLUMNS.items()}
+    if not n:
+        return ""
+    action, ext = col["action"].astype(np.int64), col["ext"].astype(np.int64)
+    w, h = col["width"].astype(np.int64), col["height"].astype(np.int64)
+    copy = action == ACTIONS.index("copy")
+    enc = ~copy
+    if (action >= len(ACTIONS)).any() or (ext >= len(EXTS)).any() or (copy & (ext == 0)).any():
+        return "an action or format code out of range"
+    max_pixels = getattr(opts, "max_pixels", None) or (1 << 31)
+    if (w <= 0).any() or (h <= 0).any() or (w * h > max_pixels).any():
+        return "an image size out of range"
+    if (col["id_dev"] != 0).any():
+        return "a device number (a batch records none)"
+    e_cache, e_off, e_len = col["enc_cache"], col["enc_off"], col["enc_len"]
+    e_ext, e_w, e_h = col["enc_ext"].astype(np.int64), col["enc_w"].astype(np.int64), col["enc_h"].astype(np.int64)
+    if ((copy & ((e_cache != -1) | (e_off != 0) | (e_len != 0) | (e_ext != 0) | (e_w != 0) | (e_h != 0)
+                 | (col["id_size"] <= 0))).any()):
+        return "a pass-through file with transcode fields"
+    jpg, png = EXTS.index("jpg"), EXTS.index("png")
+    to_jpg = (action == ACTIONS.index("reencode")) | (action == ACTIONS.index("cmyk_to_rgb_jpeg"))
+    if ((enc & ((e_cache != 0) | (e_len <= 0) | (e_len > MAX_MEMBER_BYTES) | (col["id_size"] != 0) | (e_w <= 0) | (e_h <= 0) | (e_w > w)
+                | (e_h > h))).any() or (to_jpg & (e_ext != jpg)).any() or ((enc & ~to_jpg) & (e_ext != png)).any()):
+        return "a transcoded file's fields out of range"
+    max_size = getattr(opts, "max_size", None)
+    if max_size and ((copy & (np.maximum(w, h) > max_size)).any() or (enc & (np.maximum(e_w, e_h) > max_size)).any()):
+        return "an image larger than max_size"
+    if getattr(opts, "quality", None) is not None and (action != ACTIONS.index("reencode")).any():
+        return "a file not re-encoded although quality is set"
+    if enc.any():
+        lengths = e_len[enc]
+        if (e_off[enc] != np.concatenate(([0], np.cumsum(lengths)[:-1]))).any():
+            return "transcoded bytes not one after the other in the cache"
+        if cache_size() != int(lengths.sum()):
+            return "a transcode cache that does not hold the batch's bytes"
+    return ""
 
 
 def clear_split_state(state: str) -> None:

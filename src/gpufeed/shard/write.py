@@ -184,7 +184,8 @@ def _copy_source(fd: int, pos: int, path: str, rel: str, nbytes: int, ident: tup
 
 class Item(NamedTuple):
     """One sample of a write task: its offset in the shard, member names and small members, and where its image
-    bytes come from (``cache`` None: the source file ``path``, else ``cache`` at ``coff``)."""
+    bytes come from (``cache`` None: the source file ``path``, else ``cache`` at ``coff``, whose bytes must hash to
+    ``sha256``, the digest validation recorded: a cache offset or length forged in DEST never goes into a shard)."""
 
     offset: int
     key: str
@@ -197,6 +198,7 @@ class Item(NamedTuple):
     ident: tuple[int, int, int, int] | None
     cache: str | None
     coff: int
+    sha256: str = ""
 
 
 _INLINE_BYTES = 1 << 20
@@ -283,6 +285,9 @@ def write_range(tmp: str, items: list[Item]) -> None:
                         data = f.read(it.img_len)
                     if len(data) != it.img_len:
                         raise RunError(f"the transcode cache {it.cache} is incomplete; re-run with --overwrite")
+                    if hashlib.sha256(data).hexdigest() != it.sha256:
+                        raise RunError(f"the transcode cache {it.cache} does not hold the bytes validated for "
+                                       f"{it.rel} (their sha256 differs); re-run with --overwrite")
                 buf.append(data)
                 buf.append(_ZEROS[:-len(data) % 512])
             pos += _padded(it.img_len)
@@ -440,7 +445,7 @@ class _ShardJob:
             json_b = sample_json(s)
             cls_b = str(s.label).encode("ascii")
             items.append(Item(pos, s.key, s.ext, s.img_len, cls_b, json_b, s.path, s.source, s.ident, s.cache,
-                               s.coff))
+                               s.coff, s.sha256))
             members.append(_idx_line(s.key, s.ext, pos, s.img_len, len(cls_b), len(json_b)))
             pos += 3 * 512 + _padded(s.img_len) + _padded(len(cls_b)) + _padded(len(json_b))
         self.idx = _dali_index(members)

@@ -65,6 +65,10 @@ MAX_TIMEOUTS_IN_A_ROW = 2
 """Tries of one range that may time out in a row (each waited its whole time bound and brought no progress)
 before a read with no deadline (a shard read by verify or stage) fails, whatever ``Retry.attempts`` allows: a stalled
 or trickling server is not waited on 5 times. A read with a deadline (a manifest, a job's budget) ends by it."""
+MAX_TIMED_OUT_READS_IN_A_ROW = 3
+"""The job-level bound over a job's reads (``verify``): once this many shards in a row (in the set's order) failed
+because their reads timed out (:class:`ReadTimedOut`), the job stops, saying so, instead of waiting a read's whole
+bound on every later shard of a stalled or trickling server. ``stage`` already stops at its first failed shard."""
 MIN_PROGRESS_BYTES = 1 << 20
 """Bytes a cut-short try must bring for the retry bound to count from zero again (a try bringing fewer, or a
 range's last bytes, is a failure): a server sending one byte per request ends within the bound."""
@@ -136,29 +140,43 @@ class SourceError(DataError):
     """A shard or manifest that cannot be read from where it lives (one sentence naming the location)."""
 
 
+class ReadTimedOut(SourceError):
+    """A remote read that failed because its tries timed out (:data:`MAX_TIMEOUTS_IN_A_ROW`, or a size query whose
+    every try did): what :data:`MAX_TIMED_OUT_READS_IN_A_ROW` counts."""
+
+
 def is_url(spec: str | Path) -> bool:
     """Whether ``spec`` is a URL read through fsspec (``http``, ``https``, ``s3``, ``gs``; the scheme in any case:
     ``HTTP://`` is a URL, not a local path)."""
     return isinstance(spec, str) and spec[:8].lower().startswith(REMOTE_PREFIXES)
 
 
-_ANY_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_location(spec: str | Path) -> None:
-    """Refuse (DataError, exit 2) a typed location that starts like a URL gpufeed does not read (``ftp://``,
-    ``file://``, ``HTTPS+X://``: pathlib would make a path of it, turning ``//`` into ``/`` and so the URL's password
-    into text that no longer looks like one) or a URL holding a control character; the message shows the URL with
-    its password hidden."""
-    if not isinstance(spec, str):
+    """Refuse (DataError, exit 2) a typed location holding a ``scheme://`` gpufeed does not read (``ftp://``,
+    ``file://``, ``HTTPS+X://``, or any ``scheme://`` after other text: ``1https://``, ``-https://``, ``x/https://``):
+    pathlib would make a path of it, turning ``//`` into ``/`` and so the URL's password into text that no longer
+    looks like one. The scheme is found wherever it starts (:func:`gpufeed.core.redact.find_schemes`: at the first
+    letter of its run), not only at the start of the text. Also refused: a URL holding a control character. The
+    message shows the location with its password hidden. A ``pipe:`` command (which may hold URLs) is not checked."""
+    if not isinstance(spec, str) or is_pipe(spec):
         return
-    m = _ANY_SCHEME.match(spec)
+    from gpufeed.core.redact import find_schemes
+
+    scheme = next(((a, b) for a, b, slashes in find_schemes(spec) if slashes), None)
     shown = repr(spec) if _CONTROL.search(spec) else spec  # one line, its password hidden whole
-    if m and not is_url(spec):
-        raise DataError(f"{shown}: gpufeed does not read {m.group(0)} URLs (only http://, https://, s3://, gs://, "
-                        f"a pipe: command or a local path)")
-    if m and _CONTROL.search(spec):
+    if scheme is None:
+        return
+    if not is_url(spec):
+        name = spec[scheme[0]:scheme[1]]
+        if scheme[0] == 0:
+            raise DataError(f"{shown}: gpufeed does not read {name} URLs (only http://, https://, s3://, gs://, "
+                            f"a pipe: command or a local path)")
+        raise DataError(f"{shown}: holds {name} after other text, so it is neither a URL gpufeed reads (one starts "
+                        f"with http://, https://, s3:// or gs://) nor a local path")
+    if _CONTROL.search(spec):
         raise DataError(f"{shown}: a URL may not hold a control character (a line break, a tab)")
 
 
@@ -405,6 +423,15 @@ class _ShortRead(Exception):
     """A range that came back shorter than asked (the stream ended early): retried from where it stopped."""
 
 
+class _TimedOutPartly(Exception):
+    """A range request that timed out after some bytes had arrived (a trickle): the bytes are kept (``data``) and the
+    try counts as timed out."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__("timed out")
+        self.data = data
+
+
 # ---------------------------------------------------------------------------------------------- remote stream
 
 class RemoteStream(io.RawIOBase):
@@ -459,26 +486,31 @@ class RemoteStream(io.RawIOBase):
         while True:
             left = _left(self.deadline, self.url, f" (at byte {got} of {self.size})")
             try:
-                data = _read_range(self._fs, self.url, self._path, got, end, left)
+                try:
+                    data = _read_range(self._fs, self.url, self._path, got, end, left)
+                    timed_out = False
+                except _TimedOutPartly as partly:  # the bytes that came before the time bound count
+                    data, timed_out = partly.data, True
                 _REACHED.add(_endpoint_key(self.url))
                 parts.append(data)
                 got += len(data)
                 if got >= end:
                     return b"".join(parts)
                 if len(data) >= MIN_PROGRESS_BYTES:
-                    failures = 0  # progress: the bound counts tries in a row that bring (almost) nothing
-                raise _ShortRead()
+                    failures = timeouts = 0  # progress: the bounds count tries in a row that bring (almost) nothing
+                raise _TimedOutPartly(b"") if timed_out else _ShortRead()
             except SourceError:
                 raise
             except Exception as exc:  # noqa: BLE001 - every failure is classified below
                 transient, reason = ((True, "stream cut short") if isinstance(exc, _ShortRead)
+                                     else (True, "timed out") if isinstance(exc, _TimedOutPartly)
                                      else _classify_for(self.url, exc))
                 if not transient:
                     raise SourceError(f"{self.url}: {reason}") from None
                 failures += 1
                 timeouts = timeouts + 1 if reason == "timed out" else 0
                 if timeouts >= MAX_TIMEOUTS_IN_A_ROW and self.deadline is None:  # a bounded read says its bound
-                    raise SourceError(f"{self.url}: stream ended at byte {got} of {self.size}: {timeouts} tries in a "
+                    raise ReadTimedOut(f"{self.url}: stream ended at byte {got} of {self.size}: {timeouts} tries in a "
                                       f"row timed out (slower than {MIN_BYTES_PER_S >> 10} KiB/s, or no answer in "
                                       f"{READ_TIMEOUT_S:g} s){_endpoint_note(self.url)}") from None
                 left = _left(self.deadline, self.url, f" (at byte {got} of {self.size}, {reason})")
@@ -522,6 +554,8 @@ def _read_range(fs: Any, url: str, path: str, start: int, end: int, limit_s: flo
     request's time bound. Raises SourceError, or what the driver raises."""
     if not _is_http(url):
         return fs.cat_file(path, start=start, end=end)
+    import asyncio
+
     import aiohttp
     from fsspec.asyn import sync
 
@@ -543,11 +577,16 @@ def _read_range(fs: Any, url: str, path: str, start: int, end: int, limit_s: flo
                 raise SourceError(f"{url}: the server answered a range request with HTTP {r.status} (it does not "
                                   f"honour range requests)")
             data = bytearray()
-            while len(data) <= want:
-                more = await r.content.read(want + 1 - len(data))
-                if not more:
-                    break
-                data += more
+            try:
+                while len(data) <= want:
+                    more = await r.content.read(want + 1 - len(data))
+                    if not more:
+                        break
+                    data += more
+            except (asyncio.TimeoutError, TimeoutError):  # aiohttp's time bounds
+                if data and len(data) <= want and r.status == 206:  # kept only where the next range is answered
+                    raise _TimedOutPartly(bytes(data)) from None
+                raise
         if len(data) > want:
             raise SourceError(f"{url}: the server sent more than the {want} bytes of a range (it does not honour "
                               f"range requests)")
@@ -616,7 +655,8 @@ def remote_size(url: str, retry: Retry | None = None, deadline: Deadline | None 
                 raise SourceError(f"{url}: {reason}") from None
             left = _left(bound, url, f" (asking for its size: {reason})")
             if attempt >= retry.attempts:
-                raise SourceError(f"{url}: {reason} after {attempt} attempts{_endpoint_note(url)}") from None
+                error = ReadTimedOut if reason == "timed out" else SourceError
+                raise error(f"{url}: {reason} after {attempt} attempts{_endpoint_note(url)}") from None
             time.sleep(waits[attempt - 1] if left is None else min(waits[attempt - 1], left))
     raise AssertionError("unreachable")  # pragma: no cover
 

@@ -107,7 +107,7 @@ def measure_imagefolder(src: str | Path, cfg: LoaderConfig, world: World | None 
                     if normalize else [transforms.PILToTensor()])
             tf = transforms.Compose([transforms.RandomResizedCrop(cfg.image_size), transforms.RandomHorizontalFlip(),
                                      *tail])
-            ds = datasets.ImageFolder(str(src), transform=tf)
+            ds = datasets.ImageFolder(str(src), transform=tf, loader=imagefolder_loader)
             g = torch.Generator()
             g.manual_seed(cfg.seed)
             kw: dict[str, Any] = {}
@@ -130,6 +130,30 @@ def measure_imagefolder(src: str | Path, cfg: LoaderConfig, world: World | None 
                          repeats=repeats, deadline=deadline, ram_budget_bytes=ram_budget_bytes)
     return trial_from_stream(lambda: measure_stream(open_batches, opts, to_device=move, cuda_sync=device_sync(world)),
                              cfg, "imagefolder", t0, cleanup=holder.clear)
+
+
+def imagefolder_loader(path: str) -> Any:
+    """The ImageFolder baseline's loader: torchvision's ``pil_loader`` (the file opened by Pillow, converted to RGB)
+    but through the one allow-list, ``shardset.images.open_image(..., SOURCE_FORMATS)``, as ``gpufeed shard`` reads
+    the same folder: torchvision's default loader lets Pillow pick any plugin (an EPS named ``.jpg`` runs
+    Ghostscript). Only a regular file is read (a FIFO named ``.jpg`` is refused, never waited on), at most
+    ``shardset.tar.MAX_MEMBER_BYTES``. Module-level, so DataLoader workers can pickle it."""
+    import os
+    import stat
+
+    from gpufeed.shardset.images import SOURCE_FORMATS, open_image
+    from gpufeed.shardset.tar import MAX_MEMBER_BYTES
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MEMBER_BYTES:
+            raise OSError(f"{path}: not a regular file of at most {MAX_MEMBER_BYTES} bytes")
+        data = f.read(MAX_MEMBER_BYTES + 1)
+    if len(data) > MAX_MEMBER_BYTES:
+        raise OSError(f"{path}: larger than {MAX_MEMBER_BYTES} bytes")
+    with open_image(data, SOURCE_FORMATS) as img:
+        return img.convert("RGB")
 
 
 def trial_from_stream(fn: Callable[[], StreamResult], cfg: LoaderConfig, pipeline: str, t0: float,

@@ -99,6 +99,8 @@ def redact(text: str) -> str:
     for _, start, slashes in find_schemes(text):
         if start < pos:  # inside a userinfo already hidden
             continue
+        while slashes and start < len(text) and text[start] in "/\\":  # http:///u:pw@h is u:pw@h to a URL parser
+            start += 1
         at = _userinfo_end(text, start) if slashes else _collapsed_userinfo_end(text, start)
         if at < 0:
             continue

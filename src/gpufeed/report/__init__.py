@@ -51,6 +51,12 @@ def _cut(value: Any, limit: int = MAX_CELL_CHARS) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
+MAX_VALUE = 1e15
+"""The largest magnitude a record's number may have to be shown or charted (no rate, step, byte count or time
+gpufeed measures comes near it); past it the number is taken as missing, so a crafted 1e308 cannot overflow
+a chart's scale."""
+
+
 def _num(value: Any) -> float | None:
     """A finite number of a record: a plain one, or the median of a ``Stat`` ({median, min, max, ...}); else
     None."""
@@ -62,7 +68,7 @@ def _num(value: Any) -> float | None:
         number = float(value)
     except OverflowError:  # an integer past the floats
         return None
-    return number if math.isfinite(number) else None
+    return number if math.isfinite(number) and abs(number) <= MAX_VALUE else None
 
 
 def _list(value: Any) -> list[Any]:

@@ -31,7 +31,7 @@ def fmt(value: float | None, digits: int = 3) -> str:
 def _nice_max(value: float) -> float:
     if value <= 0 or not math.isfinite(value):
         return 1.0
-    exp = 10 ** math.floor(math.log10(value))
+    exp = 10.0 ** math.floor(math.log10(value))  # a float: 10 ** 308 as an int overflows the float math below
     for m in (1, 2, 2.5, 5, 10):
         if value <= m * exp:
             return m * exp

@@ -72,6 +72,11 @@ def _call(fn: Callable[..., Any], *args: Any) -> Any:
 def ray_pool(cfg: ShardConfig) -> tuple[int, RayPool]:
     """Join Ray (``cfg.ray_address``, else ``RAY_ADDRESS``, else a local instance with ``cfg.workers`` CPUs, or
     this machine's) -> (the cluster's CPUs, or ``cfg.workers`` when set: the tasks in flight; the pool)."""
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
+    # before `import ray`: Ray reads these into constants when imported, and its processes inherit them
+    if address is None:  # the instance is this job's: its agents give up on its GCS in seconds, not a minute
+        os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(LOCAL_GCS_RECONNECT_S))
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")  # no stack dump and abort on SIGTERM
     try:
         import ray
     except ImportError:
@@ -82,14 +87,10 @@ def ray_pool(cfg: ShardConfig) -> tuple[int, RayPool]:
     if not ray.is_initialized():
         import logging
 
-        address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
         kwargs: dict[str, Any] = {"address": address, "logging_level": logging.ERROR, "log_to_driver": False,
                                   "include_dashboard": False}
         if address is None and cfg.workers:
             kwargs["num_cpus"] = cfg.workers
-        if address is None:  # the instance is this job's: its agents give up on its GCS in seconds, not a minute
-            os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(LOCAL_GCS_RECONNECT_S))
-        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")  # no stack dump and abort on SIGTERM
         try:
             ray.init(**kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:

@@ -194,7 +194,7 @@ def _resume(job: JobContext, fingerprint: str) -> tuple[Plan | None, dict[str, d
     done: dict[str, dict[str, Any]] = {}
     if plan is not None:
         for s in _mine(job, plan):
-            info = shard_complete(job.dest, s.name)
+            info = shard_complete(job.dest, s.name, plan_keys(plan, s))
             if info is not None:
                 done[s.name] = info
         lost = [c for s in _mine(job, plan) if s.name not in done for c in s.caches
@@ -292,6 +292,12 @@ def _validate_and_plan(job: JobContext, scan: Scan, fingerprint: str, order: Any
     return plan
 
 
+
+def plan_keys(plan: Plan, s: Any) -> Callable[[], list[str]]:
+    """The keys the plan gives shard ``s``, in order (computed when asked: only for a shard found complete)."""
+    return lambda: [plan.key(int(i)) for i in plan.indices(s)]
+
+
 def _write_phase(job: JobContext, plan: Plan, done: dict[str, dict[str, Any]],
                  resumed: bool) -> dict[str, dict[str, Any]]:
     """Write the shards not yet complete (``done`` gains them) -> the sidecar records of those written. Each
@@ -299,7 +305,7 @@ def _write_phase(job: JobContext, plan: Plan, done: dict[str, dict[str, Any]],
     size: the cache turns into shards as they are written."""
     if not resumed or not done:
         for s in _mine(job, plan):
-            info = shard_complete(job.dest, s.name)
+            info = shard_complete(job.dest, s.name, plan_keys(plan, s))
             if info is not None:
                 done[s.name] = info
     todo = [s for s in _mine(job, plan) if s.name not in done]
@@ -405,7 +411,7 @@ def _others_complete(job: JobContext, planned: _Planned) -> list[str]:
     missing = []
     for s in planned.plan.shards:
         if s.name not in planned.done:
-            info = shard_complete(job.dest, s.name)
+            info = shard_complete(job.dest, s.name, plan_keys(planned.plan, s))
             if info is None:
                 missing.append(s.name)
             else:
@@ -469,7 +475,7 @@ def finish_dest(cfg: ShardConfig, progress: bool = True) -> ShardReport:
         done = {}
         missing = []
         for i, s in enumerate(plan.shards):
-            info = shard_complete(dest, s.name)
+            info = shard_complete(dest, s.name, plan_keys(plan, s))
             if info is None:
                 missing.append(f"{s.name} (node {i % nodes})" if nodes > 1 else s.name)
             else:

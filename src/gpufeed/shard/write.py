@@ -532,16 +532,42 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def shard_complete(dest: str, name: str) -> dict[str, Any] | None:
-    """The sidecar of a complete shard whose file still matches it (size and sha256), else None."""
+def shard_complete(dest: str, name: str, keys: Callable[[], list[str]] | None = None) -> dict[str, Any] | None:
+    """The sidecar of a complete shard whose file still matches it (size and sha256) and, with ``keys`` (the plan's
+    keys of the shard, in order), holds exactly those samples' members in that order, else None (the shard is
+    written again). The sidecar lives in DEST, which someone else may write: its sha256 proves only that the
+    file is the one it names, so the member layout is checked against the plan, which is recomputed from SRC."""
     info = read_done(os.path.join(dest, STATE_DIR), name, 1 << 16, what="shard sidecar")
     try:
         if info is not None and os.path.getsize(os.path.join(dest, name)) == info["bytes"] \
-                and _sha256_file(os.path.join(dest, name)) == info["sha256"]:
+                and _sha256_file(os.path.join(dest, name)) == info["sha256"] \
+                and (keys is None or _member_keys(os.path.join(dest, name)) == keys()):
             return info
-    except (OSError, KeyError, TypeError):
+    except (OSError, KeyError, TypeError, ValueError):
         pass
     return None
+
+
+def _member_keys(path: str) -> list[str] | None:
+    """The sample keys of a gpufeed shard in member order (three consecutive members a sample, with the same key:
+    ``.cls``, ``.json`` and the image), or None when its members are not laid out so."""
+    from gpufeed.shardset.keys import split_member
+    from gpufeed.shardset.tar import iter_members
+
+    keys: list[str] = []
+    exts: set[str] = set()
+    with open(path, "rb") as f:
+        for i, (member, _) in enumerate(iter_members(f, lambda _name: False)):
+            parts = split_member(member)
+            if parts is None or (i % 3 and parts[0] != keys[-1]):
+                return None
+            if i % 3 == 0:
+                keys.append(parts[0])
+                exts = set()
+            exts.add(parts[1])
+            if i % 3 == 2 and not {"cls", "json"} < exts:
+                return None
+    return keys if len(exts) == 3 or not keys else None
 
 
 class WriteTask(NamedTuple):

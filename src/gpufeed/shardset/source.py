@@ -178,6 +178,8 @@ def check_location(spec: str | Path) -> None:
                         f"with http://, https://, s3:// or gs://) nor a local path")
     if _CONTROL.search(spec):
         raise DataError(f"{shown}: a URL may not hold a control character (a line break, a tab)")
+    if spec[scheme[1]:scheme[1] + 1] in ("/", "\\", ""):
+        raise DataError(f"{shown}: a URL with no host after its {spec[scheme[0]:scheme[1]]} (a third slash?)")
 
 
 def normal_url(spec: str) -> str:

@@ -1,0 +1,91 @@
+"""The third attacker's pass (issue 16): a URL with an empty authority, a shard swapped in DEST with a sidecar
+that matches it, a record's number past any measurement in the report, and Ray's environment set before Ray is
+imported. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import invoke
+
+
+def test_a_url_with_a_third_slash_is_refused_with_its_password_hidden() -> None:
+    from gpufeed.core.redact import redact
+
+    assert redact("http:///u:SECRETPW@h/x") == "http:///u:***@h/x"
+    assert redact("see http:////a:pw@c/x") == "see http:////a:***@c/x"
+    assert redact("file:///tmp/x@y") == "file:///tmp/x@y"  # a path, not a userinfo
+    res = invoke(["verify", "http:///u:SECRETPW@127.0.0.1:1/x", "--json"], expect=2)
+    assert "SECRETPW" not in res.stdout + res.stderr
+    assert "no host" in json.loads(res.stdout)["error"]
+
+
+def test_a_shard_swapped_in_dest_with_a_matching_sidecar_is_written_again(image_folder, tmp_path: Path) -> None:
+    """The sidecar in DEST proves only that the file is the one it names; the resumed shard's members must be the
+    plan's samples, in order, or it is written again: the set ends byte for byte as a clean run writes it."""
+    src = image_folder(classes=2, per_class=6)
+    clean, dest = tmp_path / "clean", tmp_path / "dest"
+    for d in (clean, dest):
+        invoke(["shard", src, d, "--shard-samples", "4", "--workers", "1", "--quiet"])
+    (dest / "manifest.json").unlink()
+    shutil.copyfile(dest / "train-000002.tar", dest / "train-000000.tar")
+    data = (dest / "train-000000.tar").read_bytes()
+    (dest / ".gpufeed" / "train-000000.tar.done.json").write_text(json.dumps(
+        {"name": "train-000000.tar", "num_samples": 4, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    invoke(["shard", src, dest, "--shard-samples", "4", "--workers", "1", "--quiet"])
+    shards = sorted(p.name for p in clean.glob("*.tar"))
+    for f in [*shards, "index.parquet"]:  # (_info.json and the manifest name their folder)
+        assert (dest / f).read_bytes() == (clean / f).read_bytes(), f
+    invoke(["verify", dest])
+
+
+def test_a_number_past_any_measurement_is_left_out_of_the_report(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "train").mkdir(parents=True)
+    (run / "run.json").write_text('{"format": "gpufeed-run", "version": 1, "steps": []}')
+    (run / "train" / "summary.json").write_text('{"mode": "measure"}')
+    (run / "train" / "log.jsonl").write_text('{"step": 1, "samples_per_s": 1e308}\n{"step": 2, "samples_per_s": 1}\n'
+                                             '{"step": 1e308, "samples_per_s": 3}\n')
+    invoke(["report", run])
+    page = (run / "report.html").read_text()
+    assert "nan" not in page.lower().replace("nan-", "")
+
+
+def test_ray_reads_gpufeeds_environment_when_imported() -> None:
+    """Ray reads RAY_DISABLE_FAILURE_SIGNAL_HANDLER into a constant when it is imported: ray_pool sets it first (a
+    stub ray module records what it saw at import)."""
+    code = r"""
+import os, sys, types
+seen = {}
+ray = types.ModuleType("ray")
+class _Stop(Exception): pass
+def _import_hook():
+    seen["handler"] = os.environ.get("RAY_DISABLE_FAILURE_SIGNAL_HANDLER")
+    seen["reconnect"] = os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s")
+    raise ImportError("stub")
+class Finder:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray":
+            _import_hook()
+        return None
+sys.meta_path.insert(0, Finder())
+os.environ.pop("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+os.environ.pop("RAY_ADDRESS", None)
+from gpufeed.config import ShardConfig
+from gpufeed.core.errors import ConfigError
+from gpufeed.shard.engine_ray import ray_pool
+try:
+    ray_pool(ShardConfig(src="s", dest="d", engine="ray"))
+except (ConfigError, ImportError):
+    pass
+print(seen)
+assert seen == {"handler": "1", "reconnect": "10"} or seen.get("handler") == "1", seen
+"""
+    sys.modules.pop("ray", None)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr

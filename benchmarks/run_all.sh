@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Rerun every CPU benchmark, one after another, each writing its JSON to benchmarks/results/; log the machine, the
-# date and every command to benchmarks/results/run_all-DATE.log. RESULTS.md's tables are updated by hand from
-# those records (each section names its command). bench_regression.py compares two revisions you name
-# (--base REV): run it by hand. The GPU checks (gpu_check.py, gpu_plan_check.py) need an H200.
+# date and every command to benchmarks/results/run_all-DATE.log; then benchmarks/summarize.py rewrites the generated
+# summary of RESULTS.md (and README.md's copy of its headline table) from the newest record of each benchmark,
+# with its machine, date, command and side-by-side ratios. The hand-written sections of RESULTS.md are not touched.
+# bench_regression.py compares two revisions you name (--before REV): run it by hand. The GPU checks
+# (gpu_check.py, gpu_plan_check.py) need an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -25,4 +27,10 @@ for bench in bench_shard bench_loader bench_train bench_layout bench_plan_memory
     fi
     echo "-- $bench: $((SECONDS - start)) s" | tee -a "$log"
 done
+cmd="$PY benchmarks/summarize.py"
+echo "== $cmd" | tee -a "$log"
+if ! $cmd 2>&1 | tee -a "$log"; then
+    echo "FAILED: summarize" | tee -a "$log"
+    status=1
+fi
 exit $status

@@ -98,7 +98,7 @@ FILE_ONLY = {
     "tune": {"warmup_batches", "min_gain", "target_margin"},
     "train": {"num_classes", "min_lr", "timing_warmup_steps", "progress"},
     "layout": {"ranks_per_node", "usable_cores", "trainer_cores", "device"},
-    "run": {"dir", "steps", "val_src", "val_dest"},
+    "run": {"dir", "steps"},
 }
 """Config fields set only in a file (train's progress is also --quiet, read inverted; [layout] is written by tune;
 [run] is read from gpufeed run's CONFIG_FILE, whose --run-dir overrides [run] dir):

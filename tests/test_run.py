@@ -79,7 +79,8 @@ def test_preset_loads(name: str) -> None:
 def test_imagenet_preset_is_what_the_issue_asks() -> None:
     cfg = load_config(CONFIGS / "imagenet-resnet50-8gpu.toml")
     assert cfg.train.nproc_per_node == 8 and cfg.train.amp == "bf16" and cfg.train.channels_last
-    assert cfg.run.val_src and cfg.shard.src and cfg.shard.multiple_of % 8 == 0
+    assert cfg.shard_val and cfg.shard_val.src and cfg.shard.src and cfg.shard.multiple_of % 8 == 0
+    assert cfg.shard_val.multiple_of == cfg.shard.multiple_of and cfg.shard_val.prefix == "val"
 
 
 def test_multi_node_preset_stages_per_node() -> None:

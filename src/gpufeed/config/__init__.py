@@ -17,7 +17,8 @@ from gpufeed.config.limits import (MAX_CONFIG_BYTES, MAX_SEED, MAX_WORKERS, MAX_
                                    MAX_STEPS, MAX_ACCUM_STEPS, MAX_LR, MAX_MEASURE_STEPS, MAX_STORAGE_BYTES_PER_S,
                                    MAX_NPROC_PER_NODE, MAX_NODES, MAX_SYNTH_IMAGES, MAX_IO_READERS, MAX_IO_FILES,
                                    bounded, check_bounds, check_device, parse_size, show_value)
-from gpufeed.config.schema import (SECTIONS, STEPS, Config, IoConfig, LayoutConfig, LoaderConfig, PlanConfig,
-                                   RunConfig, ShardConfig, StageConfig, SynthConfig, TrainConfig, TuneConfig)
+from gpufeed.config.schema import (DEFAULT_STEPS, SECTIONS, STEPS, Config, IoConfig, LayoutConfig, LoaderConfig,
+                                   PlanConfig, RunConfig, ShardConfig, StageConfig, SynthConfig, TrainConfig,
+                                   TuneConfig)
 from gpufeed.config.toml_io import (CONFIG_HEADER, build_section, load_config, read_toml, render_config, to_toml,
                                     tomllib)

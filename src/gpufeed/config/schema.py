@@ -490,36 +490,34 @@ class PlanConfig:
 STEPS = ("doctor", "synth", "shard", "verify", "io", "stage", "ceiling", "tune", "measure", "train")
 """The steps of ``gpufeed run``, in the order they run (docs/design.md §8)."""
 
+DEFAULT_STEPS = ("doctor", "shard", "verify", "io", "ceiling", "tune", "measure")
+"""``[run] steps`` when the file does not give it; the loader adds "train" when ``[train]`` sets epochs or steps."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """gpufeed run: which steps run (always in pipeline order) and where the run folder is. The other sections
-    configure their steps; run fills in the paths that pass from step to step (the set, the staged copy, the
-    tuned [loader], the compute ceiling), and each step's run_dir/out, which are the run folder's."""
+    configure their steps ([shard.val]: the validation set); run fills in the paths that pass from step to step
+    (the set, the staged copy, the tuned [loader], the compute ceiling), and each step's run_dir/out, which are the
+    run folder's."""
 
     dir: str | None = None
     """Run folder: one sub-folder per step, run.json, report.html and report.md; a re-run into it skips the
     steps already done with the same options and inputs. None = runs/NAME, NAME the config file's name without
     .toml."""
     steps: tuple[Literal["doctor", "synth", "shard", "verify", "io", "stage", "ceiling", "tune", "measure",
-                         "train"], ...] = ("doctor", "shard", "verify", "io", "ceiling", "tune", "measure")
+                         "train"], ...] = DEFAULT_STEPS
     """Steps to run, in this order whatever the list's: doctor, synth ([synth] images into shard's src), shard
-    (+ val_src), verify, io, stage ([stage] dest, used by every later step), ceiling (train --synthetic: the
-    compute ceiling, tune's target_rate), tune, measure (train --measure, with --fix when train has it) and
-    train (the full [train] epochs/steps with the tuned [loader])."""
-    val_src: str | None = None
-    """A second image folder, sharded with [shard]'s options (prefix "val") as the validation set train
-    reads. None = no validation set (or [train] val_shards)."""
-    val_dest: str | None = None
-    """Where the validation shards go. None = the shard step's folder, val/."""
+    (+ [shard.val], the validation set), verify, io, stage ([stage] dest, used by every later step), ceiling
+    (train --synthetic: the compute ceiling, tune's target_rate), tune, measure (train --measure, with --fix when
+    train has it) and train (the full [train] epochs/steps with the tuned [loader]). Left out of the file: these
+    defaults, plus train when the file's [train] sets epochs or steps; a steps list in the file is run as given."""
 
     def __post_init__(self) -> None:
         if not self.steps:
             raise ConfigError("steps must name at least one step")
         if len(set(self.steps)) != len(self.steps):
             raise ConfigError(f"steps names a step twice: {show_value(self.steps)}")
-        if self.val_dest is not None and self.val_src is None:
-            raise ConfigError("val_dest needs val_src (the image folder to shard as the validation set)")
 
 
 SECTIONS: dict[str, type] = {
@@ -550,6 +548,10 @@ class Config:
     stage: StageConfig = field(default_factory=StageConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    shard_val: ShardConfig | None = None
+    """[shard.val] (gpufeed run): the validation set the shard step writes beside [shard]'s, with [shard]'s
+    options but prefix "val", each key the sub-table gives overriding; src is required, dest None = the run
+    folder's shard/val/. None = no validation set to shard (train may still read [train] val_shards)."""
 
     def tune_for_training(self) -> TuneConfig:
         """[tune] with nproc_per_node None resolved to [train] nproc_per_node: the layout training will run."""

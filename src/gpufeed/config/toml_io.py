@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from gpufeed.config.help import field_doc, help_value, range_text
 from gpufeed.config.limits import MAX_CONFIG_BYTES, parse_size, show_value
-from gpufeed.config.schema import SECTIONS, Config
+from gpufeed.config.schema import DEFAULT_STEPS, SECTIONS, Config, ShardConfig
 from gpufeed.core.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -68,6 +68,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for name in SECTIONS:
         if not isinstance(data.get(name, {}), dict):
             raise ConfigError(f"{where}: [{name}] must be a table")
+    _moved_keys(data, where)
     per_section: dict[str, dict[str, Any]] = {name: dict(data.get(name, {})) for name in SECTIONS}
     for dotted, value in (overrides or {}).items():
         if value is None:
@@ -76,8 +77,35 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if section_name not in SECTIONS or not key:
             raise ConfigError(f"bad override key {dotted!r}: expected 'section.key'")
         per_section[section_name][key] = value
+    val = per_section["shard"].pop("val", None)  # [shard.val]: a sub-table, not a [shard] key
+    if "steps" not in per_section["run"] and any(per_section["train"].get(k) is not None for k in ("epochs", "steps")):
+        per_section["run"]["steps"] = (*DEFAULT_STEPS, "train")  # [train] asks for a training: run it
     built = {name: build_section(SECTIONS[name], values, f"{where} [{name}]") for name, values in per_section.items()}
-    return Config(**built)
+    return Config(**built, shard_val=_shard_val(per_section["shard"], val, where))
+
+
+VAL_MOVED = {"val_src": "src", "val_dest": "dest"}
+"""[run] keys of an earlier gpufeed run, now [shard.val]'s."""
+
+
+def _shard_val(shard: dict[str, Any], val: Any, where: str) -> ShardConfig | None:
+    """[shard.val]: [shard]'s values (src and dest left out, prefix "val"), each key of the sub-table over them."""
+    if val is None:
+        return None
+    if not isinstance(val, dict):
+        raise ConfigError(f"{where}: [shard.val] must be a table (the validation set's src, dest and [shard] keys)")
+    if val.get("src") is None:
+        raise ConfigError(f"{where} [shard.val]: src is missing (the image folder to shard as the validation set)")
+    inherited = {k: v for k, v in shard.items() if k not in ("src", "dest", "prefix")}
+    return build_section(ShardConfig, {**inherited, "prefix": "val", **val}, f"{where} [shard.val]")
+
+
+def _moved_keys(data: dict[str, Any], where: str) -> None:
+    run = data.get("run")
+    moved = sorted(set(run) & set(VAL_MOVED)) if isinstance(run, dict) else []
+    if moved:
+        raise ConfigError(f"{where} [run]: {', '.join(moved)} moved to the [shard.val] table: write "
+                          + ", ".join(f"{VAL_MOVED[k]} = ... under [shard.val]" for k in moved))
 
 
 def build_section(cls: type, values: dict[str, Any], where: str = "config") -> Any:
@@ -146,7 +174,27 @@ def render_config(cfg: Config | None = None, header: str = CONFIG_HEADER) -> str
                 lines.append(f"{f.name} = {_toml_value(help_value(value, size=True))}")
             else:
                 lines.append(f"{f.name} = {_toml_value(value)}")
+        if name == "shard":
+            lines += _render_shard_val(cfg)
     return "\n".join(lines) + "\n"
+
+
+def _render_shard_val(cfg: Config) -> list[str]:
+    """[shard.val]: its keys that differ from what [shard] gives it (src and dest always), so that it reads back
+    to ``cfg.shard_val``; without one, the table commented out under its docstring."""
+    import textwrap
+
+    about = textwrap.wrap(field_doc(Config, "shard_val"), 116, initial_indent="# ", subsequent_indent="# ")
+    if cfg.shard_val is None:
+        return ["", *about, "# [shard.val]", "# src =", "# dest ="]
+    val = cfg.shard_val
+    inherited = dataclasses.replace(cfg.shard, src=None, dest=None, prefix="val")
+    lines = ["", *about, "[shard.val]"]
+    for f in dataclasses.fields(val):
+        value = getattr(val, f.name)
+        if value != getattr(inherited, f.name):  # src and dest always: [shard.val] inherits neither
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    return lines
 
 
 def _toml_value(value: Any) -> str:

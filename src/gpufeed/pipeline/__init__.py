@@ -75,6 +75,9 @@ def _check_plan(cfg: Config) -> None:
     if "shard" not in steps and steps & {"verify", "io", "stage", "ceiling", "tune", "measure", "train"} \
             and not (cfg.train.shards or cfg.tune.shards):
         raise DataError("without the shard step, give the shard set as [train] shards")
+    if cfg.shard_val is not None and "shard" not in steps:
+        raise DataError("[shard.val] is written by the shard step, which [run] steps leaves out: add \"shard\" to "
+                        "steps, or give the validation set as [train] val_shards")
     if "stage" in steps and cfg.stage.dest is None:
         raise DataError("the stage step needs [stage] dest (the folder to copy the shard set to)")
     if "synth" in steps and "shard" in steps and cfg.shard.src is not None:

@@ -188,15 +188,14 @@ def writes_synth(synth: Any) -> list[Any]:
 
 
 def prepare_shard(ctx: Context) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    cfg, run = ctx.cfg, ctx.cfg.run
+    cfg = ctx.cfg
     src = cfg.shard.src or ctx.carry.images
     if src is None:
         raise ConfigError("the shard step needs [shard] src (an image folder), or the synth step before it")
     train = dataclasses.replace(cfg.shard, src=src, dest=cfg.shard.dest or str(ctx.folder("shard") / "set"))
     val = None
-    if run.val_src is not None:
-        val = dataclasses.replace(train, src=run.val_src, prefix="val",
-                                  dest=run.val_dest or str(ctx.folder("shard") / "val"))
+    if cfg.shard_val is not None:  # [shard.val]: [shard]'s options over its own src (the loader merged them)
+        val = dataclasses.replace(cfg.shard_val, dest=cfg.shard_val.dest or str(ctx.folder("shard") / "val"))
     options = {"train": _drop(train, "overwrite", "workers"), "val": val and _drop(val, "overwrite", "workers")}
     inputs = {"images": src}
     return (train, val), options, inputs

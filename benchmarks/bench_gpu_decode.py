@@ -26,7 +26,7 @@ def make_shards(dest: Path, samples: int, shards: int) -> Path:
     from skimage import data
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.test_loader import write_set
+    from tests.common.shards import write_set
 
     if (dest / "manifest.json").exists():
         return dest

@@ -1,4 +1,4 @@
-"""Remote shard sets benchmark (issue 10's proof numbers), over real loopback sockets (tests/netserver.py):
+"""Remote shard sets benchmark (issue 10's proof numbers), over real loopback sockets (tests/common/netserver.py):
 
 (a) **loader over HTTP vs local**: the same shard folder read by ``gpufeed.loader`` from disk and from a loopback
     HTTP server (no throttle), same seed and config, one epoch per run, the two variants interleaved round by round
@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 from gpufeed.config import LoaderConfig  # noqa: E402
 from gpufeed.core.records import write_json  # noqa: E402
 from gpufeed.core.world import World  # noqa: E402
-from tests.netserver import LoopbackServer  # noqa: E402
-from tests.train_shards import write_tiny_shards  # noqa: E402
+from tests.common.netserver import LoopbackServer  # noqa: E402
+from tests.common.shards import write_tiny_shards  # noqa: E402
 
 
 def log(msg: str) -> None:

@@ -21,8 +21,8 @@ def test_remote_manifest_naming_a_command_or_url_is_refused(http_server, tmp_pat
 
     from gpufeed.core.errors import DataError
     from gpufeed.shardset.source import open_set
-    from tests.conftest import invoke
-    from tests.train_shards import write_tiny_shards
+    from tests.common.cli import invoke
+    from tests.common.shards import write_tiny_shards
 
     folder = write_tiny_shards(http_server.root / "set", [2], image_px=16)
     m = json_module.loads((folder / "manifest.json").read_text())
@@ -39,7 +39,7 @@ def test_remote_manifest_naming_a_command_or_url_is_refused(http_server, tmp_pat
 
 def _loader_gzip_shard(path, n: int = 4) -> None:
     """A real gzip tar shard of ``n`` labelled 16x12 JPEG samples at ``path`` (any file name)."""
-    from tests.conftest import write_image, write_tar
+    from tests.common.shards import write_image, write_tar
 
     members = []
     for i in range(n):
@@ -78,7 +78,8 @@ PIPE_NAME = "pipe:touch PWNED;cat data.tgz"
 def test_index_refuses_a_shard_file_named_like_a_pipe_command(tmp_path, monkeypatch):
     import shutil
 
-    from tests.conftest import WDS_SAMPLE, invoke
+    from tests.common.cli import invoke
+    from tests.common.shards import WDS_SAMPLE
 
     folder = tmp_path / "foreign"
     folder.mkdir()
@@ -136,7 +137,8 @@ def test_manifest_naming_a_pipe_shard_never_reaches_the_loader(tmp_path, monkeyp
     from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
     from gpufeed.core.world import World
-    from tests.conftest import WDS_SAMPLE, invoke
+    from tests.common.cli import invoke
+    from tests.common.shards import WDS_SAMPLE
 
     shutil.copy(WDS_SAMPLE, tmp_path / PIPE_NAME)
     _manifest(tmp_path, shards=[{"name": PIPE_NAME, "num_samples": 90, "bytes": 1, "sha256": None}])
@@ -183,8 +185,8 @@ def test_resume_refuses_a_checkpoint_that_pickles_code(tmp_path):
 
     import torch
 
-    from tests.conftest import invoke
-    from tests.train_shards import write_tiny_shards
+    from tests.common.cli import invoke
+    from tests.common.shards import write_tiny_shards
 
     shards = write_tiny_shards(tmp_path / "shards", [16, 16, 16, 16])
     for container in ("torch.save", "raw pickle"):
@@ -239,8 +241,8 @@ def test_a_checkpoint_holds_only_tensors_and_plain_values_and_resumes(tmp_path):
     """What gpufeed writes loads under weights_only=True, and --resume continues from it."""
     import torch
 
-    from tests.conftest import invoke, invoke_json
-    from tests.train_shards import write_tiny_shards
+    from tests.common.cli import invoke, invoke_json
+    from tests.common.shards import write_tiny_shards
 
     shards = write_tiny_shards(tmp_path / "shards", [16, 16, 16, 16])
     ck = tmp_path / "ck"
@@ -275,7 +277,7 @@ def test_a_member_over_the_cap_is_refused_before_it_is_read(tmp_path, monkeypatc
     from gpufeed.loader import build_loader
     from gpufeed.shardset.manifest import read_manifest, write_manifest
     from gpufeed.core.world import World
-    from tests.test_loader import cfg, encode, sizes_as_found, smooth_image, write_set
+    from tests.common.shards import cfg, encode, sizes_as_found, smooth_image, write_set
 
     monkeypatch.setattr(tar, "MAX_MEMBER_BYTES", 1 << 20)
     shards = write_set(tmp_path / "set", [4], num_classes=4, size=(16, 12),
@@ -326,7 +328,7 @@ def _agree_pax(key: str, value: str, typ: bytes = b"x") -> bytes:
 
 def _agree_shard(tmp_path, middle: bytes):
     """Samples s0 and s1, then ``middle``, then sample s3, in a folder of its own (no manifest)."""
-    from tests.test_loader import encode, smooth_image
+    from tests.common.shards import encode, smooth_image
 
     jpg = encode(smooth_image(16, 12, 0))
     blob = b"".join(_agree_member(f"s{i}.{e}", d) for i in (0, 1) for e, d in (("jpg", jpg), ("cls", b"1")))
@@ -346,8 +348,8 @@ def _agree_three(folder, reason: str | None, num_samples: int = 4):
     from gpufeed.loader import build_loader
     from gpufeed.shardset.manifest import Manifest, ShardInfo, write_manifest
     from gpufeed.core.world import World
-    from tests.conftest import invoke
-    from tests.test_loader import cfg
+    from tests.common.cli import invoke
+    from tests.common.shards import cfg
 
     shard = folder / "p-000000.tar"
     r = invoke(["index", str(folder)], expect=None)
@@ -389,7 +391,7 @@ _DISAGREE = {
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("attack", sorted(_DISAGREE))
 def test_tar_readers_refuse_what_they_would_read_differently(tmp_path, attack):
-    from tests.test_loader import encode, smooth_image
+    from tests.common.shards import encode, smooth_image
 
     jpg = encode(smooth_image(16, 12, 0))
     middle, reason = _DISAGREE[attack]
@@ -408,7 +410,7 @@ def test_tar_readers_refuse_what_they_would_read_differently(tmp_path, attack):
 @pytest.mark.parametrize("magic", [b"ustar\x0000", b"ustar  \0", bytes(8)])
 def test_tar_readers_agree_on_the_prefix_field_and_signed_checksum(tmp_path, magic):
     # the prefix joins the name whatever the magic (as tarfile does); a signed checksum is valid
-    from tests.test_loader import encode, smooth_image
+    from tests.common.shards import encode, smooth_image
 
     jpg = encode(smooth_image(16, 12, 0))
     middle = (_agree_member("s2.jpg", jpg, magic=magic, prefix=b"sub")
@@ -440,7 +442,7 @@ def _loader_tar_member(name: str, data: bytes, typ: bytes = b"0") -> bytes:
 
 def _loader_bad_shard(tmp_path, bad: bytes):
     """A 4-sample set: samples 0 and 1 good, then ``bad`` (headers of sample 2), then sample 3."""
-    from tests.test_loader import encode, sizes_as_found, smooth_image, write_set
+    from tests.common.shards import encode, sizes_as_found, smooth_image, write_set
 
     shards = write_set(tmp_path / "set", [4], num_classes=2, size=(16, 12))
     jpg = encode(smooth_image(16, 12, 0))
@@ -484,7 +486,7 @@ def test_loader_malformed_tar_header_is_a_data_error(tmp_path, attack):
     from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
     from gpufeed.core.world import World
-    from tests.test_loader import cfg
+    from tests.common.shards import cfg
 
     bad, reason = _LOADER_BAD_HEADERS[attack]
     shards = _loader_bad_shard(tmp_path, bad)
@@ -517,7 +519,7 @@ def test_loader_refuses_an_image_over_max_pixels_before_decoding(tmp_path, _load
     from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
     from gpufeed.core.world import World
-    from tests.test_loader import cfg, encode, smooth_image, write_set
+    from tests.common.shards import cfg, encode, smooth_image, write_set
 
     if decode == "simplejpeg":
         pytest.importorskip("simplejpeg")
@@ -540,7 +542,7 @@ def test_loader_max_pixels_is_configurable_on_the_gpu_path(tmp_path):
     from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
     from gpufeed.core.world import World
-    from tests.test_loader import cfg, write_set
+    from tests.common.shards import cfg, write_set
 
     shards = write_set(tmp_path / "set", [4], num_classes=2)  # 40 x 32 JPEGs
     loader = build_loader(shards, cfg(batch_size=2, decode="gpu", max_pixels=1000), World.single(), train=False)
@@ -583,7 +585,7 @@ def test_verify_refuses_a_png_decompression_bomb_before_decoding_it(tmp_path):
 
 
 def test_verify_max_pixels_option_applies_to_small_images_too(tmp_path):
-    from tests.conftest import invoke_json
+    from tests.common.cli import invoke_json
     from tests.test_verify import foreign_set, jpeg_bytes
 
     root = foreign_set(tmp_path, [[("a.jpg", jpeg_bytes(tmp_path)), ("a.cls", b"0")]], gzip=False)
@@ -603,8 +605,8 @@ def test_a_member_declaring_more_data_than_the_file_holds_is_refused_not_waited_
     from gpufeed.core.errors import DataError
     from gpufeed.loader import build_loader
     from gpufeed.core.world import World
-    from tests.conftest import invoke
-    from tests.test_loader import encode, smooth_image
+    from tests.common.cli import invoke
+    from tests.common.shards import encode, smooth_image
 
     jpg = encode(smooth_image(16, 12, 0))
     good = b"".join(_loader_tar_member(f"s{i:05d}.{ext}", data) for i in (0, 1)
@@ -647,8 +649,7 @@ def test_loader_checks_a_gzip_shard_to_its_end_as_index_and_verify_do(tmp_path, 
     from gpufeed.loader import build_loader
     from gpufeed.shardset.manifest import FORMAT_NAME
     from gpufeed.core.world import World
-    from tests.conftest import write_tar
-    from tests.test_loader import encode, smooth_image
+    from tests.common.shards import encode, smooth_image, write_tar
 
     jpg = encode(smooth_image(16, 12, 0))
     buf = io.BytesIO()

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import invoke, write_image, write_tar
+from tests.common.cli import invoke
+from tests.common.shards import write_image, write_tar
 
 EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\n%%EndComments\nshowpage\n%%EOF\n"
 
@@ -86,7 +87,7 @@ def test_open_set_refuses_an_unsupported_scheme_and_redact_catches_the_collapsed
 # ------------------------------------------- H1: a manifest's root makes stage copy a private file into DEST
 def _rooted_set(tmp_path: Path, shard: Path) -> Path:
     """A set folder whose manifest's absolute ``root`` points at ``shard``'s folder, naming it without a sha256."""
-    from tests.train_shards import write_tiny_shards
+    from tests.common.shards import write_tiny_shards
 
     folder = write_tiny_shards(tmp_path / "set", [3], image_px=16)
     m = json.loads((folder / "manifest.json").read_text())
@@ -100,7 +101,7 @@ def _rooted_set(tmp_path: Path, shard: Path) -> Path:
 def test_stage_never_copies_a_non_tar_nor_loosens_a_private_files_mode(tmp_path: Path) -> None:
     """An unhashed shard is checked as a tar holding the manifest's samples before it is published (a private
     non-tar is not copied, and nothing of it is printed); a private real shard keeps its 0600 in DEST."""
-    from tests.train_shards import write_tiny_shards
+    from tests.common.shards import write_tiny_shards
 
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
@@ -222,7 +223,7 @@ def test_claimed_samples_are_bounded_by_claimed_bytes_and_those_by_the_file(tmp_
     file's real size, so the class-count bound never sees the false count (no model head of 1.5 M classes)."""
     from gpufeed.core.errors import DataError
     from gpufeed.shardset.manifest import read_manifest
-    from tests.train_shards import write_tiny_shards
+    from tests.common.shards import write_tiny_shards
 
     folder = write_tiny_shards(tmp_path / "set", [20])
     m = json.loads((folder / "manifest.json").read_text())
@@ -268,7 +269,7 @@ def test_a_node_of_zero_ranks_is_refused_by_the_launch_check() -> None:
 # ------------------------------------------------------------------- L4: a class name "" is accepted
 def test_an_empty_class_name_in_a_manifest_is_refused(tmp_path: Path) -> None:
     """The threat model says class names are non-empty: the parser refuses ``""`` (train and stage, exit 2)."""
-    from tests.train_shards import write_tiny_shards
+    from tests.common.shards import write_tiny_shards
 
     folder = write_tiny_shards(tmp_path / "set", [4])
     m = json.loads((folder / "manifest.json").read_text())
@@ -301,7 +302,7 @@ def test_tune_checks_out_before_the_sweep_and_a_late_write_failure_names_the_fil
     import time
 
     import gpufeed.tune as tune_module
-    from tests.train_shards import write_tiny_shards
+    from tests.common.shards import write_tiny_shards
 
     shards = write_tiny_shards(tmp_path / "set", [8], image_px=16)
     args = ["tune", shards, "--budget", "3", "--batch-size", "4", "--image-size", "32", "--max-workers", "1",
@@ -324,7 +325,6 @@ def test_tune_checks_out_before_the_sweep_and_a_late_write_failure_names_the_fil
 
 
 # ------------------------------------------- M1: io's steps wait on a stalled remote shard with no bound
-from tests.test_bounds_round2 import raw_server  # noqa: E402,F401 - fixture
 
 
 @pytest.mark.timeout(60)

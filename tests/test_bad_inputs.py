@@ -17,7 +17,8 @@ from PIL import Image
 from gpufeed.config import ShardConfig
 from gpufeed.core.errors import DataError
 from gpufeed.shard import write_shards
-from tests.conftest import invoke, write_image
+from tests.common.cli import invoke
+from tests.common.shards import write_image
 
 LONG = "l" + "o" * 120 + "ng.name.jpg"  # > 100 bytes: does not fit a plain USTAR name
 MAX_PIXELS = 20_000  # the real-pixel bomb below is 200 x 200

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from gpufeed.core.errors import DataError
-from tests.conftest import invoke, invoke_json, write_tar
-from tests.train_shards import write_tiny_shards
+from tests.common.cli import invoke, invoke_json
+from tests.common.shards import write_tar, write_tiny_shards
 
 
 def _jpeg() -> bytes:
@@ -240,85 +240,6 @@ def test_dev_shm_is_still_a_data_path() -> None:
 
 
 # ------------------------------------------------------------------------------------- remote waits and replies
-
-class RawServer:
-    """A loopback HTTP server that answers each request on each of at most ``max_conns`` connections with
-    ``respond(request) -> [(bytes, seconds to wait after sending them), ...]`` (bounded loops: a connection ends
-    when the client closes it or the server is closed)."""
-
-    def __init__(self, respond, max_conns: int = 16) -> None:
-        import socket
-        import threading
-
-        self.respond, self.max_conns = respond, max_conns
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.sock.settimeout(0.1)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.requests: list[bytes] = []
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        for _ in range(self.max_conns):
-            while not self.stopped.is_set():
-                try:
-                    conn, _ = self.sock.accept()
-                    break
-                except socket.timeout:
-                    continue
-                except OSError:
-                    return
-            else:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn) -> None:
-        import time
-
-        conn.settimeout(5)
-        try:
-            for _ in range(16):  # requests on one connection
-                req = b""
-                while b"\r\n\r\n" not in req and len(req) < 65536:
-                    data = conn.recv(4096)
-                    if not data:
-                        return
-                    req += data
-                self.requests.append(req.split(b"\r\n", 1)[0])
-                for data, pause in self.respond(req):
-                    if self.stopped.is_set():
-                        return
-                    conn.sendall(data)
-                    time.sleep(pause)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        self.stopped.set()
-        self.sock.close()
-        self.thread.join(timeout=5)
-
-
-@pytest.fixture
-def raw_server():
-    made = []
-
-    def make(respond):
-        made.append(RawServer(respond))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
-
 
 def _head_ok(size: int) -> bytes:
     return f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nAccept-Ranges: bytes\r\n\r\n".encode()

@@ -6,7 +6,7 @@ import sys
 import click
 import pytest
 
-from tests.conftest import invoke
+from tests.common.cli import invoke
 
 
 JOB_MODULES = ("gpufeed.shard", "gpufeed.verify", "gpufeed.index", "gpufeed.tune", "gpufeed.train", "gpufeed.storage",

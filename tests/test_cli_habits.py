@@ -7,28 +7,18 @@ from __future__ import annotations
 import ast
 import io
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from gpufeed.config import ShardConfig
 from gpufeed.shard import write_shards
-from tests.conftest import invoke
+from tests.common.cli import invoke, python_m
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "gpufeed"
-
-
-def run_cli(args: list[str], env: dict[str, str] | None = None):
-    """Run the CLI in-process with stdout and stderr captured apart (neither is a terminal)."""
-    from gpufeed.cli import cli
-
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, env=env)
 
 
 def one_json(stdout: str) -> dict:
@@ -92,16 +82,17 @@ def test_shard_and_stage_draw_no_bar_when_stderr_is_not_a_terminal(image_folder,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GPUFEED_PROGRESS", raising=False)
     src = image_folder(classes=2, per_class=3)
-    res = run_cli(["shard", src, tmp_path / "set", "--workers", 1, "--shard-samples", 3])
+    res = invoke(["shard", src, tmp_path / "set", "--workers", 1, "--shard-samples", 3], expect=None)
     assert res.exit_code == 0, res.stderr
     assert "%|" not in res.stderr and "img/s" not in res.stderr  # no tqdm bar
-    res = run_cli(["stage", tmp_path / "set", tmp_path / "staged"])
+    res = invoke(["stage", tmp_path / "set", tmp_path / "staged"], expect=None)
     assert res.exit_code == 0, res.stderr
     assert "%|" not in res.stderr
     # forced on, the same runs draw their bars; --quiet wins over the force
-    forced = run_cli(["stage", tmp_path / "set", tmp_path / "staged2"], env={"GPUFEED_PROGRESS": "1"})
+    forced = invoke(["stage", tmp_path / "set", tmp_path / "staged2"], expect=None, env={"GPUFEED_PROGRESS": "1"})
     assert forced.exit_code == 0 and "stage: 100%|" in forced.stderr
-    quiet = run_cli(["stage", tmp_path / "set", tmp_path / "staged3", "--quiet"], env={"GPUFEED_PROGRESS": "1"})
+    quiet = invoke(["stage", tmp_path / "set", tmp_path / "staged3", "--quiet"], expect=None,
+                   env={"GPUFEED_PROGRESS": "1"})
     assert quiet.exit_code == 0 and "%|" not in quiet.stderr
 
 
@@ -118,10 +109,10 @@ def test_quiet_drops_progress_lines_and_notes_but_not_the_json_record(image_fold
                                                                       where: str) -> None:
     folder = image_folder(classes=1, per_class=3)
     args = ["io", folder, "--max-readers", 1, "--seconds", 0.2, "--json"]
-    loud = run_cli([*args, "--run-dir", tmp_path / "a"])
+    loud = invoke([*args, "--run-dir", tmp_path / "a"], expect=None)
     assert loud.exit_code == 0 and "reader(s)" in loud.stderr  # the step lines and the human summary
     quiet_args = [*args, "--quiet"] if where == "command" else ["--quiet", *args]
-    quiet = run_cli([*quiet_args, "--run-dir", tmp_path / "b"])
+    quiet = invoke([*quiet_args, "--run-dir", tmp_path / "b"], expect=None)
     assert quiet.exit_code == 0 and quiet.stderr == ""
     assert one_json(quiet.stdout)["locations"][0]["path"] == str(folder)
 
@@ -131,25 +122,25 @@ def test_quiet_drops_progress_lines_and_notes_but_not_the_json_record(image_fold
 
 def test_json_usage_errors_are_one_json_object_with_exit_2(tmp_path: Path, image_folder) -> None:
     # an input error found by the job
-    res = run_cli(["verify", tmp_path / "nowhere", "--json"])
+    res = invoke(["verify", tmp_path / "nowhere", "--json"], expect=None)
     obj = one_json(res.stdout)
     assert res.exit_code == 2 and obj["exit_code"] == 2 and obj["command"] == "verify"
     assert "does not exist" in obj["error"] and f"error: {obj['error']}" in res.stderr
     # a config file the option loader refuses
     bad = tmp_path / "bad.toml"
     bad.write_text("[shard]\nshard_samples = 0\n")
-    res = run_cli(["shard", image_folder(), tmp_path / "out", "--config", bad, "--json"])
+    res = invoke(["shard", image_folder(), tmp_path / "out", "--config", bad, "--json"], expect=None)
     obj = one_json(res.stdout)
     assert res.exit_code == 2 and obj["exit_code"] == 2 and obj["command"] == "shard"
     assert "shard_samples" in obj["error"] and str(bad) in obj["error"]
     # a usage error Click finds (unknown option, bad value), even before --json is parsed
     for args in (["index", tmp_path, "--json", "--bogus"], ["io", tmp_path, "--seconds", "soon", "--json"]):
-        res = run_cli(args)
+        res = invoke(args, expect=None)
         obj = one_json(res.stdout)
         assert res.exit_code == 2 and obj["exit_code"] == 2 and obj["command"] == args[0], res.stdout
         assert "Usage:" in res.stderr
     # without --json stdout stays empty
-    res = run_cli(["verify", tmp_path / "nowhere"])
+    res = invoke(["verify", tmp_path / "nowhere"], expect=None)
     assert res.exit_code == 2 and res.stdout == ""
 
 
@@ -159,10 +150,10 @@ def test_json_failed_checks_are_one_json_object_with_exit_1(shard_set: Path, ima
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0xFF
     shard.write_bytes(bytes(data))
-    res = run_cli(["verify", shard_set, "--workers", 1, "--json"])
+    res = invoke(["verify", shard_set, "--workers", 1, "--json"], expect=None)
     assert res.exit_code == 1 and one_json(res.stdout)["ok"] is False
-    res = run_cli(["io", image_folder(classes=1, per_class=2), "--max-readers", 1, "--seconds", 0.2,
-                   "--target-rate", 1e9, "--run-dir", tmp_path / "r", "--json"])
+    res = invoke(["io", image_folder(classes=1, per_class=2), "--max-readers", 1, "--seconds", 0.2,
+                  "--target-rate", 1e9, "--run-dir", tmp_path / "r", "--json"], expect=None)
     assert res.exit_code == 1 and one_json(res.stdout)["ok"] is False
     # a started run that fails (RunError, exit 1) is the error object
     from gpufeed import verify
@@ -172,7 +163,7 @@ def test_json_failed_checks_are_one_json_object_with_exit_1(shard_set: Path, ima
         raise RunError("shard x.tar: the disk went away")
 
     monkeypatch.setattr(verify, "verify_shards", broken)
-    res = run_cli(["verify", shard_set, "--json"])
+    res = invoke(["verify", shard_set, "--json"], expect=None)
     assert res.exit_code == 1
     assert one_json(res.stdout) == {"error": "shard x.tar: the disk went away", "exit_code": 1, "command": "verify"}
 
@@ -180,19 +171,12 @@ def test_json_failed_checks_are_one_json_object_with_exit_1(shard_set: Path, ima
 # --------------------------------------------------------------------------- python -m gpufeed, completion
 
 
-def _python_m(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-            **(env or {})}
-    return subprocess.run([sys.executable, "-m", "gpufeed", *args], capture_output=True, text=True, env=full,
-                          timeout=120)
-
-
 def test_python_m_gpufeed_is_the_gpufeed_command() -> None:
     from importlib.metadata import version
 
-    out = _python_m("--version")
+    out = python_m("--version")
     assert out.returncode == 0 and out.stdout.strip() == f"gpufeed, version {version('gpufeed')}"
-    out = _python_m("--help")
+    out = python_m("--help")
     assert out.returncode == 0 and out.stdout.startswith("Usage: gpufeed [OPTIONS] COMMAND")
 
 
@@ -200,9 +184,9 @@ def test_shell_completion_scripts_and_completions() -> None:
     marks = {"bash_source": "complete -o nosort -F _gpufeed_completion gpufeed", "zsh_source": "#compdef gpufeed",
              "fish_source": "complete --no-files --command gpufeed"}
     for shell, mark in marks.items():
-        out = _python_m(env={"_GPUFEED_COMPLETE": shell})
+        out = python_m(env={"_GPUFEED_COMPLETE": shell})
         assert out.returncode == 0 and mark in out.stdout, (shell, out.stdout[:300], out.stderr[-300:])
-    out = _python_m(env={"_GPUFEED_COMPLETE": "bash_complete", "COMP_WORDS": "gpufeed con", "COMP_CWORD": "1"})
+    out = python_m(env={"_GPUFEED_COMPLETE": "bash_complete", "COMP_WORDS": "gpufeed con", "COMP_CWORD": "1"})
     assert out.returncode == 0 and out.stdout.split() == ["plain,config"]
 
 
@@ -212,7 +196,7 @@ def test_shell_completion_scripts_and_completions() -> None:
 def test_config_defaults_is_the_default_config_and_configs_default_toml(tmp_path: Path) -> None:
     from gpufeed.config import Config, load_config, tomllib
 
-    text = run_cli(["config", "--defaults"]).stdout
+    text = invoke(["config", "--defaults"], expect=None).stdout
     tomllib.loads(text)  # parses
     path = tmp_path / "d.toml"
     path.write_text(text, encoding="utf-8")
@@ -226,14 +210,14 @@ def test_config_prints_a_file_resolved_over_the_defaults(tmp_path: Path) -> None
 
     mine = tmp_path / "mine.toml"
     mine.write_text('[loader]\nbatch_size = 8\n[tune]\nram_budget = "3GiB"\n[train]\nsteps = 7\n')
-    res = run_cli(["config", "--config", mine])
+    res = invoke(["config", "--config", mine], expect=None)
     assert res.exit_code == 0
     again = tmp_path / "again.toml"
     again.write_text(res.stdout, encoding="utf-8")
     assert load_config(again) == load_config(mine) != load_config(None)
     assert 'ram_budget = "3GiB"' in res.stdout and "\nsteps = 7\n" in res.stdout
-    assert run_cli(["config"]).exit_code == 2
-    assert run_cli(["config", "--defaults", "--config", mine]).exit_code == 2
+    assert invoke(["config"], expect=None).exit_code == 2
+    assert invoke(["config", "--defaults", "--config", mine], expect=None).exit_code == 2
 
 
 # --------------------------------------------------------------------------- io's run folder
@@ -242,7 +226,7 @@ def test_config_prints_a_file_resolved_over_the_defaults(tmp_path: Path) -> None
 def test_io_leaves_report_md_and_a_chart(image_folder, shard_set: Path, tmp_path: Path) -> None:
     folder = image_folder(classes=1, per_class=4, name="imgs")
     run = tmp_path / "run"
-    res = run_cli(["io", shard_set, folder, "--max-readers", 2, "--seconds", 0.2, "--run-dir", run, "--quiet"])
+    res = invoke(["io", shard_set, folder, "--max-readers", 2, "--seconds", 0.2, "--run-dir", run, "--quiet"], expect=None)
     assert res.exit_code == 0, res.stderr
     assert (run / "io.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((run / "summary.json").read_text())

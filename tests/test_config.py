@@ -140,7 +140,7 @@ def test_absurd_prefetch_factor_is_refused_with_the_bound(tmp_path: Path) -> Non
 
 
 def test_cli_refuses_an_absurd_knob_with_exit_2(tmp_path: Path) -> None:
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     p = tmp_path / "c.toml"
     p.write_text("[loader]\nprefetch_factor = 1000000\n")
@@ -167,7 +167,7 @@ def test_an_integer_too_long_to_convert_is_one_sentence(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as exc:
         load_config(p)
     assert str(exc.value).startswith(f"config file {p} holds a value that cannot be read (")
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     res = invoke(["tune", tmp_path, "--config", p], expect=2)
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1

@@ -8,7 +8,7 @@ import sys
 
 from gpufeed import doctor as d
 from gpufeed.config import LoaderConfig
-from tests.conftest import invoke_json
+from tests.common.cli import invoke_json
 
 GB = 10**9
 V = {"python": "3.11.7", "gpufeed": "0.1.0", "torch": "2.4.0", "torchvision": "0.19.0", "webdataset": "0.2.100",

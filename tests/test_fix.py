@@ -20,7 +20,7 @@ from gpufeed.train import fix
 from gpufeed.train.fix import Candidate, FixInputs, Measured, candidates, helps, run_fixes, stage_target
 from gpufeed.train.records import ModeRecord
 from gpufeed.train.report import render
-from tests.conftest import invoke
+from tests.common.cli import invoke
 
 # --------------------------------------------------------------------------- injected measurements
 
@@ -215,7 +215,7 @@ def test_fix_stages_a_throttled_remote_set_and_keeps_it_only_because_it_measured
     compute here shares 2 busy cores), never storage-bound."""
     import gpufeed.measure.storage_probe as storage_probe
     import gpufeed.shardset.source as source
-    from tests.train_shards import write_tiny_shards
+    from tests.common.shards import write_tiny_shards
 
     monkeypatch.setattr(source, "CHUNK_BYTES", 16 << 10)
     monkeypatch.setattr(storage_probe, "REMOTE_CHUNK_BYTES", 16 << 10)

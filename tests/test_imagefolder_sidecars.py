@@ -13,7 +13,8 @@ from gpufeed.config import ShardConfig
 from gpufeed.core.errors import DataError
 from gpufeed.shardset.manifest import read_manifest
 from gpufeed.shard import CANDIDATE_EXTENSIONS, write_shards
-from tests.conftest import invoke, write_image
+from tests.common.cli import invoke
+from tests.common.shards import write_image
 
 
 def shard(src: Path, dest: Path, **kw) -> object:
@@ -200,7 +201,7 @@ def foreign_shards(folder: Path, gz: bool = False, long: bool = False) -> list[P
     import io
     import tarfile
 
-    from tests.conftest import write_image as _w
+    from tests.common.shards import write_image as _w
 
     img = _w(folder / "_img.jpg", size=(40, 30)).read_bytes()
     (folder / "_img.jpg").unlink()
@@ -276,7 +277,7 @@ def test_index_of_gzip_shards_writes_timm_info_and_says_why_not_the_others(tmp_p
 
 def test_a_member_name_with_white_space_gets_no_dali_index(tmp_path: Path) -> None:
     from gpufeed.index import index_shards
-    from tests.conftest import write_tar
+    from tests.common.shards import write_tar
 
     img = write_image(tmp_path / "i.jpg").read_bytes()
     shards = tmp_path / "shards"
@@ -294,7 +295,7 @@ def test_a_member_name_with_white_space_gets_no_dali_index(tmp_path: Path) -> No
 def test_tar_members_refuses_what_every_reader_refuses(tmp_path: Path) -> None:
     from gpufeed.shardset.tar import TarFormatError
     from gpufeed.shardset.sidecars import tar_members
-    from tests.conftest import write_tar
+    from tests.common.shards import write_tar
 
     good = write_tar(tmp_path / "g.tar", [("a.jpg", b"x" * 1000), ("a.cls", b"1")])
     assert list(tar_members(str(good))) == [("a.jpg", 512, 1000), ("a.cls", 2048, 1)]
@@ -342,8 +343,8 @@ def test_dali_reads_the_index_on_cpu(image_folder, tmp_path: Path) -> None:
 
 def test_stage_writes_the_sidecars_of_the_shards_it_stages(tmp_path: Path, monkeypatch) -> None:
     wids = pytest.importorskip("wids")
-    from tests.conftest import invoke_json
-    from tests.train_shards import write_tiny_shards
+    from tests.common.cli import invoke_json
+    from tests.common.shards import write_tiny_shards
 
     monkeypatch.setenv("WIDS_CACHE", str(tmp_path / "wids-cache"))
     src = write_tiny_shards(tmp_path / "src", [6, 5, 7])
@@ -493,7 +494,7 @@ def test_index_keeps_the_users_own_timm_info_and_wids_json(tmp_path: Path) -> No
 
 def test_verify_and_index_pass_over_the_sidecars(image_folder, tmp_path: Path) -> None:
     from gpufeed.index import resolve_shards
-    from tests.conftest import invoke_json
+    from tests.common.cli import invoke_json
 
     dest = tmp_path / "out"
     shard(image_folder(classes=2, per_class=3), dest, shard_samples=2)

@@ -13,7 +13,8 @@ from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import DataError
 from gpufeed.shardset.manifest import read_manifest
 from gpufeed.core.world import World
-from tests.conftest import WDS_SAMPLE, invoke, invoke_json, write_tar
+from tests.common.cli import invoke, invoke_json
+from tests.common.shards import WDS_SAMPLE, write_tar
 
 FIXTURE = WDS_SAMPLE
 
@@ -140,7 +141,7 @@ def test_index_unwritable_folder_suggests_out(sample_set, monkeypatch):
 
 def test_index_refuses_to_replace_a_gpufeed_shard_manifest(tmp_path):
     from gpufeed.index import index_shards
-    from tests.test_loader import write_set
+    from tests.common.shards import write_set
 
     d = write_set(tmp_path / "own", [3, 3])
     with pytest.raises(DataError, match="already exists"):

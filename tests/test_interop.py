@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import invoke, invoke_json, write_tar
-from tests.train_shards import write_tiny_shards
+from tests.common.cli import invoke, invoke_json
+from tests.common.shards import write_tar, write_tiny_shards
 
 
 def _jpeg() -> bytes:
@@ -162,7 +162,7 @@ def s3_set(s3_server, tmp_path: Path, monkeypatch):
     {"AWS_ENDPOINT_URL_S3": "{moto}", "AWS_ENDPOINT_URL": "{closed}"},  # the service-specific one wins
 ])
 def test_the_s3_endpoint_variables_are_honoured_in_order(s3_set: str, monkeypatch, env: dict) -> None:
-    from tests.netserver import closed_port
+    from tests.common.netserver import closed_port
 
     closed = f"http://127.0.0.1:{closed_port()}"
     for var, value in env.items():
@@ -173,7 +173,7 @@ def test_the_s3_endpoint_variables_are_honoured_in_order(s3_set: str, monkeypatc
 
 def test_an_unreachable_endpoint_fails_at_once_naming_it_and_the_variables(s3_set: str, monkeypatch) -> None:
     from gpufeed.shardset import source
-    from tests.netserver import closed_port
+    from tests.common.netserver import closed_port
 
     closed = f"http://127.0.0.1:{closed_port()}"
     monkeypatch.setenv("S3_ENDPOINT_URL", closed)

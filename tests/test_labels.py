@@ -12,7 +12,8 @@ from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import DataError
 from gpufeed.shardset.manifest import (MAX_LABEL_JSON_BYTES, LabelError, MissingLabel, read_label, read_manifest)
 from gpufeed.core.world import World
-from tests.conftest import invoke, invoke_json, write_image, write_tar
+from tests.common.cli import invoke, invoke_json
+from tests.common.shards import write_image, write_tar
 
 # (key, caption/.txt class name, json "label", json "label_id") as img2dataset-like samples, in tar order
 SAMPLES = [("000000000", "dog", "cat", 3), ("000000001", "cat", "dog", 0), ("000000002", "dog", "bird", 1),

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpufeed.core.errors import DataError
-from tests.conftest import invoke, invoke_json, write_tar
-from tests.train_shards import write_tiny_shards
+from tests.common.cli import invoke, invoke_json
+from tests.common.shards import write_tar, write_tiny_shards
 
 SECRET = "AWS_SECRET_ACCESS_KEY=hunter2-do-not-leak"
 
@@ -216,7 +216,7 @@ def test_a_manifest_linked_out_of_its_folder_is_refused_unless_the_user_named_it
 
 
 def _labelled_shard(folder: Path) -> Path:
-    from tests.conftest import write_image
+    from tests.common.shards import write_image
 
     folder.mkdir()
     img = (write_image(folder / "x.jpg")).read_bytes()

@@ -3,84 +3,18 @@
 from __future__ import annotations
 
 import io
-import json
 import random
 import tarfile
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import DataError
-from gpufeed.shardset.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
 from gpufeed.core.world import World
-from tests.conftest import write_tar
-
-
-def smooth_image(w: int, h: int, seed: int) -> Image.Image:
-    """A smooth photo-like RGB image (gradients + a few soft blobs) so decoders have content to agree on."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
-    arr = np.zeros((h, w, 3), np.float32)
-    for c in range(3):
-        arr[..., c] = 128 + 60 * np.sin(xx / (15 + 10 * rng.random()) + c) * np.cos(yy / (20 + 10 * rng.random()))
-    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "RGB")
-
-
-def encode(img: Image.Image, fmt: str = "JPEG", **kw) -> bytes:
-    b = io.BytesIO()
-    img.save(b, fmt, **kw)
-    return b.getvalue()
-
-
-def write_set(dest: Path, shard_sizes: list[int], *, num_classes: int = 3, size: tuple[int, int] = (40, 32),
-              corrupt: set[int] = frozenset(), make=None) -> Path:
-    """gpufeed-format shards (KEY.jpg / KEY.cls / KEY.json) + manifest.json. Sample n has key s{n:05d}, label n % C.
-
-    ``make(n) -> (ext, bytes)`` overrides the image of sample n; ``corrupt`` samples get truncated JPEG bytes.
-    """
-    dest.mkdir(parents=True, exist_ok=True)
-    n = 0
-    shards = []
-    for si, count in enumerate(shard_sizes):
-        name = f"train-{si:06d}.tar"
-        members = []
-        for _ in range(count):
-            key = f"s{n:05d}"
-            ext, data = make(n) if make else ("jpg", encode(smooth_image(*size, n), quality=95))
-            if n in corrupt:
-                data = data[: len(data) // 3]
-            members += [(f"{key}.{ext}", data), (f"{key}.cls", str(n % num_classes).encode()),
-                        (f"{key}.json", json.dumps({"source": f"{key}.{ext}"}).encode())]
-            n += 1
-        write_tar(dest / name, members)
-        shards.append(ShardInfo(name=name, num_samples=count, bytes=(dest / name).stat().st_size, sha256=None))
-    m = Manifest(prefix="train", classes=[f"c{i}" for i in range(num_classes)], shards=shards, num_samples=n,
-                 total_bytes=sum(s.bytes for s in shards), url_pattern=brace_pattern([s.name for s in shards]))
-    write_manifest(dest, m)
-    return dest
-
-
-def sizes_as_found(shards: Path) -> None:
-    """Record each shard's size as it is now in the set's manifest: a shard damaged (or crafted) with a manifest
-    that matches its size, so that the reader's own checks, not the loader's size check, must find it."""
-    path = shards / "manifest.json"
-    d = json.loads(path.read_text())
-    for s in d["shards"]:
-        s["bytes"] = (shards / s["name"]).stat().st_size
-    d["total_bytes"] = sum(s["bytes"] for s in d["shards"])
-    path.write_text(json.dumps(d))
-
-
-def cfg(**kw) -> LoaderConfig:
-    base = dict(batch_size=4, num_workers=0, image_size=16, shuffle_buffer=8, decode="pil", persistent_workers=False,
-                prefetch_factor=2, pin_memory=False)
-    base.update(kw)
-    return LoaderConfig(**base)
+from tests.common.shards import cfg, encode, smooth_image, write_set, write_tar
 
 
 @pytest.fixture

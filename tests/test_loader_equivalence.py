@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from gpufeed.loader import decode as dec
-from tests.test_loader import encode, smooth_image
+from tests.common.shards import encode, smooth_image
 
 S = 32
 FIXTURE = Path(__file__).parent / "fixtures" / "webdataset-sample.tgz"

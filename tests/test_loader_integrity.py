@@ -11,7 +11,7 @@ import pytest
 
 from gpufeed.core.errors import DataError
 from gpufeed.core.world import World
-from tests.test_loader import cfg, sizes_as_found, write_set
+from tests.common.shards import cfg, sizes_as_found, write_set
 
 
 def _ids_set(tmp_path: Path, sizes=(6, 6)) -> Path:
@@ -168,8 +168,7 @@ def test_a_sample_with_a_member_twice_is_refused_not_silently_one_of_them(tmp_pa
     from gpufeed.loader import build_loader
     from gpufeed.shardset.manifest import FORMAT_NAME
     from gpufeed.core.world import World
-    from tests.conftest import write_tar
-    from tests.test_loader import encode, smooth_image
+    from tests.common.shards import encode, smooth_image, write_tar
 
     jpg = encode(smooth_image(16, 12, 0))
     members = [("a.jpg", jpg), ("a.cls", b"0"), ("b.jpg", jpg), ("b.cls", b"0"), ("b.cls", b"1"),

@@ -9,14 +9,14 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gpufeed.core.errors import DataError, GpufeedError
 from gpufeed.core.world import World
-from tests.test_loader import cfg, write_set
+from tests.common.shards import cfg, write_set
 
 BAD = {3, 10, 17}
 """Samples whose image is not an image at all: refused from the header, under on_error = "skip"."""
 
 
 def _resume_set(tmp_path, sizes):
-    from tests.test_loader import encode, smooth_image
+    from tests.common.shards import encode, smooth_image
 
     def make(n):
         return ("jpg", b"not an image" if n in BAD else encode(smooth_image(40, 32, n), quality=95))

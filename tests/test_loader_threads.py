@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpufeed.core.world import World
-from tests.test_loader import cfg, encode, smooth_image, write_set
+from tests.common.shards import cfg, encode, smooth_image, write_set
 
 NOT_IMAGE = {3, 17}
 """Refused from the header."""

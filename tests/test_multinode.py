@@ -5,46 +5,15 @@ the summary and the report, the note of the node without rank 0) run as they wou
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.train_shards import write_tiny_shards
-
-
-def free_port() -> int:
-    """A port nobody listens on now: the kernel's pick for a socket bound to port 0."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a launcher that is still running, its process group, and its descendants (torchrun starts each
-    rank in a session of its own, out of the launcher's group)."""
-    import psutil
-
-    if proc.poll() is not None:
-        return
-    try:
-        family = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for p in family:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
+from tests.common.cli import kill_tree
+from tests.common.netserver import closed_port
+from tests.common.shards import write_tiny_shards
 
 
 def run_nodes(commands: list[list[str]], timeout: float = 150) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
@@ -66,7 +35,7 @@ def run_nodes(commands: list[list[str]], timeout: float = 150) -> tuple[list[sub
 @pytest.mark.timeout(180)
 def test_two_nodes_over_a_loopback_rendezvous(tmp_path: Path) -> None:
     shards = write_tiny_shards(tmp_path / "shards", [16, 16, 16, 16])
-    port = free_port()
+    port = closed_port()
     args = ["--shards", str(shards), "--arch", "resnet18", "--image-size", "32", "--batch-size", "4",
             "--num-workers", "0", "--amp", "off", "--steps", "2", "--device", "cpu", "--threads", "1", "--quiet",
             "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -106,7 +75,7 @@ def test_node_split_over_node_staged_copies_keeps_every_rank_in_step(tmp_path: P
     """``gpufeed stage --num-nodes 2`` gives each node its own shards (node 0: shards 0 and 2, 32 samples; node 1:
     shard 1, 8), then ``train`` with ``shard_split = "node"`` over a static rendezvous: each node reads only its
     copy, and both ranks stop at node 1's 2 batches an epoch, so two epochs are 4 DDP steps on both nodes."""
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     shards = write_tiny_shards(tmp_path / "shards", [16, 8, 16])
     copies = [tmp_path / "node0-nvme", tmp_path / "node1-nvme"]
@@ -115,7 +84,7 @@ def test_node_split_over_node_staged_copies_keeps_every_rank_in_step(tmp_path: P
     assert sorted(p.name for p in copies[1].glob("*.tar")) == ["train-000001.tar"]
     config = tmp_path / "gpufeed.toml"
     config.write_text('[loader]\nshard_split = "node"\n')
-    port = free_port()
+    port = closed_port()
     args = ["--config", str(config), "--arch", "resnet18", "--image-size", "32", "--batch-size", "4",
             "--num-workers", "0", "--amp", "off", "--epochs", "2", "--device", "cpu", "--threads", "1", "--quiet",
             "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),

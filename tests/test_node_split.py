@@ -14,7 +14,7 @@ import torch
 
 from gpufeed.core.errors import DataError
 from gpufeed.core.world import World, node_from_env, node_shards
-from tests.test_loader import cfg, write_set
+from tests.common.shards import cfg, write_set
 
 
 def node_world(node: int, num_nodes: int, local_rank: int = 0, local_world_size: int = 1) -> World:
@@ -206,7 +206,7 @@ def test_storage_probe_and_tune_read_a_node_staged_set_as_its_node(tmp_path):
     gpufeed io) reads those, not the absent shard 0, and tune measures it as node 1's ranks read it in training."""
     from gpufeed.measure.storage_probe import probe, resolve_location
     from gpufeed.tune import check_shard_set, measure_node, staged_world
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
     dest = tmp_path / "n1"
@@ -271,7 +271,7 @@ def test_tune_measures_two_ranks_of_a_node_staged_set_at_once(tmp_path):
     """--nproc-per-node 2 on a set staged for node 1 of 2: the rank processes are global ranks 2 and 3, and each
     reports under its local rank (keyed by global rank, the trial failed with "KeyError: 0")."""
     from gpufeed.tune import measure_node, staged_world
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
     dest = tmp_path / "n1"
@@ -320,7 +320,7 @@ def test_doctor_sizes_a_node_staged_set_by_the_shards_staged_there(tmp_path):
     """doctor's "fits in RAM" check on a set staged for node 1 of 2: the bytes of shards 1 and 3, not the whole set
     the manifest lists."""
     from gpufeed import doctor
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     shards = write_set(tmp_path / "set", [6, 5, 7, 6], num_classes=4)
     sizes = [p.stat().st_size for p in sorted(shards.glob("*.tar"))]

@@ -14,7 +14,7 @@ import pytest
 
 from gpufeed.config import PlanConfig
 from gpufeed.core.errors import ConfigError, DataError
-from tests.conftest import invoke, invoke_json
+from tests.common.cli import invoke, invoke_json
 
 GIB = 1 << 30
 

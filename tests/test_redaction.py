@@ -12,11 +12,10 @@ import stat
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from gpufeed.core.redact import redact
-from tests.conftest import invoke
-from tests.train_shards import write_tiny_shards
+from tests.common.cli import invoke
+from tests.common.shards import write_tiny_shards
 
 # --------------------------------------------------------------------------- the parser, over many shapes
 
@@ -164,15 +163,6 @@ def _leaks(folder: Path, allowed: set[Path] = frozenset()) -> list[str]:
     return found
 
 
-def _cli(args: list[str], expect: int | None = 0, **env: str):
-    from gpufeed.cli import cli
-
-    r = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, env=env or None)
-    if expect is not None:
-        assert r.exit_code == expect, (r.stdout, r.stderr)
-    return r
-
-
 @pytest.mark.parametrize("scheme", ["http", "HTTP"])
 def test_io_on_a_url_with_a_password_prints_and_records_none_of_it(served, tmp_path: Path, scheme: str) -> None:
     from gpufeed.measure.storage_probe import io_record_rate
@@ -181,8 +171,8 @@ def test_io_on_a_url_with_a_password_prints_and_records_none_of_it(served, tmp_p
     run = tmp_path / "run"
     out = {}
     for as_json in (False, True):
-        r = _cli(["io", url, "--seconds", "0.2", "--max-readers", "1", "--run-dir", run,
-                  *(["--json"] if as_json else [])])
+        r = invoke(["io", url, "--seconds", "0.2", "--max-readers", "1", "--run-dir", run,
+                    *(["--json"] if as_json else [])])
         out[as_json] = r
         assert "ss w" not in r.stdout + r.stderr and PW not in r.stdout + r.stderr
     rec = json.loads(out[True].stdout)
@@ -198,9 +188,9 @@ def test_io_on_a_url_with_a_password_prints_and_records_none_of_it(served, tmp_p
 def test_a_failing_url_is_one_sentence_without_its_password_even_verbose(served) -> None:
     url = _with_password(served).replace("/set", "/nothing")
     for env in ({}, {"GPUFEED_VERBOSE": "1"}):
-        r = _cli(["io", url], expect=2, **env)
+        r = invoke(["io", url], expect=2, env=env)
         assert "ss w" not in r.stdout + r.stderr and "alice:***@" in r.stderr, r.stderr
-        r = _cli(["verify", url, "--no-decode"], expect=2, **env)
+        r = invoke(["verify", url, "--no-decode"], expect=2, env=env)
         assert "ss w" not in r.stdout + r.stderr and "alice:***@" in r.stderr, r.stderr
 
 
@@ -209,9 +199,9 @@ def test_tune_out_on_a_url_with_a_password_writes_none_of_it(served, tmp_path: P
     from gpufeed.tune import PASSWORD_REMOVED
 
     out, run = tmp_path / "tuned.toml", tmp_path / "run"
-    r = _cli(["tune", _with_password(served, "HTTP"), "--budget", "6", "--max-workers", "0", "--batch-size", "4",
-              "--image-size", "16", "--repeats", "1", "--window", "0.2", "--storage-probe-s", "0", "--device", "cpu",
-              "--run-dir", run, "--out", out, "--json"])
+    r = invoke(["tune", _with_password(served, "HTTP"), "--budget", "6", "--max-workers", "0", "--batch-size", "4",
+                "--image-size", "16", "--repeats", "1", "--window", "0.2", "--storage-probe-s", "0", "--device",
+                "cpu", "--run-dir", run, "--out", out, "--json"])
     assert "ss w" not in r.stdout + r.stderr
     obj = json.loads(r.stdout)
     assert obj["best"] is not None and not [t["error"] for t in obj["trials"] if t["error"]]

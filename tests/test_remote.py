@@ -11,10 +11,9 @@ import torch
 
 from gpufeed.core.errors import DataError
 from gpufeed.core.world import World
-from tests.conftest import invoke, invoke_json
-from tests.netserver import closed_port
-from tests.test_loader import cfg, write_set
-from tests.train_shards import write_tiny_shards
+from tests.common.cli import invoke, invoke_json
+from tests.common.netserver import closed_port
+from tests.common.shards import cfg, write_set, write_tiny_shards
 
 SIZES = [7, 5, 6, 4]  # 22 samples, labels = sample ids (write_set)
 

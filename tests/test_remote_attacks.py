@@ -8,62 +8,20 @@ import json
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import tracemalloc
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from gpufeed.core.errors import DataError
 from gpufeed.shardset import source
-
-
-class Hostile:
-    """A loopback HTTP server whose every GET/HEAD is answered by ``self.handler(request) -> None`` (set by the
-    test); ``sent`` counts body bytes written, ``gets`` GET requests seen."""
-
-    def __init__(self) -> None:
-        self.handler = None
-        self.sent = 0
-        self.gets = 0
-        self.headers: list[dict] = []
-        hostile = self
-
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                hostile.gets += 1
-                hostile.headers.append(dict(self.headers))
-                try:
-                    hostile.handler(self)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-            do_HEAD = do_GET
-
-            def write(self, data: bytes) -> None:
-                self.wfile.write(data)
-                hostile.sent += len(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+from tests.common.netserver import HandlerServer
 
 
 @pytest.fixture
 def hostile(monkeypatch):
     monkeypatch.setattr(source, "_FS", {})
-    server = Hostile()
+    server = HandlerServer()
     try:
         yield server
     finally:
@@ -201,7 +159,7 @@ def test_a_password_in_the_url_is_not_printed(http_server, fast_retry):
 def test_a_password_in_the_url_is_not_written_to_records(http_server, tmp_path):
     from gpufeed.index import index_shards
     from gpufeed.verify import verify_shards
-    from tests.test_loader import write_set
+    from tests.common.shards import write_set
 
     write_set(http_server.root / "set", [3, 2], num_classes=5)
     url = f"http://alice:s3cr3t@127.0.0.1:{http_server.port}/set/train-{{000000..000001}}.tar"
@@ -223,7 +181,7 @@ def test_a_redirect_loop_is_named(hostile):
 # Finding H: shard names (and root parts) were URL-quoted for s3:// too, where s3fs takes the key literally: a
 # shard named 'train é 0.tar' (a valid name) was looked up as 'train%20%C3%A9%200.tar' and not found.
 def test_an_s3_shard_name_with_a_space_and_unicode_is_read(s3_server, tmp_path):
-    from tests.test_loader import write_set
+    from tests.common.shards import write_set
     from tests.test_remote import batches
 
     client, _ = s3_server

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import invoke, invoke_json
+from tests.common.cli import invoke, invoke_json
+from tests.common.shards import write_tiny_shards
 from tests.test_stage import kill_stage_mid_copy
-from tests.train_shards import write_tiny_shards
 
 
 

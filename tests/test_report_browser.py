@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.browser import install_chromium, open_page
-from tests.conftest import invoke
+from tests.common.cli import invoke
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import TrainConfig, load_config
-from tests.conftest import invoke, invoke_json
+from tests.common.cli import invoke, invoke_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

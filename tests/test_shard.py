@@ -21,7 +21,8 @@ from gpufeed.config import ShardConfig
 from gpufeed.core.errors import DataError, RunError
 from gpufeed.shardset.manifest import read_manifest
 from gpufeed.shard import plan_num_shards, split_sizes, write_shards
-from tests.conftest import invoke, invoke_json, write_image
+from tests.common.cli import invoke, invoke_json
+from tests.common.shards import write_image
 
 
 def shard(src: Path, dest: Path, try_one_pass: bool = True, pool_factory=None, **kw) -> object:

@@ -17,7 +17,8 @@ import pytest
 
 from gpufeed.config import ShardConfig
 from gpufeed.shard import write_shards
-from tests.conftest import write_image
+from tests.common.cli import cli_argv
+from tests.common.shards import write_image
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG and fork are Linux features")
 
@@ -44,9 +45,8 @@ def test_kill_9_of_the_main_process_frees_dest(tmp_path: Path) -> None:
     ref = tmp_path / "ref"
     write_shards(ShardConfig(src=str(src), dest=str(ref), shard_samples=20, workers=2), progress=False)
     dest = tmp_path / "out"
-    code = "import sys\nfrom gpufeed.cli import cli\nsys.argv[0] = 'gpufeed'\ncli()\n"
-    proc = subprocess.Popen([sys.executable, "-c", code, "shard", str(src), str(dest), "--workers", "2",
-                             "--shard-samples", "20", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cli_argv("shard", src, dest, "--workers", "2", "--shard-samples", "20", "--quiet"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     workers: list[psutil.Process] = []
     try:
         main = psutil.Process(proc.pid)

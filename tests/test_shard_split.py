@@ -18,7 +18,8 @@ from gpufeed.config import ShardConfig
 from gpufeed.core.errors import ConfigError
 from gpufeed.shard import write_shards
 from gpufeed.shard.split import BatchStore, NodeSplit, node_split, val_name
-from tests.conftest import invoke, write_image
+from tests.common.cli import cli_argv, invoke
+from tests.common.shards import write_image
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the kill test uses fork and SIGKILL")
 
@@ -70,9 +71,8 @@ def test_three_nodes_in_any_order(tmp_path: Path) -> None:
 
 
 def _node(src: Path, dest: Path, rank: int, *extra: str) -> subprocess.Popen:
-    code = "import sys\nfrom gpufeed.cli import cli\nsys.argv[0] = 'gpufeed'\ncli()\n"
-    return subprocess.Popen([sys.executable, "-c", code, "shard", str(src), str(dest), "--workers", "1",
-                             "--shard-samples", "4", "--num-nodes", "2", "--node-rank", str(rank), "--quiet", *extra],
+    return subprocess.Popen(cli_argv("shard", src, dest, "--workers", "1", "--shard-samples", "4", "--num-nodes", "2",
+                                     "--node-rank", rank, "--quiet", *extra),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

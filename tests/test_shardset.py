@@ -13,7 +13,7 @@ import pytest
 
 from gpufeed.shardset.keys import SampleGrouper, is_metadata, split_member, wanted
 from gpufeed.shardset.tar import iter_members, iter_samples, ustar_header
-from tests.conftest import write_tar
+from tests.common.shards import write_tar
 
 
 @pytest.mark.parametrize("name, expected", [

@@ -24,9 +24,9 @@ import torch
 from gpufeed.config import LoaderConfig, TrainConfig
 from gpufeed.core.errors import ConfigError, RunError
 from gpufeed.core.world import World, check_launch_env, join
-from tests.conftest import invoke
-from tests.test_multinode import free_port, kill_tree
-from tests.train_shards import write_tiny_shards
+from tests.common.cli import invoke, kill_tree
+from tests.common.netserver import closed_port
+from tests.common.shards import write_tiny_shards
 
 LOADER = LoaderConfig(batch_size=4, num_workers=0, image_size=32, shuffle_buffer=16, decode="pil", pin_memory=False)
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -199,7 +199,7 @@ def test_a_consistent_or_absent_launch_environment_passes(clean_env) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_rank_that_never_joins_ends_the_rendezvous_within_its_bound_naming_it(clean_env) -> None:
-    env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(closed_port()),
            "GPUFEED_RENDEZVOUS_TIMEOUT_S": "2"}
     with pytest.raises(RunError, match=r"rendezvous: ranks 1, 2 of 3 did not join within 2 s"):
         join(World(rank=0, world_size=3), env)
@@ -207,7 +207,7 @@ def test_a_rank_that_never_joins_ends_the_rendezvous_within_its_bound_naming_it(
 
 @pytest.mark.timeout(60)
 def test_a_rank_whose_rank_0_never_comes_ends_within_its_bound_naming_rank_0(clean_env) -> None:
-    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(closed_port()),
            "GPUFEED_RENDEZVOUS_TIMEOUT_S": "2"}
     with pytest.raises(RunError, match=r"rendezvous: rank 1 could not reach the store at 127\.0\.0\.1:\d+ within "
                                        r"2 s: rank 0 did not come"):
@@ -392,7 +392,7 @@ def test_a_rank_alone_in_a_world_of_two_says_which_rank_did_not_come(shards, tmp
     from gpufeed.train.launch import main
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(free_port()), "GPUFEED_RENDEZVOUS_TIMEOUT_S": "2"}.items():
+                 "MASTER_PORT": str(closed_port()), "GPUFEED_RENDEZVOUS_TIMEOUT_S": "2"}.items():
         clean_env.setenv(k, v)
     assert main([str(_rank_config(shards, tmp_path))]) == 1
     err = capsys.readouterr().err.strip().splitlines()

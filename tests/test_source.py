@@ -11,8 +11,8 @@ import pytest
 from gpufeed.core.errors import DataError
 from gpufeed.shardset import source
 from gpufeed.shardset.source import Retry, SourceError, is_remote, open_set, open_shard
-from tests.netserver import closed_port
-from tests.train_shards import write_tiny_shards
+from tests.common.netserver import closed_port
+from tests.common.shards import write_tiny_shards
 
 
 @pytest.fixture

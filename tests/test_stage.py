@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from gpufeed.core.errors import DataError
-from tests.conftest import invoke, invoke_json
-from tests.train_shards import write_tiny_shards
+from tests.common.cli import invoke, invoke_json
+from tests.common.shards import write_tiny_shards
 
 SIDE = ".gpufeed-stage"
 

@@ -15,8 +15,8 @@ from gpufeed.config import IoConfig
 from gpufeed.shardset.manifest import read_manifest
 from gpufeed.measure.storage_probe import filesystem_of, reader_ladder
 from gpufeed.storage import measure_io
-from tests.conftest import invoke, invoke_json
-from tests.train_shards import write_tiny_shards
+from tests.common.cli import invoke, invoke_json
+from tests.common.shards import write_tiny_shards
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from gpufeed.storage import measure_io
 from gpufeed.train.records import RankTiming, aggregate
 from gpufeed.measure.verdict import classify
 from gpufeed.core.world import World
-from tests.conftest import invoke
-from tests.train_shards import write_tiny_shards
+from tests.common.cli import invoke
+from tests.common.shards import write_tiny_shards
 
 TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--num-workers", "0", "--amp", "off",
         "--device", "cpu", "--quiet", "--threads", "1", "--measure", "--measure-steps", "3"]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import gpufeed
-from tests.conftest import WDS_SAMPLE
+from tests.common.shards import WDS_SAMPLE
 
 SRC = Path(gpufeed.__file__).resolve().parent
 JOBS = ("shard", "verify", "index", "tune", "train", "storage", "stage", "doctor", "memplan", "synth")

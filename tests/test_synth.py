@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import invoke, invoke_json
+from tests.common.cli import invoke, invoke_json
 
 pytest.importorskip("skimage")
 

@@ -12,8 +12,8 @@ from gpufeed.core.errors import ConfigError
 from gpufeed.train.launch import launch, torchrun_command
 from gpufeed.train import Trainer, lr_at, train
 from gpufeed.core.world import World
-from tests.conftest import invoke
-from tests.train_shards import write_tiny_shards
+from tests.common.cli import invoke
+from tests.common.shards import write_tiny_shards
 
 LOADER = LoaderConfig(batch_size=4, num_workers=0, image_size=32, shuffle_buffer=16, decode="pil", pin_memory=False)
 
@@ -745,7 +745,7 @@ def test_class_lists_must_fit_the_model_and_agree_with_validation(shards, tmp_pa
     import json as _json
     import shutil
 
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     args = ["train", "--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--num-workers", "0",
             "--amp", "off", "--steps", "1", "--device", "cpu", "--quiet"]
@@ -768,7 +768,7 @@ def test_a_full_disk_while_checkpointing_is_a_failed_run_exit_1(shards, tmp_path
 
     import gpufeed.train.checkpoint as ck
 
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     def full(obj, path):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

@@ -16,8 +16,8 @@ import pytest
 
 from gpufeed.core.errors import DataError
 from gpufeed.core.world import World
-from tests.conftest import invoke, write_tar
-from tests.test_loader import cfg, write_set
+from tests.common.cli import invoke
+from tests.common.shards import cfg, write_set, write_tar
 
 SIZES = [6, 6]
 
@@ -250,7 +250,7 @@ def test_a_remote_shard_swapped_for_a_copy_of_another_is_refused(http_server):
 
 @pytest.fixture(scope="module")
 def two_sets(tmp_path_factory):
-    from tests.train_shards import write_tiny_shards
+    from tests.common.shards import write_tiny_shards
 
     root = tmp_path_factory.mktemp("sets")
     return write_tiny_shards(root / "forty", [20, 20]), write_tiny_shards(root / "sixty", [20, 20, 20], seed=3)
@@ -339,7 +339,7 @@ def test_the_options_are_checked_config_fields():
 
 def test_the_cli_refuses_another_set_in_one_sentence_and_resumes_with_resume_other_set(two_sets, checkpoint_of_forty,
                                                                                        tmp_path):
-    from tests.conftest import invoke_json
+    from tests.common.cli import invoke_json
     from tests.test_train import TINY_ARGS
 
     ck = tmp_path / "ck"

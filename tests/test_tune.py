@@ -4,7 +4,6 @@ and one real end-to-end sweep on tiny shards."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import time
 from pathlib import Path
@@ -16,51 +15,11 @@ from gpufeed.config import LoaderConfig, TuneConfig, load_config
 from gpufeed.core.errors import DataError
 from gpufeed.tune import Decision, TrialRecord, TuneReport, trial_record, tune
 from gpufeed.core.world import World
-from tests.conftest import invoke_json, write_tar
+from tests.common.cli import invoke_json
+from tests.common.shards import make_shards
 
 
 # --------------------------------------------------------------------------- tiny shards
-
-
-def make_shards(dest: Path, *, classes: int = 3, per_class: int = 16, size: tuple[int, int] = (48, 40),
-                num_shards: int = 4) -> Path:
-    """A gpufeed-format shard set (KEY.jpg, KEY.cls, KEY.json + manifest.json) written directly."""
-    import hashlib
-
-    import numpy as np
-    from PIL import Image
-
-    from gpufeed.shardset.manifest import Manifest, ShardInfo, brace_pattern, write_manifest
-
-    dest.mkdir(parents=True, exist_ok=True)
-    samples = []
-    for c in range(classes):
-        for i in range(per_class):
-            w, h = size
-            yy, xx = np.mgrid[0:h, 0:w]
-            arr = np.stack([(40 * c + 3 * xx) % 256, (17 * i + 5 * yy) % 256, (xx + yy) % 256], -1).astype(np.uint8)
-            buf = io.BytesIO()
-            Image.fromarray(arr, "RGB").save(buf, "JPEG", quality=90)
-            samples.append((f"c{c}_{i:04d}", c, buf.getvalue(), w, h))
-    samples.sort(key=lambda s: hashlib.md5(s[0].encode()).hexdigest())
-    infos = []
-    for k in range(num_shards):
-        name = f"train-{k:06d}.tar"
-        part = samples[k::num_shards]
-        members = []
-        for key, c, data, w, h in part:
-            meta = json.dumps({"source": f"class_{c}/{key}.jpg", "class": f"class_{c}", "width": w,
-                               "height": h}).encode()
-            members += [(f"{key}.jpg", data), (f"{key}.cls", str(c).encode()), (f"{key}.json", meta)]
-        write_tar(dest / name, members)
-        raw = (dest / name).read_bytes()
-        infos.append(ShardInfo(name=name, num_samples=len(part), bytes=len(raw),
-                               sha256=hashlib.sha256(raw).hexdigest()))
-    total = sum(s.bytes for s in infos)
-    write_manifest(dest, Manifest(
-        prefix="train", classes=[f"class_{c}" for c in range(classes)], shards=infos, num_samples=len(samples),
-        total_bytes=total, mean_sample_bytes=total / len(samples), url_pattern=brace_pattern([s.name for s in infos])))
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -523,7 +482,7 @@ def test_cli_tune_json_prints_one_object(tiny_shards: Path, tmp_path: Path) -> N
 
 
 def test_cli_tune_missing_shards_is_a_usage_error(tmp_path: Path) -> None:
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     res = invoke(["tune", tmp_path, "--budget", "5"], expect=2)
     assert "manifest" in res.stderr or "gpufeed index" in res.stderr
@@ -533,7 +492,7 @@ def test_missing_shard_file_is_exit_2_from_tune_as_from_train(tiny_shards: Path,
     """The manifest is there, one shard file is not: both jobs refuse before work starts, in one sentence."""
     import shutil
 
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     dest = tmp_path / "set"
     shutil.copytree(tiny_shards, dest)
@@ -787,7 +746,7 @@ def test_cli_tune_reads_the_layout_from_train_and_refuses_an_incomparable_baseli
                                                                                   tmp_path: Path) -> None:
     """``[train] nproc_per_node`` is the layout tune measures when the command line does not say; an ImageFolder
     baseline (one loader) cannot be set against an aggregate of ranks, so that is refused before any trial."""
-    from tests.conftest import invoke
+    from tests.common.cli import invoke
 
     config = tmp_path / "cfg.toml"
     config.write_text("[train]\nnproc_per_node = 3\n")

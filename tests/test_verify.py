@@ -15,7 +15,8 @@ from gpufeed.core.errors import DataError
 from gpufeed.shardset.manifest import Manifest, ShardInfo, write_manifest
 from gpufeed.shard import write_shards
 from gpufeed.verify import render_verify, verify_shards
-from tests.conftest import WDS_SAMPLE, invoke, invoke_json, write_image, write_tar
+from tests.common.cli import invoke, invoke_json
+from tests.common.shards import WDS_SAMPLE, write_image, write_tar
 
 
 @pytest.fixture
@@ -302,7 +303,7 @@ def test_verify_finds_a_tar_cut_at_a_member_boundary(tmp_path: Path, gzip: bool)
 
 
 def _node_staged(tmp_path):
-    from tests.train_shards import write_tiny_shards
+    from tests.common.shards import write_tiny_shards
 
     src = write_tiny_shards(tmp_path / "src", [6, 5, 7, 6, 4])
     dest = tmp_path / "node1"

@@ -1,7 +1,9 @@
-"""A loopback HTTP server for remote-shard tests: serves one folder on 127.0.0.1 (GET, HEAD, one Range), with
-per-test faults. Used through the ``http_server`` fixture of conftest.py.
+"""Loopback servers on 127.0.0.1 for remote tests: :class:`LoopbackServer` serves one folder (GET, HEAD, one Range)
+with per-test faults (through the ``http_server`` fixture of conftest.py); :class:`HandlerServer` answers each
+request with a handler the test sets; :class:`RawServer` writes scripted bytes on raw sockets; :func:`closed_port`
+is a port nothing listens on.
 
-Knobs (attributes of :class:`Faults`, changed by a test while the server runs):
+Knobs of :class:`LoopbackServer` (attributes of :class:`Faults`, changed by a test while the server runs):
 
 - ``bandwidth``: bytes per second for every response body (0: unlimited), for a throttled source;
 - ``missing``: paths (``/train-000000.tar``) answered 404;
@@ -21,7 +23,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
@@ -145,6 +147,105 @@ class LoopbackServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+class HandlerServer:
+    """A loopback HTTP server whose every GET/HEAD is answered by ``self.handler(request) -> None`` (set by the
+    test); ``sent`` counts body bytes written, ``gets`` GET requests seen."""
+
+    def __init__(self) -> None:
+        self.handler = None
+        self.sent = 0
+        self.gets = 0
+        self.headers: list[dict] = []
+        server = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                server.gets += 1
+                server.headers.append(dict(self.headers))
+                try:
+                    server.handler(self)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            do_HEAD = do_GET
+
+            def write(self, data: bytes) -> None:
+                self.wfile.write(data)
+                server.sent += len(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class RawServer:
+    """A loopback HTTP server that answers each request on each of at most ``max_conns`` connections with
+    ``respond(request) -> [(bytes, seconds to wait after sending them), ...]`` (bounded loops: a connection ends
+    when the client closes it or the server is closed)."""
+
+    def __init__(self, respond, max_conns: int = 16) -> None:
+        self.respond, self.max_conns = respond, max_conns
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests: list[bytes] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        for _ in range(self.max_conns):
+            while not self.stopped.is_set():
+                try:
+                    conn, _ = self.sock.accept()
+                    break
+                except socket.timeout:
+                    continue
+                except OSError:
+                    return
+            else:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        conn.settimeout(5)
+        try:
+            for _ in range(16):  # requests on one connection
+                req = b""
+                while b"\r\n\r\n" not in req and len(req) < 65536:
+                    data = conn.recv(4096)
+                    if not data:
+                        return
+                    req += data
+                self.requests.append(req.split(b"\r\n", 1)[0])
+                for data, pause in self.respond(req):
+                    if self.stopped.is_set():
+                        return
+                    conn.sendall(data)
+                    time.sleep(pause)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.sock.close()
         self.thread.join(timeout=5)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import invoke, write_image
+from tests.common import invoke, write_image
 from tests.test_attacks_round3 import EPS, fake_gs  # noqa: F401  (a fixture)
 
 
@@ -179,7 +179,6 @@ def test_a_forged_batch_in_dest_makes_no_corrupt_sample(tmp_path: Path) -> None:
 
 
 # -------------------------------------------- F12: no job-level bound on a stalled server; a trickle said "byte 0"
-from tests.test_bounds_round2 import raw_server  # noqa: E402,F401 - fixture
 
 
 def _range_reply(size: int, start: int = 0) -> bytes:
@@ -218,7 +217,7 @@ def test_verify_stops_after_shards_in_a_row_time_out(tmp_path: Path, raw_server,
     from gpufeed.core.errors import RunError
     from gpufeed.shardset import source
     from gpufeed.verify import verify_shards
-    from tests.conftest import write_tar
+    from tests.common import write_tar
 
     folder = tmp_path / "set"
     folder.mkdir()

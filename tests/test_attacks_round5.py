@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import invoke
+from tests.common import invoke
 
 
 def test_a_url_with_a_third_slash_is_refused_with_its_password_hidden() -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from gpufeed.core.errors import DataError
-from tests.conftest import invoke, invoke_json
-from tests.train_shards import write_tiny_shards
+from tests.common import invoke, invoke_json
+from tests.common.shards import write_tiny_shards
 
 SECRET = "OUTSIDE-FILE-CONTENT-hunter2"
 RUN_JSON = {"format": "gpufeed-run", "version": 1, "status": "done", "steps": []}

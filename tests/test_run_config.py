@@ -11,7 +11,7 @@ import pytest
 
 from gpufeed.config import DEFAULT_STEPS, ShardConfig, load_config, render_config
 from gpufeed.core.errors import ConfigError, DataError
-from tests.conftest import invoke, invoke_json
+from tests.common import invoke, invoke_json
 from tests.test_run import write_images
 
 

@@ -151,7 +151,7 @@ def test_worker_error_is_one_sentence(tmp_path, worker_batching):
 
 def test_worker_shard_error_is_one_sentence(tmp_path):
     shards = _ids_set(tmp_path)
-    (shards / "train-000001.tar").write_bytes(b"")
+    (shards / "train-000001.tar").write_bytes(bytes(6 * 1024))  # end-of-archive blocks only: no sample in it
     sizes_as_found(shards)
     with pytest.raises(DataError) as info:
         _load(shards, num_workers=1)

@@ -13,7 +13,7 @@ from gpufeed.train.launch import launch, torchrun_command
 from gpufeed.train import Trainer, lr_at, train
 from gpufeed.core.world import World
 from tests.common.cli import invoke
-from tests.common.shards import write_tiny_shards
+from tests.common.shards import sizes_as_found, write_tiny_shards
 
 LOADER = LoaderConfig(batch_size=4, num_workers=0, image_size=32, shuffle_buffer=16, decode="pil", pin_memory=False)
 
@@ -548,11 +548,14 @@ def test_resume_checks_the_checkpoint_before_loading_it(checkpoint, tmp_path: Pa
 
 @pytest.fixture(scope="module")
 def truncated(tmp_path_factory) -> Path:
-    """shards['train']'s layout with train-000001.tar cut in half (the manifest still lists it whole)."""
+    """shards['train']'s layout with train-000001.tar cut in half, its size as found recorded in the manifest, so
+    that the damage is met mid-run by the reader (a size the manifest does not say is refused before the run:
+    tests/test_attacks_round3.py)."""
     dest = write_tiny_shards(tmp_path_factory.mktemp("truncated") / "set", [16, 16, 16, 16])
     shard = dest / "train-000001.tar"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
+    sizes_as_found(dest)
     return dest
 
 

@@ -83,7 +83,8 @@ def test_launch_prints_the_warning_once_before_it_starts(tmp_path: Path, monkeyp
     import gpufeed.core.system
 
     ran: list[Any] = []
-    monkeypatch.setattr(gpufeed.train.launch, "train", lambda cfg, lc, world, run_dir, **kw: ran.append(cfg) or {"ok": True})
+    monkeypatch.setattr(gpufeed.train.launch, "train",
+                        lambda cfg, lc, world, run_dir, **kw: ran.append(cfg) or {"ok": True})
     monkeypatch.setattr(gpufeed.core.system, "usable_cpus", lambda: 16)
     path = tmp_path / "tuned.toml"
     path.write_text("[loader]\nnum_workers = 15\n\n"

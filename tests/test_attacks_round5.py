@@ -89,3 +89,44 @@ assert seen == {"handler": "1", "reconnect": "10"} or seen.get("handler") == "1"
     sys.modules.pop("ray", None)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _forge_plan(state: Path, i: int, j: int) -> None:
+    """Swap samples i and j of a stored plan (every per-sample column but label and order, and their path bytes),
+    then mend plan.bin's digest: the fingerprint in plan.json is left as it was."""
+    import numpy as np
+
+    from gpufeed.shard.shardplan import _PLAN_COLUMNS
+
+    meta = json.loads((state / "plan.json").read_text())
+    data = bytearray((state / "plan.bin").read_bytes())
+    arr = {name: np.frombuffer(data, dtype=_PLAN_COLUMNS[name][0], count=int(np.prod(shape)), offset=off)
+           .reshape(shape) for name, shape, off in meta["arrays"]["columns"]}
+    offs, blob = arr["path_offsets"], arr["path_blob"]
+    a, b = slice(offs[i], offs[i + 1]), slice(offs[j], offs[j + 1])
+    assert a.stop - a.start == b.stop - b.start
+    for name, col in arr.items():
+        if name not in ("label", "order", "path_offsets", "path_blob"):
+            col[i], col[j] = col[j].copy(), col[i].copy()
+    blob[a], blob[b] = blob[b].copy(), blob[a].copy()
+    meta["arrays"]["sha256"] = hashlib.sha256(data).hexdigest()
+    (state / "plan.bin").write_bytes(data)
+    (state / "plan.json").write_text(json.dumps(meta))
+
+
+def test_a_plan_changed_in_dest_is_refused_not_followed(image_folder, tmp_path: Path) -> None:
+    """A stored plan whose samples are swapped between classes (its fingerprint kept) would store images under
+    the other class's label: it must follow from SRC, or the resume is refused; --overwrite plans again."""
+    src = image_folder(classes=2, per_class=6)
+    dest = tmp_path / "dest"
+    invoke(["shard", src, dest, "--shard-samples", "4", "--workers", "1", "--quiet"])
+    for name in ("manifest.json", "index.parquet", "train-000000.tar", ".gpufeed/train-000000.tar.done.json"):
+        (dest / name).unlink()
+    _forge_plan(dest / ".gpufeed", 0, 6)  # class 0's first file <-> class 1's first file
+    res = invoke(["shard", src, dest, "--shard-samples", "4", "--workers", "1", "--quiet"], expect=2)
+    assert "plan.json does not follow from SRC" in res.stderr and "--overwrite" in res.stderr
+    invoke(["shard", src, dest, "--shard-samples", "4", "--workers", "1", "--quiet", "--overwrite"])
+    invoke(["verify", dest])
+    clean = tmp_path / "clean"
+    invoke(["shard", src, clean, "--shard-samples", "4", "--workers", "1", "--quiet"])
+    assert (dest / "index.parquet").read_bytes() == (clean / "index.parquet").read_bytes()

@@ -21,7 +21,7 @@ from gpufeed.shard.finish import finish_set
 from gpufeed.shard.onepass import Written, one_pass
 from gpufeed.shard.report import Bar, ShardReport
 from gpufeed.shard.scan import Scan, scan_src
-from gpufeed.shard.shardplan import (PLAN_NAME, TAR_OVERHEAD_PER_SAMPLE, Plan, Shuffle, make_plan,
+from gpufeed.shard.shardplan import (PLAN_NAME, TAR_OVERHEAD_PER_SAMPLE, Plan, Shuffle, make_plan, plan_problem,
                                      plan_fingerprint, plan_options, read_plan, save_plan)
 from gpufeed.shard.validate import ACTIONS, CheckOptions, Partial, pixel_limit, validate_candidates
 from gpufeed.shard.split import (BatchStore, claim_split, clear_split_state, finish_lock, leftovers, node_split,
@@ -183,7 +183,7 @@ def _scan_phase(job: JobContext, warm: bool) -> tuple[Scan, str]:
     return scan, fingerprint
 
 
-def _resume(job: JobContext, fingerprint: str) -> tuple[Plan | None, dict[str, dict[str, Any]]]:
+def _resume(job: JobContext, fingerprint: str, scan: Scan) -> tuple[Plan | None, dict[str, dict[str, Any]]]:
     """The stored plan when it matches (else None; a different one is refused unless ``overwrite``) and the
     complete shards it keeps. A plan whose transcode cache is gone (cleared after use) is not used: the
     deterministic validation is redone. A static split's node keeps only its own shards (and never clears DEST)."""
@@ -192,6 +192,14 @@ def _resume(job: JobContext, fingerprint: str) -> tuple[Plan | None, dict[str, d
     else:
         plan = stored_plan(job, fingerprint)
     done: dict[str, dict[str, Any]] = {}
+    if plan is not None and (why := plan_problem(plan, scan, job.cfg.seed)) is not None:
+        if job.split is None and job.cfg.overwrite:  # as for a plan of other inputs: cleared, planned again
+            os.unlink(os.path.join(job.state, PLAN_NAME))
+            return load_plan(job.dest, fingerprint, job.cfg), {}
+        again = ("empty DEST and start every node again" if job.split is not None
+                 else "re-run with --overwrite to plan it again")
+        raise DataError(f"{os.path.join(job.state, PLAN_NAME)} does not follow from SRC ({why}): it was changed "
+                        f"after gpufeed wrote it; {again}")
     if plan is not None:
         for s in _mine(job, plan):
             info = shard_complete(job.dest, s.name, plan_keys(plan, s))
@@ -232,7 +240,7 @@ def _plan_phase(job: JobContext, scan: Scan, fingerprint: str, try_one_pass: boo
     if job.split is not None:
         claim_split(job.state, split_record(job.split, job.src, fingerprint, job.options, len(scan), scan.classes),
                     job.cfg.dest)
-    plan, done = _resume(job, fingerprint)
+    plan, done = _resume(job, fingerprint, scan)
     resumed = plan is not None
     written: dict[str, dict[str, Any]] | None = None
     partial: Partial | None = None

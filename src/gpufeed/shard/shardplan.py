@@ -279,6 +279,40 @@ def make_plan(cfg: ShardConfig, scan: Scan, results: Results, fingerprint: str,
     return Plan(meta, cols, paths)
 
 
+def plan_problem(plan: Plan, scan: Scan, seed: int) -> str | None:
+    """Why a stored plan does not follow from this scan of SRC, or None. ``plan.json``/``plan.bin`` sit in DEST,
+    which someone else may write, and their fingerprint is a field of the same file: so the plan's samples must be
+    SRC's candidate files, in SRC's order, with their labels and sizes, and its order the seeded shuffle of them
+    (docs/threat-model.md, "Resuming in a DEST someone else can write")."""
+    import numpy as np
+
+    n, total = len(plan.cols["label"]), len(scan)
+    if n > total:
+        return f"it holds {n} samples, SRC {total} candidate files"
+    pos = np.empty(n, dtype=np.int64)
+    j = 0
+    for i, path in enumerate(plan.paths):  # both in SRC's (label, path) order: one walk
+        while j < total and scan.paths[j] != path:
+            j += 1
+        if j == total:
+            return f"its sample {i} is not a candidate file of SRC in SRC's order"
+        pos[i] = j
+        j += 1
+    if not np.array_equal(plan.cols["label"], scan.labels[pos]) or not np.array_equal(plan.cols["bytes"],
+                                                                                       scan.sizes[pos]):
+        return "its labels or file sizes are not SRC's"
+    kept = plan.cols["enc_cache"] < 0  # stored as they are: the source identity the writer checks is this file's
+    if not np.array_equal(plan.cols["id_size"][kept], scan.sizes[pos][kept]):
+        return "the identity it records of a file is not SRC's"
+    ok = np.zeros(total, dtype=bool)
+    ok[pos] = True
+    shuffled = Shuffle(total, seed).order()
+    rank = np.cumsum(ok) - 1
+    if not np.array_equal(plan.cols["order"], rank[shuffled[ok[shuffled]]]):
+        return "its sample order is not the seeded shuffle of SRC's files"
+    return None
+
+
 # --------------------------------------------------------------------------- stored plan
 
 

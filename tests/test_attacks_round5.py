@@ -130,3 +130,36 @@ def test_a_plan_changed_in_dest_is_refused_not_followed(image_folder, tmp_path: 
     clean = tmp_path / "clean"
     invoke(["shard", src, clean, "--shard-samples", "4", "--workers", "1", "--quiet"])
     assert (dest / "index.parquet").read_bytes() == (clean / "index.parquet").read_bytes()
+
+
+def test_a_plan_with_other_class_names_or_a_file_missing_silently_is_refused(image_folder, tmp_path: Path) -> None:
+    """Class names swapped in plan.json, or a file of SRC dropped from the plan without a rejection: refused."""
+    import numpy as np
+
+    from gpufeed.shard.shardplan import read_plan, save_plan
+
+    src = image_folder(classes=2, per_class=6)
+    for case in ("classes", "dropped"):
+        dest = tmp_path / case
+        invoke(["shard", src, dest, "--shard-samples", "4", "--workers", "1", "--quiet"])
+        for name in ("manifest.json", "index.parquet", "train-000000.tar", ".gpufeed/train-000000.tar.done.json"):
+            (dest / name).unlink()
+        state = dest / ".gpufeed"
+        if case == "classes":
+            meta = json.loads((state / "plan.json").read_text())
+            meta["classes"] = meta["classes"][::-1]
+            (state / "plan.json").write_text(json.dumps(meta))
+        else:  # the last sample in key order dropped: its position leaves the order, the rest renumbered
+            plan = read_plan(str(state))
+            n = len(plan.cols["label"])
+            keep = plan.cols["order"] != n - 1
+            plan.cols = {k: (v[:n - 1] if k != "order" else v[keep]) for k, v in plan.cols.items()}
+            plan.paths = plan.paths.take(np.arange(n - 1))
+            plan.meta["num_samples"] = n - 1
+            plan.meta["shards"][-1]["count"] -= 1
+            save_plan(str(state), plan)
+        res = invoke(["shard", src, dest, "--shard-samples", "4", "--workers", "1", "--quiet"], expect=2)
+        # refused either by the plan's own consistency checks or because it does not follow from SRC
+        assert "--overwrite" in res.stderr and res.stderr.count("\n") == 1, (case, res.stderr)
+        if case == "classes":
+            assert "does not follow from SRC (its class names are not SRC's)" in res.stderr, res.stderr

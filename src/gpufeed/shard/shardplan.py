@@ -289,6 +289,8 @@ def plan_problem(plan: Plan, scan: Scan, seed: int) -> str | None:
     n, total = len(plan.cols["label"]), len(scan)
     if n > total:
         return f"it holds {n} samples, SRC {total} candidate files"
+    if plan.classes != scan.classes:
+        return "its class names are not SRC's"
     pos = np.empty(n, dtype=np.int64)
     j = 0
     for i, path in enumerate(plan.paths):  # both in SRC's (label, path) order: one walk
@@ -306,6 +308,9 @@ def plan_problem(plan: Plan, scan: Scan, seed: int) -> str | None:
         return "the identity it records of a file is not SRC's"
     ok = np.zeros(total, dtype=bool)
     ok[pos] = True
+    rejected = {issue.path for issue in plan.rejected}
+    if any(display(scan.paths[k]) not in rejected for k in np.flatnonzero(~ok).tolist()):
+        return "a file of SRC is neither among its samples nor among its rejected files"  # never a silent loss
     shuffled = Shuffle(total, seed).order()
     rank = np.cumsum(ok) - 1
     if not np.array_equal(plan.cols["order"], rank[shuffled[ok[shuffled]]]):

@@ -350,6 +350,8 @@ def test_the_cli_refuses_another_set_in_one_sentence_and_resumes_with_resume_oth
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and "was written for another shard set (40 samples in 2 shard(s) -> 60 in 3" in err[0]
     assert "Traceback" not in res.stderr
-    rec = invoke_json([*args, "--resume-other-set", "--run-dir", tmp_path / "resumed"])
+    # the resume is what is tested, not its one timed step's verdict (exit 1 when CPU noise reads as a 5% stall)
+    rec = invoke_json([*args, "--resume-other-set", "--run-dir", tmp_path / "resumed"], expect=None)
+    assert rec.get("error") is None and rec["verdict"]["status"] in ("fed", "unverified", "starved", "inconclusive")
     assert rec["start_step"] == 4 and rec["step"] == 5
     assert any("another shard set" in n and "from its beginning" in n for n in rec["notes"])

@@ -267,16 +267,23 @@ def test_a_ray_job_stops_on_sigterm_in_one_sentence_and_puts_the_handlers_back(m
     monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2})
     monkeypatch.delenv("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", raising=False)
+    monkeypatch.delenv("RAY_gcs_rpc_server_reconnect_timeout_s", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    seen: list[tuple] = []
 
     def init_killed(**kw):  # a SIGTERM while Ray starts: its own handler's sys.exit(15)
         calls.append("init")
+        seen.append((os.environ.get("RAY_DISABLE_FAILURE_SIGNAL_HANDLER"),
+                     os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s")))
         raise SystemExit(signal.SIGTERM)
 
     monkeypatch.setattr(ray, "init", init_killed)
     with pytest.raises(Interrupted, match=r"^shard stopped by SIGTERM; Ray was shut down") as info:
         engine_ray.ray_pool(ShardConfig(workers=2))
     assert info.value.exit_code == 143 and calls == ["init", "shutdown"]
-    assert os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] == "1"
+    # set while Ray started; taken out again once it is shut down (a later Ray in this process gets its defaults)
+    assert seen == [("1", str(engine_ray.LOCAL_GCS_RECONNECT_S))]
+    assert not {"RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "RAY_gcs_rpc_server_reconnect_timeout_s"} & set(os.environ)
 
     monkeypatch.setattr(ray, "init", lambda **kw: signal.signal(signal.SIGTERM, lambda *a: os._exit(99)))
     before = signal.getsignal(signal.SIGTERM)
@@ -290,3 +297,4 @@ def test_a_ray_job_stops_on_sigterm_in_one_sentence_and_puts_the_handlers_back(m
     finally:
         pool.shutdown(cancel_futures=True)
     assert signal.getsignal(signal.SIGTERM) is before and calls[-1] == "shutdown"
+    assert "RAY_DISABLE_FAILURE_SIGNAL_HANDLER" not in os.environ

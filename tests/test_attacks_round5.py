@@ -84,7 +84,7 @@ try:
 except (ConfigError, ImportError):
     pass
 print(seen)
-assert seen == {"handler": "1", "reconnect": "10"} or seen.get("handler") == "1", seen
+assert seen == {"handler": "1", "reconnect": "30"}, seen
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr

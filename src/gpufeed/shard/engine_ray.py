@@ -31,16 +31,27 @@ MAX_RETRIES = 3
 
 _remote: Any = None
 
-LOCAL_GCS_RECONNECT_S = 10
+LOCAL_GCS_RECONNECT_S = 30
 """``RAY_gcs_rpc_server_reconnect_timeout_s`` for a local instance started by ``shard --engine ray`` (Ray's default:
-60): once the job's Ray is gone (shut down, or the driver killed with SIGKILL), its ``ray::DashboardAgent`` and
-``ray::RuntimeEnvAgent`` wait this long for the dead GCS before they exit, instead of a minute or two."""
+60): once the job's Ray is gone, its ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent`` wait this long for the dead
+GCS before they exit. Not shorter: the same timeout ends the driver itself, silently with exit 1, when its GCS does
+not answer for that long, which a busy 2-core machine can cause."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """Signals that stop a Ray job in one sentence, exit 128 + N (SIGINT stays Python's KeyboardInterrupt: "interrupted",
 exit 130). ``ray.init`` replaces the driver's SIGTERM handler with its own (``sys.exit(15)``) and, unless
 ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER`` is set, its core worker installs a C++ one that prints a stack dump and aborts
 (exit 134): gpufeed sets that variable for its driver and puts its own handlers back once Ray has started."""
+
+
+_ENV_ADDED: set[str] = set()
+"""The ``RAY_*`` variables :func:`ray_pool` added to this process's environment, removed by :func:`_restore_env`."""
+
+
+def _restore_env() -> None:
+    """Take out of this process's environment what :func:`ray_pool` put in (once the job's Ray is shut down)."""
+    while _ENV_ADDED:
+        os.environ.pop(_ENV_ADDED.pop(), None)
 
 
 def stop_message(signum: int) -> str:
@@ -73,13 +84,19 @@ def ray_pool(cfg: ShardConfig) -> tuple[int, RayPool]:
     """Join Ray (``cfg.ray_address``, else ``RAY_ADDRESS``, else a local instance with ``cfg.workers`` CPUs, or
     this machine's) -> (the cluster's CPUs, or ``cfg.workers`` when set: the tasks in flight; the pool)."""
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
-    # before `import ray`: Ray reads these into constants when imported, and its processes inherit them
-    if address is None:  # the instance is this job's: its agents give up on its GCS in seconds, not a minute
-        os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(LOCAL_GCS_RECONNECT_S))
-    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")  # no stack dump and abort on SIGTERM
+    # before `import ray`: Ray reads these into constants when imported, and its processes inherit them; the
+    # process's environment is put back by the pool's shutdown (a library caller's later Ray is its own)
+    wanted = {"RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1"}  # no stack dump and abort on SIGTERM
+    if address is None:  # the instance is this job's: its agents give up on its GCS sooner than Ray's minute
+        wanted["RAY_gcs_rpc_server_reconnect_timeout_s"] = str(LOCAL_GCS_RECONNECT_S)
+    for name, value in wanted.items():
+        if name not in os.environ:
+            os.environ[name] = value
+            _ENV_ADDED.add(name)
     try:
         import ray
     except ImportError:
+        _restore_env()
         raise ConfigError("--engine ray needs Ray: pip install 'gpufeed[ray]'") from None
     started = False
     before = ({sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
@@ -95,12 +112,14 @@ def ray_pool(cfg: ShardConfig) -> tuple[int, RayPool]:
             ray.init(**kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             _handlers(before)
+            _restore_env()
             where = address or "a local Ray instance"
             raise ConfigError(f"Ray at {where} cannot be joined ({str(exc).splitlines()[0] if str(exc) else exc}); "
                               f"check --ray-address / RAY_ADDRESS and that `ray start` runs there") from None
         except SystemExit as exc:  # ray.init's own SIGTERM handler, during start-up: sys.exit(signum)
             ray.shutdown()
             _handlers(before)
+            _restore_env()
             signum = exc.code if isinstance(exc.code, int) and 0 < exc.code < 65 else signal.SIGTERM
             raise Interrupted(stop_message(signum), signum) from None
         started = True
@@ -159,6 +178,7 @@ class RayPool(cf.Executor):
             _handlers(signal.SIG_IGN)  # a second SIGTERM does not cut Ray's shutdown short
         if self._started:
             ray.shutdown()
+        _restore_env()
         if self._handlers:
             _handlers(self._handlers)
             self._handlers = {}

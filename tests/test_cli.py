@@ -194,11 +194,14 @@ def test_an_option_sets_its_field_over_the_file(tmp_path) -> None:
     from gpufeed.config import load_config
 
     cfg = tmp_path / "c.toml"
-    cfg.write_text("[tune]\nrepeats = 5\nbudget_s = 9.0\n[train]\nnproc_per_node = 3\n")
+    cfg.write_text("[tune]\nrepeats = 5\nbudget_s = 9.0\n[train]\nnproc_per_node = 3\nthreads = 1\n")
     conf = load_config(cfg, {"tune.budget_s": 2.0, "tune.repeats": None})
     assert (conf.tune.budget_s, conf.tune.repeats) == (2.0, 5)
     assert conf.tune.nproc_per_node is None and conf.tune_for_training().nproc_per_node == 3
     assert load_config(cfg, {"tune.nproc_per_node": 2}).tune_for_training().nproc_per_node == 2
+    # tune --with-model's step gets the torch threads training gets
+    assert conf.tune_for_training().model_threads == 1
+    assert load_config(cfg, {"tune.model_threads": 2}).tune_for_training().model_threads == 2
 
 
 def test_rendered_help_shows_the_field_default() -> None:

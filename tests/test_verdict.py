@@ -62,6 +62,26 @@ def test_the_loaders_processes_on_the_trainers_cores_are_named_with_their_cores(
     assert idle.cause == "unexplained" and not any("cores of its own" in fx for fx in idle.fixes)
 
 
+def test_a_trainer_that_fills_the_machine_alone_is_named_when_the_loader_takes_from_it() -> None:
+    """Measured on this repo's 2-core machine (no other processes): the trainer alone kept 1.99 of 2 cores busy,
+    trainer + one worker 1.95 (the machine was full: the worker's cores came out of the trainer's), compute +27%."""
+    gap = {**GAP, "usable_cores": 2.0, "end_to_end_rate": 100.2, "gpu_ceiling": 130.8, "loader_ceiling": 699.4,
+           "loader_cores_used": 1.09, "real_compute_step_s": 0.154, "synthetic_compute_step_s": 0.121,
+           "real_cores_used": 1.95, "synthetic_cores_used": 1.99}
+    v = classify(VerdictInputs(**gap))
+    assert v.status == "starved" and v.bound == "decode/CPU", v.reason
+    assert "the trainer alone kept 1.99 of 2 usable cores busy" in v.reason
+    assert "~0.16 cores at 100.2 samples/s" in v.reason and "641.7 samples/s per core" in v.reason
+    assert not any("torch threads = " in fx for fx in v.fixes)  # no thread count the run did not measure
+    assert "lowers the compute ceiling" in v.fixes[0]
+    # a trainer that leaves cores free: its slowdown is not explained by the loader's 0.16 cores
+    free = classify(VerdictInputs(**{**gap, "usable_cores": 8.0, "synthetic_cores_used": 2.0, "real_cores_used": 2.1}))
+    assert free.cause == "unexplained"
+    # a loader too cheap to matter even on a full machine
+    cheap = classify(VerdictInputs(**{**gap, "loader_cores_used": 0.05}))
+    assert cheap.cause == "unexplained"
+
+
 def test_a_gpu_that_throttled_only_in_the_real_mode_is_named() -> None:
     v = classify(VerdictInputs(**{**GAP, "is_cuda": True}, real_compute_step_s=0.2, synthetic_compute_step_s=0.1,
                                gpu_slowdowns=("hw_thermal_slowdown",), synthetic_gpu_slowdowns=()))
@@ -97,7 +117,7 @@ def test_windows_that_did_not_settle_make_it_inconclusive_too_noisy() -> None:
                                windows=(ModeWindows("synthetic", True, 3, 0.04, 0.0),
                                         ModeWindows("real", False, 5, 0.31, 9.5))))
     assert v.status == "inconclusive" and v.cause == "too noisy"
-    assert "real: 5 window(s), samples/s spread 31%, stall spread 9.5 points" in v.reason
+    assert "real: 5 window(s), samples/s interval 31% wide, stall interval 9.5 points wide" in v.reason
     assert "synthetic" not in v.reason.split("(")[1].split(";")[0]
     assert v.numbers["unsettled"]["real"]["rate_spread"] == 0.31
     settled = classify(VerdictInputs(stall_pct=1.0, end_to_end_rate=48, gpu_ceiling=49.6, loader_ceiling=900,

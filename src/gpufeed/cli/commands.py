@@ -238,7 +238,7 @@ COMMANDS: tuple[Job, ...] = (
         FieldArgument("tune", "shards"),
         *field_options("tune", "manifest", "budget_s", "batch_size", "image_size", "max_workers", "cpu_budget",
                        "ram_budget", "target_rate", "baseline_imagefolder", "out", "run_dir", "repeats", "window_s",
-                       "device", "nproc_per_node", "trainer_cores", "with_model", "storage_probe_s"))),
+                       "device", "nproc_per_node", "trainer_cores", "with_model", "model_threads", "storage_probe_s"))),
     Job("synth", _synth, "gpufeed.synth:render_synth", params=(
         FieldArgument("synth", "dest"), *field_options("synth", "images", "classes", "seed", "workers"),
         field_option("synth", "overwrite", switch=False))),

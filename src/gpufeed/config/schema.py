@@ -196,6 +196,9 @@ class TuneConfig:
     with the torch threads (or the GPU) a training rank gets, so a trial measures what training will get: on the
     CPU the loader shares the cores with the step, and num_workers = 0 loads in series with it, as in training.
     None = the loader alone (its ceiling)."""
+    model_threads: int | None = bounded(None, 1, MAX_WORKERS)
+    """torch CPU threads of the with_model step on the CPU; None = the [train] threads, else usable CPUs / ranks
+    (what gpufeed train sets)."""
     storage_probe_s: float = bounded(3.0, 0.0, MAX_WINDOW_S)
     """Seconds spent probing the shard set's read rate before the trials (gpufeed io's reader ladder, cold where
     measurable), so the bound line can say whether the loader reads at the storage's limit; 0 = no probe."""
@@ -291,8 +294,9 @@ class TrainConfig:
     # --- issue 19, measurement side: enough measurement and the timeline
     measure_seconds: float = bounded(40.0, 0.0, MAX_WINDOW_S)
     """Seconds --measure may spend, over its three modes, extending a mode window by window until its windows
-    settle (at least 3, disagreeing by less than the verdict's margins); each mode runs its measure_steps anyway.
-    Unsettled when the budget ends: the verdict is inconclusive (too noisy). 0 = measure_steps only."""
+    settle (at least 3, the 90% interval of their mean narrower than the verdict's margins); each mode runs its
+    measure_steps anyway (and each re-measure of --fix gets the same share). Unsettled when the budget ends: the
+    verdict is inconclusive (too noisy). 0 = measure_steps only."""
     profile_steps: int = bounded(0, 0, MAX_MEASURE_STEPS)
     """Steps captured with torch.profiler (CPU, and CUDA on a GPU) as a Chrome trace in the run folder's profile/:
     with --measure, extra real steps after the timed modes; in training, the first steps; 0 = none."""
@@ -554,7 +558,9 @@ class Config:
     folder's shard/val/. None = no validation set to shard (train may still read [train] val_shards)."""
 
     def tune_for_training(self) -> TuneConfig:
-        """[tune] with nproc_per_node None resolved to [train] nproc_per_node: the layout training will run."""
-        if self.tune.nproc_per_node is not None:
-            return self.tune
-        return dataclasses.replace(self.tune, nproc_per_node=self.train.nproc_per_node)
+        """[tune] with nproc_per_node and model_threads None resolved to [train] nproc_per_node and threads: the
+        layout training will run, and the torch threads its step gets."""
+        return dataclasses.replace(
+            self.tune, nproc_per_node=self.tune.nproc_per_node if self.tune.nproc_per_node is not None
+            else self.train.nproc_per_node,
+            model_threads=self.tune.model_threads if self.tune.model_threads is not None else self.train.threads)

@@ -32,7 +32,12 @@ COMPUTE_SLOWER = 1.1
 UNRELIABLE_CEILING = 1.0 / CEILING_FRACTION
 """An end-to-end rate above this factor x a ceiling means that ceiling was not measured right."""
 LOADER_CORES_MIN = 0.25
-"""Loader processes with fewer extra cores than this in the real mode cannot be what slowed compute."""
+"""Loader processes with fewer extra cores than this in the real mode cannot be what slowed compute (on a machine
+the trainer alone does not fill)."""
+LOADER_CORES_SATURATED_MIN = 0.05
+"""On a machine the trainer alone fills (>= CEILING_FRACTION of its usable cores), loader work from this many cores
+on lands on the trainer's: its threads wait for each other whenever one of their cores is taken, so the slowdown
+can be well beyond the loader's share."""
 IDLE_MACHINE_FIX = "run on an idle machine, or pin the run with taskset/cgroups"
 
 
@@ -294,14 +299,15 @@ def too_noisy(f: Facts) -> Verdict | None:
     def says(w: ModeWindows) -> str:
         parts = [f"{w.num_windows} window(s)"]
         if w.rate_spread is not None:
-            parts.append(f"samples/s spread {100 * w.rate_spread:.0f}%")
+            parts.append(f"samples/s interval {100 * w.rate_spread:.0f}% wide")
         if w.stall_spread_pts is not None and w.mode != "loader-only":
-            parts.append(f"stall spread {w.stall_spread_pts:.1f} points")
+            parts.append(f"stall interval {w.stall_spread_pts:.1f} points wide")
         return f"{w.mode}: " + ", ".join(parts)
 
     reason = ("the windows did not settle within the time budget (" + "; ".join(says(w) for w in bad) +
-              f"; needed: >= {MIN_WINDOWS} windows, samples/s spread <= {100 * RATE_SPREAD_MAX:.0f}% and stall "
-              f"spread <= {STALL_SPREAD_MAX:.1f} points)")
+              f"; needed: >= {MIN_WINDOWS} windows and 90% intervals of the means no wider than "
+              f"{100 * RATE_SPREAD_MAX:.0f}% of samples/s and {STALL_SPREAD_MAX:.1f} stall points, or on one side "
+              f"of the {STALL_FED_PCT:g}% line)")
     return _inconclusive("too noisy", reason, [f"give it more time (--measure-seconds), or {IDLE_MACHINE_FIX}"], f,
                          unsettled={w.mode: {"num_windows": w.num_windows, "rate_spread": w.rate_spread,
                                              "stall_spread_pts": w.stall_spread_pts} for w in bad})
@@ -370,6 +376,20 @@ def explained_gap(f: Facts) -> Verdict | None:
                 [f"give the loader cores of its own: torch threads = {max(1, math.floor(v.usable_cores - extra))} "
                  f"per node (--threads) leaves {extra:.1f} cores to the loader, or make decoding cheaper"],
                 nums)
+        full = saturated_trainer(v)
+        if full is not None:
+            loader, per_core = full
+            nums.update(loader_extra_cores=loader, trainer_cores=v.synthetic_cores_used, per_core_rate=per_core)
+            return Verdict(
+                "starved", bounds.DECODE_CPU,
+                f"{f_reason}: the trainer alone kept {v.synthetic_cores_used:.2f} of {v.usable_cores:.0f} usable "
+                f"cores busy, so the loader's work (~{loader:.2f} cores at {v.end_to_end_rate:.1f} samples/s, at the "
+                f"{per_core:.1f} samples/s per core it decoded in the loader-only mode) came out of the trainer's "
+                "cores, whose threads then wait for each other",
+                ["give the loader cores the trainer does not use: more CPU cores per process, or fewer torch threads "
+                 "(--threads; that also lowers the compute ceiling, so measure both)",
+                 "make decoding cheaper (smaller stored images: gpufeed shard --max-size; simplejpeg's scaled decode)"],
+                nums)
         new = tuple(r for r in v.gpu_slowdowns if r not in v.synthetic_gpu_slowdowns)
         if v.is_cuda and new:
             nums["gpu_slowdowns"] = list(new)
@@ -386,6 +406,19 @@ def explained_gap(f: Facts) -> Verdict | None:
                             "synthetic)" if _known(real) and _known(synth) else "; compute per step not measured")
     return _inconclusive("unexplained", f"{f_reason}; no measured cause explains the gap", [
         "measure again; if it repeats, compare the real and synthetic modes in trace.json"], f, **nums)
+
+
+def saturated_trainer(v: VerdictInputs) -> tuple[float, float] | None:
+    """(the loader's cores at the real rate, its samples/s per core) when the trainer alone fills the machine
+    (synthetic mode: >= CEILING_FRACTION of the usable cores) and the loader's work, at the per-core rate of the
+    loader-only mode, reaches :data:`LOADER_CORES_SATURATED_MIN`; else None."""
+    per_core = bounds.per_core_rate(v.loader_ceiling, v.loader_cores_used)
+    if per_core is None or not (_known(v.synthetic_cores_used) and _known(v.usable_cores)):
+        return None
+    if v.synthetic_cores_used < CEILING_FRACTION * v.usable_cores:
+        return None
+    loader = v.end_to_end_rate / v.num_nodes / per_core
+    return (loader, per_core) if loader >= LOADER_CORES_SATURATED_MIN else None
 
 
 def rank_imbalance(f: Facts) -> Verdict | None:

@@ -203,23 +203,27 @@ def stage_target(shards: str, *, set_bytes: int | None, shm_free_bytes: int | No
 
 
 def rate_of(real: ModeRecord) -> tuple[float, float]:
-    """(end-to-end samples/s, half the range of its windows): the median of the windows when there are any."""
+    """(end-to-end samples/s, its noise): the median of the windows when there are any, and the half-width of the
+    90% interval of their mean when the mode was judged (:mod:`gpufeed.measure.settle`), else half their range."""
     st = real.samples_per_s_stat
     if st is None:
         return real.samples_per_s, 0.0
+    if real.rate_spread is not None:
+        return st.median, real.rate_spread * st.median / 2
     return st.median, (st.max - st.min) / 2
 
 
 def helps(before: tuple[float, float], after: tuple[float, float], min_gain: float = MIN_FIX_GAIN
           ) -> tuple[bool, str]:
-    """Whether a fix helped beyond the noise: (rate, half-range) before and after. The gain must reach
-    ``min_gain`` of the rate before and exceed the larger half-range of the windows."""
+    """Whether a fix helped beyond the noise: (rate, noise) before and after (:func:`rate_of`). The gain must
+    reach ``min_gain`` of the rate before and exceed the two noises combined (root of the sum of squares)."""
     (b, b_noise), (a, a_noise) = before, after
     gain = a - b
-    bar = max(min_gain * b, b_noise, a_noise)
+    bar = max(min_gain * b, math.hypot(b_noise, a_noise))
     pct = 100 * gain / b if b > 0 else math.inf
     text = (f"{b:.1f} -> {a:.1f} samples/s ({pct:+.0f}%), against a bar of {bar:.1f} samples/s "
-            f"(max of {100 * min_gain:.0f}% and the windows' half-ranges {b_noise:.1f} / {a_noise:.1f})")
+            f"(the larger of {100 * min_gain:.0f}% and the noise of both measurements, +-{b_noise:.1f} / "
+            f"+-{a_noise:.1f})")
     return gain > bar, ("kept: " if gain > bar else "dropped: ") + text
 
 

@@ -29,7 +29,7 @@ from gpufeed.train.fix import FIXED_NAME, Candidate, FixInputs, FixRecord, Measu
 from gpufeed.train.preflight import run_loader_config
 from gpufeed.train.records import ModeRecord, TrainRecord, ValRecord
 from gpufeed.train.stop import StopRequest
-from gpufeed.train.trainer import Trainer, build_loaders, param_checksum
+from gpufeed.train.trainer import MODES_MEASURE, Trainer, build_loaders, param_checksum
 from gpufeed.train.verdict_inputs import verdict_inputs
 
 
@@ -274,9 +274,12 @@ def fix_loop(trainer: Trainer, modes: dict[str, ModeRecord], storage: StorageRat
         _use(trainer, lc, shards)
         if moved and world.is_main:  # the storage rate of the new place, probed as before the modes
             state["storage"] = given_storage_rate(trainer.cfg) if cfg.storage_bytes_per_s else probe_storage(trainer.cfg)
-        steps = trainer.cfg.measure_steps
-        new = {"synthetic": modes.get("synthetic"), "loader-only": trainer.run_mode("loader-only", steps),
-               "real": trainer.run_mode("real", steps)}
+        # judged as the first measurement was: each mode until its windows settle, within its share of
+        # --measure-seconds, so a fix is kept or dropped (and the verdict after it given) on settled numbers
+        steps, share = trainer.cfg.measure_steps, cfg.measure_seconds / len(MODES_MEASURE)
+        lonly = trainer.run_mode("loader-only", steps, deadline=time.perf_counter() + share)
+        real = trainer.run_mode("real", steps, deadline=time.perf_counter() + share)
+        new = {"synthetic": modes.get("synthetic"), "loader-only": lonly, "real": real}
         if not world.is_main:
             return Measured(None, None)
         new = {k: m for k, m in new.items() if m is not None}
@@ -306,7 +309,8 @@ def fix_loop(trainer: Trainer, modes: dict[str, ModeRecord], storage: StorageRat
     measured = out.measured
     if trainer.gather(any(r.kept for r in out.tried))[0]:
         # the compute ceiling again, beside the kept settings' modes: the final verdict compares one period's numbers
-        synth = trainer.run_mode("synthetic", trainer.cfg.measure_steps)
+        synth = trainer.run_mode("synthetic", trainer.cfg.measure_steps,
+                                 deadline=time.perf_counter() + cfg.measure_seconds / len(MODES_MEASURE))
         if world.is_main and measured.modes is not None and synth is not None:
             ms = {"synthetic": synth, **{k: m for k, m in measured.modes.items() if k != "synthetic"}}
             measured = Measured(ms, verdict_of(ms, kept_storage))

@@ -136,8 +136,8 @@ def mode_notes(name: str, m: dict[str, Any]) -> list[str]:
         out.append(f"  other processes: {m['other_cores']:.2f}{of} cores{big}")
     if m.get("settled") is False:
         rs, ss = m.get("rate_spread"), m.get("stall_spread_pts")
-        out.append("  windows did not settle: samples/s spread " + ("-" if rs is None else f"{100 * rs:.0f}%")
-                   + ("" if ss is None or name == "loader-only" else f", stall spread {ss:.1f} points"))
+        out.append("  windows did not settle: samples/s interval " + ("-" if rs is None else f"{100 * rs:.0f}% wide")
+                   + ("" if ss is None or name == "loader-only" else f", stall interval {ss:.1f} points wide"))
     return out
 
 

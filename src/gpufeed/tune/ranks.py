@@ -68,7 +68,8 @@ deadline; with a deadline the ranks get until it and this much again for teardow
 def measure_ranks(shards: str | Path, cfg: LoaderConfig, world: World, *, warmup_batches: int = 2,
                   window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
                   deadline: float | None = None, ram_budget_bytes: int | None = None,
-                  manifest_file: str | Path | None = None, model: str | None = None) -> TrialRecord:
+                  manifest_file: str | Path | None = None, model: str | None = None,
+                  model_threads: int | None = None) -> TrialRecord:
     """:func:`node_ranks` rank loaders at once, as ``gpufeed train --nproc-per-node N`` runs them on one node.
 
     One spawned process per rank builds ``build_loader(shards, cfg, rank_world(world, r))`` (its own slice of the
@@ -91,7 +92,8 @@ def measure_ranks(shards: str | Path, cfg: LoaderConfig, world: World, *, warmup
     results = ctx.Queue()
     kw = dict(warmup_batches=warmup_batches, window_s=window_s, window_batches=window_batches, repeats=repeats,
               deadline=deadline, ram_budget_bytes=None if ram_budget_bytes is None else max(1, ram_budget_bytes // n),
-              manifest_file=None if manifest_file is None else str(manifest_file), model=model)
+              manifest_file=None if manifest_file is None else str(manifest_file), model=model,
+              model_threads=model_threads)
     wait_s = RANK_START_S if deadline is None else max(0.0, deadline - time.monotonic()) + RANK_START_S / 4
     # rank processes start DataLoader workers of their own, so they cannot be daemons
     procs = [ctx.Process(target=_rank_main, args=(str(shards), cfg, rank_world(world, r), kw, barrier, results,

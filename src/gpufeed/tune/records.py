@@ -31,6 +31,7 @@ Reason = Literal[
     "no-gain",                   # a candidate did not win by min_gain: the knob stayed
     "candidate-failed",          # the candidate's trial failed: the knob stayed
     "contended-warning",         # some trials ran while other processes held the CPU
+    "target-below-trial",        # with the model's step, a trial beat the target: a ceiling measured low
     "streams-io-bound",          # a remote set whose best trial waits on reads: the streams climb starts
     "streams-stopped-budget",    # the streams climb stopped: no time left for the next count
     "streams-flattened",         # the streams climb stopped: more streams gained less than min_gain
@@ -61,6 +62,8 @@ SENTENCES: dict[str, str] = {
     "contended-warning": "warning: {count} of {total} trials ({trials}) ran while other processes held the CPU "
                          "({threshold}, the detector train uses): their samples/s "
                          "are lower bounds; rerun on a quiet machine to trust the worker count",
+    "target-below-trial": "trial #{trial} measured {rate:.1f} samples/s with the model's step beside the loader, "
+                          "more than the target {target:g} allows as a compute ceiling (measured low?)",
     "chart-failed": "chart not written: {error}",
     "streams-io-bound": "remote set whose loader waits on reads ({evidence}): more range requests in flight per "
                         "worker may help; trying {ladder}",

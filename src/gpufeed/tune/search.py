@@ -114,6 +114,8 @@ class Search:
         extra = {"manifest_file": self.cfg.manifest} if self.cfg.manifest and source is None else {}
         if self.cfg.with_model and source is None:  # the training step beside the loader (not the baseline's)
             extra["model"] = self.cfg.with_model
+            if self.cfg.model_threads:
+                extra["model_threads"] = self.cfg.model_threads
         t_start = time.perf_counter()
         try:
             rec = fn(source or self.shards, lc, self.world, warmup_batches=self.cfg.warmup_batches,
@@ -137,10 +139,24 @@ class Search:
         return rec
 
     def target_reached(self) -> bool:
+        """Whether the search may stop: the best trial reached target_rate x target_margin. Never with
+        ``with_model``: a trial then holds the model's step, so its rate is the end-to-end rate, which no target
+        bounds from below (whether one more worker overlaps more of the step is only known by measuring it, and
+        train's verdict judges that same rate); a trial past a compute ceiling taken as the target
+        (target / CEILING_FRACTION, the verdict's unreliable line) is noted: that ceiling was measured low."""
         if self.cfg.target_rate is None:
             return False
         best = self.best()
-        return best is not None and best.samples_per_s >= self.cfg.target_rate * self.cfg.target_margin
+        if best is None:
+            return False
+        target = self.cfg.target_rate
+        if not self.cfg.with_model:
+            return best.samples_per_s >= target * self.cfg.target_margin
+        if best.samples_per_s > target / bounds.CEILING_FRACTION and not any(
+                d.reason == "target-below-trial" for d in self.decisions):
+            self.decisions.append(Decision("search", "target-below-trial", detail={
+                "trial": best.trial, "rate": best.samples_per_s, "target": target}))
+        return False
 
     def best(self, phase_filter: Callable[[TrialRecord], bool] | None = None) -> TrialRecord | None:
         ok = [t for t in self.trials if t.ok and t.pipeline == "gpufeed" and not t.over_cpu_budget

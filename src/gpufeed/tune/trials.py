@@ -21,7 +21,8 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
                    window_s: float | None = 2.0, window_batches: int | None = None, repeats: int = 3,
                    deadline: float | None = None, ram_budget_bytes: int | None = None,
                    start_barrier: Callable[[], None] | None = None,
-                   manifest_file: str | Path | None = None, model: str | None = None) -> TrialRecord:
+                   manifest_file: str | Path | None = None, model: str | None = None,
+                   model_threads: int | None = None) -> TrialRecord:
     """The loader ceiling (docs/design.md §4) of ``build_loader(shards, cfg, world, manifest_file=...)``: never
     raises for a bad trial.
 
@@ -31,7 +32,8 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
     raised, the RAM budget was exceeded, or ``deadline`` passed before anything was measured.
     ``start_barrier``: see :func:`gpufeed.measure.stream.measure_stream` (:func:`measure_ranks` passes it).
     ``model`` (``tune --with-model``): each batch also goes through that model's training step
-    (:func:`training_step`), so the rate is what training gets, not the loader's ceiling.
+    (:func:`training_step`, with ``model_threads`` torch threads on the CPU), so the rate is what training gets,
+    not the loader's ceiling.
     """
     world = world or World.single()
     t0 = time.perf_counter()
@@ -43,7 +45,8 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
         if "loader" not in holder:
             holder["loader"] = build_loader(shards, cfg, world, train=True, epoch=epoch, manifest_file=manifest_file)
             if model:
-                holder["step"] = training_step(model, world, holder["loader"].manifest.num_classes or 1)
+                holder["step"] = training_step(model, world, holder["loader"].manifest.num_classes or 1,
+                                               threads=model_threads)
         loader = holder["loader"]
         if epoch and hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
@@ -181,10 +184,11 @@ def trial_from_stream(fn: Callable[[], StreamResult], cfg: LoaderConfig, pipelin
     return rec
 
 
-def training_step(arch: str, world: World, num_classes: int) -> Callable[[Any], None]:
+def training_step(arch: str, world: World, num_classes: int, *, threads: int | None = None) -> Callable[[Any], None]:
     """``tune --with-model``: a training step of ``arch`` (random weights, SGD, fp32) on ``world``'s device, taking a
-    moved ``(uint8 images, labels)`` batch. On the CPU it gets the torch threads a training rank gets (the usable
-    CPUs over the node's ranks, as ``gpufeed train`` sets them), so it takes the cores training would take."""
+    moved ``(uint8 images, labels)`` batch. On the CPU it gets the torch threads a training rank gets (``threads``,
+    the [train] threads; else the usable CPUs over the node's ranks, as ``gpufeed train`` sets them), so it takes
+    the cores training would take."""
     import torch
 
     from gpufeed.core.system import usable_cpus
@@ -192,7 +196,7 @@ def training_step(arch: str, world: World, num_classes: int) -> Callable[[Any], 
 
     device = torch.device(world.device)
     if not world.is_cuda:
-        torch.set_num_threads(max(1, usable_cpus() // max(1, world.local_world_size)))
+        torch.set_num_threads(threads or max(1, usable_cpus() // max(1, world.local_world_size)))
     module = build_model(arch, num_classes, device, channels_last=True)
     optimizer = build_optimizer(module, lr=0.01, weight_decay=0.0)
     criterion = torch.nn.CrossEntropyLoss()

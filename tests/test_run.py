@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from gpufeed.core.dest import release_lock
+
 from gpufeed.config import TrainConfig, load_config
 from tests.common.cli import invoke, invoke_json
 
@@ -229,7 +231,7 @@ def test_sigkill_during_tune_then_rerun_continues(tmp_path: Path) -> None:
 
 
 def test_second_run_into_a_busy_folder_is_refused(tmp_path: Path) -> None:
-    from gpufeed.core.dest import take_lock
+    from gpufeed.core.dest import release_lock, take_lock
 
     cfg = tmp_path / "c.toml"
     cfg.write_text(TINY.format(src=write_images(tmp_path / "images"), budget=1.0))
@@ -239,7 +241,38 @@ def test_second_run_into_a_busy_folder_is_refused(tmp_path: Path) -> None:
         result = invoke(["run", cfg, "--run-dir", tmp_path / "run"], expect=2)
         assert "in use by another gpufeed run" in result.stderr
     finally:
-        os.close(fd)
+        release_lock(fd)
+
+
+def _signal_then_wait(ready, stop) -> None:
+    ready.set()
+    stop.wait(30)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_that_outlives_the_run_does_not_keep_its_lock(tmp_path: Path) -> None:
+    """A flock belongs to the open file that fork shares: a persistent loader worker (started by fork) still alive
+    after the run released its lock kept the run folder "in use by another gpufeed run" (the demo's re-run in
+    one process, once tune chose a worker). Forked children close their copies of the lock descriptors."""
+    import multiprocessing as mp
+
+    from gpufeed.core.dest import take_lock
+
+    lock = tmp_path / ".lock"
+    fd = take_lock(lock, what="run lock", in_use=lambda who: f"in use{who}")
+    ctx = mp.get_context("fork")
+    ready, stop = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_signal_then_wait, args=(ready, stop))
+    child.start()
+    try:
+        assert ready.wait(30)  # the child runs (its fork hooks have run)
+        release_lock(fd)
+        again = take_lock(lock, what="run lock", in_use=lambda who: f"in use{who}")  # the child still lives
+        assert child.is_alive()
+        release_lock(again)
+    finally:
+        stop.set()
+        child.join(30)
 
 
 # --------------------------------------------------------------------------- the report from records

@@ -70,7 +70,8 @@ from gpufeed.config import MAX_NODES, StageConfig
 from gpufeed.core.errors import DataError, RunError
 from gpufeed.shardset.manifest import INDEX_NAME, MANIFEST_NAME, TIMM_INFO_NAME, Manifest, ShardInfo, manifest_path, \
     read_manifest, shard_root, write_manifest
-from gpufeed.core.dest import LOCK_NAME, done_path, publish, read_done, remove_temps, take_lock, temp_path, write_done
+from gpufeed.core.dest import (LOCK_NAME, done_path, publish, read_done, release_lock, remove_temps, take_lock,
+                               temp_path, write_done)
 from gpufeed.core.records import atomic_writer, fsync_dir
 from gpufeed.core.world import node_from_env, node_shards
 from gpufeed.shardset.manifest import STAGED_NODE
@@ -347,7 +348,7 @@ def stage(cfg: StageConfig, *, progress: bool = True) -> StageReport:
         return _run(cfg, m, src_label, sides, source, dest, state, progress, t0, mine,
                     node_rank if num_nodes > 1 else None, num_nodes)
     finally:
-        os.close(lock)
+        release_lock(lock)
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,44 @@ _LOCK_PID_BYTES = 32
 """Bytes of the lock file read for the holder's pid (it holds one decimal number and a newline)."""
 
 
+_HELD: set[int] = set()
+"""Descriptors of the locks this process holds (:func:`take_lock` adds, :func:`release_lock` removes)."""
+
+
+def _close_held_in_child() -> None:
+    """In a forked child (a DataLoader or pool worker started by fork): close its copies of the lock descriptors.
+    A ``flock`` belongs to the open file, which fork shares, so a child that outlives the run (a persistent loader
+    worker not yet reaped) would otherwise keep the run's lock held after the run released it."""
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def hold_lock(fd: int) -> int:
+    """Count ``fd`` (a flocked descriptor) among this process's locks: forked children close their copy."""
+    _HELD.add(fd)
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    """Release a lock :func:`take_lock` returned (close its descriptor)."""
+    _HELD.discard(fd)
+    os.close(fd)
+
+
 def take_lock(path: str | os.PathLike, *, what: str, in_use: Callable[[str], str],
               unopenable: Callable[[OSError], str] | None = None) -> int:
     """An exclusive ``flock`` on the lock file ``path`` for the whole run, recording this pid -> its descriptor
-    (close it to release the lock). Close-on-exec, so the lock dies with this process: a run killed with -9
-    leaves a lock file the next run simply takes. A held lock is refused (DataError) with ``in_use(who)``, ``who``
+    (:func:`release_lock` releases it; forked children close their copies, so only this process holds it).
+    Close-on-exec, so the lock dies with this process: a run killed with -9 leaves a lock file the next run simply
+    takes. A held lock is refused (DataError) with ``in_use(who)``, ``who``
     naming the holder's pid (" (pid N)") when the file records one, else "". ``unopenable(exc)``: the sentence
     when the file cannot be opened (else the OSError propagates)."""
     import fcntl
@@ -46,7 +79,7 @@ def take_lock(path: str | os.PathLike, *, what: str, in_use: Callable[[str], str
         raise DataError(in_use(who)) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    return hold_lock(fd)
 
 
 def temp_path(folder: str | os.PathLike, name: str) -> str:

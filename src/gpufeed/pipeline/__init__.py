@@ -118,7 +118,7 @@ def _check_writes(step: Step, prepared: Any, ctx: Context) -> None:
 def run_pipeline(config_path: str | Path, *, run_dir: str | Path | None = None, quiet: bool = False,
                  lines: Callable[[str], None] | None = None, report: bool = True) -> RunRecord:
     """Run the steps ``[run] steps`` names, in pipeline order, into one run folder; write the report last."""
-    from gpufeed.core.dest import take_lock
+    from gpufeed.core.dest import release_lock, take_lock
 
     t0 = time.perf_counter()
     cfg = load_config(config_path)
@@ -154,7 +154,7 @@ def run_pipeline(config_path: str | Path, *, run_dir: str | Path | None = None, 
                 _write_report(out_dir, state, say)
         return _record(state, out_dir, time.perf_counter() - t0)
     finally:
-        os.close(lock)
+        release_lock(lock)
 
 
 def _run_steps(chosen: list[Step], state: RunState, previous: dict[str, StepState], ctx: Context,

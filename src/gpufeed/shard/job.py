@@ -10,7 +10,7 @@ from concurrent.futures import Executor
 from typing import Any, Callable, NamedTuple
 
 from gpufeed.config import ShardConfig
-from gpufeed.core.dest import LOCK_NAME
+from gpufeed.core.dest import LOCK_NAME, release_lock
 from gpufeed.core.errors import DataError
 from gpufeed.core.safefs import make_state_folder
 from gpufeed.shard.context import (JobContext, early_imports, finish_imports, make_pool, map_large_blocks, preload,
@@ -80,7 +80,7 @@ def write_shards(cfg: ShardConfig, progress: bool = True, *, try_one_pass: bool 
                     break
         raise
     finally:
-        os.close(lock)
+        release_lock(lock)
 
 
 def _check_folders(cfg: ShardConfig) -> tuple[str, str]:
@@ -149,7 +149,7 @@ def _finish_locked(job: JobContext, planned: _Planned, written: dict[str, dict[s
             os.unlink(os.path.join(job.dest, leftover))
         return _finish_phase(job, planned, written, t0, write_s)
     finally:
-        os.close(lock)
+        release_lock(lock)
 
 
 def _scan_phase(job: JobContext, warm: bool) -> tuple[Scan, str]:
@@ -501,7 +501,7 @@ def finish_dest(cfg: ShardConfig, progress: bool = True) -> ShardReport:
             os.unlink(os.path.join(dest, leftover))
         return _finish_phase(job, planned, {}, t0, 0.0)
     finally:
-        os.close(lock)
+        release_lock(lock)
 
 
 def _check_empty(cfg: ShardConfig, classes: list[str], counts: list[int], warn: list[str],

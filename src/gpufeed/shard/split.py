@@ -381,14 +381,15 @@ def clear_split_state(state: str) -> None:
 
 def finish_lock(state: str) -> int:
     """The finish lock (``lock-finish`` in the state folder), waited for: one node at a time writes the index, the
-    sidecar indexes and the manifest -> its descriptor (close it to release)."""
+    sidecar indexes and the manifest -> its descriptor (``release_lock`` releases it)."""
     import fcntl
 
+    from gpufeed.core.dest import hold_lock
     from gpufeed.core.safefs import lock_file
 
     fd = lock_file(os.path.join(state, "lock-finish"), what="shard lock")
     fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
+    return hold_lock(fd)
 
 
 def leftovers(dest: str, names: list[str], finishing: bool) -> list[str]:

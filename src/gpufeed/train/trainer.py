@@ -397,7 +397,9 @@ class Trainer:
         finally:
             prof.close()
             self._batches = None
-        return self._aggregate("real", meter), vals
+        # judged like a --measure mode (no extension: training runs its steps): a verdict on fewer than 3 windows,
+        # or on windows too spread to decide, is inconclusive (too noisy), never fed or starved on one hiccup
+        return self._aggregate("real", meter, judge=True), vals
 
     # ---- steps
     def _step_of(self, mode: str) -> Callable[[Iterator[Any] | None], StepMarks]:

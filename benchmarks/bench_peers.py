@@ -13,6 +13,8 @@ horizontal flip, and int64 labels [B]. Normalisation is left to the device and n
                    batch_size=None, num_workers=2)``, the same transform as ``imagefolder``;
 - ``gpufeed-w2``   ``gpufeed.loader.build_loader``: 2 worker processes, simplejpeg decode;
 - ``gpufeed-t2``   the same with no worker process and 2 decode threads;
+- ``gpufeed-roi``  2 worker processes, ``decode = "roi"`` (only the crop's region decoded, nvImageCodec's CPU
+                   libjpeg-turbo; ``pip install 'gpufeed[roi]'``);
 - ``gpufeed-best`` the best of a small sweep of gpufeed configs (``--gpufeed-sweep``), when it is neither of those;
 - ``dali-cpu``     an NVIDIA DALI CPU-only pipeline: readers.webdataset (indexes made with DALI's wds2idx before
                    the rounds, not timed) -> decoders.image_random_crop -> resize -> crop_mirror_normalize (uint8,
@@ -79,9 +81,11 @@ RATIO = (3 / 4, 4 / 3)
 PEER_WORKERS = 2
 """Workers or threads every peer gets (the gpufeed-w2 / -t2 settings are the same count)."""
 
-VARIANTS = ("imagefolder", "wds-recipe", "gpufeed-w2", "gpufeed-t2", "gpufeed-best", "dali-cpu", "spdl", "nodes")
+VARIANTS = ("imagefolder", "wds-recipe", "gpufeed-w2", "gpufeed-t2", "gpufeed-roi", "gpufeed-best", "dali-cpu", "spdl",
+            "nodes")
 GPUFEED_FIXED = {"gpufeed-w2": {"num_workers": 2, "decode_threads": 1},
-                 "gpufeed-t2": {"num_workers": 0, "decode_threads": 2}}
+                 "gpufeed-t2": {"num_workers": 0, "decode_threads": 2},
+                 "gpufeed-roi": {"num_workers": 2, "decode_threads": 1, "decode": "roi"}}
 GPUFEED_SWEEP = ({"num_workers": 2, "decode_threads": 1}, {"num_workers": 3, "decode_threads": 1},
                  {"num_workers": 4, "decode_threads": 1}, {"num_workers": 0, "decode_threads": 2},
                  {"num_workers": 1, "decode_threads": 2}, {"num_workers": 2, "decode_threads": 2})
@@ -268,12 +272,14 @@ def loader_wds_recipe(spec: Spec) -> Iterator[Batch]:
 
 
 def loader_gpufeed(spec: Spec) -> Iterator[Batch]:
-    """gpufeed's own loader (build_loader over the shard set, simplejpeg decode), epoch after epoch."""
+    """gpufeed's own loader (build_loader over the shard set; simplejpeg decode unless the params say "roi"), epoch
+    after epoch."""
     from gpufeed.config import LoaderConfig
     from gpufeed.core.world import World
     from gpufeed.loader import build_loader
 
-    cfg = LoaderConfig(batch_size=spec.batch_size, image_size=spec.image_size, decode="simplejpeg", pin_memory=False,
+    cfg = LoaderConfig(batch_size=spec.batch_size, image_size=spec.image_size,
+                       decode=spec.params.get("decode", "simplejpeg"), pin_memory=False,
                        prefetch_factor=2, persistent_workers=True, shuffle_buffer=spec.shuffle_buffer, seed=spec.seed,
                        num_workers=int(spec.params["num_workers"]),
                        decode_threads=int(spec.params.get("decode_threads", 1)))
@@ -528,7 +534,8 @@ def run_one(spec: Spec, timeout_s: float) -> dict[str, Any]:
 
 def describe(variant: str, params: dict[str, Any]) -> str:
     if variant.startswith("gpufeed"):
-        return f"workers={params['num_workers']} threads={params.get('decode_threads', 1)} simplejpeg"
+        return (f"workers={params['num_workers']} threads={params.get('decode_threads', 1)} "
+                f"{params.get('decode', 'simplejpeg')}")
     if variant == "imagefolder":
         return f"workers={params['num_workers']} PIL"
     if variant == "wds-recipe":
@@ -582,6 +589,9 @@ def versions() -> dict[str, Any]:
     dali = sorted({(d.metadata["Name"] or "").lower(): d.version for d in distributions()
                    if (d.metadata["Name"] or "").lower().startswith("nvidia-dali")}.items())
     out["nvidia-dali"] = dict(dali) or None
+    nvimg = sorted({(d.metadata["Name"] or "").lower(): d.version for d in distributions()
+                    if (d.metadata["Name"] or "").lower().startswith("nvidia-nvimgcodec")}.items())
+    out["nvidia-nvimgcodec"] = dict(nvimg) or None
     try:
         import spdl.io.utils
 
@@ -665,7 +675,8 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
 
     only = [v.strip() for v in (args.only or ",".join(VARIANTS)).split(",") if v.strip()]
-    only = [g for v in only for g in (("gpufeed-w2", "gpufeed-t2", "gpufeed-best") if v == "gpufeed" else (v,))]
+    only = [g for v in only for g in (("gpufeed-w2", "gpufeed-t2", "gpufeed-roi", "gpufeed-best") if v == "gpufeed"
+                                      else (v,))]
     unknown = sorted(set(only) - set(VARIANTS))
     if unknown:
         ap.error(f"unknown loader(s) {', '.join(unknown)}; pick from {', '.join(VARIANTS)}")

@@ -60,16 +60,18 @@ KNOWN = {
     ("big-420", "simplejpeg"): "1/8 DCT-scaled decode of a 1400 x 1100 crop to 32 px: mean error 4.1",
     ("big-gray-progressive", "pil-draft"): "1/8 DCT-scaled decode of a 536 x 433 crop to 32 px: mean error 3.0",
     ("big-gray-progressive", "simplejpeg"): "1/8 DCT-scaled decode: mean error 2.3",
+    ("big-420", "roi"): "a DCT-scaled crop takes the simplejpeg path: as simplejpeg",
+    ("big-gray-progressive", "roi"): "a DCT-scaled crop takes the simplejpeg path: as simplejpeg",
     **{(f"{n}.png", m): "3x upscale of a 28 px binary digit: torch's uint8 bilinear differs from PIL's by up to 13 "
                         "levels on hard edges (all paths, resize = torch)" for n in (11, 17, 19)
-       for m in ("pil", "pil-draft", "simplejpeg")},
+       for m in ("pil", "pil-draft", "simplejpeg", "roi")},
 }
 """Cases over the issue's bounds today (found by this test, not yet fixed): xfail, so a fix shows up as XPASS."""
 
 
 def _cases():
     for name, ext, data in _synthetic() + _fixture():
-        for method in ("pil", "pil-draft", "simplejpeg"):
+        for method in ("pil", "pil-draft", "simplejpeg", "roi"):
             why = KNOWN.get((name, method))
             marks = [pytest.mark.xfail(reason=why, strict=False)] if why else []
             yield pytest.param(method, name, ext, data, marks=marks, id=f"{name}-{method}")
@@ -77,8 +79,10 @@ def _cases():
 
 @pytest.mark.parametrize("method,name,ext,data", list(_cases()))
 def test_decode_paths_match_a_pil_reference(method, name, ext, data):
-    if method == "simplejpeg":
+    if method in ("simplejpeg", "roi"):
         pytest.importorskip("simplejpeg")
+    if method == "roi" and not dec.roi_available():
+        pytest.skip("decode = 'roi' needs nvImageCodec: pip install 'gpufeed[roi]'")
     w, h = dec.image_size(data)
     for make in _crops(data):
         crop = make(w, h)
@@ -93,3 +97,68 @@ def test_decode_paths_match_a_pil_reference(method, name, ext, data):
 def test_big_crops_take_the_reduced_size_decode():
     """The equivalence above covers the scaled decodes: a whole-image crop of a 1400 x 1100 image decodes at 1/8."""
     assert dec.draft_scale(dec.Crop((0, 0, 1400, 1100)), S) == 8 and dec.draft_scale(dec.Crop((0, 0, 70, 80)), S) == 2
+
+
+def test_the_roi_decode_gives_simplejpegs_pixels_from_the_crops_region_only(monkeypatch):
+    """decode = "roi" decodes only the crop's region: for every train crop no DCT scale reduces, the output is the
+    simplejpeg path's to the bit (the same libjpeg-turbo, upsampling and resize); and the region decoded is the crop,
+    not the image (nvImageCodec is asked for that region)."""
+    pytest.importorskip("simplejpeg")
+    if not dec.roi_available():
+        pytest.skip("decode = 'roi' needs nvImageCodec: pip install 'gpufeed[roi]'")
+    nv = dec._import_nvimgcodec()
+    asked: list = []
+    real = nv.CodeStream
+
+    class Spy:
+        def __init__(self, data):
+            self.stream = real(data)
+
+        def get_sub_code_stream(self, *, region):
+            asked.append((tuple(region.start), tuple(region.end)))
+            return self.stream.get_sub_code_stream(region=region)
+
+    for name, ext, data in _synthetic():
+        if name == "cmyk":
+            continue
+        w, h = dec.image_size(data)
+        rng = random.Random(7)
+        for _ in range(8):
+            crop = dec.train_crop(w, h, rng)
+            if dec.draft_scale(crop, 224) > 1:
+                continue
+            a, b = np.zeros((224, 224, 3), np.uint8), np.zeros((224, 224, 3), np.uint8)
+            dec.decode_into(data, ext, "simplejpeg", lambda *_: crop, 224, a)
+            asked.clear()
+            with monkeypatch.context() as m:
+                m.setattr(nv, "CodeStream", Spy)
+                dec.decode_into(data, ext, "roi", lambda *_: crop, 224, b)
+            assert np.array_equal(a, b), (name, crop)
+            l, t, r, bt = (int(v) for v in crop.box)
+            assert asked == [((t, l), (bt, r))], (name, crop, asked)
+
+
+def test_the_roi_decode_passes_what_it_cannot_do_to_simplejpeg():
+    """CMYK, eval crops and a broken JPEG: the simplejpeg path's output, or its error."""
+    pytest.importorskip("simplejpeg")
+    if not dec.roi_available():
+        pytest.skip("decode = 'roi' needs nvImageCodec: pip install 'gpufeed[roi]'")
+    cmyk = dict((n, d) for n, _, d in _synthetic())["cmyk"]
+    rgb = dict((n, d) for n, _, d in _synthetic())["420-progressive"]
+    for data, make in ((cmyk, partial(dec.train_crop, rng=random.Random(1))), (rgb, partial(dec.eval_crop, size=S))):
+        w, h = dec.image_size(data)
+        crop = make(w, h)
+        a, b = np.zeros((S, S, 3), np.uint8), np.zeros((S, S, 3), np.uint8)
+        dec.decode_into(data, "jpg", "simplejpeg", lambda *_: crop, S, a)
+        dec.decode_into(data, "jpg", "roi", lambda *_: crop, S, b)
+        assert np.array_equal(a, b)
+    broken = rgb[: len(rgb) // 3]
+    errors = []
+    for method in ("simplejpeg", "roi"):
+        try:
+            dec.decode_into(broken, "jpg", method, partial(dec.train_crop, rng=random.Random(2)), S,
+                            np.zeros((S, S, 3), np.uint8))
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - compared below
+            errors.append(type(exc))
+    assert errors[0] == errors[1]

@@ -49,7 +49,7 @@ class ToyPipeline:
     """
 
     cores = 4
-    decode_ms = {"pil": 4.0, "pil-draft": 2.0, "simplejpeg": 1.5, "gpu": 1.0}
+    decode_ms = {"pil": 4.0, "pil-draft": 2.0, "simplejpeg": 1.5, "roi": 1.45, "gpu": 1.0}
 
     def __init__(self, trial_s: float = 0.01, fail: set[int] | None = None, noise: float = 0.0,
                  cores_used: float | None = None, clock: FakeClock | None = None) -> None:
@@ -124,8 +124,9 @@ def test_tuner_picks_the_right_winner_on_a_controlled_pipeline(tmp_path: Path) -
     assert best.decode == ("simplejpeg" if importlib.util.find_spec("simplejpeg") else "pil-draft")
     assert best.decode != "gpu"  # no CUDA here
     assert report.best_samples_per_s.median == pytest.approx(toy.rate(best))
-    # search, not brute force: far fewer trials than the grid (9 worker counts x 3 decodes x 2 x 2)
-    assert len(toy.calls) <= 10
+    # search, not brute force: far fewer trials than the grid (9 worker counts x 4 decodes x 2 x 2); one decode
+    # trial more where nvImageCodec is installed (roi: 3% cheaper in this toy, under min_gain, so not adopted)
+    assert len(toy.calls) <= 10 + bool(importlib.util.find_spec("nvidia.nvimgcodec"))
     # the climb stopped once the workers kept every core busy
     assert max(c.num_workers for c in toy.calls) == 4
     [stop] = decisions(report, "cpu-saturated")

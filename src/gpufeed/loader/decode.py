@@ -15,6 +15,11 @@ train, and torchvision's exact resize-whole-then-centre-crop for eval; ``resize 
 Reduced-size decodes (PIL ``draft``, simplejpeg ``min_width``/``min_height``) pick a DCT scale that keeps
 the crop region at least ``size`` pixels on both sides, so no resolution is lost.
 
+``decode = "roi"`` decodes only the crop's region (libjpeg-turbo's crop and skip of scanlines, through NVIDIA
+nvImageCodec's CPU backend, ``pip install 'gpufeed[roi]'``): the same pixels as a full decode cropped afterwards,
+for less decode work; crops that a DCT scale reduces, eval crops and anything nvImageCodec refuses take the
+simplejpeg path.
+
 Every path reads the stored width x height from the image header first and refuses an image over
 ``max_pixels`` (:class:`ImageTooLarge`) before any pixel is decoded: a few KB of PNG can declare
 13,000 x 13,000 pixels and cost gigabytes once decoded.
@@ -39,7 +44,7 @@ from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import ConfigError
 from gpufeed.shardset.images import open_image
 
-DecodeMethod = Literal["pil", "pil-draft", "simplejpeg", "gpu"]
+DecodeMethod = Literal["pil", "pil-draft", "simplejpeg", "roi", "gpu"]
 JPEG_EXTENSIONS = ("jpg", "jpeg")
 
 DEFAULT_MAX_PIXELS = LoaderConfig.max_pixels
@@ -295,6 +300,103 @@ def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *, resiz
         _finish(Image.fromarray(arr), crop, size, out, dw / w, dh / h, resize)
 
 
+def _roi_decoder():
+    """This thread's nvImageCodec decoder (CPU backend, one thread of its own: the loader's workers and decode
+    threads are the parallelism), made at first use. nvImageCodec prints a line to stderr for every GPU codec it
+    cannot load when imported; on a CPU decode those lines say nothing, so the import runs with stderr muted."""
+    dec = getattr(_scratch, "roi", None)
+    if dec is None:
+        nv = _import_nvimgcodec()
+        dec = _scratch.roi = nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
+                                        backends=[nv.Backend(nv.BackendKind.CPU_ONLY)])
+    return dec
+
+
+_nvimgcodec = None
+
+
+def roi_available() -> bool:
+    """Whether ``decode = "roi"`` can run here (nvImageCodec importable)."""
+    try:
+        _import_nvimgcodec()
+    except ConfigError:
+        return False
+    return True
+
+
+def _import_nvimgcodec():
+    global _nvimgcodec
+    if _nvimgcodec is None:
+        import importlib.util
+        import os
+        import sys
+
+        try:
+            found = importlib.util.find_spec("nvidia.nvimgcodec") is not None
+        except ImportError:  # no nvidia package at all
+            found = False
+        if not found:
+            raise ConfigError("decode = 'roi' needs NVIDIA nvImageCodec (its CPU backend, libjpeg-turbo): pip install "
+                              "'gpufeed[roi]', or choose decode = 'simplejpeg'")
+        with _LOAD_LOCK:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            try:
+                with open(os.devnull, "wb") as null:
+                    os.dup2(null.fileno(), 2)
+                from nvidia import nvimgcodec
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+        _nvimgcodec = nvimgcodec
+    return _nvimgcodec
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str = "torch",
+               max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    """Decode only the train crop's region of a JPEG (nvImageCodec's libjpeg-turbo: rows above it are skipped,
+    rows below never read, columns cut to the iMCUs it covers), then resize it as the simplejpeg path does. The
+    same pixels as decoding the whole image and cropping. Crops a DCT scale reduces (decoded smaller there),
+    eval crops (the whole image is resized), CMYK and whatever nvImageCodec does not decode go to
+    :func:`decode_simplejpeg`, which raises for a broken image as every path does."""
+    sj = _import_simplejpeg()
+    try:
+        h, w, colorspace, _ = sj.decode_jpeg_header(data)
+    except ValueError:
+        colorspace = "unknown"
+    if colorspace not in ("YCbCr", "Gray", "RGB"):
+        decode_simplejpeg(data, crop_fn, size, out, resize=resize, max_pixels=max_pixels)
+        return
+    check_pixels(w, h, max_pixels)
+    crop = crop_fn(w, h)
+    if crop.resize is not None or draft_scale(crop, size) > 1:
+        decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)
+        return
+    l, t, r, b = crop.box
+    l, t = min(max(int(l), 0), w - 1), min(max(int(t), 0), h - 1)
+    r, b = min(max(int(r), l + 1), w), min(max(int(b), t + 1), h)
+    nv = _import_nvimgcodec()
+    arr = None
+    try:
+        stream = nv.CodeStream(data).get_sub_code_stream(region=nv.Region(start=(t, l), end=(b, r)))
+        img = _roi_decoder().decode(stream)
+        if img is not None:
+            arr = np.asarray(img.cpu())
+    except (RuntimeError, ValueError):
+        arr = None
+    if arr is None or arr.shape != (b - t, r - l, 3):
+        decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)
+        return
+    region = Crop((0.0, 0.0, float(r - l), float(b - t)), crop.flip)
+    if resize == "torch":
+        resize_array_into(arr, region, size, out)
+    else:
+        _finish(Image.fromarray(arr), region, size, out, 1.0, 1.0, resize)
+
+
 _scratch = threading.local()
 
 
@@ -316,6 +418,8 @@ def decode_into(data: bytes, ext: str, method: DecodeMethod, crop_fn, size: int,
     is_jpeg = ext in JPEG_EXTENSIONS
     if method == "simplejpeg" and is_jpeg:
         decode_simplejpeg(data, crop_fn, size, out, resize=resize, max_pixels=max_pixels)
+    elif method == "roi" and is_jpeg:
+        decode_roi(data, crop_fn, size, out, resize=resize, max_pixels=max_pixels)
     else:
         decode_pil(data, crop_fn, size, out, draft=(method != "pil" and is_jpeg), resize=resize,
                    max_pixels=max_pixels)

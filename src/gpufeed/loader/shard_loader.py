@@ -85,8 +85,10 @@ class ShardLoader:
             raise _too_few(counts, cfg.batch_size, world, split)
         if split.get("node_rank") is not None:
             self.warnings += _imbalance(counts, world, cfg.batch_size, self.num_batches)
-        if cfg.decode == "simplejpeg":
+        if cfg.decode in ("simplejpeg", "roi"):
             dec._import_simplejpeg()
+        if cfg.decode == "roi":
+            dec._import_nvimgcodec()
         self.num_skipped = 0
         self.num_repeated = 0
         self._epoch = multiprocessing.get_context().Value("q", epoch, lock=False)

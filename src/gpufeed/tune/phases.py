@@ -64,7 +64,8 @@ def start_point(cfg: TuneConfig, shards: str, base: LoaderConfig | None, world: 
     base = dataclasses.replace(base, batch_size=base.batch_size if cfg.batch_size is None else cfg.batch_size,
                                image_size=base.image_size if cfg.image_size is None else cfg.image_size)
     world = staged_world(world, shards, base, cfg.manifest)
-    if (base.decode == "gpu" and not world.is_cuda) or (base.decode == "simplejpeg" and not installed("simplejpeg")):
+    if (base.decode == "gpu" and not world.is_cuda) or (base.decode in ("simplejpeg", "roi")
+                                                         and not installed("simplejpeg")):
         base = dataclasses.replace(base, decode="pil-draft")
     return base, world
 

@@ -313,13 +313,16 @@ def refine(s: Search, knob: str, values: list[Any], also: dict[str, Any] | None 
 
 
 def refine_decode(s: Search) -> list[Decision]:
-    """Phase 2: the other decode paths that exist here (simplejpeg installed, gpu on CUDA)."""
+    """Phase 2: the other decode paths that exist here (simplejpeg installed, roi with nvImageCodec and simplejpeg
+    installed, gpu on CUDA)."""
     decodes = []
-    for d in ("simplejpeg", "pil-draft", "gpu"):
+    for d in ("simplejpeg", "roi", "pil-draft", "gpu"):
         if d == s.point.decode:
             continue
         if d == "simplejpeg" and not s.installed("simplejpeg"):
             s.skipped["decode=simplejpeg"] = "simplejpeg is not installed (pip install simplejpeg)"
+        elif d == "roi" and not (s.installed("nvidia.nvimgcodec") and s.installed("simplejpeg")):
+            s.skipped["decode=roi"] = "nvImageCodec or simplejpeg is not installed (pip install 'gpufeed[roi]')"
         elif d == "gpu" and not s.world.is_cuda:
             s.skipped["decode=gpu"] = "no CUDA device"
         else:
@@ -411,7 +414,10 @@ def has_module(name: str) -> bool:
     """Whether ``name`` can be imported here (without importing it)."""
     import importlib.util
 
-    return importlib.util.find_spec(name) is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a dotted name whose parent package is missing
+        return False
 
 
 def machine_cores(rec: TrialRecord, usable: int) -> int:

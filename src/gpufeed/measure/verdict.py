@@ -308,8 +308,7 @@ def too_noisy(f: Facts) -> Verdict | None:
               f"; needed: >= {MIN_WINDOWS} windows and 90% intervals of the means no wider than "
               f"{100 * RATE_SPREAD_MAX:.0f}% of samples/s and {STALL_SPREAD_MAX:.1f} stall points, or on one side "
               f"of the {STALL_FED_PCT:g}% line)")
-    return _inconclusive("too noisy", reason, [f"give it more time (--measure-seconds with --measure; in training, "
-                                               f"more steps or a smaller log_every), or {IDLE_MACHINE_FIX}"], f,
+    return _inconclusive("too noisy", reason, [f"give it more time (--measure-seconds), or {IDLE_MACHINE_FIX}"], f,
                          unsettled={w.mode: {"num_windows": w.num_windows, "rate_spread": w.rate_spread,
                                              "stall_spread_pts": w.stall_spread_pts} for w in bad})
 

@@ -397,9 +397,7 @@ class Trainer:
         finally:
             prof.close()
             self._batches = None
-        # judged like a --measure mode (no extension: training runs its steps): a verdict on fewer than 3 windows,
-        # or on windows too spread to decide, is inconclusive (too noisy), never fed or starved on one hiccup
-        return self._aggregate("real", meter, judge=True), vals
+        return self._aggregate("real", meter), vals
 
     # ---- steps
     def _step_of(self, mode: str) -> Callable[[Iterator[Any] | None], StepMarks]:

@@ -24,39 +24,45 @@ from gpufeed.shardset.manifest import DEFAULT_LABEL_SOURCE, read_label
 
 
 class BatchRows:
-    """The batch a worker fills: uint8 images ``[n, S, S, 3]`` (in shared memory inside a worker), int64 labels and,
-    for ``decode = "gpu"``, its :class:`EncodedBatch`; ``n`` is the batch size, or 1 per sample (the main process
-    then makes the batches)."""
+    """The batch a worker fills: uint8 images ``[n, S, S, 3]`` (in shared memory inside a worker, pinned in a main
+    process that feeds CUDA), int64 labels and, for ``decode = "gpu"``, its :class:`EncodedBatch`; ``n`` is the batch
+    size, or 1 per sample (the main process then makes the batches).
 
-    def __init__(self, n: int, size: int, shared: bool, gpu: bool):
-        self.n, self.size, self.shared, self.gpu = n, size, shared, gpu
+    :meth:`take` hands out the very tensors allocated here, never a new tensor over their memory: torch passes a
+    worker's batch to the main process by the shared-memory handle only when the tensor is the shared one (a view
+    made through NumPy is not recognised and would be copied into new shared memory, a whole batch per batch), and
+    CUDA's pinned-memory allocator keeps a block out of reuse until a copy from it has finished only when the copy
+    reads the tensor it allocated."""
+
+    def __init__(self, n: int, size: int, shared: bool, gpu: bool, pinned: bool = False):
+        self.n, self.size, self.shared, self.gpu, self.pinned = n, size, shared, gpu, pinned
         self.filled = 0
-        self._batch: tuple[Any, Any, EncodedBatch | None] | None = None
+        self._batch: tuple[Any, Any, Any, Any, EncodedBatch | None] | None = None
 
     def target(self) -> tuple[Any, EncodedBatch | None, int]:
         """``(images, enc, row)``: where the next sample goes (a new batch is made when none is being filled)."""
         if self._batch is None:
-            images = torch.empty((self.n, self.size, self.size, 3), dtype=torch.uint8)
+            images = torch.empty((self.n, self.size, self.size, 3), dtype=torch.uint8, pin_memory=self.pinned)
             if self.shared:
                 images.share_memory_()  # the worker writes straight into the memory the main process receives
-            labels = torch.empty((self.n,), dtype=torch.int64)
+            labels = torch.empty((self.n,), dtype=torch.int64, pin_memory=self.pinned)
             enc = EncodedBatch([], [], [], [], images, self.size) if self.gpu else None
-            self._batch = images.numpy(), labels.numpy(), enc
-        images, _, enc = self._batch
-        return images, enc, self.filled
+            self._batch = images, labels, images.numpy(), labels.numpy(), enc
+        _, _, rows, _, enc = self._batch
+        return rows, enc, self.filled
 
     def add(self, label: int) -> bool:
-        self._batch[1][self.filled] = label
+        self._batch[3][self.filled] = label
         self.filled += 1
         return self.filled == self.n
 
     def take(self, skipped: int, repeated: int):
         """``(images, labels, skipped, repeated)``: the samples lost and re-read since the previous batch."""
-        images, labels, enc = self._batch
+        images, labels, _, _, enc = self._batch
         self._batch, self.filled = None, 0
         if enc is not None:
-            return enc.pack(), torch.from_numpy(labels), skipped, repeated
-        return torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(labels), skipped, repeated
+            return enc.pack(), labels, skipped, repeated
+        return images.permute(0, 3, 1, 2), labels, skipped, repeated
 
 
 class ShardStream(IterableDataset):
@@ -78,6 +84,9 @@ class ShardStream(IterableDataset):
         self.start_value = start_value
         """Batches of the epoch the next iteration passes over without decoding (see ShardLoader.set_epoch)."""
         self.per_sample = not cfg.worker_batching
+        self.pin_rows = False
+        """Batches made in the main process (``num_workers = 0``) are allocated pinned, so the copy to the device is
+        the batch's only copy (:class:`ShardLoader` sets it when it pins for CUDA; the DataLoader then pins nothing)."""
 
     def __iter__(self):
         # num_workers == 0 runs this in the main process; ShardLoader keeps its torch ops on one thread
@@ -106,7 +115,7 @@ class ShardStream(IterableDataset):
         rng = shuffle_rng(cfg.seed, epoch, self.world.rank, slot)
         buffer = cfg.shuffle_buffer if self.train else 0
         rows = BatchRows(1 if self.per_sample else cfg.batch_size, cfg.image_size, info is not None,
-                         cfg.decode == "gpu")
+                         cfg.decode == "gpu", pinned=info is None and self.pin_rows)
         check = partial(dec.check_header, max_pixels=cfg.max_pixels)
         threads = cfg.decode_threads if cfg.decode != "gpu" else 1
         if threads > 1:

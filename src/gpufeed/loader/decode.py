@@ -212,27 +212,64 @@ def resize_array_into(arr: np.ndarray, crop: Crop, size: int, out: np.ndarray, s
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
             x = torch.from_numpy(arr)
-    if crop.resize is not None:
+    if crop.resize is not None:  # eval: torchvision's resize of the whole image, then its centre crop
         rw, rh = crop.resize
         left, top = crop.offset or (0, 0)
-        src = x.permute(2, 0, 1).unsqueeze(0)
-        if not src.is_contiguous(memory_format=torch.channels_last):
-            src = src.contiguous(memory_format=torch.channels_last)
-        y = F.interpolate(src, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
-        y = y[:, :, top: top + size, left: left + size]
-    else:
-        dh, dw = arr.shape[:2]
-        l, t, r, b = crop.box
-        if scale_x != 1.0 or scale_y != 1.0:
-            l, r = int(round(l * scale_x)), int(round(r * scale_x))
-            t, b = int(round(t * scale_y)), int(round(b * scale_y))
-        l, t = min(max(int(l), 0), dw - 1), min(max(int(t), 0), dh - 1)
-        r, b = min(max(int(r), l + 1), dw), min(max(int(b), t + 1), dh)
-        src = x[t:b, l:r].permute(2, 0, 1).unsqueeze(0).contiguous(memory_format=torch.channels_last)
+        y = F.interpolate(_channels_last(x), size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
+        torch.from_numpy(out).copy_(y[0, :, top: top + size, left: left + size].permute(1, 2, 0))
+        return
+    dh, dw = arr.shape[:2]
+    l, t, r, b = crop.box
+    if scale_x != 1.0 or scale_y != 1.0:
+        l, r = int(round(l * scale_x)), int(round(r * scale_x))
+        t, b = int(round(t * scale_y)), int(round(b * scale_y))
+    l, t = min(max(int(l), 0), dw - 1), min(max(int(t), 0), dh - 1)
+    r, b = min(max(int(r), l + 1), dw), min(max(int(b), t + 1), dh)
+    region = x[t:b, l:r]
+    if crop.flip:  # flipped in the copy the kernel needs anyway: the kernel is mirror-symmetric, so the same pixels
+        region = region.flip(1)
+    src = _channels_last(region)
+    if not _resize_into(src, size, out):
         y = F.interpolate(src, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    if crop.flip:
-        y = y.flip(-1)
-    torch.from_numpy(out).copy_(y[0].permute(1, 2, 0))
+        torch.from_numpy(out).copy_(y[0].permute(1, 2, 0))
+
+
+def _channels_last(hwc):
+    """An [H, W, 3] tensor as the [1, 3, H, W] channels-last contiguous input torch's SIMD uint8 kernel reads (a copy
+    only when the view is not already that: a crop's rows are strided)."""
+    import torch
+
+    src = hwc.permute(2, 0, 1).unsqueeze(0)
+    if not src.is_contiguous(memory_format=torch.channels_last):
+        src = src.contiguous(memory_format=torch.channels_last)
+    return src
+
+
+_AA_OUT: list = []
+"""``[kernel]`` once :func:`_resize_into` found torch's antialiased bilinear kernel with an ``out=`` argument,
+``[None]`` when this torch has none (then the caller resizes through ``F.interpolate`` and copies)."""
+
+
+def _resize_into(src, size: int, out: np.ndarray) -> bool:
+    """Antialiased bilinear resize of ``src`` (uint8 [1, 3, h, w], channels-last) straight into ``out`` [S, S, 3]
+    (the batch row: no intermediate tensor, no copy), with the kernel ``F.interpolate(..., antialias=True)`` runs.
+    False when this torch does not expose that kernel with ``out=`` (a private name, so it is looked up once)."""
+    import torch
+
+    if not _AA_OUT:
+        kernel = getattr(getattr(torch._C, "_nn", None), "_upsample_bilinear2d_aa", None)
+        try:  # probe it once on a tiny image: a torch where the private kernel changed takes the public path
+            probe = np.empty((2, 2, 3), np.uint8)
+            kernel(torch.zeros((1, 3, 4, 4), dtype=torch.uint8).contiguous(memory_format=torch.channels_last), (2, 2),
+                   False, out=torch.from_numpy(probe).permute(2, 0, 1).unsqueeze(0))
+        except Exception:  # noqa: BLE001 - missing or another signature: the public path
+            kernel = None
+        _AA_OUT.append(kernel)
+    kernel = _AA_OUT[0]
+    if kernel is None or not out.flags.c_contiguous:
+        return False
+    kernel(src, (size, size), False, out=torch.from_numpy(out).permute(2, 0, 1).unsqueeze(0))
+    return True
 
 
 def decode_pil(data: bytes, crop_fn, size: int, out: np.ndarray, *, draft: bool = False,
@@ -291,7 +328,7 @@ def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *, resiz
     crop = crop_fn(w, h)
     scale = draft_scale(crop, size)  # 1/2, 1/4, 1/8 when the crop keeps >= size pixels; other M/8 scales gain nothing
     min_w, min_h = -(-w // scale), -(-h // scale)  # libjpeg's 1/scale output size: the M/8 scale picked is 1/scale
-    dh, dw, _, _ = sj.decode_jpeg_header(data, min_height=min_h, min_width=min_w)
+    dh, dw = (h, w) if scale == 1 else sj.decode_jpeg_header(data, min_height=min_h, min_width=min_w)[:2]
     arr = sj.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, buffer=_decode_buffer(dh * dw * 3))
     dh, dw = arr.shape[:2]
     if resize == "torch":

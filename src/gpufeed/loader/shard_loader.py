@@ -102,8 +102,10 @@ class ShardLoader:
                                     label=self.manifest.label)
         self._pin = bool(cfg.pin_memory and world.is_cuda and torch.cuda.is_available())
         nw = cfg.num_workers
+        # num_workers = 0: this process makes the batches, straight into pinned memory (no pinning copy after)
+        self._dataset.pin_rows = self._pin and cfg.worker_batching and nw == 0
         self._loader = DataLoader(
-            self._dataset, batch_size=None, num_workers=nw, pin_memory=self._pin and cfg.worker_batching,
+            self._dataset, batch_size=None, num_workers=nw, pin_memory=self._pin and cfg.worker_batching and nw > 0,
             prefetch_factor=cfg.prefetch_factor if nw > 0 else None,
             persistent_workers=cfg.persistent_workers if nw > 0 else False,
             worker_init_fn=_worker_init if nw > 0 else None,

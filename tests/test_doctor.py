@@ -60,14 +60,22 @@ def test_cli_missing_data_path_fails_with_exit_1(tmp_path) -> None:
 
 
 def test_shm_too_small_fails_with_the_formula_and_docker_fix() -> None:
-    cfg = LoaderConfig(num_workers=8, prefetch_factor=2, batch_size=256, image_size=224)  # 8*2*256*224*224*3 ~ 616 MB
-    assert d.shm_need(cfg) == 8 * 2 * 256 * 224 * 224 * 3
+    cfg = LoaderConfig(num_workers=8, prefetch_factor=2, batch_size=256, image_size=224, persistent_workers=False)
+    assert d.shm_need(cfg) == 8 * 2 * 256 * 224 * 224 * 3  # ~ 616 MB
     report = d.run_checks(facts(shm_total=64 << 20, shm_free=64 << 20,
                                 gpus=[gpu(index=0), gpu(index=1)]), cfg)  # 2 ranks: ~1.2 GB
     c = by_name(report)["/dev/shm"]
     assert c.status == "fail" and not report.ok
     assert "8 workers x 2 prefetch x 256 batch x 224x224x3 B" in c.evidence and "x 2 rank(s) = 1.2 GB" in c.evidence
     assert "--shm-size=3g" in c.fix
+
+
+def test_shm_counts_the_batch_buffers_persistent_workers_reuse() -> None:
+    """With persistent workers each worker keeps its reused batch buffers (loader/ring.py): prefetch_factor + 3."""
+    cfg = LoaderConfig(num_workers=8, prefetch_factor=2, batch_size=256, image_size=224, persistent_workers=True)
+    assert d.shm_need(cfg) == 8 * 5 * 256 * 224 * 224 * 3  # ~ 1.5 GB
+    c = by_name(d.run_checks(facts(shm_total=1 << 30, shm_free=1 << 30, gpus=[gpu(index=0)]), cfg))["/dev/shm"]
+    assert c.status == "fail" and "8 workers x 5 batches (2 prefetch + 3 reused) x 256 batch" in c.evidence
     ok = d.run_checks(facts(shm_total=2 << 30, shm_free=2 << 30, gpus=[gpu()]), cfg)
     assert by_name(ok)["/dev/shm"].status == "ok"
 

@@ -1,5 +1,6 @@
-"""No copy the loader does not need (issue 21): a worker's batch leaves as the shared tensor it was decoded into,
-a main-process batch for CUDA is decoded straight into pinned memory, and the train resize writes into the batch row
+"""No copy or allocation the loader does not need (issue 21): a worker's batch leaves as the shared tensor it was
+decoded into, workers reuse batch buffers once nothing in the main process reads them (and never sooner), a
+main-process batch for CUDA is decoded straight into pinned memory, and the train resize writes into the batch row
 (flipping the crop on the way in), with the same pixels as resizing, then flipping, then copying."""
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ def test_a_workers_batch_is_the_shared_tensor_it_was_decoded_into():
         images, _, row = rows.target()
         images[row] = label
         rows.add(label)
-    images, labels, skipped, repeated = rows.take(0, 0)
-    assert images.is_shared()
+    images, labels, skipped, repeated, worker, slot = rows.take(0, 0)
+    assert images.is_shared() and slot == -1
     assert images.shape == (2, 3, 8, 8) and images[1].eq(4).all() and labels.tolist() == [3, 4]
 
 
@@ -91,3 +92,72 @@ def test_main_process_batches_are_pinned_on_cuda(tmp_path):  # pragma: no cover 
     loader = build_loader(shards, cfg(batch_size=2, num_workers=0, pin_memory=True), World.single("cuda"))
     images, labels = next(iter(loader))
     assert images.is_pinned() and labels.is_pinned()
+
+
+def _epochs(shards, epochs: int, hold: bool, **kw) -> list:
+    """Every batch of ``epochs`` epochs: kept as handed out (``hold``: no copy, the loader's memory itself) or cloned."""
+    from gpufeed.loader import build_loader
+
+    loader = build_loader(shards, cfg(**{"batch_size": 2, "num_workers": 2, "prefetch_factor": 1, "persistent_workers": True, **kw}),
+                          World.single())
+    out = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        out += [(images, labels) if hold else (images.clone(), labels.clone()) for images, labels in loader]
+    return out, loader
+
+
+def test_batches_kept_by_the_caller_are_never_rewritten(tmp_path):
+    """The caller keeps every batch: no slot goes back, each later batch takes memory of its own, and every kept batch
+    still holds its own pixels at the end (as a run that cloned each batch at once)."""
+    shards = write_set(tmp_path / "set", [6, 6, 6, 6])
+    held, loader = _epochs(shards, 3, hold=True)
+    cloned, _ = _epochs(shards, 3, hold=False)
+    assert len(held) == len(cloned) == 36
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(held, cloned))
+    assert loader._returns is not None and loader._returns.pending  # held: none given back
+
+
+def test_batches_the_caller_lets_go_of_are_reused(tmp_path):
+    """Batches dropped at once go back to their worker: few distinct buffers serve many batches, with the same
+    pixels as a run that cloned each batch."""
+    from gpufeed.loader import build_loader
+
+    shards = write_set(tmp_path / "set", [6, 6, 6, 6])
+    loader = build_loader(shards, cfg(batch_size=2, num_workers=2, prefetch_factor=1, persistent_workers=True), World.single())
+    seen, pixels = set(), []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for images, labels in loader:
+            seen.add(images.untyped_storage().data_ptr())
+            pixels.append((images.clone(), labels.clone()))
+            del images, labels
+    cloned, _ = _epochs(shards, 3, hold=False)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(pixels, cloned))
+    slots = loader._returns.flags.slots * 2
+    assert len(pixels) == 36 and len(seen) <= slots, (len(seen), slots)
+
+
+def test_a_view_the_caller_keeps_holds_the_slot(tmp_path):
+    """A view (or NumPy array) of a batch keeps its memory in use: the slot stays out until it is dropped."""
+    from gpufeed.loader import build_loader
+
+    shards = write_set(tmp_path / "set", [6, 6, 6, 6])
+    loader = build_loader(shards, cfg(batch_size=2, num_workers=2, prefetch_factor=1, persistent_workers=True), World.single())
+    it = iter(loader)
+    first, _ = next(it)
+    kept, want = first[0].numpy(), first[0].clone()
+    del first
+    rest = [images.clone() for images, _ in it]
+    assert len(rest) == 11 and np.array_equal(kept, want.numpy())
+
+
+@pytest.mark.parametrize("kw", [{"persistent_workers": False}, {"num_workers": 0}, {"decode": "gpu"},
+                                {"worker_batching": False}], ids=str)
+def test_the_ring_runs_only_where_one_process_per_worker_serves_the_loader(tmp_path, kw):
+    from gpufeed.loader import build_loader
+
+    shards = write_set(tmp_path / "set", [4, 4])
+    on = {"batch_size": 2, "num_workers": 2, "persistent_workers": True}
+    assert build_loader(shards, cfg(**{**on, **kw}), World.single())._returns is None
+    assert build_loader(shards, cfg(**on), World.single())._returns is not None

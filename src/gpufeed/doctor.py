@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 from gpufeed.config import LoaderConfig
+from gpufeed.loader.ring import buffers_per_worker
 from gpufeed.measure.nvml import BENIGN_THROTTLE, decode_reasons, get, power_limit_w, read_reasons
 from gpufeed.core.system import mount_of
 from gpufeed.core.system import mounts as system_mounts
@@ -415,8 +416,16 @@ def check_cpus(f: Facts) -> Check:
 
 
 def shm_need(cfg: LoaderConfig) -> int:
-    """Bytes of /dev/shm one rank's loader holds: num_workers x prefetch_factor x batch x S x S x 3 (uint8)."""
-    return cfg.num_workers * cfg.prefetch_factor * cfg.batch_size * cfg.image_size * cfg.image_size * 3
+    """Bytes of /dev/shm one rank's loader holds: num_workers x the batches each holds (its ``prefetch_factor`` in
+    flight, and the buffers it reuses with persistent workers: :func:`gpufeed.loader.ring.buffers_per_worker`) x batch
+    x S x S x 3 (uint8)."""
+    return cfg.num_workers * buffers_per_worker(cfg) * cfg.batch_size * cfg.image_size * cfg.image_size * 3
+
+
+def _held(cfg: LoaderConfig) -> str:
+    n = buffers_per_worker(cfg)
+    return f"{n} batches ({cfg.prefetch_factor} prefetch + {n - cfg.prefetch_factor} reused)" \
+        if n != cfg.prefetch_factor else f"{n} prefetch"
 
 
 def check_memory(f: Facts) -> Check:
@@ -432,7 +441,7 @@ def check_shm(f: Facts, cfg: LoaderConfig) -> Check:
     ranks = max(1, len(f.gpus))
     per_rank = shm_need(cfg)
     need = per_rank * ranks
-    formula = (f"{cfg.num_workers} workers x {cfg.prefetch_factor} prefetch x {cfg.batch_size} batch x "
+    formula = (f"{cfg.num_workers} workers x {_held(cfg)} x {cfg.batch_size} batch x "
                f"{cfg.image_size}x{cfg.image_size}x3 B = {_gb(per_rank)} per rank x {ranks} rank(s) = {_gb(need)}")
     fix = ("give the container more: docker run --shm-size=" + f"{max(1, -(-need * 2 // (1 << 30)))}g"
            " (Kubernetes: an emptyDir with medium: Memory on /dev/shm), or lower num_workers / prefetch_factor")

@@ -4,7 +4,8 @@ Read in this order: :mod:`~gpufeed.loader.plan` (the torch-free epoch arithmetic
 worker reads, resume slots), :mod:`~gpufeed.loader.position` (what a checkpoint stores), :mod:`~gpufeed.loader.reader`
 (a shard's samples, checked to be the manifest's), :mod:`~gpufeed.loader.stages` (read -> shuffle -> decode under
 the ``on_error`` handler -> fill -> batch), :mod:`~gpufeed.loader.dataset` (one worker's epoch),
-:mod:`~gpufeed.loader.shard_loader` (:class:`ShardLoader`, :func:`build_loader`), :mod:`~gpufeed.loader.decode` and
+:mod:`~gpufeed.loader.ring` (the batch buffers persistent workers reuse), :mod:`~gpufeed.loader.shard_loader`
+(:class:`ShardLoader`, :func:`build_loader`), :mod:`~gpufeed.loader.decode` and
 :mod:`~gpufeed.loader.gpu` (per-sample decode on the CPU, batched decode on the device), and
 :mod:`~gpufeed.loader.checks` (the pre-run checks). Importing this package loads no torch: the names that need it
 are imported when first used.

@@ -19,6 +19,7 @@ from gpufeed.loader.errors import WorkerFailure
 from gpufeed.loader.gpu import EncodedBatch, prepare_encoded
 from gpufeed.loader.plan import crop_rng, plan_slot, resume_slot, shuffle_rng, split_of
 from gpufeed.loader.reader import ShardReader
+from gpufeed.loader.ring import SlotFlags, WorkerRing
 from gpufeed.loader.stages import Decode, OnError, ThreadedDecode, batch, fill, read_segments, shuffle
 from gpufeed.shardset.manifest import DEFAULT_LABEL_SOURCE, read_label
 
@@ -34,22 +35,31 @@ class BatchRows:
     CUDA's pinned-memory allocator keeps a block out of reuse until a copy from it has finished only when the copy
     reads the tensor it allocated."""
 
-    def __init__(self, n: int, size: int, shared: bool, gpu: bool, pinned: bool = False):
+    def __init__(self, n: int, size: int, shared: bool, gpu: bool, pinned: bool = False,
+                 ring: WorkerRing | None = None, worker: int = 0):
         self.n, self.size, self.shared, self.gpu, self.pinned = n, size, shared, gpu, pinned
+        self.ring, self.worker = ring, worker
+        """The worker's reused batch buffers (:mod:`gpufeed.loader.ring`) and its number, or None."""
+        self.slot = -1
+        """The ring slot the batch being filled is in (-1: a buffer of its own)."""
         self.filled = 0
         self._batch: tuple[Any, Any, Any, Any, EncodedBatch | None] | None = None
 
     def target(self) -> tuple[Any, EncodedBatch | None, int]:
         """``(images, enc, row)``: where the next sample goes (a new batch is made when none is being filled)."""
         if self._batch is None:
-            images = torch.empty((self.n, self.size, self.size, 3), dtype=torch.uint8, pin_memory=self.pinned)
-            if self.shared:
-                images.share_memory_()  # the worker writes straight into the memory the main process receives
+            images, self.slot = self.ring.take() if self.ring is not None else (self.new_images(), -1)
             labels = torch.empty((self.n,), dtype=torch.int64, pin_memory=self.pinned)
             enc = EncodedBatch([], [], [], [], images, self.size) if self.gpu else None
             self._batch = images, labels, images.numpy(), labels.numpy(), enc
         _, _, rows, _, enc = self._batch
         return rows, enc, self.filled
+
+    def new_images(self) -> torch.Tensor:
+        """A batch buffer of its own (in shared memory inside a worker, which writes straight into the memory the main
+        process receives)."""
+        images = torch.empty((self.n, self.size, self.size, 3), dtype=torch.uint8, pin_memory=self.pinned)
+        return images.share_memory_() if self.shared else images
 
     def add(self, label: int) -> bool:
         self._batch[3][self.filled] = label
@@ -57,12 +67,13 @@ class BatchRows:
         return self.filled == self.n
 
     def take(self, skipped: int, repeated: int):
-        """``(images, labels, skipped, repeated)``: the samples lost and re-read since the previous batch."""
+        """``(images, labels, skipped, repeated, worker, slot)``: the samples lost and re-read since the previous
+        batch, and which ring slot of which worker holds the images (slot -1: none)."""
         images, labels, _, _, enc = self._batch
         self._batch, self.filled = None, 0
         if enc is not None:
-            return enc.pack(), labels, skipped, repeated
-        return images.permute(0, 3, 1, 2), labels, skipped, repeated
+            return enc.pack(), labels, skipped, repeated, self.worker, -1
+        return images.permute(0, 3, 1, 2), labels, skipped, repeated, self.worker, self.slot
 
 
 class ShardStream(IterableDataset):
@@ -85,6 +96,11 @@ class ShardStream(IterableDataset):
         """Batches of the epoch the next iteration passes over without decoding (see ShardLoader.set_epoch)."""
         self.per_sample = not cfg.worker_batching
         self.pin_rows = False
+        self.ring_flags: SlotFlags | None = None
+        """The shared slot bytes of the workers' batch rings (:mod:`gpufeed.loader.ring`), when :class:`ShardLoader`
+        runs them (persistent workers, whole batches made in the workers, CPU decode)."""
+        self._ring: WorkerRing | None = None
+        """This worker process's ring (made at its first epoch, kept for the next ones)."""
         """Batches made in the main process (``num_workers = 0``) are allocated pinned, so the copy to the device is
         the batch's only copy (:class:`ShardLoader` sets it when it pins for CUDA; the DataLoader then pins nothing)."""
 
@@ -115,7 +131,11 @@ class ShardStream(IterableDataset):
         rng = shuffle_rng(cfg.seed, epoch, self.world.rank, slot)
         buffer = cfg.shuffle_buffer if self.train else 0
         rows = BatchRows(1 if self.per_sample else cfg.batch_size, cfg.image_size, info is not None,
-                         cfg.decode == "gpu", pinned=info is None and self.pin_rows)
+                         cfg.decode == "gpu", pinned=info is None and self.pin_rows, worker=worker)
+        if info is not None and self.ring_flags is not None:
+            if self._ring is None:
+                self._ring = WorkerRing(self.ring_flags, worker, rows.new_images)
+            rows.ring = self._ring
         check = partial(dec.check_header, max_pixels=cfg.max_pixels)
         threads = cfg.decode_threads if cfg.decode != "gpu" else 1
         if threads > 1:

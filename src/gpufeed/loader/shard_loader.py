@@ -17,6 +17,7 @@ from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import DataError, GpufeedError
 from gpufeed.core.world import World, node_shards
 from gpufeed.loader import decode as dec
+from gpufeed.loader import ring
 from gpufeed.loader.dataset import ShardStream
 from gpufeed.loader.errors import WorkerFailure
 from gpufeed.loader.gpu import EncodedBatch, gpu_decode, merge_encoded
@@ -104,6 +105,12 @@ class ShardLoader:
         nw = cfg.num_workers
         # num_workers = 0: this process makes the batches, straight into pinned memory (no pinning copy after)
         self._dataset.pin_rows = self._pin and cfg.worker_batching and nw == 0
+        self._returns: ring.MainReturns | None = None
+        """The workers' reused batch buffers, main side (:mod:`gpufeed.loader.ring`), when they run."""
+        if ring.ring_runs(cfg) and ring.use_count_available():
+            flags = ring.SlotFlags(nw, ring.buffers_per_worker(cfg))
+            self._dataset.ring_flags = flags
+            self._returns = ring.MainReturns(flags)
         self._loader = DataLoader(
             self._dataset, batch_size=None, num_workers=nw, pin_memory=self._pin and cfg.worker_batching and nw > 0,
             prefetch_factor=cfg.prefetch_factor if nw > 0 else None,
@@ -168,6 +175,7 @@ class ShardLoader:
                 produced += 1
                 self._consumed += 1
                 yield batch
+                batch = None  # not held here while the next one is fetched: its ring slot can go back
         finally:
             # every worker has read the start by now, unless the caller left early (then that iteration is dropped)
             self._start.value = 0
@@ -198,9 +206,13 @@ class ShardLoader:
         """Add a worker item's counters; raise a worker's data error here, as the sentence it sent."""
         if isinstance(item, WorkerFailure):
             raise DataError(item.message)
-        images, labels, skipped, repeated = item
+        images, labels, skipped, repeated, worker, slot = item
         self.num_skipped += int(skipped)
         self.num_repeated += int(repeated)
+        if self._returns is not None:
+            self._returns.sweep()
+            if slot >= 0:
+                self._returns.received(int(worker), int(slot), images, copied=self._loader.pin_memory)
         return images, labels
 
     def _batch_in_main(self):

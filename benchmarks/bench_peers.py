@@ -16,6 +16,9 @@ horizontal flip, and int64 labels [B]. Normalisation is left to the device and n
 - ``gpufeed-roi``  2 worker processes, ``decode = "roi"`` (only the crop's region decoded, nvImageCodec's CPU
                    libjpeg-turbo; ``pip install 'gpufeed[roi]'``);
 - ``gpufeed-best`` the best of a small sweep of gpufeed configs (``--gpufeed-sweep``), when it is neither of those;
+- ``gpufeed-before`` with ``--before REV``: gpufeed as it was at git revision REV (its ``src/`` exported with ``git
+                   archive`` into a temporary folder, imported first by the measuring process), with ``gpufeed-w2``'s
+                   settings: the before and after of a change, interleaved in the same run;
 - ``dali-cpu``     an NVIDIA DALI CPU-only pipeline: readers.webdataset (indexes made with DALI's wds2idx before
                    the rounds, not timed) -> decoders.image_random_crop -> resize -> crop_mirror_normalize (uint8,
                    CHW, random mirror), 2 threads; labels parsed from the ``.cls`` bytes per batch in Python;
@@ -81,8 +84,8 @@ RATIO = (3 / 4, 4 / 3)
 PEER_WORKERS = 2
 """Workers or threads every peer gets (the gpufeed-w2 / -t2 settings are the same count)."""
 
-VARIANTS = ("imagefolder", "wds-recipe", "gpufeed-w2", "gpufeed-t2", "gpufeed-roi", "gpufeed-best", "dali-cpu", "spdl",
-            "nodes")
+VARIANTS = ("imagefolder", "wds-recipe", "gpufeed-before", "gpufeed-w2", "gpufeed-t2", "gpufeed-roi", "gpufeed-best",
+            "dali-cpu", "spdl", "nodes")
 GPUFEED_FIXED = {"gpufeed-w2": {"num_workers": 2, "decode_threads": 1},
                  "gpufeed-t2": {"num_workers": 0, "decode_threads": 2},
                  "gpufeed-roi": {"num_workers": 2, "decode_threads": 1, "decode": "roi"}}
@@ -480,6 +483,8 @@ def child_main(spec_path: str, out_path: str) -> None:
     """``--child SPEC OUT``: one measurement; the record (or its one-line error) goes to OUT. Exits hard so that no
     loader's teardown can hang the run (the parent then ends what is left of the process group)."""
     spec = Spec(**json.loads(Path(spec_path).read_text()))
+    if spec.params.get("src"):  # gpufeed-before: that revision's package, found before this checkout's
+        sys.path.insert(0, spec.params["src"])
     try:
         rec = measure(spec)
     except BaseException as exc:  # noqa: BLE001 - any failure is the loader's result
@@ -535,7 +540,7 @@ def run_one(spec: Spec, timeout_s: float) -> dict[str, Any]:
 def describe(variant: str, params: dict[str, Any]) -> str:
     if variant.startswith("gpufeed"):
         return (f"workers={params['num_workers']} threads={params.get('decode_threads', 1)} "
-                f"{params.get('decode', 'simplejpeg')}")
+                f"{params.get('decode', 'simplejpeg')}" + (f" @{params['rev']}" if params.get("rev") else ""))
     if variant == "imagefolder":
         return f"workers={params['num_workers']} PIL"
     if variant == "wds-recipe":
@@ -543,6 +548,19 @@ def describe(variant: str, params: dict[str, Any]) -> str:
     if variant == "spdl":
         return f"threads={PEER_WORKERS} decode={params.get('decode', 'auto')}"
     return f"threads={PEER_WORKERS}"
+
+
+def export_src(rev: str, dest: Path) -> str:
+    """``src/`` of git revision ``rev`` of this checkout, written under ``dest``; the folder to import gpufeed from."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, "src"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True, capture_output=True)
+    return str(dest / "src")
+
+
+def git_commit(rev: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], capture_output=True, text=True).stdout.strip()
 
 
 def make_dali_index(paths: list[str], dest: Path) -> float:
@@ -617,6 +635,8 @@ class Runner:
         self.failed: dict[str, str] = {}
         """Loader label -> its one-line failure; a failed loader is not run again."""
         self.dali_index_dir: str | None = None
+        self.before_src: str | None = None
+        """The ``src/`` folder of ``--before REV`` (exported into a temporary folder), when asked for."""
         self._shown: set[str] = set()
 
     def spec(self, loader: str, params: dict[str, Any], rnd: int, window: float) -> Spec:
@@ -665,6 +685,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sweep-window", type=float, help="window of the best-of sweeps (default: --window)")
     ap.add_argument("--if-workers", default="2,3,4", help="num_workers the imagefolder sweep tries")
     ap.add_argument("--no-gpufeed-sweep", action="store_true", help="skip the gpufeed-best pass")
+    ap.add_argument("--before", metavar="REV", help="also measure gpufeed at this git revision (gpufeed-before)")
     ap.add_argument("--spdl-decode", choices=("auto", "ffmpeg", "simplejpeg"), default="auto",
                     help="spdl's decode: spdl.io (FFmpeg), simplejpeg, or spdl.io when it loads (auto)")
     ap.add_argument("--shuffle-buffer", type=int, default=1000, help="samples in every loader's shuffle buffer")
@@ -682,6 +703,10 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"unknown loader(s) {', '.join(unknown)}; pick from {', '.join(VARIANTS)}")
     if args.no_gpufeed_sweep and "gpufeed-best" in only:
         only.remove("gpufeed-best")
+    if args.before and "gpufeed-before" not in only:
+        only.append("gpufeed-before")
+    elif not args.before and "gpufeed-before" in only:
+        ap.error("gpufeed-before needs --before REV")
     args.selected = [v for v in VARIANTS if v in only]
     if not args.selected:
         ap.error("no loader left to run")
@@ -715,6 +740,9 @@ def plan_variants(runner: Runner, record: dict[str, Any]) -> dict[str, tuple[str
     for label, params in GPUFEED_FIXED.items():
         if label in selected:
             plan[label] = ("gpufeed", dict(params))
+    if "gpufeed-before" in selected and runner.before_src:
+        plan["gpufeed-before"] = ("gpufeed", {**GPUFEED_FIXED["gpufeed-w2"], "src": runner.before_src,
+                                              "rev": args.before})
     if "gpufeed-best" in selected:
         best, record["sweeps"]["gpufeed"] = runner.sweep("gpufeed-best", "gpufeed", GPUFEED_SWEEP, sweep_window)
         if best is not None:
@@ -761,6 +789,12 @@ def main() -> None:
                 log(f"DALI indexes for the shards in {record['dali_index_s']:.1f} s")
             except Exception as exc:  # noqa: BLE001 - DALI (its wds2idx) missing, or the tar tool
                 runner.failed["dali-cpu"] = f"index: {_one_line(exc)}"
+        if args.before:  # that revision's package, exported once (not timed)
+            try:
+                runner.before_src = export_src(args.before, Path(dali_dir) / "before")
+                record["before"] = {"rev": args.before, "commit": git_commit(args.before)}
+            except (OSError, subprocess.CalledProcessError) as exc:
+                runner.failed["gpufeed-before"] = f"git archive {args.before}: {_one_line(exc)}"
         plan = plan_variants(runner, record)
 
         # interleaved rounds, the order rotated each round
@@ -808,7 +842,8 @@ def summarize(selected: list[str], plan: dict[str, tuple[str, dict[str, Any]]], 
                        startup_s=statistics.median(r["startup_s"] for r in ok),
                        detail=next((r["detail"] for r in ok if r.get("detail")), None))
         rows.append(row)
-    gp = [r for r in rows if r["loader"].startswith("gpufeed") and r.get("samples_per_s")]
+    gp = [r for r in rows if r["loader"].startswith("gpufeed") and r["loader"] != "gpufeed-before"
+          and r.get("samples_per_s")]
     best = max(gp, key=lambda r: r["samples_per_s"]) if gp else None
     for r in rows:
         r["gpufeed_best_over_this"] = (best["samples_per_s"] / r["samples_per_s"]) if best and r.get("samples_per_s") \

@@ -96,13 +96,13 @@ class ShardStream(IterableDataset):
         """Batches of the epoch the next iteration passes over without decoding (see ShardLoader.set_epoch)."""
         self.per_sample = not cfg.worker_batching
         self.pin_rows = False
+        """Batches made in the main process (``num_workers = 0``) are allocated pinned, so the copy to the device is
+        the batch's only copy (:class:`ShardLoader` sets it when it pins for CUDA; the DataLoader then pins nothing)."""
         self.ring_flags: SlotFlags | None = None
         """The shared slot bytes of the workers' batch rings (:mod:`gpufeed.loader.ring`), when :class:`ShardLoader`
         runs them (persistent workers, whole batches made in the workers, CPU decode)."""
         self._ring: WorkerRing | None = None
         """This worker process's ring (made at its first epoch, kept for the next ones)."""
-        """Batches made in the main process (``num_workers = 0``) are allocated pinned, so the copy to the device is
-        the batch's only copy (:class:`ShardLoader` sets it when it pins for CUDA; the DataLoader then pins nothing)."""
 
     def __iter__(self):
         # num_workers == 0 runs this in the main process; ShardLoader keeps its torch ops on one thread

@@ -130,6 +130,112 @@ def _check_image(member: str, data: bytes, decode: bool, max_pixels: int, bad: C
         Image.MAX_IMAGE_PIXELS = prev
 
 
+def _shard_size(path: str, name: str, remote: bool) -> tuple[int | None, dict[str, Any] | None]:
+    """The shard file's size in bytes before it is read (None for a ``pipe:`` command: its output's size is known
+    only once it is read), or, second, the whole result of a shard that cannot be read at all: a local file that
+    is missing, not a regular file or a link out of the set's folder, or a URL whose server gives no size."""
+    try:
+        if remote:  # a URL's size from the server; a pipe: command's is known only once it is read
+            return (None if is_pipe(path) else remote_size(path)), None
+        why = file_problem(path, os.path.dirname(path))  # a set's shards: no link out of its folder
+        if why:
+            return None, {"name": name, "problems": [(None, f"shard file {why}")], "num_problems": 1, "keys": [],
+                          "found": 0, "decoded": 0}
+        return os.path.getsize(path), None
+    except SourceError as exc:
+        return None, {"name": name, "problems": [(None, redact(one_line(exc)))], "num_problems": 1, "keys": [],
+                      "found": 0, "decoded": 0, "timed_out": isinstance(exc, ReadTimedOut)}
+
+
+def _sample_label(key: str, parts: dict[str, bytes | None], label_source: str, classes: list[str],
+                  class_index: dict[str, int], bad: Callable[[str | None, str], None]) -> int | None:
+    """The sample's label as the loader reads it (:func:`read_label`), or None after reporting why it has none.
+    None without a further problem for a label member over MAX_MEMBER_BYTES (not read: ``want`` reported it)."""
+    member = label_member(label_source)
+    if parts.get(member, b"") is None:
+        return None
+    try:
+        return read_label(parts, label_source, classes, class_index)
+    except MissingLabel as exc:
+        bad(key, f"sample has {exc}")
+    except LabelError as exc:
+        bad(f"{key}.{member}", str(exc))
+    return None
+
+
+def _check_meta(key: str, raw: bytes, label: int | None, classes: list[str], image: bytes | None,
+                image_member: str | None, bad: Callable[[str | None, str], None]) -> None:
+    """A gpufeed sample's ``KEY.json``: a JSON object naming the class of the sample's label and carrying the
+    sha256 of its image member (which pins a flipped bit to that member)."""
+    try:
+        meta = json.loads(raw)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        bad(f"{key}.json", f"not valid JSON ({exc})")
+        return
+    if label is not None and meta.get("class") != classes[label]:
+        bad(f"{key}.json", f"class {str(meta.get('class'))[:80]!r} does not match label {label} "
+                           f"({classes[label]!r})")
+    digest = meta.get("sha256")
+    if digest and image is not None and hashlib.sha256(image).hexdigest() != digest:
+        bad(image_member, "image bytes do not match the sha256 recorded in its .json")
+
+
+def _check_imageless_key(key: str, parts: dict[str, bytes | None], bad: Callable[[str | None, str], None]) -> None:
+    """A foreign set's key without an image member. The loader and `gpufeed index` skip it: not a sample. But an
+    image behind a dot in its key (`k.3.jpg` -> key `k`, extension `3.jpg`) is an image the loader never reads."""
+    member = dotted_image(key, parts)
+    if member:
+        bad(member, f"key holds a dot: readers take {key!r} as the key and "
+                    f"{member[len(key) + 1:]!r} as the extension, so no reader sees this image")
+
+
+def _check_sample(key: str, parts: dict[str, bytes | None], images: list[str], ours: bool, classes: list[str],
+                  class_index: dict[str, int], label_source: str, decode: bool, max_pixels: int,
+                  bad: Callable[[str | None, str], None]) -> bool:
+    """Check one sample (a key with an image member, or any key of a gpufeed set): one image, a label the loader
+    accepts, an image within ``max_pixels`` that decodes (``decode``) and, for a gpufeed set, its ``.json``.
+    True when its image was decoded."""
+    if len(images) != 1:
+        bad(key, f"sample has {len(images)} image members ({', '.join(sorted(parts))}); expected exactly one")
+    label = _sample_label(key, parts, label_source, classes, class_index, bad)
+    image = parts[images[0]] if images else None
+    decoded = image is not None and _check_image(f"{key}.{images[0]}", image, decode, max_pixels, bad)
+    if ours and META_EXTENSION not in parts:
+        bad(key, "sample has no .json member (every gpufeed sample has one)")
+    elif ours and parts[META_EXTENSION] is not None:
+        _check_meta(key, parts[META_EXTENSION], label, classes, image, f"{key}.{images[0]}" if images else None, bad)
+    return decoded
+
+
+def _dotted_keys(members: Iterator[tuple[str, int, bytes | None]], ours: bool,
+                 bad: Callable[[str | None, str], None]) -> Iterator[tuple[str, bytes | None]]:
+    """The members as ``(name, data)``, reporting on the way, in a gpufeed set, a member whose key holds a dot."""
+    for member, _, data in members:
+        split = split_member(member)
+        # Foreign sets: webdataset (and so the loader and `gpufeed index`) keys a member by its name up to
+        # the first dot, so `x.seg.png` is member "seg.png" of sample "x", not a bad key.
+        if ours and split and "." in split[1] and split[1] not in _KNOWN:
+            bad(member, f"key holds a dot: readers take {split[0]!r} as the key and {split[1]!r} as the "
+                        f"extension")
+        yield member, data
+
+
+def _check_whole_file(tar: TarPass | None, size: int | None, expected: dict[str, Any], found: int,
+                      bad: Callable[[str | None, str], None]) -> None:
+    """Once the shard is read: its size (a pipe: command's output, known only now) and sha256 against the manifest's,
+    and its sample count. The sha256 is compared only when the whole file was read."""
+    if size is None and tar is not None and expected.get("bytes") and tar.raw.n != expected["bytes"]:
+        bad(None, f"size is {tar.raw.n} bytes, manifest says {expected['bytes']}")  # a pipe: command's output
+    if tar is not None and tar.sha256 is not None:
+        got = tar.sha256
+        if tar.raw.n == (size if size is not None else expected.get("bytes")) and got != expected["sha256"]:
+            bad(None, f"sha256 {got[:16]}... does not match the manifest's {expected['sha256'][:16]}...")
+    if expected.get("num_samples") is not None and found != expected["num_samples"]:
+        bad(None, f"holds {found} samples, manifest says {expected['num_samples']}")
+
+
 def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[str], gzip: bool, decode: bool,
                   ours: bool, max_pixels: int = DEFAULT_MAX_PIXELS, label_source: str = DEFAULT_LABEL_SOURCE
                   ) -> dict[str, Any]:
@@ -146,18 +252,9 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
             problems.append((member, reason))
 
     remote = is_remote(path)
-    try:
-        if remote:  # a URL's size from the server; a pipe: command's is known only once it is read
-            size = None if is_pipe(path) else remote_size(path)
-        else:
-            why = file_problem(path, os.path.dirname(path))  # a set's shards: no link out of its folder
-            if why:
-                return {"name": name, "problems": [(None, f"shard file {why}")], "num_problems": 1, "keys": [],
-                        "found": 0, "decoded": 0}
-            size = os.path.getsize(path)
-    except SourceError as exc:
-        return {"name": name, "problems": [(None, redact(one_line(exc)))], "num_problems": 1, "keys": [], "found": 0,
-                "decoded": 0, "timed_out": isinstance(exc, ReadTimedOut)}
+    size, failed = _shard_size(path, name, remote)
+    if failed is not None:
+        return failed
     if expected.get("bytes") and size is not None and size != expected["bytes"]:
         bad(None, f"size is {size} bytes, manifest says {expected['bytes']}")
     listed: set[str] = set()
@@ -166,47 +263,14 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
         nonlocal decoded, found
         images = [e for e in parts if e in READ_IMAGE_EXTENSIONS]
         if not ours and not images:
-            # The loader and `gpufeed index` skip keys without an image member: not a sample. But an image
-            # behind a dot in its key (`k.3.jpg` -> key `k`, extension `3.jpg`) is an image the loader never reads.
-            member = dotted_image(key, parts)
-            if member:
-                bad(member, f"key holds a dot: readers take {key!r} as the key and "
-                            f"{member[len(key) + 1:]!r} as the extension, so no reader sees this image")
+            _check_imageless_key(key, parts, bad)
             return
         found += 1
         if key not in listed:
             listed.add(key)
             keys.append(key)
-        if len(images) != 1:
-            bad(key, f"sample has {len(images)} image members ({', '.join(sorted(parts))}); expected exactly one")
-        label = None
-        member = label_member(label_source)
-        if parts.get(member, b"") is not None:  # None: a member over MAX_MEMBER_BYTES, reported by want()
-            try:
-                label = read_label(parts, label_source, classes, class_index)
-            except MissingLabel as exc:
-                bad(key, f"sample has {exc}")
-            except LabelError as exc:
-                bad(f"{key}.{member}", str(exc))
-        image = parts[images[0]] if images else None
-        if image is not None and _check_image(f"{key}.{images[0]}", image, decode, max_pixels, bad):
+        if _check_sample(key, parts, images, ours, classes, class_index, label_source, decode, max_pixels, bad):
             decoded += 1
-        if ours and META_EXTENSION not in parts:
-            bad(key, "sample has no .json member (every gpufeed sample has one)")
-        elif ours and parts[META_EXTENSION] is not None:
-            try:
-                meta = json.loads(parts[META_EXTENSION])
-                if not isinstance(meta, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as exc:
-                bad(f"{key}.json", f"not valid JSON ({exc})")
-            else:
-                if label is not None and meta.get("class") != classes[label]:
-                    bad(f"{key}.json", f"class {str(meta.get('class'))[:80]!r} does not match label {label} "
-                                       f"({classes[label]!r})")
-                digest = meta.get("sha256")
-                if digest and image is not None and hashlib.sha256(image).hexdigest() != digest:
-                    bad(f"{key}.{images[0]}", "image bytes do not match the sha256 recorded in its .json")
 
     def want(member: str, member_size: int) -> bool:
         if member_size > MAX_MEMBER_BYTES:
@@ -214,23 +278,13 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
             return False
         return True
 
-    def dotted_keys(members: Iterator[tuple[str, int, bytes | None]]) -> Iterator[tuple[str, bytes | None]]:
-        for member, _, data in members:
-            split = split_member(member)
-            # Foreign sets: webdataset (and so the loader and `gpufeed index`) keys a member by its name up to
-            # the first dot, so `x.seg.png` is member "seg.png" of sample "x", not a bad key.
-            if ours and split and "." in split[1] and split[1] not in _KNOWN:
-                bad(member, f"key holds a dot: readers take {split[0]!r} as the key and {split[1]!r} as the "
-                            f"extension")
-            yield member, data
-
     tar = None
     grouper = SampleGrouper(bad)
     timed_out = False
     try:
         with (open_shard(path, size=size) if remote else open(path, "rb")) as f:
             tar = TarPass(f, gzip, hash=bool(expected.get("sha256")))
-            for key, parts in grouper.samples(dotted_keys(tar.members(want))):
+            for key, parts in grouper.samples(_dotted_keys(tar.members(want), ours, bad)):
                 finish(key, parts)
             end = tar.end_problem()
             if end:
@@ -246,14 +300,7 @@ def _verify_shard(path: str, name: str, expected: dict[str, Any], classes: list[
         last = tar.last if tar else None
         where = f"after member {last}" if last else "at the start"
         bad(last, f"tar does not read to the end ({type(exc).__name__}: {exc}) {where}")
-    if size is None and tar is not None and expected.get("bytes") and tar.raw.n != expected["bytes"]:
-        bad(None, f"size is {tar.raw.n} bytes, manifest says {expected['bytes']}")  # a pipe: command's output
-    if tar is not None and tar.sha256 is not None:
-        got = tar.sha256
-        if tar.raw.n == (size if size is not None else expected.get("bytes")) and got != expected["sha256"]:
-            bad(None, f"sha256 {got[:16]}... does not match the manifest's {expected['sha256'][:16]}...")
-    if expected.get("num_samples") is not None and found != expected["num_samples"]:
-        bad(None, f"holds {found} samples, manifest says {expected['num_samples']}")
+    _check_whole_file(tar, size, expected, found, bad)
     return {"name": name, "problems": problems, "num_problems": count[0], "keys": keys, "found": found,
             "decoded": decoded, "timed_out": timed_out}
 
@@ -272,6 +319,54 @@ def _within_timeout_bound(results: Iterator[dict[str, Any]], total: int, locatio
                            f"(the job's bound, MAX_TIMED_OUT_READS_IN_A_ROW; the last: {r['name']}); "
                            f"{total - len(out)} of {total} shards were not verified")
     return out
+
+
+class _ProblemLog:
+    """The set's problems: every one counted in ``num_problems``, the first MAX_REPORTED_PROBLEMS listed (the
+    verify record stays bounded)."""
+
+    def __init__(self) -> None:
+        self.problems: list[VerifyProblem] = []
+        self.num_problems = 0
+
+    def add(self, problem: VerifyProblem, counted: int = 1) -> None:
+        self.num_problems += counted
+        if len(self.problems) < MAX_REPORTED_PROBLEMS:
+            self.problems.append(problem)
+
+
+def _run_jobs(jobs: list[tuple[Any, ...]], workers: int, location: str) -> list[dict[str, Any]]:
+    """Each shard's :func:`_verify_shard` result, in the set's order, read over ``workers`` processes when more
+    than one, within :func:`_within_timeout_bound`'s bound. A job stopped early cancels the shards not started."""
+    if workers > 1:
+        from gpufeed.core.system import process_pool
+
+        with process_pool(workers) as ex:
+            futures = [ex.submit(_verify_shard, *j) for j in jobs]
+            try:
+                return _within_timeout_bound((f.result() for f in futures), len(jobs), location)
+            except BaseException:
+                ex.shutdown(wait=False, cancel_futures=True)  # only the shards being read are waited for
+                raise
+    return _within_timeout_bound((_verify_shard(*j) for j in jobs), len(jobs), location)
+
+
+def _merge_results(results: list[dict[str, Any]], log: _ProblemLog) -> tuple[dict[str, str], int]:
+    """The shards' problems into ``log`` (a shard's count includes those it did not list), plus a problem for each
+    key also used in an earlier shard. Returns each key's shard and the samples found in all."""
+    seen: dict[str, str] = {}
+    found = 0
+    for r in results:
+        for member, reason in r["problems"]:
+            log.add(VerifyProblem(r["name"], member, reason), 0)
+        log.num_problems += r["num_problems"]
+        found += r["found"]
+        for k in r["keys"]:
+            if k in seen:
+                log.add(VerifyProblem(r["name"], k, f"key {k!r} is also used in {seen[k]}"))
+            else:
+                seen[k] = r["name"]
+    return seen, found
 
 
 def verify_shards(path: str | Path, decode: bool = True, workers: int | None = None,
@@ -303,59 +398,29 @@ def verify_shards(path: str | Path, decode: bool = True, workers: int | None = N
              m.classes, gzip or m.shards[i].name.endswith((".tgz", ".tar.gz")), decode, ours, max_pixels, m.label)
             for i in here]
     workers = min(workers or usable_cpus(), max(1, len(jobs)))
-    if workers > 1:
-        from gpufeed.core.system import process_pool
+    results = _run_jobs(jobs, workers, shard_set.location)
 
-        with process_pool(workers) as ex:
-            futures = [ex.submit(_verify_shard, *j) for j in jobs]
-            try:
-                results = _within_timeout_bound((f.result() for f in futures), len(jobs), shard_set.location)
-            except BaseException:
-                ex.shutdown(wait=False, cancel_futures=True)  # only the shards being read are waited for
-                raise
-    else:
-        results = _within_timeout_bound((_verify_shard(*j) for j in jobs), len(jobs), shard_set.location)
-
-    problems: list[VerifyProblem] = []
-    num_problems = 0
-
-    def add(problem: VerifyProblem, counted: int = 1) -> None:
-        nonlocal num_problems
-        num_problems += counted
-        if len(problems) < MAX_REPORTED_PROBLEMS:
-            problems.append(problem)
-
-    seen: dict[str, str] = {}
-    found = 0
-    for r in results:
-        for member, reason in r["problems"]:
-            add(VerifyProblem(r["name"], member, reason), 0)
-        num_problems += r["num_problems"]
-        found += r["found"]
-        for k in r["keys"]:
-            if k in seen:
-                add(VerifyProblem(r["name"], k, f"key {k!r} is also used in {seen[k]}"))
-            else:
-                seen[k] = r["name"]
+    log = _ProblemLog()
+    seen, found = _merge_results(results, log)
     warnings = [] if root is None else _extra_files(root, {s.name for s in m.shards})
     if ours and index is None:
         warnings.append(f"{INDEX_NAME} of a remote set is not checked (verify a local copy for that)")
     elif ours:
         if index.exists():
             for p in _check_index(index, seen, None if staged is None else {s.name for s in shards}):
-                add(p)
+                log.add(p)
         else:
-            add(VerifyProblem("index.parquet", None, "missing (every gpufeed shard set has one)"))
+            log.add(VerifyProblem("index.parquet", None, "missing (every gpufeed shard set has one)"))
     expected = sum(s.num_samples for s in shards)
-    if found != expected and not any(p.member is None and "samples" in p.reason for p in problems):
+    if found != expected and not any(p.member is None and "samples" in p.reason for p in log.problems):
         what = "the set holds" if staged is None else "the shards staged here hold"
-        add(VerifyProblem("", None, f"{what} {found} samples, manifest says {expected}"))
+        log.add(VerifyProblem("", None, f"{what} {found} samples, manifest says {expected}"))
     return VerifyReport(
         path=redact(shard_set.location) if root is None else str(root), num_shards=len(shards), num_samples=found,
         num_expected=expected,
         num_decoded=sum(r["decoded"] for r in results), total_bytes=sum(s.bytes for s in shards),
-        elapsed_s=time.perf_counter() - t0, decode=decode, created_by=m.created_by, problems=problems,
-        num_problems=num_problems, max_pixels=max_pixels, warnings=warnings, node=node,
+        elapsed_s=time.perf_counter() - t0, decode=decode, created_by=m.created_by, problems=log.problems,
+        num_problems=log.num_problems, max_pixels=max_pixels, warnings=warnings, node=node,
     )
 
 

@@ -413,16 +413,10 @@ def _no_label_hint(label: str, members: set, unlabeled: Problems) -> str:
     return "; add label members, or take them from another member with --label cls|txt|json:FIELD"
 
 
-def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: bool = True,
-                 label: str = DEFAULT_LABEL_SOURCE, classes_file: str | Path | None = None) -> IndexReport:
-    """Scan foreign shards and write ``manifest.json`` to ``out`` (default: the shard folder), labels taken
-    from ``label`` (``cls``, ``txt``, ``json:FIELD``) and classes from ``classes_file`` when given."""
-    from gpufeed import __version__
-
-    why = label_source_problem(label)
-    if why:
-        raise DataError(f"--label {str(label)[:80]!r} is refused: {why}")
-    remote = is_remote(shards)
+def _locate(shards: str | Path, out: str | Path | None, remote: bool) -> tuple[list[Any], Path, Path]:
+    """The shards (local paths, or a remote set's locations), the folder the manifest goes to and the folder
+    ``classes.txt`` is looked up in: a local set's shard folder; for a remote set, which cannot be listed, DEST
+    (``--out``, which it needs)."""
     if remote:
         if out is None:
             raise DataError(f"{shards}: a remote set's manifest is written to a local folder; add --out DIR")
@@ -433,6 +427,12 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         paths = resolve_shards(shards)
         folder = paths[0].resolve().parent
         dest = Path(out).resolve() if out is not None else folder
+    return paths, dest, folder
+
+
+def _check_replaceable(dest: Path) -> None:
+    """Refuse (DataError) to write over a manifest in ``dest`` that ``gpufeed index`` did not write (a set of
+    ``gpufeed shard``, an unreadable file): an index only replaces an index."""
     existing = manifest_path(dest)
     if existing.is_file():
         import json
@@ -446,44 +446,95 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         if created_by != "gpufeed index":
             raise DataError(f"{existing} already exists (created by {str(created_by)[:80]!r}); it is not replaced "
                             f"by an index - choose another --out DIR")
-    compression = _compression(paths)
+
+
+def _scan_set(paths: list[Any], *, hash: bool, label: str, remote: bool,
+              folder: Path) -> tuple[list[ShardInfo], ShardScan]:
+    """Scan every shard (:func:`scan_shard`), in order: the manifest's entry for each, and what they hold together
+    in one ShardScan (samples, ignored keys, labels and the first place of each, the label members met, each kind
+    of problem; its sha256, bytes and keys stay unset). Raises DataError as soon as the shards hold more than
+    MAX_CLASSES distinct labels."""
     infos: list[ShardInfo] = []
-    labels: Counter = Counter()
-    label_examples: dict = {}
-    unlabeled, unreadable, dropped, duplicates, ungrouped = Problems(), Problems(), Problems(), Problems(), Problems()
-    members: set = set()
-    total = ignored = 0
+    sums = ShardScan()
     for p in paths:
         scan = scan_shard(p, hash=hash, label=label)
-        total += scan.samples
-        ignored += scan.ignored
-        labels.update(scan.labels)
-        if len(labels) > MAX_CLASSES:
+        sums.samples += scan.samples
+        sums.ignored += scan.ignored
+        sums.labels.update(scan.labels)
+        if len(sums.labels) > MAX_CLASSES:
             raise DataError(f"the shards of {folder} hold more than {MAX_CLASSES:,} distinct labels ({label}); a set "
                             f"has at most {MAX_CLASSES:,} classes - is {label!r} where its labels are?")
-        members |= scan.label_members
+        sums.label_members |= scan.label_members
         for value, where in scan.label_examples.items():
-            label_examples.setdefault(value, where)
-        for mine, theirs in ((unlabeled, scan.unlabeled), (unreadable, scan.unreadable), (dropped, scan.dropped),
-                             (duplicates, scan.duplicates), (ungrouped, scan.ungrouped)):
+            sums.label_examples.setdefault(value, where)
+        for mine, theirs in ((sums.unlabeled, scan.unlabeled), (sums.unreadable, scan.unreadable),
+                             (sums.dropped, scan.dropped), (sums.duplicates, scan.duplicates),
+                             (sums.ungrouped, scan.ungrouped)):
             mine.merge(theirs)
         infos.append(ShardInfo(name=source_name(p) if remote else p.name, num_samples=scan.samples,
                                bytes=scan.bytes if remote else p.stat().st_size, sha256=scan.sha256,
                                keys_sha256=scan.keys.hexdigest()))
-    if total == 0:
-        raise DataError(f"{shards}: no sample with an image member ({', '.join(READ_IMAGE_EXTENSIONS)}) in "
-                        f"{len(paths)} shard(s)")
-    classes, class_source = _classes(folder, set(labels), label,
-                                     None if classes_file is None else Path(classes_file),
-                                     hint=_no_label_hint(label, members, unlabeled), labelled=sum(labels.values()))
+    return infos, sums
+
+
+def _bad_labels(sums: ShardScan, classes: list[str]) -> Problems:
+    """The samples whose label the class list does not accept (the loader's rule, :func:`label_index`, decides),
+    then those whose label member is no label at all (``sums.unreadable``)."""
     class_index = {c: i for i, c in enumerate(classes)}
     bad_labels = Problems()
-    for value, n in labels.items():  # the loader's rule decides which labels the manifest's classes accept
+    for value, n in sums.labels.items():
         try:
             label_index(value, classes, class_index)
         except LabelError as exc:
-            bad_labels.add(f"{label_examples[value]} ({exc})", n)
-    bad_labels.merge(unreadable)
+            bad_labels.add(f"{sums.label_examples[value]} ({exc})", n)
+    bad_labels.merge(sums.unreadable)
+    return bad_labels
+
+
+def _write_set(dest: Path, manifest: Manifest, paths: list[Any], *, remote: bool, folder: Path,
+               out: str | Path | None) -> tuple[Path, list[str]]:
+    """Write the sidecar indexes of other readers (a local set's) and then, last, the manifest to ``dest``: the
+    manifest's path and the notes on the sidecars not written. Raises DataError when ``dest`` cannot be written."""
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        if not os.access(dest, os.W_OK):
+            raise PermissionError(f"{dest} is not writable")
+        from gpufeed.shardset.sidecars import REMOTE_NOTE, write_sidecars
+
+        notes = [REMOTE_NOTE] if remote else write_sidecars(
+            str(dest), manifest.shards, [str(p.resolve()) for p in paths], prefix=manifest.prefix,
+            num_classes=len(manifest.classes), compression=manifest.compression, name=folder.name or "gpufeed",
+            created_by="gpufeed index")
+        written = write_manifest(dest, manifest)  # last, after the sidecar indexes
+    except OSError as exc:
+        hint = "" if out is not None else "; write it elsewhere with --out DIR"
+        raise DataError(f"cannot write {dest / MANIFEST_NAME} ({exc.strerror or exc}){hint}") from None
+    return written, notes
+
+
+def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: bool = True,
+                 label: str = DEFAULT_LABEL_SOURCE, classes_file: str | Path | None = None) -> IndexReport:
+    """Scan foreign shards and write ``manifest.json`` to ``out`` (default: the shard folder), labels taken
+    from ``label`` (``cls``, ``txt``, ``json:FIELD``) and classes from ``classes_file`` when given."""
+    from gpufeed import __version__
+
+    why = label_source_problem(label)
+    if why:
+        raise DataError(f"--label {str(label)[:80]!r} is refused: {why}")
+    remote = is_remote(shards)
+    paths, dest, folder = _locate(shards, out, remote)
+    _check_replaceable(dest)
+    compression = _compression(paths)
+    infos, sums = _scan_set(paths, hash=hash, label=label, remote=remote, folder=folder)
+    total, ignored, unlabeled = sums.samples, sums.ignored, sums.unlabeled
+    if total == 0:
+        raise DataError(f"{shards}: no sample with an image member ({', '.join(READ_IMAGE_EXTENSIONS)}) in "
+                        f"{len(paths)} shard(s)")
+    classes, class_source = _classes(folder, set(sums.labels), label,
+                                     None if classes_file is None else Path(classes_file),
+                                     hint=_no_label_hint(label, sums.label_members, unlabeled),
+                                     labelled=sum(sums.labels.values()))
+    bad_labels = _bad_labels(sums, classes)
     prefix, pattern = _prefix_and_pattern([i.name for i in infos])
     records = None if remote else read_records(folder, {i.name: i.num_samples for i in infos})
     total_bytes = sum(i.bytes for i in infos)
@@ -496,19 +547,8 @@ def index_shards(shards: str | Path, *, out: str | Path | None = None, hash: boo
         root=None if remote or dest == folder else str(folder), label=label,
     )
     Manifest.from_dict(manifest.to_dict(), where=f"the manifest for {folder}")  # never write what readers refuse
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-        if not os.access(dest, os.W_OK):
-            raise PermissionError(f"{dest} is not writable")
-        from gpufeed.shardset.sidecars import REMOTE_NOTE, write_sidecars
-
-        notes = [REMOTE_NOTE] if remote else write_sidecars(
-            str(dest), infos, [str(p.resolve()) for p in paths], prefix=prefix, num_classes=len(classes),
-            compression=compression, name=folder.name or "gpufeed", created_by="gpufeed index")
-        written = write_manifest(dest, manifest)  # last, after the sidecar indexes
-    except OSError as exc:
-        hint = "" if out is not None else "; write it elsewhere with --out DIR"
-        raise DataError(f"cannot write {dest / MANIFEST_NAME} ({exc.strerror or exc}){hint}") from None
+    written, notes = _write_set(dest, manifest, paths, remote=remote, folder=folder, out=out)
+    dropped, duplicates, ungrouped = sums.dropped, sums.duplicates, sums.ungrouped
     return IndexReport(
         manifest_path=str(written), shard_folder=redact(str(shards)) if remote else str(folder), num_shards=len(paths),
         num_samples=total, num_classes=len(classes), num_unlabeled=unlabeled.count, num_ignored_keys=ignored,

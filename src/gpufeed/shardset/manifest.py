@@ -146,43 +146,12 @@ class Manifest:
         shards = []
         names: set[str] = set()
         for i, s in enumerate(raw_shards):
-            if not isinstance(s, dict):
-                raise DataError(f"{where}: shards[{i}] is not an object")
-            name = s.get("name")
-            if not isinstance(name, str):
-                raise DataError(f"{where}: shards[{i}] has no name")
-            why = shard_name_problem(name)
-            if why:
-                raise DataError(f"{where}: shard name {name[:80]!r} is refused: {why}")
-            if name in names:
-                raise DataError(f"{where}: shard {name!r} is listed twice")
-            names.add(name)
-            sha = s.get("sha256")
-            if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
-                raise DataError(f"{where}: shard {name!r} has a sha256 that is not 64 lower-case hex digits")
-            keys_sha = s.get("keys_sha256")
-            if keys_sha is not None and not (isinstance(keys_sha, str) and re.fullmatch(r"[0-9a-f]{64}", keys_sha)):
-                raise DataError(f"{where}: shard {name!r} has a keys_sha256 that is not 64 lower-case hex digits")
-            shards.append(ShardInfo(name=name, num_samples=_count(s, "num_samples", f"{where}: shard {name!r}",
-                                                                  MAX_NUM_SAMPLES),
-                                    bytes=_count(s, "bytes", f"{where}: shard {name!r}", MAX_SHARD_BYTES),
-                                    sha256=sha, keys_sha256=keys_sha))
+            shards.append(_shard_info(i, s, names, where))
         num_samples = _count(d, "num_samples", where, MAX_NUM_SAMPLES)
         listed = sum(s.num_samples for s in shards)
         if listed != num_samples:
             raise DataError(f"{where}: num_samples is {num_samples} but the shards hold {listed}")
-        classes = d.get("classes")
-        if not isinstance(classes, list) or not classes:
-            raise DataError(f"{where}: classes must be a non-empty list of class names (a label needs a class)")
-        if len(classes) > MAX_CLASSES:
-            raise DataError(f"{where}: {len(classes)} classes; a manifest lists at most {MAX_CLASSES}")
-        for c in classes:
-            if not isinstance(c, str) or not c or len(c.encode("utf-8", "surrogatepass")) > MAX_LABEL_BYTES:
-                raise DataError(f"{where}: class {str(c)[:80]!r} is not a class name (a non-empty string of at most "
-                                f"{MAX_LABEL_BYTES} bytes)")
-        dup = first_duplicate(classes)
-        if dup is not None:
-            raise DataError(f"{where}: class {dup[:80]!r} is listed twice")
+        classes = _checked_classes(d.get("classes"), where)
         root = d.get("root")
         if root is not None:
             why = root_problem(root)
@@ -315,6 +284,48 @@ def _count(d: dict[str, Any], key: str, where: str, limit: int, default: int | N
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
         raise DataError(f"{where}: {key} must be an integer in 0..{limit}, got {str(value)[:40]}")
     return value
+
+
+def _shard_info(i: int, s: object, names: set[str], where: str) -> ShardInfo:
+    """One entry of a manifest's ``shards`` (the ``i``-th), checked: an object with a plain shard file name not in
+    ``names`` (the names before it; this one is added), hex digests and bounded counts. Raises DataError."""
+    if not isinstance(s, dict):
+        raise DataError(f"{where}: shards[{i}] is not an object")
+    name = s.get("name")
+    if not isinstance(name, str):
+        raise DataError(f"{where}: shards[{i}] has no name")
+    why = shard_name_problem(name)
+    if why:
+        raise DataError(f"{where}: shard name {name[:80]!r} is refused: {why}")
+    if name in names:
+        raise DataError(f"{where}: shard {name!r} is listed twice")
+    names.add(name)
+    sha = s.get("sha256")
+    if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+        raise DataError(f"{where}: shard {name!r} has a sha256 that is not 64 lower-case hex digits")
+    keys_sha = s.get("keys_sha256")
+    if keys_sha is not None and not (isinstance(keys_sha, str) and re.fullmatch(r"[0-9a-f]{64}", keys_sha)):
+        raise DataError(f"{where}: shard {name!r} has a keys_sha256 that is not 64 lower-case hex digits")
+    return ShardInfo(name=name, num_samples=_count(s, "num_samples", f"{where}: shard {name!r}", MAX_NUM_SAMPLES),
+                     bytes=_count(s, "bytes", f"{where}: shard {name!r}", MAX_SHARD_BYTES),
+                     sha256=sha, keys_sha256=keys_sha)
+
+
+def _checked_classes(classes: object, where: str) -> list[Any]:
+    """A manifest's ``classes``, checked: a non-empty list of at most MAX_CLASSES distinct class names, each a
+    non-empty string of at most MAX_LABEL_BYTES. Raises DataError."""
+    if not isinstance(classes, list) or not classes:
+        raise DataError(f"{where}: classes must be a non-empty list of class names (a label needs a class)")
+    if len(classes) > MAX_CLASSES:
+        raise DataError(f"{where}: {len(classes)} classes; a manifest lists at most {MAX_CLASSES}")
+    for c in classes:
+        if not isinstance(c, str) or not c or len(c.encode("utf-8", "surrogatepass")) > MAX_LABEL_BYTES:
+            raise DataError(f"{where}: class {str(c)[:80]!r} is not a class name (a non-empty string of at most "
+                            f"{MAX_LABEL_BYTES} bytes)")
+    dup = first_duplicate(classes)
+    if dup is not None:
+        raise DataError(f"{where}: class {dup[:80]!r} is listed twice")
+    return classes
 
 
 MAX_LABEL_BYTES = 1024

@@ -342,6 +342,30 @@ class ShardRead:
         self.sha256: str | None = None
 
 
+def _shard_members(f: BinaryIO, path: str, want: Callable[[str], bool], stream: bool, piped: bool,
+                   read: ShardRead | None) -> tuple[TarPass | None, Iterator[tuple[str, bytes | None]]]:
+    """The members of the shard open as ``f``, as ``(name, data)`` with data read only when ``want(name)``, for
+    :func:`iter_samples`: through a :class:`TarPass` (returned too, for the end-of-shard check) for a gzip shard, a
+    ``stream``, a ``piped`` file (one that cannot seek) or a ``read`` that asks for the sha256; else with
+    :func:`iter_members`."""
+    gzip = path.endswith((".tgz", ".tar.gz"))
+    hash_file = read is not None and read.want_sha256
+    tar_pass = TarPass(f, gzip, hash=hash_file) if gzip or stream or piped or hash_file else None
+    if tar_pass is not None:
+        return tar_pass, ((name, data) for name, _, data in tar_pass.members(lambda name, _: want(name)))
+    return None, iter_members(f, want)
+
+
+def _end_problem(tar_pass: TarPass | None, read: ShardRead | None) -> str | None:
+    """Once :func:`iter_samples` has read the last member: what is wrong with the shard's end, or None. A stream
+    read to the end must also end as index and verify demand (end blocks, nothing but zeros after them, the gzip
+    CRC and length intact); when it does, its sha256 goes to ``read``."""
+    problem = tar_pass.end_problem() if tar_pass is not None else None
+    if read is not None and tar_pass is not None and problem is None:
+        read.sha256 = tar_pass.sha256
+    return problem
+
+
 def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[str, ...], start: int = 0,
                  stop: int | None = None, total: list[int] | None = None, stream: bool = False,
                  fileobj: BinaryIO | None = None, seekable: bool = False,
@@ -378,15 +402,7 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
         return index + (1 if key is not None and has_image else 0) >= start
 
     with (open(path, "rb", buffering=1 << 20) if fileobj is None else fileobj) as f:
-        gzip = path.endswith((".tgz", ".tar.gz"))
-        hash_file = read is not None and read.want_sha256
-        piped = fileobj is not None and not seekable
-        tar_pass = TarPass(f, gzip, hash=hash_file) if gzip or stream or piped or hash_file else None
-        if tar_pass is not None:
-            members: Iterator[tuple[str, bytes | None]] = (
-                (name, data) for name, _, data in tar_pass.members(lambda name, _: want(name)))
-        else:
-            members = iter_members(f, want)
+        tar_pass, members = _shard_members(f, path, want, stream, fileobj is not None and not seekable, read)
         for name, data in members:
             split = None if is_metadata(name) else split_member(name)
             if split is None:
@@ -409,11 +425,7 @@ def iter_samples(path: str, extensions: frozenset[str], image_extensions: tuple[
                 if ext in sample:  # a member name twice in one sample: which one is meant is not known
                     sample["__duplicate__"] = ext
                 sample[ext] = data
-        # read to the end: a stream must also end as index and verify demand (end blocks, nothing but zeros after
-        # them, the gzip CRC and length intact); checked before the last sample goes out, raised after it
-        problem = tar_pass.end_problem() if tar_pass is not None else None
-        if read is not None and tar_pass is not None and problem is None:
-            read.sha256 = tar_pass.sha256
+        problem = _end_problem(tar_pass, read)  # checked before the last sample goes out, raised after it
         if key is not None and has_image:
             if read is not None:
                 read.keys.update(key)

@@ -11,7 +11,8 @@ horizontal flip, and int64 labels [B]. Normalisation is left to the device and n
 - ``wds-recipe``   the webdataset README recipe: ``WebDataset(urls, shardshuffle=...).shuffle(1000).decode("pil")
                    .to_tuple("jpg", "cls").map_tuple(transform, identity).batched(B)`` in a ``WebLoader(...,
                    batch_size=None, num_workers=2)``, the same transform as ``imagefolder``;
-- ``gpufeed-w2``   ``gpufeed.loader.build_loader``: 2 worker processes, simplejpeg decode;
+- ``gpufeed-w2``   ``gpufeed.loader.build_loader``: 2 worker processes, simplejpeg decode, reused batch buffers
+                   (``reuse_batches=True``, as ``train`` and ``tune`` build it);
 - ``gpufeed-t2``   the same with no worker process and 2 decode threads;
 - ``gpufeed-roi``  2 worker processes, ``decode = "roi"`` (only the crop's region decoded, nvImageCodec's CPU
                    libjpeg-turbo; ``pip install 'gpufeed[roi]'``);
@@ -286,7 +287,11 @@ def loader_gpufeed(spec: Spec) -> Iterator[Batch]:
                        prefetch_factor=2, persistent_workers=True, shuffle_buffer=spec.shuffle_buffer, seed=spec.seed,
                        num_workers=int(spec.params["num_workers"]),
                        decode_threads=int(spec.params.get("decode_threads", 1)))
-    loader = build_loader(spec.shards, cfg, World.single(), train=True, epoch=0)
+    import inspect
+
+    # the batch buffers train and tune reuse (loader/ring.py), where this revision has them
+    reuse = {"reuse_batches": True} if "reuse_batches" in inspect.signature(build_loader).parameters else {}
+    loader = build_loader(spec.shards, cfg, World.single(), train=True, epoch=0, **reuse)
 
     def start(epoch: int) -> Iterable[Batch]:
         loader.set_epoch(epoch)

@@ -94,17 +94,26 @@ def test_main_process_batches_are_pinned_on_cuda(tmp_path):  # pragma: no cover 
     assert images.is_pinned() and labels.is_pinned()
 
 
-def _epochs(shards, epochs: int, hold: bool, **kw) -> list:
-    """Every batch of ``epochs`` epochs: kept as handed out (``hold``: no copy, the loader's memory itself) or cloned."""
+def _ring(shards, **kw):
+    """A loader whose workers reuse their batch buffers, as train and tune build it."""
     from gpufeed.loader import build_loader
 
-    loader = build_loader(shards, cfg(**{"batch_size": 2, "num_workers": 2, "prefetch_factor": 1, "persistent_workers": True, **kw}),
-                          World.single())
+    on = {"batch_size": 2, "num_workers": 2, "prefetch_factor": 1, "persistent_workers": True}
+    return build_loader(shards, cfg(**{**on, **kw}), World.single(), reuse_batches=True)
+
+
+def _epochs(shards, epochs: int, hold: bool, **kw) -> list:
+    """Every batch of ``epochs`` epochs: kept as handed out (``hold``: no copy, the loader's memory itself) or cloned."""
+    loader = _ring(shards, **kw)
     out = []
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         out += [(images, labels) if hold else (images.clone(), labels.clone()) for images, labels in loader]
     return out, loader
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
 
 
 def test_batches_kept_by_the_caller_are_never_rewritten(tmp_path):
@@ -113,18 +122,15 @@ def test_batches_kept_by_the_caller_are_never_rewritten(tmp_path):
     shards = write_set(tmp_path / "set", [6, 6, 6, 6])
     held, loader = _epochs(shards, 3, hold=True)
     cloned, _ = _epochs(shards, 3, hold=False)
-    assert len(held) == len(cloned) == 36
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(held, cloned))
+    assert len(held) == 36 and _same(held, cloned)
     assert loader._returns is not None and loader._returns.pending  # held: none given back
 
 
 def test_batches_the_caller_lets_go_of_are_reused(tmp_path):
     """Batches dropped at once go back to their worker: few distinct buffers serve many batches, with the same
     pixels as a run that cloned each batch."""
-    from gpufeed.loader import build_loader
-
     shards = write_set(tmp_path / "set", [6, 6, 6, 6])
-    loader = build_loader(shards, cfg(batch_size=2, num_workers=2, prefetch_factor=1, persistent_workers=True), World.single())
+    loader = _ring(shards)
     seen, pixels = set(), []
     for epoch in range(3):
         loader.set_epoch(epoch)
@@ -133,18 +139,14 @@ def test_batches_the_caller_lets_go_of_are_reused(tmp_path):
             pixels.append((images.clone(), labels.clone()))
             del images, labels
     cloned, _ = _epochs(shards, 3, hold=False)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(pixels, cloned))
     slots = loader._returns.flags.slots * 2
-    assert len(pixels) == 36 and len(seen) <= slots, (len(seen), slots)
+    assert len(pixels) == 36 and _same(pixels, cloned) and len(seen) <= slots, (len(seen), slots)
 
 
 def test_a_view_the_caller_keeps_holds_the_slot(tmp_path):
     """A view (or NumPy array) of a batch keeps its memory in use: the slot stays out until it is dropped."""
-    from gpufeed.loader import build_loader
-
     shards = write_set(tmp_path / "set", [6, 6, 6, 6])
-    loader = build_loader(shards, cfg(batch_size=2, num_workers=2, prefetch_factor=1, persistent_workers=True), World.single())
-    it = iter(loader)
+    it = iter(_ring(shards))
     first, _ = next(it)
     kept, want = first[0].numpy(), first[0].clone()
     del first
@@ -152,12 +154,62 @@ def test_a_view_the_caller_keeps_holds_the_slot(tmp_path):
     assert len(rest) == 11 and np.array_equal(kept, want.numpy())
 
 
+def test_epochs_left_early_give_their_slots_back(tmp_path, monkeypatch):
+    """Batches in flight when an epoch is left early never arrive; the next iteration gives their slots back (after
+    the DataLoader's reset has dropped them). So after eight cut epochs, two full ones with the caller dropping every
+    batch take no buffer outside the ring, and every batch is the one a clone-at-once run got."""
+    import itertools
+
+    from gpufeed.loader.shard_loader import ShardLoader
+
+    slots: list[int] = []
+    count = ShardLoader._count
+    monkeypatch.setattr(ShardLoader, "_count", lambda self, item: (slots.append(item[5]), count(self, item))[1])
+    shards = write_set(tmp_path / "set", [6, 6, 6, 6])
+
+    def run(loader, cut_epochs: int) -> list:
+        out = []
+        for epoch in range(cut_epochs + 2):
+            loader.set_epoch(epoch)
+            keep = len(loader) - 1 - epoch % 3 if epoch < cut_epochs else len(loader)
+            if epoch == cut_epochs:
+                slots.clear()
+            for images, labels in itertools.islice(loader, keep):
+                out.append((images.clone(), labels.clone()))
+                del images, labels
+        return out
+
+    got = run(_ring(shards, prefetch_factor=2), 8)
+    assert len(slots) == 24 and -1 not in slots, slots
+    assert _same(got, run(_ring(shards, prefetch_factor=2, persistent_workers=False), 8))
+
+
+def test_a_set_epoch_made_while_an_earlier_iteration_is_open_holds(tmp_path):
+    """set_epoch(e, start) while an earlier iteration is suspended: dropping that iteration must not undo the start
+    (the next one yields the epoch from ``start``, not from 0)."""
+    import gc
+
+    from gpufeed.loader import build_loader
+
+    shards = write_set(tmp_path / "set", [6, 6, 6, 6])
+    loader = build_loader(shards, cfg(batch_size=2), World.single())
+    it = iter(loader)
+    next(it)
+    loader.set_epoch(1, 2)
+    del it
+    gc.collect()
+    assert sum(1 for _ in loader) == len(loader) - 2
+
+
 @pytest.mark.parametrize("kw", [{"persistent_workers": False}, {"num_workers": 0}, {"decode": "gpu"},
-                                {"worker_batching": False}], ids=str)
-def test_the_ring_runs_only_where_one_process_per_worker_serves_the_loader(tmp_path, kw):
+                                {"worker_batching": False}, {}], ids=str)
+def test_the_ring_runs_only_where_asked_and_one_process_per_worker_serves_the_loader(tmp_path, kw):
+    """Off by default: another process's hold on a batch, and a bare storage object's, are not seen by the use count
+    (the ``reuse_batches`` contract); on when asked, with persistent workers, batches made in the workers, CPU decode."""
     from gpufeed.loader import build_loader
 
     shards = write_set(tmp_path / "set", [4, 4])
     on = {"batch_size": 2, "num_workers": 2, "persistent_workers": True}
     assert build_loader(shards, cfg(**{**on, **kw}), World.single())._returns is None
-    assert build_loader(shards, cfg(**on), World.single())._returns is not None
+    ring = build_loader(shards, cfg(**{**on, **kw}), World.single(), reuse_batches=True)._returns
+    assert (ring is not None) is (kw == {})

@@ -16,8 +16,14 @@ The protocol is one shared byte per slot, written by each side in turn:
 The main process frees each received batch once, and the worker takes only a byte at 0, so a slot is never written
 while anything in the main process reads it. That needs one process per worker number for the loader's whole life,
 so the ring runs only with persistent workers (one DataLoader iterator, reset between epochs). A batch the main
-process never receives (dropped when an epoch is left early) keeps its slot at 1 for good: the worker then allocates
-outside the ring in its place, as it did before the ring existed.
+process never receives (dropped when an epoch is left early, or a batch half made then) keeps its slot at 1 until
+the next iteration: the DataLoader's reset drains every worker's earlier work before the workers start again, so
+the slots taken then and never received are given back right after it (:meth:`MainReturns.stranded`).
+
+What the use count cannot see: a hold in another process (a batch sent through a ``torch.multiprocessing`` queue
+shares this memory) and a storage object kept without any tensor (torch reuses one Python storage object per
+storage, so the count reads the same). So the ring is the caller's choice (``build_loader(..., reuse_batches=True)``:
+``train`` and ``tune``, which drop every batch after its step), never a default.
 """
 
 from __future__ import annotations
@@ -111,6 +117,17 @@ class MainReturns:
         if known is None or known.untyped_storage().data_ptr() != storage.data_ptr():
             self.alias[i] = torch.empty(0, dtype=images.dtype).set_(storage)
         self.pending.add(i)
+
+    def stranded(self) -> list[int]:
+        """Slots taken and never received (batches dropped with an epoch left early, or one half made): before the
+        next iteration's ``iter()`` on the DataLoader, which drops whatever was still in flight (the persistent
+        workers' reset) before the workers take new slots."""
+        return [i for i in range(len(self.flags.bytes)) if self.flags.bytes[i] == 1 and i not in self.pending]
+
+    def release(self, slots: list[int]) -> None:
+        """Give back :meth:`stranded`'s slots once the DataLoader's reset has dropped their batches."""
+        for i in slots:
+            self.flags.bytes[i] = 0
 
     def sweep(self) -> None:
         """Give back every received slot whose memory nothing holds but the alias (2 uses: the alias and the count's

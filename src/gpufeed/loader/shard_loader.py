@@ -55,6 +55,12 @@ class ShardLoader:
     A data error (``on_error = "raise"``) is raised as a one-sentence :class:`DataError` naming the shard
     and member, also when it happens in a DataLoader worker.
 
+    ``reuse_batches`` (what ``train`` and ``tune`` pass): with persistent workers, each worker reuses a batch's
+    shared memory once nothing in this process holds the batch any more (:mod:`gpufeed.loader.ring`; ~70 µs per
+    sample less on a 2-core Xeon). The caller then must not keep a batch's storage object without the tensor, nor
+    hand a batch to another process, without ``clone()``: another process's hold, and a bare storage object's, are
+    not seen. Off by default.
+
     Resume: :attr:`position` says how far the current iteration got; ``resume(position)`` (or
     ``set_epoch(epoch, start_batch)``) makes the next iteration start there without decoding what it passes
     over (docs/design.md §3, "Resume"). Under ``num_workers = 0`` the per-sample torch ops run on one intra-op
@@ -63,7 +69,8 @@ class ShardLoader:
     """
 
     def __init__(self, shards: str | Path, cfg: LoaderConfig, world: World, *, train: bool = True, epoch: int = 0,
-                 manifest: Manifest | None = None, manifest_file: str | Path | None = None, fast_tar: bool = True):
+                 manifest: Manifest | None = None, manifest_file: str | Path | None = None, fast_tar: bool = True,
+                 reuse_batches: bool = False):
         self.cfg = cfg
         self.world = world
         self.train = train
@@ -94,6 +101,8 @@ class ShardLoader:
         self.num_repeated = 0
         self._epoch = multiprocessing.get_context().Value("q", epoch, lock=False)
         self._start = multiprocessing.get_context().Value("q", 0, lock=False)
+        self._settings = 0
+        """How many times set_epoch ran: an iteration resets the start it used only when none ran since it began."""
         self._consumed = 0
         shards_meta = self.manifest.shards
         reader = ShardReader(self.paths, counts, label=self.manifest.label, sizes=[s.bytes for s in shards_meta],
@@ -107,7 +116,7 @@ class ShardLoader:
         self._dataset.pin_rows = self._pin and cfg.worker_batching and nw == 0
         self._returns: ring.MainReturns | None = None
         """The workers' reused batch buffers, main side (:mod:`gpufeed.loader.ring`), when they run."""
-        if ring.ring_runs(cfg) and ring.use_count_available():
+        if reuse_batches and ring.ring_runs(cfg) and ring.use_count_available():
             flags = ring.SlotFlags(nw, ring.buffers_per_worker(cfg))
             self._dataset.ring_flags = flags
             self._returns = ring.MainReturns(flags)
@@ -139,6 +148,7 @@ class ShardLoader:
         self._epoch.value = epoch
         self._start.value = start_batch
         self._consumed = start_batch
+        self._settings += 1
 
     @property
     def position(self) -> LoaderPosition:
@@ -162,7 +172,7 @@ class ShardLoader:
             for w in self.warnings:
                 print(redact(f"warning: {w}"), file=sys.stderr)
         self._warned = True
-        start = int(self._start.value)
+        start, settings = int(self._start.value), self._settings
         self._consumed = start
         batches = self._loader_batches()
         produced = 0
@@ -177,8 +187,10 @@ class ShardLoader:
                 yield batch
                 batch = None  # not held here while the next one is fetched: its ring slot can go back
         finally:
-            # every worker has read the start by now, unless the caller left early (then that iteration is dropped)
-            self._start.value = 0
+            # every worker has read the start by now, unless the caller left early (then that iteration is dropped);
+            # a set_epoch since this iteration began is for the next one, so it stays
+            if self._settings == settings:
+                self._start.value = 0
         if produced != self.num_batches - start:  # a rank that stops early would hang DDP: fail loudly instead
             raise DataError(f"rank {self.world.rank} yielded {produced} batches, expected {self.num_batches - start}")
 
@@ -197,7 +209,13 @@ class ShardLoader:
 
     def _loader_batches(self):
         if self.cfg.worker_batching:
-            for item in self._loader:
+            # slots taken by batches that never arrived (an epoch left early): the DataLoader's reset, inside iter(),
+            # drops whatever was still in flight before it starts the workers on this iteration
+            stranded = self._returns.stranded() if self._returns is not None else []
+            items = iter(self._loader)
+            if stranded:
+                self._returns.release(stranded)
+            for item in items:
                 yield self._count(item)
         else:
             yield from self._batch_in_main()
@@ -331,12 +349,14 @@ def _imbalance(counts: list[int], world: World, batch_size: int, num_batches: in
 
 
 def build_loader(shards: str | Path, cfg: LoaderConfig, world: World, *, train: bool = True,
-                 epoch: int = 0, manifest_file: str | Path | None = None, fast_tar: bool = True) -> ShardLoader:
+                 epoch: int = 0, manifest_file: str | Path | None = None, fast_tar: bool = True,
+                 reuse_batches: bool = False) -> ShardLoader:
     """The loader over a shard set for this rank (any spec :func:`gpufeed.shardset.source.open_set` takes: a
-    folder, manifest.json, URL or brace pattern, with ``manifest_file`` its manifest); see :class:`ShardLoader`.
-    ``fast_tar`` False reads plain ``.tar`` shards with the one-pass stream reader gzip shards use (tests run
-    both)."""
-    return ShardLoader(shards, cfg, world, train=train, epoch=epoch, manifest_file=manifest_file, fast_tar=fast_tar)
+    folder, manifest.json, URL or brace pattern, with ``manifest_file`` its manifest); see :class:`ShardLoader`
+    (and its ``reuse_batches`` contract). ``fast_tar`` False reads plain ``.tar`` shards with the one-pass stream
+    reader gzip shards use (tests run both)."""
+    return ShardLoader(shards, cfg, world, train=train, epoch=epoch, manifest_file=manifest_file, fast_tar=fast_tar,
+                       reuse_batches=reuse_batches)
 
 
 def normalize(images_uint8: torch.Tensor, *, dtype: torch.dtype = torch.float32,

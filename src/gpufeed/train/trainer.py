@@ -66,12 +66,13 @@ def build_loaders(cfg: TrainConfig, loader_cfg: LoaderConfig, world: World) -> t
         raise ConfigError(f"mode {cfg.mode} needs --shards (only --synthetic runs without data)")
     from gpufeed.loader import build_loader
 
-    loader = build_loader(cfg.shards, loader_cfg, world, train=True, epoch=0, manifest_file=cfg.manifest)
+    loader = build_loader(cfg.shards, loader_cfg, world, train=True, epoch=0, manifest_file=cfg.manifest,
+                          reuse_batches=True)  # every batch is dropped after its step
     val_loader = None
     if cfg.val_shards and cfg.mode == "real":
         # no persistent workers: they would sit idle (holding memory) through every training epoch
         val_cfg = dataclasses.replace(loader_cfg, persistent_workers=False)
-        val_loader = build_loader(cfg.val_shards, val_cfg, world, train=False, epoch=0)
+        val_loader = build_loader(cfg.val_shards, val_cfg, world, train=False, epoch=0, reuse_batches=True)
     return loader, val_loader
 
 

@@ -43,7 +43,8 @@ def measure_loader(shards: str | Path, cfg: LoaderConfig, world: World | None = 
         from gpufeed.loader import build_loader
 
         if "loader" not in holder:
-            holder["loader"] = build_loader(shards, cfg, world, train=True, epoch=epoch, manifest_file=manifest_file)
+            holder["loader"] = build_loader(shards, cfg, world, train=True, epoch=epoch, manifest_file=manifest_file,
+                                            reuse_batches=True)  # each batch is dropped after its window step
             if model:
                 holder["step"] = training_step(model, world, holder["loader"].manifest.num_classes or 1,
                                                threads=model_threads)

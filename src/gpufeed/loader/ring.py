@@ -68,7 +68,7 @@ class SlotFlags:
     """The shared bytes of every worker's slots (made before the workers start, handed to them with the dataset)."""
 
     def __init__(self, workers: int, slots: int):
-        self.workers, self.slots = workers, slots
+        self.slots = slots
         self.bytes = multiprocessing.get_context().RawArray("b", workers * slots)
 
     def index(self, worker: int, slot: int) -> int:

@@ -1,0 +1,177 @@
+"""Where one training sample's CPU goes, part by part, and what the Y/Cb/Cr-planes lever (issue 21) could save.
+
+One process, one torch thread, CPU time (``time.process_time``) per image, min of ``--repeats`` passes over the same
+images; every part is measured in each of ``--rounds`` interleaved rounds and the min over rounds is printed:
+
+- ``tar read``: gpufeed's tar reader over ``--shards`` (headers checked, ``.jpg`` + ``.cls`` read), per sample;
+- ``decode RGB``: simplejpeg's whole-image decode (the default path's decode);
+- ``decode + crop + resize``: ``gpufeed.loader.decode.decode_into`` with a train crop (``simplejpeg``, and ``roi``
+  when nvImageCodec is installed), into a 224 row;
+- ``resize``: the crop + antialiased resize + flip of an already decoded image (torch's uint8 kernel);
+- with PyTurboJPEG 1.x and a system libturbojpeg (``apt-get install libturbojpeg0``, ``pip install
+  'PyTurboJPEG<2'``; neither is a gpufeed dependency): the same library's RGB decode, its decode to Y/Cb/Cr planes
+  (``tjDecompressToYUVPlanes``: no chroma upsampling, no colour conversion) and to GRAY, per chroma subsampling;
+  and torch's resize of the planes (Y at the crop's size, Cb and Cr at half) against one RGB resize.
+
+Images: the ``.jpg`` members of the first shards of ``--shards``. Writes JSON to ``--out``. Never asserts.
+
+    .venv/bin/python benchmarks/bench_sample_cost.py --shards bench-data/peers-shards
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import glob
+import json
+import os
+import platform
+import random
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def cpu_ms(items: list, fn: Callable[[int, Any], Any], repeats: int) -> float:
+    """Min over ``repeats`` passes of the CPU milliseconds per item."""
+    best = float("inf")
+    for _ in range(repeats):
+        c0 = time.process_time()
+        for i, x in enumerate(items):
+            fn(i, x)
+        best = min(best, (time.process_time() - c0) / len(items) * 1e3)
+    return best
+
+
+def jpegs(paths: list[str], limit: int) -> list[bytes]:
+    out: list[bytes] = []
+    for p in paths:
+        with tarfile.open(p) as t:
+            for m in t:
+                if m.name.endswith(".jpg"):
+                    f = t.extractfile(m)
+                    if f is not None:
+                        out.append(f.read())
+                if len(out) >= limit:
+                    return out
+    return out
+
+
+def subsampling(data: bytes) -> str | None:
+    import simplejpeg
+
+    try:
+        h = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    return h[3] if h[2] == "YCbCr" else ("gray" if h[2] == "Gray" else None)
+
+
+def parts(args: argparse.Namespace, paths: list[str], datas: list[bytes]) -> dict[str, float]:
+    """One round: every part once (each the min of ``repeats`` passes)."""
+    import simplejpeg
+    import torch
+    import torch.nn.functional as F
+
+    from gpufeed.loader import decode as dec
+    from gpufeed.loader.reader import READ_IMAGE_EXTENSIONS
+    from gpufeed.shardset.tar import iter_samples
+
+    r = args.repeats
+    out = np.empty((224, 224, 3), np.uint8)
+    res: dict[str, float] = {}
+    counted = [0]
+
+    def read_all(_i: int, p: str) -> None:
+        for _ in iter_samples(p, frozenset({"jpg", "cls"}), READ_IMAGE_EXTENSIONS):
+            counted[0] += 1
+    read_all(0, paths[0])  # the shard's sample count (and the file in the page cache)
+    per_pass = counted[0]
+    res["tar read"] = cpu_ms(paths[:1], read_all, r) / max(per_pass, 1)
+    res["decode RGB (simplejpeg)"] = cpu_ms(datas, lambda i, d: simplejpeg.decode_jpeg(d, colorspace="RGB"), r)
+    crop = lambda i: (lambda w, h: dec.train_crop(w, h, random.Random(i)))  # noqa: E731 - the same crop per image
+    res["decode + crop + resize (simplejpeg)"] = cpu_ms(
+        datas, lambda i, d: dec.decode_into(d, "jpg", "simplejpeg", crop(i), 224, out), r)
+    if dec.roi_available():
+        res["decode + crop + resize (roi)"] = cpu_ms(
+            datas, lambda i, d: dec.decode_into(d, "jpg", "roi", crop(i), 224, out), r)
+    arrs = [simplejpeg.decode_jpeg(d, colorspace="RGB") for d in datas]
+    crops = [dec.train_crop(a.shape[1], a.shape[0], random.Random(i)) for i, a in enumerate(arrs)]
+    res["crop + resize + flip"] = cpu_ms(arrs, lambda i, a: dec.resize_array_into(a, crops[i], 224, out), r)
+    try:
+        import turbojpeg
+        tj = turbojpeg.TurboJPEG()
+    except Exception as exc:  # noqa: BLE001 - optional: PyTurboJPEG 1.x + a system libturbojpeg
+        res["planes: skipped"] = float("nan")
+        print(f"planes: skipped ({type(exc).__name__}: {str(exc)[:120]})", file=sys.stderr)
+        return res
+    for sub in ("420", "444"):
+        ds = [d for d in datas if subsampling(d) == sub]
+        if len(ds) < 20:
+            continue
+        res[f"{sub}: turbojpeg RGB"] = cpu_ms(ds, lambda i, d: tj.decode(d, pixel_format=turbojpeg.TJPF_RGB), r)
+        res[f"{sub}: turbojpeg planes"] = cpu_ms(ds, lambda i, d: tj.decode_to_yuv_planes(d), r)
+        res[f"{sub}: turbojpeg GRAY"] = cpu_ms(ds, lambda i, d: tj.decode(d, pixel_format=turbojpeg.TJPF_GRAY), r)
+    # resizing planes: Y at the crop's size, Cb and Cr (4:2:0) at half, against one RGB resize of the same crop
+    side = int(args.crop_side)
+    rgb = torch.randint(0, 255, (1, 3, side, side), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 255, (1, 1, side, side), dtype=torch.uint8)
+    c = torch.randint(0, 255, (1, 1, side // 2, side // 2), dtype=torch.uint8)
+
+    def rs(x: Any, s: int) -> Any:
+        return F.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)
+    reps = [None] * 200
+    res[f"resize RGB {side}->224"] = cpu_ms(reps, lambda i, _: rs(rgb, 224), r)
+    res[f"resize planes {side}->224 (Y) + 2x {side // 2}->112"] = cpu_ms(
+        reps, lambda i, _: (rs(y, 224), rs(c, 112), rs(c, 112)), r)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shards", required=True, help="a gpufeed shard folder (its *.tar)")
+    ap.add_argument("--images", type=int, default=500, help="JPEGs taken from the first shards")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--crop-side", type=int, default=320, help="the square crop the planes-resize check uses")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+    torch.set_num_threads(1)
+    paths = sorted(glob.glob(os.path.join(args.shards, "*.tar")))
+    if not paths:
+        sys.exit(f"no *.tar in {args.shards}")
+    datas = [d for d in jpegs(paths, args.images) if subsampling(d) is not None]
+    rounds = [parts(args, paths, datas) for _ in range(args.rounds)]
+    best = {k: min(r[k] for r in rounds) for k in rounds[0]}
+    print(f"{len(datas)} images from {args.shards}; CPU ms per image, min of {args.repeats} passes x {args.rounds} "
+          f"rounds")
+    for k, v in best.items():
+        print(f"  {k:48s} {v:7.3f}")
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / \
+        f"sample_cost-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": sys.argv, "images": len(datas), "machine": platform.processor() or
+                               platform.machine(), "cpu": _cpu_name(), "rounds": rounds, "min": best}, indent=1))
+    print(f"wrote {out}")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

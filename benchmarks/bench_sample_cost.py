@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import sys
 import tarfile
 import time
@@ -156,10 +157,16 @@ def main() -> None:
     for k, v in best.items():
         print(f"  {k:48s} {v:7.3f}")
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / \
-        f"sample_cost-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+        f"sample_cost-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": sys.argv, "images": len(datas), "machine": platform.processor() or
-                               platform.machine(), "cpu": _cpu_name(), "rounds": rounds, "min": best}, indent=1))
+    import psutil
+    machine = {"machine": _cpu_name(), "usable_cpus": len(os.sched_getaffinity(0)),
+               "ram_bytes": int(psutil.virtual_memory().total), "hostname": platform.node()}
+    out.write_text(json.dumps({"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                               "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+                               "shards": args.shards, "images": len(datas), "repeats": args.repeats,
+                               "rounds_count": args.rounds, "machine": machine, "rounds": rounds, "min": best},
+                              indent=1))
     print(f"wrote {out}")
 
 

@@ -3,7 +3,8 @@
 # date and every command to benchmarks/results/run_all-DATE.log; then benchmarks/summarize.py rewrites the generated
 # summary of RESULTS.md (and README.md's copy of its headline table) from the newest record of each benchmark,
 # with its machine, date, command and side-by-side ratios. The hand-written sections of RESULTS.md are not touched.
-# bench_regression.py compares two revisions you name (--before REV): run it by hand. The GPU checks
+# bench_regression.py compares two revisions you name (--before REV), and bench_peers.py, bench_loader_levers.py and
+# bench_sample_cost.py need a shard set (and peers an image folder) you name: run them by hand. The GPU checks
 # (gpu_check.py, gpu_plan_check.py) need an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -60,7 +60,8 @@ def machine_of(rec: dict[str, Any]) -> str:
     """The machine as the record describes it; "not recorded" when it does not."""
     env = rec.get("machine") if isinstance(rec.get("machine"), dict) else rec.get("environment")
     if isinstance(env, dict):
-        parts = [env.get("machine") or "", f"{env['usable_cpus']} usable CPUs" if env.get("usable_cpus") else ""]
+        cpus = env.get("usable_cpus") or env.get("cores_affinity")
+        parts = [env.get("machine") or env.get("cpu_model") or "", f"{cpus} usable CPUs" if cpus else ""]
         if env.get("ram_bytes"):
             parts.append(f"{env['ram_bytes'] / 2**30:.1f} GiB RAM")
         if "cuda_available" in env:
@@ -263,6 +264,38 @@ def loader_levers(rec: dict[str, Any]) -> tuple[str, list[str]]:
     return head, lines
 
 
+def peers(rec: dict[str, Any]) -> tuple[str, list[str]]:
+    rows_in = [r for r in rec.get("rows", []) if isinstance(r, dict)]
+    rows = [[r.get("loader"), r.get("config") or "–",
+             f"{num(r.get('samples_per_s'), 0)} ({num(r.get('min'), 0)}–{num(r.get('max'), 0)})",
+             num(r.get("samples_per_cpu_s"), 0), ratio(r.get("gpufeed_best_over_this"))] for r in rows_in]
+    best = next((r.get("gpufeed_best_is") for r in rows_in if r.get("gpufeed_best_is")), None)
+    shards = (rec.get("args") or {}).get("shards") if isinstance(rec.get("args"), dict) else None
+    lines = [f"Shards: `{shards}`; gpufeed's best is `{best}`. Median (min–max) of the interleaved rounds.", "",
+             *table(["loader", "config", "samples/s", "samples/CPU-s (median)", "gpufeed best ÷ this"], rows)]
+    peers_shown = {"imagefolder": "ImageFolder", "dali-cpu": "DALI CPU", "spdl": "SPDL", "nodes": "torchdata.nodes"}
+    parts = [f"{label} {ratio(r.get('gpufeed_best_over_this'))}" for key, label in peers_shown.items()
+             for r in rows_in if r.get("loader") == key]
+    head = f"`{shards}`: gpufeed best ({best}) ÷ " + ", ".join(parts) if parts else "–"
+    return head, lines
+
+
+def sample_cost(rec: dict[str, Any]) -> tuple[str, list[str]]:
+    best = rec.get("min") if isinstance(rec.get("min"), dict) else {}
+    rows = [[k, num(v, 3)] for k, v in best.items()]
+    lines = [f"Shards: `{rec.get('shards')}`, {rec.get('images')} images; CPU ms per image, min of "
+             f"{rec.get('repeats')} passes × {rec.get('rounds_count')} rounds.", "",
+             *table(["part", "ms per image"], rows)]
+    rgb, planes = best.get("420: turbojpeg RGB"), best.get("420: turbojpeg planes")
+    rs_rgb = next((v for k, v in best.items() if k.startswith("resize RGB")), None)
+    rs_pl = next((v for k, v in best.items() if k.startswith("resize planes")), None)
+    head = f"`{rec.get('shards')}`: decode {num(best.get('decode RGB (simplejpeg)'), 3)} ms, resize " \
+           f"{num(best.get('crop + resize + flip'), 3)} ms, tar read {num(best.get('tar read'), 3)} ms per image"
+    if rgb and planes and rs_rgb and rs_pl:
+        head += f"; 4:2:0 planes decode {ratio(quotient(planes, rgb))} RGB's, planes resize {ratio(quotient(rs_pl, rs_rgb))}"
+    return head, lines
+
+
 class Bench:
     def __init__(self, name: str, script: str, pattern: str, summarize: Callable[[dict[str, Any]], Any],
                  arg_keys: tuple[str, ...] = ()) -> None:
@@ -280,6 +313,8 @@ BENCHES = (
     Bench("Regression (two revisions)", "bench_regression.py", "bench_regression-*.json", regression,
           ("before", "after", "data", "rounds")),
     Bench("Loader levers", "bench_loader_levers.py", "bench_loader_levers-*.json", loader_levers),
+    Bench("Peer loaders, same shards", "bench_peers.py", "bench_peers-*.json", peers),
+    Bench("One sample's CPU, part by part", "bench_sample_cost.py", "sample_cost-*.json", sample_cost),
 )
 """Every benchmark that saves JSON in benchmarks/results/, in RESULTS.md's order."""
 

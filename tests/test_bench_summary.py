@@ -75,3 +75,32 @@ def test_a_file_without_its_markers_is_refused(summarize) -> None:
 def test_run_all_ends_with_summarize() -> None:
     text = (ROOT / "benchmarks" / "run_all.sh").read_text(encoding="utf-8")
     assert "benchmarks/summarize.py" in text.split("done\n")[-1]
+
+
+def test_peer_and_sample_cost_records_are_summarized_from_their_numbers(summarize, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [{"loader": "imagefolder", "config": "workers=3 PIL", "samples_per_s": 500.0, "min": 480.0, "max": 520.0,
+             "samples_per_cpu_s": 250.0, "gpufeed_best_over_this": 2.2, "gpufeed_best_is": "gpufeed-roi"},
+            {"loader": "dali-cpu", "config": "threads=2", "samples_per_s": 800.0, "min": 790.0, "max": 810.0,
+             "samples_per_cpu_s": 400.0, "gpufeed_best_over_this": 1.375, "gpufeed_best_is": "gpufeed-roi"}]
+    (results / "bench_peers-20260101-000000.json").write_text(json.dumps({
+        "date": "2026-01-01T00:00:00+00:00", "args": {"shards": "S"}, "rows": rows,
+        "machine": {"cpu_model": "Some CPU", "cores_affinity": 2}}))
+    (results / "sample_cost-20260101-000000.json").write_text(json.dumps({
+        "shards": "S", "images": 10, "repeats": 5, "rounds_count": 2, "min": {
+            "tar read": 0.05, "decode RGB (simplejpeg)": 1.2, "crop + resize + flip": 0.2,
+            "420: turbojpeg RGB": 1.0, "420: turbojpeg planes": 0.9, "resize RGB 320->224": 0.1,
+            "resize planes 320->224 (Y) + 2x 160->112": 0.3}}))
+    block = summarize.render(results)
+    assert "gpufeed best (gpufeed-roi) ÷ ImageFolder 2.20×, DALI CPU 1.38×" in block
+    assert "Machine: Some CPU, 2 usable CPUs" in block
+    assert "| dali-cpu | threads=2 | 800 (790–810) | 400 | 1.38× |" in block
+    assert "decode 1.200 ms, resize 0.200 ms, tar read 0.050 ms per image" in block
+    assert "4:2:0 planes decode 0.90× RGB's, planes resize 3.00×" in block
+
+
+def test_readme_names_every_benchmark_script() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    assert scripts and all(s.removesuffix(".py") in readme for s in scripts), scripts

@@ -5,11 +5,14 @@ Steps, each timed and recorded even if a later one fails:
   2. `gpufeed synth` an ImageNet-like folder and `gpufeed shard` it into /dev/shm (RAM disk), plus a
      stored-size-reduced copy (`--max-size 320`);
   3. loader ceilings at 224 px, batch 256 (docs/design.md §4: batches to the GPU and dropped) for CPU decode
-     (PIL draft, simplejpeg) and GPU decode (nvjpeg via torchvision.io.decode_jpeg), median of repeats;
+     (PIL draft, simplejpeg; ``roi`` when nvImageCodec is installed) and GPU decode (``gpu``: nvJPEG through
+     TorchCodec, or torchvision when TorchCodec is missing; ``gpu-torchvision``: the deprecated
+     ``torchvision.io.decode_jpeg`` forced, the old API, for the before/after of issue 21), median of repeats;
   4. `gpufeed.train.measure`: resnet50, AMP bf16, channels_last, batch 256: synthetic (GPU ceiling),
      loader-only and real end-to-end, stall %, GPU telemetry, verdict, once per decode path.
 
 Usage: python benchmarks/gpu_check.py --out DIR [--images 4000] [--steps 40]
+Issue 21's ceilings: ``--workers 4 8 15 --decodes simplejpeg roi gpu gpu-torchvision --skip-train``.
 
 On the lent device machine (its image has torch, torchvision, scikit-image, pyarrow, psutil, nvidia-ml-py, but not
 webdataset): carry wheels of webdataset, braceexpand and simplejpeg for Python 3.12 in .whl/ and run
@@ -21,6 +24,7 @@ Writes DIR/gpu_check.json (updated after every step) and prints a summary table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -32,6 +36,29 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+
+@contextlib.contextmanager
+def old_gpu_api(on: bool):  # noqa: ANN201
+    """With ``on``, ``decode = "gpu"`` decodes through the deprecated ``torchvision.io.decode_jpeg`` (the API before
+    TorchCodec) for the duration: the old and new GPU decode measured in one run."""
+    if not on:
+        yield
+        return
+    import warnings
+
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from gpufeed.loader import gpu
+
+    saved = gpu.jpeg_decoder
+    gpu.jpeg_decoder = lambda: (lambda chunks, device: decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # its deprecation warning, once per call
+            yield
+    finally:
+        gpu.jpeg_decoder = saved
 
 
 def main() -> int:
@@ -130,8 +157,9 @@ def main() -> int:
     ceilings: dict[str, float] = {}
 
     def ceiling(set_dir: Path, decode: str, workers: int) -> dict[str, Any]:
-        rec = measure_loader(set_dir, loader_cfg(decode, workers), world, warmup_batches=3,
-                             window_s=args.window_s, repeats=args.repeats)
+        with old_gpu_api(decode == "gpu-torchvision"):
+            rec = measure_loader(set_dir, loader_cfg("gpu" if decode.startswith("gpu") else decode, workers), world,
+                                 warmup_batches=3, window_s=args.window_s, repeats=args.repeats)
         d = dataclasses.asdict(rec)
         if rec.error is None:
             ceilings[f"{set_dir.name}/{decode}/w{workers}"] = rec.samples_per_s
@@ -140,7 +168,7 @@ def main() -> int:
         return d
 
     for decode in args.decodes:
-        if decode == "gpu" and not world.is_cuda:
+        if decode.startswith("gpu") and not world.is_cuda:
             continue
         for w in workers_list:
             step(f"loader-ceiling/shards/{decode}/w{w}", lambda d=decode, w=w: ceiling(shards, d, w))
@@ -153,7 +181,7 @@ def main() -> int:
     if not args.skip_train:
         from gpufeed.train import measure
 
-        best_cpu = max((k for k in ceilings if k.startswith("shards/") and "/gpu/" not in k),
+        best_cpu = max((k for k in ceilings if k.startswith("shards/") and "/gpu" not in k),
                        key=lambda k: ceilings[k], default=None)
         variants: list[tuple[str, Path, str, int]] = []
         if best_cpu:

@@ -166,3 +166,27 @@ def test_the_roi_decode_passes_what_it_cannot_do_to_simplejpeg():
         except Exception as exc:  # noqa: BLE001 - compared below
             errors.append(type(exc))
     assert errors[0] == errors[1]
+
+
+def test_the_roi_decode_refuses_a_truncated_jpeg_whatever_the_crop():
+    """A region decode never reads the rows below its crop: without the end-of-image check a JPEG cut short there
+    decoded for a crop at its top and was refused for one at its bottom. Now every crop refuses it, as simplejpeg
+    (and PIL) do; a JPEG with a short trailer after its end still takes the region decode, a long one the whole
+    decode, both with simplejpeg's pixels."""
+    pytest.importorskip("simplejpeg")
+    if not dec.roi_available():
+        pytest.skip("decode = 'roi' needs nvImageCodec: pip install 'gpufeed[roi]'")
+    rgb = dict((n, d) for n, _, d in _synthetic())["big-420"]
+    w, h = dec.image_size(rgb)
+    top = dec.Crop((0.0, 0.0, float(w // 2), 40.0))  # under 2 x S rows: no DCT scale, a region decode
+    assert (w // 2) * 40 <= dec.ROI_MAX_AREA * w * h and dec.draft_scale(top, S) == 1
+    cut = rgb[: len(rgb) * 2 // 3]
+    assert not dec.ends_like_jpeg(cut) and dec.ends_like_jpeg(rgb)
+    for method in ("simplejpeg", "roi"):
+        with pytest.raises(ValueError, match="Premature end"):
+            dec.decode_into(cut, "jpg", method, lambda *_: top, S, np.zeros((S, S, 3), np.uint8))
+    for trailer in (b"\0" * 100, b"\0" * (dec.EOI_TAIL + 1)):
+        a, b = np.zeros((S, S, 3), np.uint8), np.ones((S, S, 3), np.uint8)
+        dec.decode_into(rgb + trailer, "jpg", "simplejpeg", lambda *_: top, S, a)
+        dec.decode_into(rgb + trailer, "jpg", "roi", lambda *_: top, S, b)
+        assert np.array_equal(a, b)

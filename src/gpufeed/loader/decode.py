@@ -375,6 +375,9 @@ def _import_nvimgcodec():
         if not found:
             raise ConfigError("decode = 'roi' needs NVIDIA nvImageCodec (its CPU backend, libjpeg-turbo): pip install "
                               "'gpufeed[roi]', or choose decode = 'simplejpeg'")
+        # nvImageCodec's own log lines (one per image it fails on, before gpufeed says why in one sentence) are off
+        # unless the user set a level; read when the module loads
+        os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
         with _LOAD_LOCK:
             sys.stderr.flush()
             saved = os.dup(2)
@@ -397,6 +400,19 @@ crop takes the simplejpeg path. Measured on 500 ImageNet-like crops per set (ful
 decode time per bin, region decode over simplejpeg's whole decode): 0.62-0.66 under 20% of the area, 0.82-0.84 at
 20-40%, 0.92-1.01 at 40-60%, 1.11-1.13 at 60-80%, 1.32-1.37 over 80% (nvImageCodec's libjpeg-turbo decodes a whole
 image ~30% slower than simplejpeg's, so a region pays only when it skips enough)."""
+
+
+EOI_TAIL = 4096
+"""decode = "roi" decodes a region only when a JPEG end-of-image marker (FF D9) lies in the data's last this many
+bytes; other files (truncated, or with a longer trailer after the image) take the whole-image decode."""
+
+
+def ends_like_jpeg(data: bytes) -> bool:
+    """Whether ``data`` holds an end-of-image marker in its last :data:`EOI_TAIL` bytes. A region decode never reads
+    the rows below its crop, so a file cut short there would decode without error for some crops and not for
+    others; checking that the file ends keeps a truncated JPEG refused whatever the crop, as the other paths do.
+    (In entropy-coded data FF is always followed by 00 or a restart marker, so FF D9 there is the end.)"""
+    return data.rfind(b"\xff\xd9", max(0, len(data) - EOI_TAIL)) >= 0
 
 
 def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str = "torch",
@@ -422,7 +438,8 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
     l, t, r, b = crop.box
     l, t = min(max(int(l), 0), w - 1), min(max(int(t), 0), h - 1)
     r, b = min(max(int(r), l + 1), w), min(max(int(b), t + 1), h)
-    if (r - l) * (b - t) > ROI_MAX_AREA * w * h:  # too little to skip: simplejpeg's whole decode is cheaper
+    if (r - l) * (b - t) > ROI_MAX_AREA * w * h or not ends_like_jpeg(data):  # too little to skip (simplejpeg's
+        # whole decode is cheaper), or no end-of-image marker near the end: a truncated file is refused whatever the crop
         decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)
         return
     nv = _import_nvimgcodec()

@@ -551,6 +551,91 @@ def test_loader_max_pixels_is_configurable_on_the_gpu_path(tmp_path):
 
 
 
+# --------------------------------------------------------------------------- 10. a small JPEG of thousands of scans
+def _scan_bomb(side: int = 256, copies: int = 1000) -> bytes:
+    """A progressive JPEG whose last scan is repeated ``copies`` times: every decoder reads each repeat as another
+    pass over the whole image (a 52 KB file of 2,010 scans at 2000 x 2000 took 4.5 s in Pillow)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 130, 140)).save(buf, "JPEG", quality=90, progressive=True)
+    data = buf.getvalue()
+    last = data.rindex(b"\xff\xda")  # a flat image's last scan holds no FF byte: it runs to the end marker
+    assert data.endswith(b"\xff\xd9") and data.count(b"\xff", last + 2, len(data) - 2) == 0
+    return data[:-2] + data[last:-2] * copies + b"\xff\xd9"
+
+
+def test_the_scan_limit_reads_the_frame_not_the_bytes():
+    """Only a progressive frame's scans are counted; a baseline JPEG, a normal progressive one, a JPEG that ends in
+    its header, runs of fill bytes and non-JPEG data pass to the decoder (which says what it thinks of them)."""
+    from PIL import Image
+
+    from gpufeed.shardset.images import MAX_JPEG_SCANS, jpeg_scan_problem
+
+    def jpeg(**kw) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (64, 48), (10, 200, 30)).save(buf, "JPEG", **kw)
+        return buf.getvalue()
+
+    plain, progressive = jpeg(), jpeg(progressive=True)
+    assert 5 <= progressive.count(b"\xff\xda") <= 20
+    assert jpeg_scan_problem(plain) is None and jpeg_scan_problem(progressive) is None
+    assert jpeg_scan_problem(_scan_bomb(64, MAX_JPEG_SCANS)) is not None  # 10 + 256 scans
+    assert jpeg_scan_problem(_scan_bomb(64, MAX_JPEG_SCANS - 10)) is None
+    assert jpeg_scan_problem(plain[:-2] + plain[plain.rindex(b"\xff\xda"):-2] * 300 + b"\xff\xd9") is None  # baseline
+    assert jpeg_scan_problem(progressive[:30]) is None
+    assert jpeg_scan_problem(b"\xff\xd8" + b"\xff" * 100_000) is None  # bounded walk: left to the decoder
+    assert jpeg_scan_problem(b"\x89PNG\r\n\x1a\n" + b"\xff\xda" * 1000) is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("decode", ["pil", "pil-draft", "simplejpeg", "roi", "gpu"])
+def test_loader_refuses_a_jpeg_of_thousands_of_scans_before_decoding(tmp_path, decode):
+    from gpufeed.core.errors import DataError
+    from gpufeed.core.world import World
+    from gpufeed.loader import build_loader
+    from gpufeed.loader.decode import roi_available
+    from tests.common.shards import cfg, encode, smooth_image, write_set
+
+    if decode in ("simplejpeg", "roi"):
+        pytest.importorskip("simplejpeg")
+    if decode == "roi" and not roi_available():
+        pytest.skip("decode = 'roi' needs nvImageCodec")
+    bomb = _scan_bomb()
+    assert len(bomb) < 60_000
+
+    def make(n):
+        return ("jpg", bomb) if n == 1 else ("jpg", encode(smooth_image(16, 12, n)))
+
+    shards = write_set(tmp_path / "scans", [4], num_classes=2, make=make)
+    loader = build_loader(shards, cfg(batch_size=2, decode=decode), World.single(), train=True)
+    with pytest.raises(DataError, match=r"'s00001\.jpg' in shard .*train-000000\.tar.*progressive JPEG of 1010 "
+                                        r"scans, more than the 256"):
+        list(loader)
+    loader = build_loader(shards, cfg(batch_size=2, decode=decode, on_error="skip"), World.single(), train=True)
+    assert len(list(loader)) == 2 and loader.num_skipped == 1
+
+
+def test_verify_and_shard_refuse_a_jpeg_of_thousands_of_scans(tmp_path, image_folder):
+    from gpufeed.verify import verify_shards
+    from tests.common.cli import invoke_json
+    from tests.test_verify import foreign_set, jpeg_bytes
+
+    bomb = _scan_bomb()
+    root = foreign_set(tmp_path, [[("ok.jpg", jpeg_bytes(tmp_path)), ("ok.cls", b"0"), ("scans.jpg", bomb),
+                                   ("scans.cls", b"1")]], gzip=False)
+    rep = verify_shards(root, workers=1)
+    assert not rep.ok and rep.num_decoded == 1
+    (problem,) = rep.problems
+    assert problem.member == "scans.jpg" and "progressive JPEG of 1010 scans, more than the 256" in problem.reason
+    src = image_folder(classes=2, per_class=2)
+    (src / "class_0" / "scans.jpg").write_bytes(bomb)
+    for check in ("header", "full"):
+        out = invoke_json(["shard", src, tmp_path / f"out-{check}", "--workers", "1", "--quiet", "--check", check])
+        assert out["num_rejected"] == 1 and out["rejected"][0]["path"] == "class_0/scans.jpg"
+        assert out["rejected"][0]["reason"].startswith("a progressive JPEG of 1010 scans, more than the 256")
+
+
 def _png_bomb(side: int = 13_000) -> bytes:
     """A real, valid 1-bit grey PNG of side x side pixels (all black) that compresses to ~20 KB."""
     import struct

@@ -42,7 +42,7 @@ from PIL import Image
 
 from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import ConfigError
-from gpufeed.shardset.images import open_image
+from gpufeed.shardset.images import check_jpeg_scans, open_image
 
 DecodeMethod = Literal["pil", "pil-draft", "simplejpeg", "roi", "gpu"]
 JPEG_EXTENSIONS = ("jpg", "jpeg")
@@ -325,6 +325,7 @@ def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *, resiz
         decode_pil(data, crop_fn, size, out, draft=True, resize=resize, max_pixels=max_pixels)
         return
     check_pixels(w, h, max_pixels)
+    check_jpeg_scans(data)
     crop = crop_fn(w, h)
     scale = draft_scale(crop, size)  # 1/2, 1/4, 1/8 when the crop keeps >= size pixels; other M/8 scales gain nothing
     min_w, min_h = -(-w // scale), -(-h // scale)  # libjpeg's 1/scale output size: the M/8 scale picked is 1/scale
@@ -431,6 +432,7 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
         decode_simplejpeg(data, crop_fn, size, out, resize=resize, max_pixels=max_pixels)
         return
     check_pixels(w, h, max_pixels)
+    check_jpeg_scans(data)
     crop = crop_fn(w, h)
     if crop.resize is not None or draft_scale(crop, size) > 1:
         decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)

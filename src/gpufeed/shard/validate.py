@@ -18,7 +18,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpufeed.shard.report import Bar
-from gpufeed.shardset.images import SOURCE_FORMATS, open_image
+from gpufeed.shardset.images import SOURCE_FORMATS, TooManyScans, jpeg_scan_problem, open_image
 from gpufeed.shard.scan import Scan
 
 if TYPE_CHECKING:
@@ -287,8 +287,8 @@ def _plain_copy(data: bytes, st: os.stat_result, pixel_limit: int, max_size: int
     """``--check header`` without re-encoding: the result for a plain JPEG (``plain_jpeg_size``) stored as it
     is, else None (Pillow decides); ``inspect_bytes`` tries it first."""
     size = plain_jpeg_size(data, pixel_limit)
-    if size is None or (max_size is not None and max(size) > max_size):
-        return None
+    if size is None or (max_size is not None and max(size) > max_size) or jpeg_scan_problem(data) is not None:
+        return None  # Pillow's path decides (and open_image refuses a JPEG of too many scans, saying why)
     return _Checked(True, "copy", "JPEG", size[0], size[1], 1, None, hashlib.sha256(data).digest(),
                     (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
 
@@ -312,6 +312,8 @@ def inspect_bytes(data: bytes, st: os.stat_result, opts: CheckOptions) -> _Check
             return _reject(f"decompression bomb ({exc})")
         except UnidentifiedImageError:
             return _reject("not an image (content not recognised)")
+        except TooManyScans as exc:
+            return _reject(str(exc))
         except Exception as exc:  # noqa: BLE001 - any parser failure is a per-file reject
             return _reject(f"unreadable image header ({type(exc).__name__}: {exc})")
         fmt, mode, (w, h) = im.format or "", im.mode, im.size

@@ -23,8 +23,8 @@ SOURCE_FORMATS = MEMBER_FORMATS + ("PPM", "BMP", "TIFF")
 MAX_JPEG_SCANS = 256
 """Most scans a progressive JPEG may have. Each scan makes the decoder pass over the whole image's coefficients
 again, so a small crafted file of thousands of scans costs seconds of CPU per decode: 52 KB and 2,010 scans of a
-2000 x 2000 image took 4.5 s in Pillow, 4.7 s in simplejpeg (which refuses it only at the end) and 6.6 s in
-nvImageCodec. Encoders write 6 to about 20 scans (libjpeg's default script: 10 for colour). 256 is nvImageCodec's
+2000 x 2000 image took 4.5-5.5 s in Pillow, 4.6-4.7 s in simplejpeg (which refuses it only at the end) and
+5.0-6.6 s in nvImageCodec (two runs, ``benchmarks/bench_scan_bomb.py``). Encoders write 6 to about 20 scans (libjpeg's default script: 10 for colour). 256 is nvImageCodec's
 own limit (``NVIMGCODEC_MAX_JPEG_SCANS``, from the libjpeg-turbo security review it cites)."""
 
 MAX_JPEG_HEADER_SEGMENTS = 4096

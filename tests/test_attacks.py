@@ -584,8 +584,14 @@ def test_the_scan_limit_reads_the_frame_not_the_bytes():
     assert jpeg_scan_problem(_scan_bomb(64, MAX_JPEG_SCANS - 10)) is None
     assert jpeg_scan_problem(plain[:-2] + plain[plain.rindex(b"\xff\xda"):-2] * 300 + b"\xff\xd9") is None  # baseline
     assert jpeg_scan_problem(progressive[:30]) is None
-    assert jpeg_scan_problem(b"\xff\xd8" + b"\xff" * 100_000) is None  # bounded walk: left to the decoder
     assert jpeg_scan_problem(b"\x89PNG\r\n\x1a\n" + b"\xff\xda" * 1000) is None
+    # what libjpeg reads past, the walk reads past too: junk bytes between segments, fill bytes, a header of many
+    # segments (too long to walk: every scan marker is counted)
+    bomb = _scan_bomb(64, MAX_JPEG_SCANS)
+    assert jpeg_scan_problem(bomb[:2] + b"\0junk" + bomb[2:]) is not None
+    assert jpeg_scan_problem(bomb[:2] + b"\xff" * 10_000 + bomb[2:]) is not None
+    assert jpeg_scan_problem(bomb[:2] + b"\xff\xfe\x00\x02" * 5000 + bomb[2:]) is not None  # 5,000 empty comments
+    assert jpeg_scan_problem(progressive[:2] + b"\xff\xfe\x00\x02" * 5000 + progressive[2:]) is None
 
 
 @pytest.mark.timeout(60)

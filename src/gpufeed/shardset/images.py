@@ -28,23 +28,35 @@ again, so a small crafted file of thousands of scans costs seconds of CPU per de
 own limit (``NVIMGCODEC_MAX_JPEG_SCANS``, from the libjpeg-turbo security review it cites)."""
 
 MAX_JPEG_HEADER_SEGMENTS = 4096
-"""Most marker segments read before a JPEG's first scan when looking for its frame type (each is at least 2 bytes,
-so a well-formed header has far fewer; a longer run is left to the decoder, which refuses it or reads it)."""
+"""Most marker segments walked before a JPEG's first scan when looking for its frame type. A header longer than
+that (a crafted one: encoders write about 10) is not walked to its end; every scan marker of the file is counted
+instead, as for a progressive frame."""
 
 _PROGRESSIVE_SOF = frozenset((0xC2, 0xC6, 0xCA, 0xCE))
 
 
 def jpeg_scan_problem(data: bytes) -> str | None:
     """Why a JPEG must not be decoded for its scans, or None: a progressive JPEG with more than
-    :data:`MAX_JPEG_SCANS` scans. Reads the marker segments up to the first scan (bounded), then, only for a
-    progressive frame, counts the scan markers after it (``FF DA`` cannot occur inside entropy-coded data: an FF
-    there is followed by 00 or a restart marker). Anything malformed is left to the decoder (None)."""
+    :data:`MAX_JPEG_SCANS` scans.
+
+    Walks the marker segments up to the first scan as libjpeg reads them (bytes between segments are skipped to
+    the next FF, fill bytes FF FF are skipped), at most :data:`MAX_JPEG_HEADER_SEGMENTS` of them; then, for a
+    progressive frame or a header too long to walk, counts the scan markers ``FF DA`` after that point. A scan
+    marker is always those two bytes in a row (libjpeg skips only further FF bytes between them), and cannot occur
+    inside entropy-coded data, where an FF is followed by 00 or a restart marker. A file with no scan, or whose
+    header ends early, is left to the decoder (None)."""
     n = len(data)
     if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
         return None
     pos, progressive = 2, False
     for _ in range(MAX_JPEG_HEADER_SEGMENTS):
-        if pos + 4 > n or data[pos] != 0xFF:
+        if pos >= n:
+            return None
+        if data[pos] != 0xFF:  # bytes between segments: libjpeg warns and skips to the next FF
+            pos = data.find(b"\xff", pos)
+            if pos < 0:
+                return None
+        if pos + 1 >= n:
             return None
         marker = data[pos + 1]
         if marker == 0xFF:  # a fill byte before the marker
@@ -52,13 +64,15 @@ def jpeg_scan_problem(data: bytes) -> str | None:
             continue
         if marker == 0xDA:
             break
-        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+        if marker in (0x00, 0x01) or 0xD0 <= marker <= 0xD8:  # no length (FF 00 is skipped as junk by libjpeg)
             pos += 2
             continue
+        if pos + 4 > n:
+            return None
         progressive = progressive or marker in _PROGRESSIVE_SOF
         pos += 2 + int.from_bytes(data[pos + 2: pos + 4], "big")
-    else:
-        return None
+    else:  # a header too long to walk: count every scan marker of the file
+        pos, progressive = 2, True
     if not progressive:
         return None
     scans = data.count(b"\xff\xda", pos)

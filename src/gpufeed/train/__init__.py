@@ -4,7 +4,8 @@ Read in this order: :mod:`~gpufeed.train.launch` (the run folder, torchrun, rank
 gpufeed.train CONFIG`` is each rank's entry, :mod:`~gpufeed.train.__main__`), :mod:`~gpufeed.train.preflight`
 (the checks before a run), :mod:`~gpufeed.train.job` (:func:`train` inside one rank, :func:`measure`),
 :mod:`~gpufeed.train.trainer` (the :class:`Trainer` as a table of contents, and the ``build_*`` functions of its
-parts), :mod:`~gpufeed.train.steps` (each mode's step, the timing window), :mod:`~gpufeed.train.validate`,
+parts), :mod:`~gpufeed.train.modes` (the measured modes, timed on the trainer's parts, and each mode's record),
+:mod:`~gpufeed.train.steps` (each mode's step, the timing window), :mod:`~gpufeed.train.validate`,
 :mod:`~gpufeed.train.logger` (log.jsonl and the progress bar), :mod:`~gpufeed.train.checkpoint`,
 :mod:`~gpufeed.train.stop` (SIGTERM), :mod:`~gpufeed.train.records`, :mod:`~gpufeed.train.verdict_inputs` and
 :mod:`~gpufeed.train.report`. The model, optimizer, AMP and LR schedule are :mod:`gpufeed.model`, shared with
@@ -13,10 +14,11 @@ parts), :mod:`~gpufeed.train.steps` (each mode's step, the timing window), :mod:
 
 from gpufeed.model import default_warmup, lr_at, resolve_amp
 from gpufeed.train.job import given_storage_rate, measure, probe_storage, start_health, train
+from gpufeed.train.modes import MODES_MEASURE
 from gpufeed.train.preflight import check_classes, check_data, run_loader_config, steps_per_epoch
 from gpufeed.train.steps import timing_window
 from gpufeed.train.stop import StopRequest
-from gpufeed.train.trainer import MODES_MEASURE, Trainer
+from gpufeed.train.trainer import Trainer
 from gpufeed.train.verdict_inputs import verdict_inputs
 
 __all__ = ["MODES_MEASURE", "StopRequest", "Trainer", "check_classes", "check_data", "default_warmup",

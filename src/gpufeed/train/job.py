@@ -26,10 +26,11 @@ from gpufeed.measure.storage_rate import StorageRate
 from gpufeed.measure.verdict import Verdict, classify
 from gpufeed.train.fix import FIXED_NAME, Candidate, FixInputs, FixRecord, Measured, Stager, candidates, fixed_toml, \
     measured_fixes, run_fixes, stage_target
+from gpufeed.train.modes import MODES_MEASURE
 from gpufeed.train.preflight import run_loader_config
 from gpufeed.train.records import ModeRecord, TrainRecord, ValRecord
 from gpufeed.train.stop import StopRequest
-from gpufeed.train.trainer import MODES_MEASURE, Trainer, build_loaders, param_checksum
+from gpufeed.train.trainer import Trainer, build_loaders, param_checksum
 from gpufeed.train.verdict_inputs import verdict_inputs
 
 

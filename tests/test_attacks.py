@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import io
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # --------------------------------------------------------------------------- 1. a shard file name runs a shell command
 @pytest.mark.parametrize("name", ["pipe:touch PWNED;cat x.tar", "http://evil.invalid/x.tar"])
@@ -590,8 +595,11 @@ def test_the_scan_limit_reads_the_frame_not_the_bytes():
     bomb = _scan_bomb(64, MAX_JPEG_SCANS)
     assert jpeg_scan_problem(bomb[:2] + b"\0junk" + bomb[2:]) is not None
     assert jpeg_scan_problem(bomb[:2] + b"\xff" * 10_000 + bomb[2:]) is not None
-    assert jpeg_scan_problem(bomb[:2] + b"\xff\xfe\x00\x02" * 5000 + bomb[2:]) is not None  # 5,000 empty comments
-    assert jpeg_scan_problem(progressive[:2] + b"\xff\xfe\x00\x02" * 5000 + progressive[2:]) is None
+    assert jpeg_scan_problem(bomb[:2] + b"\xff\xfe\x00\x02" * 100 + bomb[2:]) is not None  # 100 empty comments
+    # a header Pillow would parse for seconds in Python is refused outright: 5,000 segments, 24 MB of fill bytes,
+    # 100 KB of junk between segments
+    for long_header in (b"\xff\xfe\x00\x02" * 5000, b"\xff" * 24_000_000, b"\xff\xfe\x00\x02" + b"\0" * 100_000):
+        assert "JPEG" in jpeg_scan_problem(plain[:2] + long_header + plain[2:])
 
 
 @pytest.mark.timeout(60)
@@ -640,6 +648,187 @@ def test_verify_and_shard_refuse_a_jpeg_of_thousands_of_scans(tmp_path, image_fo
         out = invoke_json(["shard", src, tmp_path / f"out-{check}", "--workers", "1", "--quiet", "--check", check])
         assert out["num_rejected"] == 1 and out["rejected"][0]["path"] == "class_0/scans.jpg"
         assert out["rejected"][0]["reason"].startswith("a progressive JPEG of 1010 scans, more than the 256")
+
+
+# --------------------------------------------------------------------------- 11. JPEG frames no decoder should get
+def _seg(marker: int, payload: bytes) -> bytes:
+    import struct
+
+    return bytes([0xFF, marker]) + struct.pack(">H", len(payload) + 2) + payload
+
+
+def _frame(sof: int, w: int, h: int, scans: list[list[int]], components: int = 3) -> bytes:
+    """A JPEG header (quantisation table, frame ``sof``, the ``scans``, each naming its components, with no entropy
+    data): what the header checks read. Such a sequential file with a first scan of one component makes libjpeg
+    buffer the image and pass over it again for every further scan (4.3 KB, 300 scans of 9000 x 9000, arithmetic
+    coded: 30 s in Pillow and in simplejpeg)."""
+    import struct
+
+    comps = b"".join(bytes([i + 1, 0x11, 0]) for i in range(components))
+    head = _seg(0xDB, b"\x00" + b"\x01" * 64) + _seg(sof, b"\x08" + struct.pack(">HH", h, w) + bytes([components])
+                                                    + comps)
+    body = b"".join(_seg(0xDA, bytes([len(ids)]) + b"".join(bytes([c, 0]) for c in ids) + bytes([0, 63, 0]))
+                    for ids in scans)
+    return b"\xff\xd8" + head + body + b"\xff\xd9"
+
+
+def test_jpeg_frames_are_judged_by_type_and_scans():
+    from gpufeed.shardset.images import jpeg_problem
+
+    one_scan, three = [[1, 2, 3]], [[1], [2], [3]]
+    assert jpeg_problem(_frame(0xC0, 64, 64, one_scan)) is None  # baseline: libjpeg refuses a second scan itself
+    assert jpeg_problem(_frame(0xC0, 64, 64, one_scan * 50)) is None
+    assert jpeg_problem(_frame(0xC0, 64, 64, three)) is None  # one scan per component: legal, and no more work
+    for sof in (0xC0, 0xC1, 0xC9):  # baseline, extended, arithmetic sequential
+        assert "sequential JPEG of 301 scans for its 3 components" in jpeg_problem(_frame(sof, 9000, 9000,
+                                                                                          [[1]] + [[1, 2, 3]] * 300))
+    for sof in (0xC3, 0xC7, 0xCB, 0xCF):
+        assert "lossless JPEG" in jpeg_problem(_frame(sof, 64, 64, one_scan))
+    two = _frame(0xC0, 16, 16, one_scan)
+    two = two[:-2 - 14] + _seg(0xC0, two[two.index(b"\xff\xc0") + 4: two.index(b"\xff\xc0") + 19]) + two[-2 - 14:]
+    assert "2 frame headers" in jpeg_problem(two)
+    # progressive: at most 256 scans, and scans x pixels bounded (2^31: 24 scans at 89.5 megapixels)
+    assert jpeg_problem(_frame(0xC2, 9459, 9459, one_scan * 20)) is None
+    assert "scans x pixels" in jpeg_problem(_frame(0xC2, 9459, 9459, one_scan * 30))
+    assert "scans x pixels" in jpeg_problem(_frame(0xCA, 9459, 9459, one_scan * 256))
+
+
+_LOSSLESS_CHILD = r"""
+import io, struct, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from gpufeed.loader import decode as dec
+
+def seg(m, p):
+    return bytes([0xFF, m]) + struct.pack(">H", len(p) + 2) + p
+
+def lossless(rgb):  # a valid 8-bit lossless JPEG (SOF3, predictor 1, one Huffman table: categories at length 5)
+    h, w, nc = rgb.shape
+    a = rgb.astype(np.int32)
+    pred = np.empty_like(a); pred[:, 1:] = a[:, :-1]; pred[1:, 0] = a[:-1, 0]; pred[0, 0] = 128
+    diff = (a - pred) % 65536; diff = np.where(diff >= 32768, diff - 65536, diff)
+    dht = seg(0xC4, b"\x00" + bytes([0, 0, 0, 0, 17] + [0] * 11) + bytes(range(17)))
+    sof = seg(0xC3, b"\x08" + struct.pack(">HH", h, w) + bytes([nc]) + b"".join(bytes([i + 1, 0x11, 0]) for i in range(nc)))
+    sos = seg(0xDA, bytes([nc]) + b"".join(bytes([i + 1, 0]) for i in range(nc)) + bytes([1, 0, 0]))
+    bits = []
+    for d in diff.reshape(-1).tolist():
+        cat = abs(d).bit_length(); bits.append(format(cat, "05b"))
+        if cat and cat < 16:
+            bits.append(format(d if d > 0 else d + (1 << cat) - 1, f"0{cat}b"))
+    s = "".join(bits); s += "1" * (-len(s) % 8)
+    return b"\xff\xd8" + dht + sof + sos + int(s, 2).to_bytes(len(s) // 8, "big").replace(b"\xff", b"\xff\x00") + b"\xff\xd9"
+
+data = lossless(np.random.default_rng(0).integers(0, 256, (1000, 1200, 3), dtype=np.uint8))
+out = np.zeros((224, 224, 3), np.uint8)
+for method in sys.argv[2:]:
+    try:  # a crop a 1/4-size decode can serve: simplejpeg sized its buffer for 1/4 and libjpeg-turbo wrote full rows
+        dec.decode_into(data, "jpg", method, lambda w, h: dec.Crop((0.0, 0.0, 1200.0, 1000.0)), 224, out)
+        print(method, "decoded")
+    except Exception as exc:
+        print(method, type(exc).__name__, exc)
+"""
+
+
+def test_a_lossless_jpeg_is_refused_before_a_decoder_overruns_its_buffer(tmp_path):
+    """Run in a child process: before the check, the reduced-size decode of this valid lossless JPEG overran
+    simplejpeg's buffer (SIGSEGV, or "double free or corruption")."""
+    methods = ["pil", "pil-draft", "simplejpeg"] + (["roi"] if _roi() else [])
+    res = subprocess.run([sys.executable, "-c", _LOSSLESS_CHILD, str(ROOT / "src"), *methods], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, (res.returncode, res.stderr[-500:])
+    lines = res.stdout.splitlines()
+    assert len(lines) == len(methods) and all("ImageRefused a lossless JPEG (frame type C3)" in ln for ln in lines)
+
+
+def _roi() -> bool:
+    from gpufeed.loader.decode import roi_available
+
+    return roi_available()
+
+
+def test_a_441_jpeg_decodes_on_the_simplejpeg_paths():
+    """simplejpeg's header reader has no name for TurboJPEG's 4:4:1 sampling (KeyError 6): such a JPEG takes the
+    PIL path instead of being lost with "KeyError: 6"."""
+    import numpy as np
+
+    from gpufeed.loader import decode as dec
+
+    sj = pytest.importorskip("simplejpeg")
+    colour = np.full((64, 64, 3), (200, 60, 30), np.uint8)
+    data = bytearray(sj.encode_jpeg(colour, colorsubsampling="411", quality=90))
+    sof = data.index(b"\xff\xc0")
+    for k in range(data[sof + 9]):  # 4x1 luma -> 1x4: a flat image's blocks are alike, so the data stays valid
+        hv = data[sof + 11 + 3 * k]
+        data[sof + 11 + 3 * k] = ((hv & 0xF) << 4) | (hv >> 4)
+    data = bytes(data)
+    with pytest.raises(KeyError):
+        sj.decode_jpeg_header(data)
+    for method in ["simplejpeg"] + (["roi"] if _roi() else []):
+        out = np.zeros((32, 32, 3), np.uint8)
+        dec.decode_into(data, "jpg", method, lambda w, h: dec.Crop((0.0, 0.0, 40.0, 40.0)), 32, out)
+        assert np.abs(out.astype(int) - colour[:32, :32]).max() <= 2
+
+
+def test_the_roi_decode_refuses_a_truncated_jpeg_with_a_thumbnail():
+    """An Exif thumbnail's end marker sits in the header: a file cut short in its scan, with fewer than 4 KiB of
+    scan data left, still has an FF D9 in its last 4 KiB. It must follow the first scan."""
+    from gpufeed.loader import decode as dec
+
+    if not _roi():
+        pytest.skip("decode = 'roi' needs nvImageCodec")
+    import numpy as np
+    from PIL import Image
+
+    thumb = io.BytesIO()
+    Image.new("RGB", (32, 32), (9, 9, 9)).save(thumb, "JPEG")
+    exif = b"Exif\0\0" + thumb.getvalue()  # not a parseable TIFF: Pillow ignores it, libjpeg skips APP1
+    full = io.BytesIO()
+    rng = np.random.default_rng(3)
+    Image.fromarray(rng.integers(0, 255, (640, 640, 3), dtype=np.uint8)).save(full, "JPEG", quality=90)
+    data = full.getvalue()
+    data = data[:2] + _seg(0xE1, exif) + data[2:]
+    cut = data[: data.index(b"\xff\xda") + 2000]
+    assert cut.rfind(b"\xff\xd9", max(0, len(cut) - dec.EOI_TAIL)) >= 0 and not dec.ends_like_jpeg(cut)
+    top = dec.Crop((0.0, 0.0, 300.0, 16.0))
+    with pytest.raises(ValueError):
+        dec.decode_into(cut, "jpg", "roi", lambda *_: top, 32, np.zeros((32, 32, 3), np.uint8))
+
+
+def test_a_16_bit_grey_png_reads_as_gpufeed_shard_writes_it():
+    """Pillow's convert("RGB") clips a 16-bit image (a ramp turns white); the loader scales it to 8 bits as
+    `gpufeed shard` does."""
+    import numpy as np
+    from PIL import Image
+
+    from gpufeed.loader import decode as dec
+
+    ramp = (np.arange(64 * 64, dtype=np.uint32).reshape(64, 64) * 16).astype(np.uint16)  # 0 .. 65520
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, "PNG")
+    assert Image.open(io.BytesIO(buf.getvalue())).mode.startswith("I")
+    out = np.zeros((64, 64, 3), np.uint8)
+    dec.decode_into(buf.getvalue(), "png", "pil", lambda w, h: dec.eval_crop(w, h, 64, crop_ratio=1.0), 64, out)
+    want = (ramp >> 8).astype(np.int64)
+    assert np.abs(out[..., 0].astype(np.int64) - want).mean() < 1.0 and (out == 255).mean() < 0.05
+
+
+def test_a_png_of_millions_of_chunks_is_refused_before_pillow_parses_them():
+    import struct
+    import zlib
+
+    from gpufeed.shardset.images import MAX_PNG_CHUNKS, ImageRefused, open_image, png_problem
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 4, 8, 0, 0, 0, 0))
+    idat = chunk(b"IDAT", zlib.compress(b"\0\0\0\0\0" * 4))
+    ok = b"\x89PNG\r\n\x1a\n" + ihdr + idat + chunk(b"IEND", b"")
+    flood = ok[:-12 - len(idat)] + chunk(b"zzZz", b"") * (MAX_PNG_CHUNKS + 1) + idat + chunk(b"IEND", b"")
+    assert png_problem(ok) is None and open_image(ok).size == (4, 4)
+    assert "more than 100000 chunks" in png_problem(flood)
+    with pytest.raises(ImageRefused):
+        open_image(flood)
 
 
 def _png_bomb(side: int = 13_000) -> bytes:

@@ -42,7 +42,7 @@ from PIL import Image
 
 from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import ConfigError
-from gpufeed.shardset.images import check_jpeg_scans, open_image
+from gpufeed.shardset.images import DEVICE_SOF, HIGH_DEPTH_MODES, check_jpeg, jpeg_frame, open_image, to_8bit_gray
 
 DecodeMethod = Literal["pil", "pil-draft", "simplejpeg", "roi", "gpu"]
 JPEG_EXTENSIONS = ("jpg", "jpeg")
@@ -177,8 +177,10 @@ def check_header(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
 def _finish(img: Image.Image, crop: Crop, size: int, out: np.ndarray, scale_x: float = 1.0,
             scale_y: float = 1.0, resize: str = "torch") -> None:
     """Crop + resize (+ flip) ``img`` into ``out`` [S, S, 3]; ``scale`` maps stored pixels to ``img`` pixels."""
+    if img.mode in HIGH_DEPTH_MODES:  # 16/32-bit grey: scaled to 8 bits as `gpufeed shard` does (convert clips it)
+        img = to_8bit_gray(img)
     if img.mode != "RGB" and (resize == "torch" or img.mode != "L"):
-        img = img.convert("RGB")  # as ImageFolder: palette, alpha, CMYK, 16-bit -> RGB before any resize
+        img = img.convert("RGB")  # as ImageFolder: palette, alpha, CMYK -> RGB before any resize
     if resize == "torch":
         resize_array_into(np.asarray(img), crop, size, out, scale_x, scale_y)
         return
@@ -319,13 +321,13 @@ def decode_simplejpeg(data: bytes, crop_fn, size: int, out: np.ndarray, *, resiz
     sj = _import_simplejpeg()
     try:
         h, w, colorspace, _ = sj.decode_jpeg_header(data)
-    except ValueError:  # e.g. CMYK with unusual sampling factors: TurboJPEG cannot say; PIL can (or raises)
-        colorspace = "unknown"
+    except (ValueError, KeyError):  # e.g. CMYK with unusual sampling factors (TurboJPEG cannot say), or a sampling
+        colorspace = "unknown"       # simplejpeg has no name for (4:4:1 raises KeyError 6): PIL can (or raises)
     if colorspace not in ("YCbCr", "Gray", "RGB"):  # CMYK / YCCK: libjpeg-turbo cannot output RGB
         decode_pil(data, crop_fn, size, out, draft=True, resize=resize, max_pixels=max_pixels)
         return
     check_pixels(w, h, max_pixels)
-    check_jpeg_scans(data)
+    check_jpeg(data)
     crop = crop_fn(w, h)
     scale = draft_scale(crop, size)  # 1/2, 1/4, 1/8 when the crop keeps >= size pixels; other M/8 scales gain nothing
     min_w, min_h = -(-w // scale), -(-h // scale)  # libjpeg's 1/scale output size: the M/8 scale picked is 1/scale
@@ -409,11 +411,17 @@ bytes; other files (truncated, or with a longer trailer after the image) take th
 
 
 def ends_like_jpeg(data: bytes) -> bool:
-    """Whether ``data`` holds an end-of-image marker in its last :data:`EOI_TAIL` bytes. A region decode never reads
-    the rows below its crop, so a file cut short there would decode without error for some crops and not for
-    others; checking that the file ends keeps a truncated JPEG refused whatever the crop, as the other paths do.
-    (In entropy-coded data FF is always followed by 00 or a restart marker, so FF D9 there is the end.)"""
-    return data.rfind(b"\xff\xd9", max(0, len(data) - EOI_TAIL)) >= 0
+    """Whether ``data`` holds an end-of-image marker in its last :data:`EOI_TAIL` bytes, after its first scan. A
+    region decode never reads the rows below its crop, so a file cut short there would decode without error for
+    some crops and not for others; checking that the file ends keeps a truncated JPEG refused whatever the crop,
+    as the other paths do. The marker must follow the first scan: an Exif thumbnail's own end marker comes before
+    it, in the header. (In entropy-coded data FF is always followed by 00 or a restart marker, so FF D9 there is
+    the end; a crafted file can still put one in a table segment between two scans of a progressive image.)"""
+    end = data.rfind(b"\xff\xd9", max(0, len(data) - EOI_TAIL))
+    if end < 0:
+        return False
+    frame = jpeg_frame(data)
+    return frame is not None and not isinstance(frame, str) and end > frame.scan
 
 
 def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str = "torch",
@@ -426,13 +434,13 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
     sj = _import_simplejpeg()
     try:
         h, w, colorspace, _ = sj.decode_jpeg_header(data)
-    except ValueError:
+    except (ValueError, KeyError):
         colorspace = "unknown"
     if colorspace not in ("YCbCr", "Gray", "RGB"):
         decode_simplejpeg(data, crop_fn, size, out, resize=resize, max_pixels=max_pixels)
         return
     check_pixels(w, h, max_pixels)
-    check_jpeg_scans(data)
+    check_jpeg(data)
     crop = crop_fn(w, h)
     if crop.resize is not None or draft_scale(crop, size) > 1:
         decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)
@@ -497,8 +505,11 @@ def is_gpu_decodable(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple
     Reads the header only; raises :class:`ImageTooLarge` when the image has more than ``max_pixels`` pixels
     (whatever its format: the CPU fallback would decode it too).
     """
-    with open_image(data) as img:
+    with open_image(data) as img:  # refuses what gpufeed decodes nowhere (jpeg_problem), e.g. two frame headers
         w, h = img.size
         ok = img.format == "JPEG" and img.mode in ("RGB", "L")
     check_pixels(w, h, max_pixels)
+    if ok:  # nvJPEG gets Huffman-coded baseline, extended and progressive frames; the rest decodes on the CPU
+        frame = jpeg_frame(data)
+        ok = frame is not None and not isinstance(frame, str) and frame.sof in DEVICE_SOF
     return ok, w, h

@@ -18,7 +18,8 @@ import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpufeed.shard.report import Bar
-from gpufeed.shardset.images import SOURCE_FORMATS, TooManyScans, jpeg_scan_problem, open_image
+from gpufeed.shardset.images import (SOURCE_FORMATS, ImageRefused, jpeg_problem, open_image, to_8bit_gray,
+                                     to_rgb)
 from gpufeed.shard.scan import Scan
 
 if TYPE_CHECKING:
@@ -90,25 +91,6 @@ def _out_size(w: int, h: int, max_size: int | None) -> tuple[int, int]:
     return max(1, round(w * s)), max(1, round(h * s))
 
 
-def _to_rgb(im: Any) -> Any:
-    """Any Pillow image -> RGB, scaling 16/32-bit grayscale to 8 bits instead of clipping it."""
-    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
-        im = _to_8bit_gray(im)
-    return im if im.mode == "RGB" else im.convert("RGB")
-
-
-def _to_8bit_gray(im: Any) -> Any:
-    import numpy as np
-    from PIL import Image
-
-    a = np.asarray(im)
-    if im.mode == "F":
-        a = np.clip(a, 0, 255)
-    elif a.dtype.itemsize >= 2:
-        a = np.clip(a.astype(np.int64), 0, 65535) >> 8
-    return Image.fromarray(a.astype(np.uint8), "L")
-
-
 def _action(fmt: str, mode: str, w: int, h: int, max_size: int | None, quality: int | None) -> str:
     if quality is not None or (max_size is not None and max(w, h) > max_size):
         return "reencode"
@@ -135,7 +117,7 @@ def _encode(data: bytes, action: str, opts: CheckOptions) -> tuple[bytes, str, i
             target = _out_size(im.width, im.height, opts.max_size)
             if im.format in ("JPEG", "MPO") and target != im.size:
                 im.draft("RGB", target)  # DCT-domain downscale: still decodes the whole bitstream
-            im = _to_rgb(im)
+            im = to_rgb(im)
             if im.size != target:
                 im = im.resize(target, Image.Resampling.BICUBIC)
             q = opts.quality or DEFAULT_REENCODE_QUALITY
@@ -143,14 +125,14 @@ def _encode(data: bytes, action: str, opts: CheckOptions) -> tuple[bytes, str, i
             im.save(buf, "JPEG", quality=q)
             return buf.getvalue(), "jpg", im.width, im.height
         if action == "cmyk_to_rgb_jpeg":
-            im = _to_rgb(im)
+            im = to_rgb(im)
             buf = io.BytesIO()
             im.save(buf, "JPEG", quality=opts.quality or CMYK_QUALITY)
             return buf.getvalue(), "jpg", im.width, im.height
         if action == "16bit_to_png8":
-            im = _to_8bit_gray(im)
+            im = to_8bit_gray(im)
         else:  # to_png
-            im = _to_rgb(im)
+            im = to_rgb(im)
         buf = io.BytesIO()
         im.save(buf, "PNG")
         return buf.getvalue(), "png", im.width, im.height
@@ -287,8 +269,8 @@ def _plain_copy(data: bytes, st: os.stat_result, pixel_limit: int, max_size: int
     """``--check header`` without re-encoding: the result for a plain JPEG (``plain_jpeg_size``) stored as it
     is, else None (Pillow decides); ``inspect_bytes`` tries it first."""
     size = plain_jpeg_size(data, pixel_limit)
-    if size is None or (max_size is not None and max(size) > max_size) or jpeg_scan_problem(data) is not None:
-        return None  # Pillow's path decides (and open_image refuses a JPEG of too many scans, saying why)
+    if size is None or (max_size is not None and max(size) > max_size) or jpeg_problem(data) is not None:
+        return None  # Pillow's path decides (and open_image refuses a JPEG gpufeed does not decode, saying why)
     return _Checked(True, "copy", "JPEG", size[0], size[1], 1, None, hashlib.sha256(data).digest(),
                     (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
 
@@ -312,7 +294,7 @@ def inspect_bytes(data: bytes, st: os.stat_result, opts: CheckOptions) -> _Check
             return _reject(f"decompression bomb ({exc})")
         except UnidentifiedImageError:
             return _reject("not an image (content not recognised)")
-        except TooManyScans as exc:
+        except ImageRefused as exc:
             return _reject(str(exc))
         except Exception as exc:  # noqa: BLE001 - any parser failure is a per-file reject
             return _reject(f"unreadable image header ({type(exc).__name__}: {exc})")

@@ -575,7 +575,7 @@ def test_the_scan_limit_reads_the_frame_not_the_bytes():
     its header, runs of fill bytes and non-JPEG data pass to the decoder (which says what it thinks of them)."""
     from PIL import Image
 
-    from gpufeed.shardset.images import MAX_JPEG_SCANS, jpeg_scan_problem
+    from gpufeed.shardset.images import MAX_JPEG_SCANS, jpeg_problem
 
     def jpeg(**kw) -> bytes:
         buf = io.BytesIO()
@@ -584,22 +584,22 @@ def test_the_scan_limit_reads_the_frame_not_the_bytes():
 
     plain, progressive = jpeg(), jpeg(progressive=True)
     assert 5 <= progressive.count(b"\xff\xda") <= 20
-    assert jpeg_scan_problem(plain) is None and jpeg_scan_problem(progressive) is None
-    assert jpeg_scan_problem(_scan_bomb(64, MAX_JPEG_SCANS)) is not None  # 10 + 256 scans
-    assert jpeg_scan_problem(_scan_bomb(64, MAX_JPEG_SCANS - 10)) is None
-    assert jpeg_scan_problem(plain[:-2] + plain[plain.rindex(b"\xff\xda"):-2] * 300 + b"\xff\xd9") is None  # baseline
-    assert jpeg_scan_problem(progressive[:30]) is None
-    assert jpeg_scan_problem(b"\x89PNG\r\n\x1a\n" + b"\xff\xda" * 1000) is None
+    assert jpeg_problem(plain) is None and jpeg_problem(progressive) is None
+    assert jpeg_problem(_scan_bomb(64, MAX_JPEG_SCANS)) is not None  # 10 + 256 scans
+    assert jpeg_problem(_scan_bomb(64, MAX_JPEG_SCANS - 10)) is None
+    assert jpeg_problem(plain[:-2] + plain[plain.rindex(b"\xff\xda"):-2] * 300 + b"\xff\xd9") is None  # baseline
+    assert jpeg_problem(progressive[:30]) is None
+    assert jpeg_problem(b"\x89PNG\r\n\x1a\n" + b"\xff\xda" * 1000) is None
     # what libjpeg reads past, the walk reads past too: junk bytes between segments, fill bytes, a header of many
     # segments (too long to walk: every scan marker is counted)
     bomb = _scan_bomb(64, MAX_JPEG_SCANS)
-    assert jpeg_scan_problem(bomb[:2] + b"\0junk" + bomb[2:]) is not None
-    assert jpeg_scan_problem(bomb[:2] + b"\xff" * 10_000 + bomb[2:]) is not None
-    assert jpeg_scan_problem(bomb[:2] + b"\xff\xfe\x00\x02" * 100 + bomb[2:]) is not None  # 100 empty comments
+    assert jpeg_problem(bomb[:2] + b"\0junk" + bomb[2:]) is not None
+    assert jpeg_problem(bomb[:2] + b"\xff" * 10_000 + bomb[2:]) is not None
+    assert jpeg_problem(bomb[:2] + b"\xff\xfe\x00\x02" * 100 + bomb[2:]) is not None  # 100 empty comments
     # a header Pillow would parse for seconds in Python is refused outright: 5,000 segments, 24 MB of fill bytes,
     # 100 KB of junk between segments
     for long_header in (b"\xff\xfe\x00\x02" * 5000, b"\xff" * 24_000_000, b"\xff\xfe\x00\x02" + b"\0" * 100_000):
-        assert "JPEG" in jpeg_scan_problem(plain[:2] + long_header + plain[2:])
+        assert "JPEG" in jpeg_problem(plain[:2] + long_header + plain[2:])
 
 
 @pytest.mark.timeout(60)

@@ -68,8 +68,6 @@ class ImageRefused(ValueError):
     :func:`png_problem`)."""
 
 
-JpegRefused = TooManyScans = ImageRefused
-
 
 def jpeg_frame(data: bytes) -> JpegFrame | str | None:
     """The frame header and first scan of a JPEG, walking its marker segments as libjpeg reads them (bytes between
@@ -155,11 +153,6 @@ def jpeg_problem(data: bytes) -> str | None:
     return None
 
 
-def jpeg_scan_problem(data: bytes) -> str | None:
-    """:func:`jpeg_problem` (the name its scan limit first had)."""
-    return jpeg_problem(data)
-
-
 def check_jpeg(data: bytes) -> None:
     """Raise :class:`ImageRefused` for a JPEG :func:`jpeg_problem` refuses."""
     problem = jpeg_problem(data)
@@ -222,7 +215,7 @@ def to_rgb(im: Any) -> Any:
 def open_image(data: bytes, formats: tuple[str, ...] = MEMBER_FORMATS) -> Any:
     """``PIL.Image.open`` of ``data`` trying only ``formats``; anything else raises
     ``PIL.UnidentifiedImageError`` (a corrupt sample to every caller). A JPEG or PNG gpufeed refuses from its
-    header (:func:`check_image_bytes`) raises :class:`JpegRefused` before Pillow reads it."""
+    header (:func:`check_image_bytes`) raises :class:`ImageRefused` before Pillow reads it."""
     from PIL import Image, UnidentifiedImageError
 
     check_image_bytes(data)

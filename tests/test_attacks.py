@@ -831,6 +831,39 @@ def test_a_png_of_millions_of_chunks_is_refused_before_pillow_parses_them():
         open_image(flood)
 
 
+def test_an_image_the_device_decoder_refuses_is_one_corrupt_sample(tmp_path):
+    """decode = "gpu": a JPEG whose header passes every check in the worker but whose Huffman table the decoder
+    refuses used to fail the whole batch with the decoder's RuntimeError (on the CPU device here: TorchCodec's
+    libjpeg-turbo; nvJPEG on CUDA). Now it is a corrupt sample named in one sentence, or, with skip, counted, its
+    row and label repeating another of the batch."""
+    pytest.importorskip("torchcodec")
+    import torch
+
+    from gpufeed.core.errors import DataError
+    from gpufeed.core.world import World
+    from gpufeed.loader import build_loader
+    from tests.common.shards import cfg, encode, smooth_image, write_set
+
+    good = encode(smooth_image(64, 48, 1))
+    bad = bytearray(good)
+    dht = bad.index(b"\xff\xc4")
+    bad[dht + 5: dht + 21] = bytes([255] * 16)  # 16 x 255 codes: "Bogus Huffman table definition"
+    shards = write_set(tmp_path / "set", [4], num_classes=4,
+                       make=lambda n: ("jpg", bytes(bad)) if n == 1 else ("jpg", encode(smooth_image(64, 48, n))))
+
+    def run(policy: str):
+        loader = build_loader(shards, cfg(batch_size=2, decode="gpu", on_error=policy), World.single(), train=False)
+        return loader, [loader.to_device(b, "cpu") for b in loader]
+
+    with pytest.raises(DataError, match=r"corrupt sample 's00001\.jpg' in shard .*train-000000\.tar: the device "
+                                        r"decode failed: RuntimeError: .*Huffman"):
+        run("raise")
+    loader, batches = run("skip")
+    assert len(batches) == 2 and loader.num_skipped == 1 and loader.num_repeated == 1
+    images, labels = batches[0]  # rows s00000, s00001: the refused row repeats row 0
+    assert torch.equal(images[1], images[0]) and labels[1] == labels[0]
+
+
 def _png_bomb(side: int = 13_000) -> bytes:
     """A real, valid 1-bit grey PNG of side x side pixels (all black) that compresses to ~20 KB."""
     import struct

@@ -20,7 +20,8 @@ from gpufeed.loader.gpu import EncodedBatch, prepare_encoded
 from gpufeed.loader.plan import crop_rng, plan_slot, resume_slot, shuffle_rng, split_of
 from gpufeed.loader.reader import ShardReader
 from gpufeed.loader.ring import SlotFlags, WorkerRing
-from gpufeed.loader.stages import Decode, OnError, ThreadedDecode, batch, fill, read_segments, shuffle
+from gpufeed.loader.stages import (Decode, OnError, ThreadedDecode, batch, fill, read_segments, sample_name,
+                                   shuffle)
 from gpufeed.shardset.manifest import DEFAULT_LABEL_SOURCE, read_label
 
 
@@ -175,7 +176,8 @@ class ShardStream(IterableDataset):
         """Decode one sample into the next row of ``rows`` (or record its JPEG for the device)."""
         images, enc, row = rows.target()
         cfg = self.cfg
-        if enc is not None and prepare_encoded(enc, row, data, ext, self._crop_fn(sample, epoch), cfg.max_pixels):
+        if enc is not None and prepare_encoded(enc, row, data, ext, self._crop_fn(sample, epoch), cfg.max_pixels,
+                                               sample_name(sample, ext)):
             return
         dec.decode_into(data, ext, cfg.decode, self._crop_fn(sample, epoch), cfg.image_size, images[row],
                         resize=getattr(cfg, "resize", "torch"), max_pixels=cfg.max_pixels)

@@ -3,6 +3,7 @@ the device (docs/design.md §3, "Batches")."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,6 +33,8 @@ class EncodedBatch:
     blob: torch.Tensor | None = None
     """All encoded bytes in one uint8 tensor (one shared-memory block per batch instead of one per sample)."""
     lengths: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    """Each device-decoded sample as an error names it (``'KEY.jpg' in shard PATH``), for a decode that fails."""
 
     def __len__(self) -> int:
         return self.cpu_images.shape[0]
@@ -54,9 +57,10 @@ class EncodedBatch:
         return list(torch.split(self.blob, self.lengths))
 
 
-def prepare_encoded(enc: EncodedBatch, row: int, data: bytes, ext: str, crop_fn: Callable, max_pixels: int) -> bool:
+def prepare_encoded(enc: EncodedBatch, row: int, data: bytes, ext: str, crop_fn: Callable, max_pixels: int,
+                    name: str = "") -> bool:
     """Record a device-decodable JPEG (bytes + crop) for batch row ``row`` in ``enc``; False sends the sample to
-    the CPU path."""
+    the CPU path. ``name`` says which sample it is, should its device decode fail."""
     if ext not in dec.JPEG_EXTENSIONS:
         return False
     ok, w, h = dec.is_gpu_decodable(data, max_pixels)
@@ -69,6 +73,7 @@ def prepare_encoded(enc: EncodedBatch, row: int, data: bytes, ext: str, crop_fn:
     enc.index.append(row)
     enc.boxes.append(box)
     enc.flips.append(crop.flip)
+    enc.names.append(name)
     return True
 
 
@@ -77,11 +82,13 @@ def merge_encoded(rows: list[EncodedBatch], S: int) -> EncodedBatch:
     out = EncodedBatch([], [], [], [], torch.empty((len(rows), S, S, 3), dtype=torch.uint8), S)
     for i, r in enumerate(rows):
         out.cpu_images[i] = r.cpu_images[0]
-        for d, b, f in zip(r.chunks(), r.boxes, r.flips):
+        names = r.names if len(r.names) == len(r.boxes) else [""] * len(r.boxes)
+        for d, b, f, n in zip(r.chunks(), r.boxes, r.flips, names):
             out.data.append(d.numpy().tobytes())
             out.index.append(i)
             out.boxes.append(b)
             out.flips.append(f)
+            out.names.append(n)
     return out.pack()
 
 
@@ -124,7 +131,52 @@ def jpeg_decoder() -> Callable[[list[torch.Tensor], str | torch.device], list[to
     return lambda chunks, device: decode_jpeg(chunks, mode="RGB", device=device)
 
 
+class DeviceDecodeError(ValueError):
+    """A JPEG of the batch that the device decoder refused (its header passed every check the worker made)."""
+
+
+def _decode_each(decoder: Callable, chunks: list[torch.Tensor], device) -> tuple[list, list[tuple[int, str]]]:
+    """The batch in one decoder call; when that call fails, image by image: ``(images, failures)``, a failed
+    image's place None and ``(its position, why)`` in failures. A batch call that fails while every image decodes
+    alone is not the data's fault: its error is raised."""
+    try:
+        return list(decoder(chunks, device)), []
+    except Exception as exc:  # noqa: BLE001 - one bad image fails the whole call: find which
+        first = exc
+    images: list = []
+    failures: list[tuple[int, str]] = []
+    for k, chunk in enumerate(chunks):
+        try:
+            images.append(decoder([chunk], device)[0])
+        except Exception as exc:  # noqa: BLE001 - reported for this image, per on_error
+            images.append(None)
+            failures.append((k, f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
+    if not failures:
+        raise first
+    return images, failures
+
+
 def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bool = True) -> torch.Tensor:
+    """:func:`gpu_decode_rows` for a batch that must decode whole: raises :class:`DeviceDecodeError` naming the
+    first image the device refused."""
+    out, failures, _ = gpu_decode_rows(batch, device, non_blocking)
+    if failures:
+        _row, name, why = failures[0]
+        raise DeviceDecodeError(f"corrupt sample {name or '(unnamed)'}: the device decode failed: {why}")
+    return out
+
+
+def gpu_decode_rows(batch: EncodedBatch, device: str | torch.device, non_blocking: bool = True
+                    ) -> tuple[torch.Tensor, list[tuple[int, str, str]], list[tuple[int, int]]]:
+    """:func:`_gpu_decode` that survives images the device refuses: ``(images, failures, fills)``. ``failures``
+    lists ``(row, name, why)`` of each refused image; its row is filled with a copy of a good row, ``fills``
+    lists ``(row, source row)`` (the caller repeats the label too). Raises :class:`DeviceDecodeError` when no row
+    of the batch decoded."""
+    return _gpu_decode(batch, device, non_blocking)
+
+
+def _gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bool = True
+                ) -> tuple[torch.Tensor, list[tuple[int, str, str]], list[tuple[int, int]]]:
     """Batched JPEG decode (:func:`jpeg_decoder`) of the batch's JPEGs on ``device``, then crop + resize + flip there.
 
     One batched decode call; then, per image, its crop window (:func:`crop_window`) is copied into a zero
@@ -133,18 +185,46 @@ def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bo
     One ``torchvision.ops.roi_align`` over that buffer (``aligned=True``, adaptive sampling: each output
     pixel averages ``ceil(scale)``^2 bilinear samples of its bin, an antialiased downscale close to PIL's
     bilinear filter) resizes every crop to ``S x S``, then flips and the uint8 cast are batched. Memory
-    besides the decoded JPEGs is bounded by the crops: ``K x 3 x window`` uint8 and float32.
+    besides the decoded JPEGs is bounded by the crops: ``K x 3 x window`` uint8 and float32. When the batched call
+    fails, the images are decoded one by one and those the device refuses are reported (:func:`_decode_each`).
     """
-    from torchvision.ops import roi_align
-
     S = batch.size
     if batch.num_encoded < len(batch):  # some rows were decoded on the CPU (PNG, WebP, CMYK)
         out = batch.cpu_images.to(device, non_blocking=non_blocking).permute(0, 3, 1, 2)
         if not batch.num_encoded:
-            return out
+            return out, [], []
     else:
         out = torch.empty((len(batch), S, S, 3), dtype=torch.uint8, device=device).permute(0, 3, 1, 2)
-    decoded = list(jpeg_decoder()(batch.chunks(), device))
+    decoded, failed = _decode_each(jpeg_decoder(), batch.chunks(), device)
+    failures: list[tuple[int, str, str]] = []
+    if failed:
+        names = batch.names if len(batch.names) == len(batch.boxes) else [""] * len(batch.boxes)
+        failures = [(batch.index[k], names[k], why) for k, why in failed]
+        keep = [k for k in range(len(decoded)) if decoded[k] is not None]
+        batch = dataclasses.replace(batch, index=[batch.index[k] for k in keep], boxes=[batch.boxes[k] for k in keep],
+                                    flips=[batch.flips[k] for k in keep], names=[])
+        decoded = [decoded[k] for k in keep]
+    out = _crop_resize(batch, decoded, out, device)
+    fills: list[tuple[int, int]] = []
+    if failures:
+        bad = {row for row, _, _ in failures}
+        good = [r for r in range(len(out)) if r not in bad]
+        if not good:
+            raise DeviceDecodeError(f"corrupt sample {failures[0][1] or '(unnamed)'}: the device decode failed, as "
+                                    f"for every image of its batch: {failures[0][2]}")
+        for row, _, _ in failures:
+            out[row] = out[good[0]]
+            fills.append((row, good[0]))
+    return out, failures, fills
+
+
+def _crop_resize(batch: EncodedBatch, decoded: list, out: torch.Tensor, device) -> torch.Tensor:
+    """Crop, resize and flip the ``decoded`` images (one per ``batch.index`` row) into their rows of ``out``."""
+    from torchvision.ops import roi_align
+
+    S = batch.size
+    if not decoded:
+        return out
     windows = [crop_window(box, int(img.shape[2]), int(img.shape[1])) for img, box in zip(decoded, batch.boxes)]
     hmax, wmax = crop_buffer_shape(windows)
     padded = torch.zeros((len(decoded), 3, hmax, wmax), dtype=torch.uint8, device=device)

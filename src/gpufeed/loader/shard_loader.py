@@ -20,7 +20,7 @@ from gpufeed.loader import decode as dec
 from gpufeed.loader import ring
 from gpufeed.loader.dataset import ShardStream
 from gpufeed.loader.errors import WorkerFailure
-from gpufeed.loader.gpu import EncodedBatch, gpu_decode, merge_encoded
+from gpufeed.loader.gpu import DeviceDecodeError, EncodedBatch, gpu_decode_rows, merge_encoded
 from gpufeed.loader.plan import batches_per_rank, split_batches, split_of
 from gpufeed.loader.position import LoaderPosition
 from gpufeed.loader.reader import ShardReader
@@ -257,12 +257,28 @@ class ShardLoader:
                 rows, labels = [], []
 
     def to_device(self, batch, device: str | torch.device, non_blocking: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host batch -> (uint8 [B, 3, S, S], int64 [B]) on ``device``; decodes an :class:`EncodedBatch` there."""
+        """Host batch -> (uint8 [B, 3, S, S], int64 [B]) on ``device``; decodes an :class:`EncodedBatch` there.
+
+        An image the device decoder refuses (its header passed the worker's checks) is a corrupt sample like any
+        other: with ``on_error = "raise"`` a :class:`DataError` naming it; with ``"skip"`` it is counted in
+        ``num_skipped`` and its row (image and label) repeats another of the batch, counted in ``num_repeated``."""
         images, labels = batch
         labels = labels.to(device, non_blocking=non_blocking)
-        if isinstance(images, EncodedBatch):
-            return gpu_decode(images, device, non_blocking=non_blocking), labels
-        return images.to(device, non_blocking=non_blocking), labels
+        if not isinstance(images, EncodedBatch):
+            return images.to(device, non_blocking=non_blocking), labels
+        try:
+            out, failures, fills = gpu_decode_rows(images, device, non_blocking=non_blocking)
+        except DeviceDecodeError as exc:
+            raise DataError(str(exc)) from None
+        if failures:
+            _row, name, why = failures[0]
+            if self.cfg.on_error == "raise":
+                raise DataError(f"corrupt sample {name or '(unnamed)'}: the device decode failed: {why}")
+            self.num_skipped += len(failures)
+            self.num_repeated += len(failures)
+            for row, source in fills:
+                labels[row] = labels[source]
+        return out, labels
 
 
 NODE_IMBALANCE_WARN = 0.02

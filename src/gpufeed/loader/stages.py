@@ -168,8 +168,13 @@ class Decode:
         return label, sample[ext]
 
     def _lost(self, sample: dict, ext: str | None, exc: Exception) -> None:
-        member = f"{sample.get('__key__')}.{ext}" if ext else sample.get("__key__")
-        self.handler(f"corrupt sample {str(member)!r} in shard {printable(sample.get('__url__'))}: {reason(exc)}", 1)
+        self.handler(f"corrupt sample {sample_name(sample, ext)}: {reason(exc)}", 1)
+
+
+def sample_name(sample: dict, ext: str | None) -> str:
+    """A sample as a loader error names it: ``'KEY.EXT' in shard PATH``."""
+    member = f"{sample.get('__key__')}.{ext}" if ext else sample.get("__key__")
+    return f"{str(member)!r} in shard {printable(sample.get('__url__'))}"
 
 
 class ThreadedDecode(Decode):

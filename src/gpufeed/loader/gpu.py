@@ -168,16 +168,10 @@ def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bo
 
 def gpu_decode_rows(batch: EncodedBatch, device: str | torch.device, non_blocking: bool = True
                     ) -> tuple[torch.Tensor, list[tuple[int, str, str]], list[tuple[int, int]]]:
-    """:func:`_gpu_decode` that survives images the device refuses: ``(images, failures, fills)``. ``failures``
-    lists ``(row, name, why)`` of each refused image; its row is filled with a copy of a good row, ``fills``
-    lists ``(row, source row)`` (the caller repeats the label too). Raises :class:`DeviceDecodeError` when no row
-    of the batch decoded."""
-    return _gpu_decode(batch, device, non_blocking)
-
-
-def _gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bool = True
-                ) -> tuple[torch.Tensor, list[tuple[int, str, str]], list[tuple[int, int]]]:
-    """Batched JPEG decode (:func:`jpeg_decoder`) of the batch's JPEGs on ``device``, then crop + resize + flip there.
+    """Batched JPEG decode (:func:`jpeg_decoder`) of the batch's JPEGs on ``device``, then crop + resize + flip there:
+    ``(images, failures, fills)``. ``failures`` lists ``(row, name, why)`` of each image the device refused; its row
+    is filled with a copy of a good row, and ``fills`` lists ``(row, source row)`` (the caller repeats the label
+    too). Raises :class:`DeviceDecodeError` when no row of the batch decoded.
 
     One batched decode call; then, per image, its crop window (:func:`crop_window`) is copied into a zero
     buffer of :func:`crop_buffer_shape` (the window's last row/column replicated once into the padding, so

@@ -42,7 +42,8 @@ from PIL import Image
 
 from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import ConfigError
-from gpufeed.shardset.images import DEVICE_SOF, HIGH_DEPTH_MODES, check_jpeg, jpeg_frame, open_image, to_8bit_gray
+from gpufeed.shardset.images import (DEVICE_SOF, HIGH_DEPTH_MODES, JpegFrame, check_jpeg, jpeg_frame, open_image,
+                                     to_8bit_gray)
 
 DecodeMethod = Literal["pil", "pil-draft", "simplejpeg", "roi", "gpu"]
 JPEG_EXTENSIONS = ("jpg", "jpeg")
@@ -410,18 +411,21 @@ EOI_TAIL = 4096
 bytes; other files (truncated, or with a longer trailer after the image) take the whole-image decode."""
 
 
-def ends_like_jpeg(data: bytes) -> bool:
+def ends_like_jpeg(data: bytes, frame: JpegFrame | None = None) -> bool:
     """Whether ``data`` holds an end-of-image marker in its last :data:`EOI_TAIL` bytes, after its first scan. A
     region decode never reads the rows below its crop, so a file cut short there would decode without error for
     some crops and not for others; checking that the file ends keeps a truncated JPEG refused whatever the crop,
     as the other paths do. The marker must follow the first scan: an Exif thumbnail's own end marker comes before
     it, in the header. (In entropy-coded data FF is always followed by 00 or a restart marker, so FF D9 there is
-    the end; a crafted file can still put one in a table segment between two scans of a progressive image.)"""
+    the end; a crafted file can still put one in a table segment between two scans of a progressive image.)
+    ``frame``: the header as :func:`check_jpeg` already read it (else it is read here)."""
     end = data.rfind(b"\xff\xd9", max(0, len(data) - EOI_TAIL))
     if end < 0:
         return False
-    frame = jpeg_frame(data)
-    return frame is not None and not isinstance(frame, str) and end > frame.scan
+    if frame is None:
+        read = jpeg_frame(data)
+        frame = read if isinstance(read, JpegFrame) else None
+    return frame is not None and end > frame.scan
 
 
 def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str = "torch",
@@ -440,7 +444,7 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
         decode_simplejpeg(data, crop_fn, size, out, resize=resize, max_pixels=max_pixels)
         return
     check_pixels(w, h, max_pixels)
-    check_jpeg(data)
+    frame = check_jpeg(data)
     crop = crop_fn(w, h)
     if crop.resize is not None or draft_scale(crop, size) > 1:
         decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)
@@ -448,7 +452,7 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
     l, t, r, b = crop.box
     l, t = min(max(int(l), 0), w - 1), min(max(int(t), 0), h - 1)
     r, b = min(max(int(r), l + 1), w), min(max(int(b), t + 1), h)
-    if (r - l) * (b - t) > ROI_MAX_AREA * w * h or not ends_like_jpeg(data):  # too little to skip (simplejpeg's
+    if (r - l) * (b - t) > ROI_MAX_AREA * w * h or not ends_like_jpeg(data, frame):  # too little to skip (simplejpeg's
         # whole decode is cheaper), or no end-of-image marker near the end: a truncated file is refused whatever the crop
         decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)
         return

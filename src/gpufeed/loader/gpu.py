@@ -135,6 +135,11 @@ class DeviceDecodeError(ValueError):
     """A JPEG of the batch that the device decoder refused (its header passed every check the worker made)."""
 
 
+def refused(name: str, why: str) -> str:
+    """The one sentence for an image the device decoder refused."""
+    return f"corrupt sample {name or '(unnamed)'}: the device decode failed: {why}"
+
+
 def _decode_each(decoder: Callable, chunks: list[torch.Tensor], device) -> tuple[list, list[tuple[int, str]]]:
     """The batch in one decoder call; when that call fails, image by image: ``(images, failures)``, a failed
     image's place None and ``(its position, why)`` in failures. A batch call that fails while every image decodes
@@ -162,7 +167,7 @@ def gpu_decode(batch: EncodedBatch, device: str | torch.device, non_blocking: bo
     out, failures, _ = gpu_decode_rows(batch, device, non_blocking)
     if failures:
         _row, name, why = failures[0]
-        raise DeviceDecodeError(f"corrupt sample {name or '(unnamed)'}: the device decode failed: {why}")
+        raise DeviceDecodeError(refused(name, why))
     return out
 
 

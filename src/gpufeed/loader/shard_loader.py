@@ -20,7 +20,7 @@ from gpufeed.loader import decode as dec
 from gpufeed.loader import ring
 from gpufeed.loader.dataset import ShardStream
 from gpufeed.loader.errors import WorkerFailure
-from gpufeed.loader.gpu import DeviceDecodeError, EncodedBatch, gpu_decode_rows, merge_encoded
+from gpufeed.loader.gpu import DeviceDecodeError, EncodedBatch, gpu_decode_rows, merge_encoded, refused
 from gpufeed.loader.plan import batches_per_rank, split_batches, split_of
 from gpufeed.loader.position import LoaderPosition
 from gpufeed.loader.reader import ShardReader
@@ -273,7 +273,7 @@ class ShardLoader:
         if failures:
             _row, name, why = failures[0]
             if self.cfg.on_error == "raise":
-                raise DataError(f"corrupt sample {name or '(unnamed)'}: the device decode failed: {why}")
+                raise DataError(refused(name, why))
             self.num_skipped += len(failures)
             self.num_repeated += len(failures)
             for row, source in fills:

@@ -130,6 +130,11 @@ def jpeg_problem(data: bytes) -> str | None:
     frame = jpeg_frame(data)
     if frame is None or isinstance(frame, str):
         return frame
+    return _frame_problem(data, frame)
+
+
+def _frame_problem(data: bytes, frame: JpegFrame) -> str | None:
+    """:func:`jpeg_problem` for a JPEG whose header :func:`jpeg_frame` read."""
     if frame.frames > 1:
         return f"a JPEG with {frame.frames} frame headers (one image has one)"
     if frame.sof in _LOSSLESS_SOF:
@@ -153,11 +158,14 @@ def jpeg_problem(data: bytes) -> str | None:
     return None
 
 
-def check_jpeg(data: bytes) -> None:
-    """Raise :class:`ImageRefused` for a JPEG :func:`jpeg_problem` refuses."""
-    problem = jpeg_problem(data)
+def check_jpeg(data: bytes) -> JpegFrame | None:
+    """Raise :class:`ImageRefused` for a JPEG :func:`jpeg_problem` refuses; else its frame as :func:`jpeg_frame`
+    read it (None when the header is left to the decoder), so a caller needs no second walk."""
+    frame = jpeg_frame(data)
+    problem = frame if isinstance(frame, str) else None if frame is None else _frame_problem(data, frame)
     if problem is not None:
         raise ImageRefused(problem)
+    return frame if isinstance(frame, JpegFrame) else None
 
 
 MAX_PNG_CHUNKS = 100_000

@@ -5,8 +5,9 @@ images; every part is measured in each of ``--rounds`` interleaved rounds and th
 
 - ``tar read``: gpufeed's tar reader over ``--shards`` (headers checked, ``.jpg`` + ``.cls`` read), per sample;
 - ``decode RGB``: simplejpeg's whole-image decode (the default path's decode);
-- ``decode + crop + resize``: ``gpufeed.loader.decode.decode_into`` with a train crop (``simplejpeg``, and ``roi``
-  when nvImageCodec is installed), into a 224 row;
+- ``decode + crop + resize``: ``gpufeed.loader.decode.decode_into`` with a train crop (``simplejpeg``; ``roi``
+  through gpufeed's compiled region decoder where it loaded, and through nvImageCodec's where that is installed),
+  into a 224 row;
 - ``resize``: the crop + antialiased resize + flip of an already decoded image (torch's uint8 kernel);
 - with PyTurboJPEG 1.x and a system libturbojpeg (``apt-get install libturbojpeg0``, ``pip install
   'PyTurboJPEG<2'``; neither is a gpufeed dependency): the same library's RGB decode, its decode to Y/Cb/Cr planes
@@ -100,9 +101,19 @@ def parts(args: argparse.Namespace, paths: list[str], datas: list[bytes]) -> dic
     crop = lambda i: (lambda w, h: dec.train_crop(w, h, random.Random(i)))  # noqa: E731 - the same crop per image
     res["decode + crop + resize (simplejpeg)"] = cpu_ms(
         datas, lambda i, d: dec.decode_into(d, "jpg", "simplejpeg", crop(i), 224, out), r)
-    if dec.roi_available():
-        res["decode + crop + resize (roi)"] = cpu_ms(
+    from gpufeed.loader import jpegroi
+
+    native = jpegroi.region_decoder
+    if native() is not None:
+        res["decode + crop + resize (roi, gpufeed's decoder)"] = cpu_ms(
             datas, lambda i, d: dec.decode_into(d, "jpg", "roi", crop(i), 224, out), r)
+    jpegroi.region_decoder = lambda: None  # the nvImageCodec backend, as where gpufeed's did not build
+    try:
+        if dec.roi_available():
+            res["decode + crop + resize (roi, nvImageCodec)"] = cpu_ms(
+                datas, lambda i, d: dec.decode_into(d, "jpg", "roi", crop(i), 224, out), r)
+    finally:
+        jpegroi.region_decoder = native
     arrs = [simplejpeg.decode_jpeg(d, colorspace="RGB") for d in datas]
     crops = [dec.train_crop(a.shape[1], a.shape[0], random.Random(i)) for i, a in enumerate(arrs)]
     res["crop + resize + flip"] = cpu_ms(arrs, lambda i, a: dec.resize_array_into(a, crops[i], 224, out), r)

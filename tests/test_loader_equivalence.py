@@ -99,25 +99,49 @@ def test_big_crops_take_the_reduced_size_decode():
     assert dec.draft_scale(dec.Crop((0, 0, 1400, 1100)), S) == 8 and dec.draft_scale(dec.Crop((0, 0, 70, 80)), S) == 2
 
 
-def test_the_roi_decode_gives_simplejpegs_pixels_from_the_crops_region_only(monkeypatch):
-    """decode = "roi" decodes only the crop's region: for every train crop no DCT scale reduces, the output is the
-    simplejpeg path's to the bit (the same libjpeg-turbo, upsampling and resize); and for a crop of at most
-    ROI_MAX_AREA of the image the region decoded is the crop, not the image (nvImageCodec is asked for it)."""
+@pytest.fixture(params=["gpufeed", "nvimgcodec"])
+def roi_backend(request, monkeypatch):
+    """decode = "roi" through one region decoder (gpufeed's compiled one, or nvImageCodec's with gpufeed's turned
+    off), skipped where it is missing: ``(regions asked as (left, top, right, bottom), that decoder's area limit)``."""
     pytest.importorskip("simplejpeg")
-    if not dec.roi_available():
-        pytest.skip("decode = 'roi' needs nvImageCodec: pip install 'gpufeed[roi]'")
-    nv = dec._import_nvimgcodec()
+    from gpufeed.loader import jpegroi
+
     asked: list = []
-    real = nv.CodeStream
+    if request.param == "gpufeed":
+        if jpegroi.region_decoder() is None:
+            pytest.skip(f"gpufeed's region decoder is unavailable: {jpegroi.unavailable_reason()}")
+        real = jpegroi.decode_region
+
+        def spy(mod, data, box, width, buf):
+            asked.append(tuple(box))
+            return real(mod, data, box, width, buf)
+
+        monkeypatch.setattr(jpegroi, "decode_region", spy)
+        return asked, dec.ROI_MAX_AREA
+    monkeypatch.setattr(jpegroi, "region_decoder", lambda: None)
+    if not dec.roi_available():
+        pytest.skip("nvImageCodec is not installed: pip install 'gpufeed[roi]'")
+    nv = dec._import_nvimgcodec()
+    real_stream = nv.CodeStream
 
     class Spy:
         def __init__(self, data):
-            self.stream = real(data)
+            self.stream = real_stream(data)
 
         def get_sub_code_stream(self, *, region):
-            asked.append((tuple(region.start), tuple(region.end)))
+            (t, l), (b, r) = tuple(region.start), tuple(region.end)
+            asked.append((l, t, r, b))
             return self.stream.get_sub_code_stream(region=region)
 
+    monkeypatch.setattr(nv, "CodeStream", Spy)
+    return asked, dec.ROI_MAX_AREA_NVIMGCODEC
+
+
+def test_the_roi_decode_gives_simplejpegs_pixels_from_the_crops_region_only(roi_backend):
+    """decode = "roi" decodes only the crop's region: for every train crop no DCT scale reduces, the output is the
+    simplejpeg path's to the bit (the same libjpeg-turbo, upsampling and resize); and for a crop of at most the
+    region decoder's area limit the region decoded is the crop, not the image (the decoder is asked for it)."""
+    asked, limit = roi_backend
     regions = 0
     for name, ext, data in _synthetic():
         if name == "cmyk":
@@ -131,22 +155,17 @@ def test_the_roi_decode_gives_simplejpegs_pixels_from_the_crops_region_only(monk
             a, b = np.zeros((224, 224, 3), np.uint8), np.zeros((224, 224, 3), np.uint8)
             dec.decode_into(data, ext, "simplejpeg", lambda *_: crop, 224, a)
             asked.clear()
-            with monkeypatch.context() as m:
-                m.setattr(nv, "CodeStream", Spy)
-                dec.decode_into(data, ext, "roi", lambda *_: crop, 224, b)
+            dec.decode_into(data, ext, "roi", lambda *_: crop, 224, b)
             assert np.array_equal(a, b), (name, crop)
             l, t, r, bt = (int(v) for v in crop.box)
-            small = (r - l) * (bt - t) <= dec.ROI_MAX_AREA * w * h  # larger crops take simplejpeg's whole decode
-            assert asked == ([((t, l), (bt, r))] if small else []), (name, crop, asked)
+            small = (r - l) * (bt - t) <= limit * w * h  # larger crops take simplejpeg's whole decode
+            assert asked == ([(l, t, r, bt)] if small else []), (name, crop, asked)
             regions += small
     assert regions >= 5  # the region decode itself was compared, not only the fallback
 
 
-def test_the_roi_decode_passes_what_it_cannot_do_to_simplejpeg():
+def test_the_roi_decode_passes_what_it_cannot_do_to_simplejpeg(roi_backend):
     """CMYK, eval crops and a broken JPEG: the simplejpeg path's output, or its error."""
-    pytest.importorskip("simplejpeg")
-    if not dec.roi_available():
-        pytest.skip("decode = 'roi' needs nvImageCodec: pip install 'gpufeed[roi]'")
     cmyk = dict((n, d) for n, _, d in _synthetic())["cmyk"]
     rgb = dict((n, d) for n, _, d in _synthetic())["420-progressive"]
     for data, make in ((cmyk, partial(dec.train_crop, rng=random.Random(1))), (rgb, partial(dec.eval_crop, size=S))):
@@ -168,18 +187,16 @@ def test_the_roi_decode_passes_what_it_cannot_do_to_simplejpeg():
     assert errors[0] == errors[1]
 
 
-def test_the_roi_decode_refuses_a_truncated_jpeg_whatever_the_crop():
+def test_the_roi_decode_refuses_a_truncated_jpeg_whatever_the_crop(roi_backend):
     """A region decode never reads the rows below its crop: without the end-of-image check a JPEG cut short there
     decoded for a crop at its top and was refused for one at its bottom. Now every crop refuses it, as simplejpeg
     (and PIL) do; a JPEG with a short trailer after its end still takes the region decode, a long one the whole
     decode, both with simplejpeg's pixels."""
-    pytest.importorskip("simplejpeg")
-    if not dec.roi_available():
-        pytest.skip("decode = 'roi' needs nvImageCodec: pip install 'gpufeed[roi]'")
+    _, limit = roi_backend
     rgb = dict((n, d) for n, _, d in _synthetic())["big-420"]
     w, h = dec.image_size(rgb)
     top = dec.Crop((0.0, 0.0, float(w // 2), 40.0))  # under 2 x S rows: no DCT scale, a region decode
-    assert (w // 2) * 40 <= dec.ROI_MAX_AREA * w * h and dec.draft_scale(top, S) == 1
+    assert (w // 2) * 40 <= limit * w * h and dec.draft_scale(top, S) == 1
     cut = rgb[: len(rgb) * 2 // 3]
     assert not dec.ends_like_jpeg(cut) and dec.ends_like_jpeg(rgb)
     for method in ("simplejpeg", "roi"):

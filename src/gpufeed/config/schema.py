@@ -105,8 +105,9 @@ class LoaderConfig:
     shuffle_buffer: int = bounded(2_000, 0, MAX_SHUFFLE_BUFFER)
     """Samples in the seeded shuffle buffer (0 = no shuffle)."""
     decode: Literal["pil", "pil-draft", "simplejpeg", "roi", "gpu"] = "simplejpeg"
-    """Decode path: PIL full, PIL reduced-size draft, simplejpeg (libjpeg-turbo), roi (only the train crop's region,
-    libjpeg-turbo through nvImageCodec's CPU backend: pip install 'gpufeed[roi]') or GPU nvjpeg."""
+    """Decode path: PIL full, PIL reduced-size draft, simplejpeg (libjpeg-turbo), roi (only the train crop's region:
+    libjpeg-turbo's scanline crop and skip, through gpufeed's compiled module over Pillow's libjpeg-turbo, else
+    nvImageCodec's CPU backend: pip install 'gpufeed[roi]') or GPU nvjpeg."""
     decode_threads: int = bounded(1, 1, MAX_DECODE_THREADS)
     """Threads decoding inside each worker process (the main process when num_workers = 0): libjpeg-turbo, PIL and
     torch's resize release the GIL, so N threads decode N images at once with no sample passed between processes.

@@ -15,9 +15,10 @@ train, and torchvision's exact resize-whole-then-centre-crop for eval; ``resize 
 Reduced-size decodes (PIL ``draft``, simplejpeg ``min_width``/``min_height``) pick a DCT scale that keeps
 the crop region at least ``size`` pixels on both sides, so no resolution is lost.
 
-``decode = "roi"`` decodes only the crop's region (libjpeg-turbo's crop and skip of scanlines, through NVIDIA
-nvImageCodec's CPU backend, ``pip install 'gpufeed[roi]'``): the same pixels as a full decode cropped afterwards,
-for less decode work; crops that a DCT scale reduces, eval crops and anything nvImageCodec refuses take the
+``decode = "roi"`` decodes only the crop's region (libjpeg-turbo's crop and skip of scanlines): through gpufeed's
+own C module over Pillow's libjpeg-turbo (:mod:`gpufeed.loader.jpegroi`, built at install), else NVIDIA
+nvImageCodec's CPU backend (``pip install 'gpufeed[roi]'``). The same pixels as a full decode cropped afterwards,
+for less decode work; crops that a DCT scale reduces, eval crops and anything the region decoder refuses take the
 simplejpeg path.
 
 Every path reads the stored width x height from the image header first and refuses an image over
@@ -42,6 +43,7 @@ from PIL import Image
 
 from gpufeed.config import LoaderConfig
 from gpufeed.core.errors import ConfigError
+from gpufeed.loader import jpegroi
 from gpufeed.shardset.images import (DEVICE_SOF, HIGH_DEPTH_MODES, JpegFrame, check_jpeg, jpeg_frame, open_image,
                                      to_8bit_gray)
 
@@ -356,8 +358,16 @@ def _roi_decoder():
 _nvimgcodec = None
 
 
+def require_roi() -> None:
+    """Raise :class:`ConfigError` (saying what to install) unless ``decode = "roi"`` can run here."""
+    if jpegroi.region_decoder() is None:
+        _import_nvimgcodec()
+
+
 def roi_available() -> bool:
-    """Whether ``decode = "roi"`` can run here (nvImageCodec importable)."""
+    """Whether ``decode = "roi"`` can run here: gpufeed's region decoder loaded, or nvImageCodec importable."""
+    if jpegroi.region_decoder() is not None:
+        return True
     try:
         _import_nvimgcodec()
     except ConfigError:
@@ -377,8 +387,9 @@ def _import_nvimgcodec():
         except ImportError:  # no nvidia package at all
             found = False
         if not found:
-            raise ConfigError("decode = 'roi' needs NVIDIA nvImageCodec (its CPU backend, libjpeg-turbo): pip install "
-                              "'gpufeed[roi]', or choose decode = 'simplejpeg'")
+            raise ConfigError(f"decode = 'roi' needs gpufeed's region decoder ({jpegroi.unavailable_reason()}) or "
+                              "NVIDIA nvImageCodec's CPU backend: reinstall gpufeed where a C compiler is found, or "
+                              "pip install 'gpufeed[roi]', or choose decode = 'simplejpeg'")
         # nvImageCodec's own log lines (one per image it fails on, before gpufeed says why in one sentence) are off
         # unless the user set a level; read when the module loads
         os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
@@ -398,12 +409,18 @@ def _import_nvimgcodec():
 
 _LOAD_LOCK = threading.Lock()
 
-ROI_MAX_AREA = 0.5
-"""decode = "roi" decodes a crop's region only when the crop covers at most this fraction of the image; a larger
-crop takes the simplejpeg path. Measured on 500 ImageNet-like crops per set (full-size and 320-px shards, median
-decode time per bin, region decode over simplejpeg's whole decode): 0.62-0.66 under 20% of the area, 0.82-0.84 at
-20-40%, 0.92-1.01 at 40-60%, 1.11-1.13 at 60-80%, 1.32-1.37 over 80% (nvImageCodec's libjpeg-turbo decodes a whole
-image ~30% slower than simplejpeg's, so a region pays only when it skips enough)."""
+ROI_MAX_AREA = 0.8
+"""decode = "roi" with gpufeed's region decoder decodes a crop's region only when the crop covers at most this
+fraction of the image; a larger crop takes the simplejpeg path. Measured on 500 ImageNet-like crops per set
+(full-size and 320-px shards; median per bin of region decode over simplejpeg's whole decode, the better of 3
+each): 0.59-0.65 under 20% of the area, 0.70-0.78 at 20-40%, 0.83-0.91 at 40-60%, 0.92-0.98 at 60-80%, 0.97-1.03
+over 80%."""
+
+ROI_MAX_AREA_NVIMGCODEC = 0.5
+"""The same limit for nvImageCodec's region decode (used where gpufeed's did not build). Measured the same way:
+0.62-0.66 under 20% of the area, 0.82-0.84 at 20-40%, 0.92-1.01 at 40-60%, 1.11-1.13 at 60-80%, 1.32-1.37 over 80%
+(nvImageCodec's libjpeg-turbo decodes a whole image ~20-30% slower than simplejpeg's, so a region pays only when it
+skips enough)."""
 
 
 EOI_TAIL = 4096
@@ -430,11 +447,12 @@ def ends_like_jpeg(data: bytes, frame: JpegFrame | None = None) -> bool:
 
 def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str = "torch",
                max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
-    """Decode only the train crop's region of a JPEG (nvImageCodec's libjpeg-turbo: rows above it are skipped,
-    rows below never read, columns cut to the iMCUs it covers), then resize it as the simplejpeg path does. The
-    same pixels as decoding the whole image and cropping. Crops over :data:`ROI_MAX_AREA` of the image, crops a DCT
-    scale reduces (decoded smaller there), eval crops (the whole image is resized), CMYK and whatever nvImageCodec
-    does not decode go to :func:`decode_simplejpeg`, which raises for a broken image as every path does."""
+    """Decode only the train crop's region of a JPEG, then resize it as the simplejpeg path does. The same pixels
+    as decoding the whole image and cropping. The region decoder is gpufeed's own (:mod:`gpufeed.loader.jpegroi`:
+    libjpeg-turbo's scanline crop and skip, rows below the crop never read) where it built, else nvImageCodec's CPU
+    backend. Crops over the decoder's area limit (:data:`ROI_MAX_AREA`), crops a DCT scale reduces (decoded
+    smaller there), eval crops (the whole image is resized), CMYK and whatever the region decoder refuses go to
+    :func:`decode_simplejpeg`, which raises for a broken image as every path does."""
     sj = _import_simplejpeg()
     try:
         h, w, colorspace, _ = sj.decode_jpeg_header(data)
@@ -452,20 +470,13 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
     l, t, r, b = crop.box
     l, t = min(max(int(l), 0), w - 1), min(max(int(t), 0), h - 1)
     r, b = min(max(int(r), l + 1), w), min(max(int(b), t + 1), h)
-    if (r - l) * (b - t) > ROI_MAX_AREA * w * h or not ends_like_jpeg(data, frame):  # too little to skip (simplejpeg's
-        # whole decode is cheaper), or no end-of-image marker near the end: a truncated file is refused whatever the crop
-        decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)
-        return
-    nv = _import_nvimgcodec()
+    native = jpegroi.region_decoder()
+    limit = ROI_MAX_AREA if native is not None else ROI_MAX_AREA_NVIMGCODEC
     arr = None
-    try:
-        stream = nv.CodeStream(data).get_sub_code_stream(region=nv.Region(start=(t, l), end=(b, r)))
-        img = _roi_decoder().decode(stream)
-        if img is not None:
-            arr = np.asarray(img.cpu())
-    except (RuntimeError, ValueError):
-        arr = None
-    if arr is None or arr.shape != (b - t, r - l, 3):
+    if (r - l) * (b - t) <= limit * w * h and ends_like_jpeg(data, frame):  # else too little to skip (the whole
+        # decode is cheaper), or no end-of-image marker near the end: a truncated file is refused whatever the crop
+        arr = _region(native, data, (l, t, r, b), w, h)
+    if arr is None:
         decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)
         return
     region = Crop((0.0, 0.0, float(r - l), float(b - t)), crop.flip)
@@ -473,6 +484,25 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
         resize_array_into(arr, region, size, out)
     else:
         _finish(Image.fromarray(arr), region, size, out, 1.0, 1.0, resize)
+
+
+def _region(native, data: bytes, box: tuple[int, int, int, int], w: int, h: int) -> np.ndarray | None:
+    """The box's RGB pixels [b - t, r - l, 3] from the region decoder (``native``: gpufeed's; None: nvImageCodec's),
+    or None where it refused the data (the caller then decodes the whole image, which raises if it is broken)."""
+    l, t, r, b = box
+    if native is not None:
+        try:
+            return jpegroi.decode_region(native, data, box, w, _decode_buffer((b - t) * w * 3))
+        except ValueError:
+            return None
+    nv = _import_nvimgcodec()
+    try:
+        stream = nv.CodeStream(data).get_sub_code_stream(region=nv.Region(start=(t, l), end=(b, r)))
+        img = _roi_decoder().decode(stream)
+        arr = np.asarray(img.cpu()) if img is not None else None
+    except (RuntimeError, ValueError):
+        return None
+    return arr if arr is not None and arr.shape == (b - t, r - l, 3) else None
 
 
 _scratch = threading.local()

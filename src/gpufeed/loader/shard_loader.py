@@ -96,7 +96,7 @@ class ShardLoader:
         if cfg.decode in ("simplejpeg", "roi"):
             dec._import_simplejpeg()
         if cfg.decode == "roi":
-            dec._import_nvimgcodec()
+            dec.require_roi()
         self.num_skipped = 0
         self.num_repeated = 0
         self._epoch = multiprocessing.get_context().Value("q", epoch, lock=False)

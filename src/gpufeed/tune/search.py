@@ -313,16 +313,18 @@ def refine(s: Search, knob: str, values: list[Any], also: dict[str, Any] | None 
 
 
 def refine_decode(s: Search) -> list[Decision]:
-    """Phase 2: the other decode paths that exist here (simplejpeg installed, roi with nvImageCodec and simplejpeg
-    installed, gpu on CUDA)."""
+    """Phase 2: the other decode paths that exist here (simplejpeg installed, roi with simplejpeg and a region decoder
+    installed: gpufeed's compiled one or nvImageCodec, gpu on CUDA)."""
     decodes = []
     for d in ("simplejpeg", "roi", "pil-draft", "gpu"):
         if d == s.point.decode:
             continue
         if d == "simplejpeg" and not s.installed("simplejpeg"):
             s.skipped["decode=simplejpeg"] = "simplejpeg is not installed (pip install simplejpeg)"
-        elif d == "roi" and not (s.installed("nvidia.nvimgcodec") and s.installed("simplejpeg")):
-            s.skipped["decode=roi"] = "nvImageCodec or simplejpeg is not installed (pip install 'gpufeed[roi]')"
+        elif d == "roi" and not (s.installed("simplejpeg") and (s.installed(ROI_MODULE)
+                                                                 or s.installed("nvidia.nvimgcodec"))):
+            s.skipped["decode=roi"] = ("no region decoder here (gpufeed's was not compiled at install and nvImageCodec "
+                                       "is not installed: pip install 'gpufeed[roi]'), or simplejpeg is missing")
         elif d == "gpu" and not s.world.is_cuda:
             s.skipped["decode=gpu"] = "no CUDA device"
         else:
@@ -408,6 +410,10 @@ def measure_baseline_imagefolder(s: Search, measure: MeasureFn) -> TrialRecord |
         s.trials[rec.trial] = dataclasses.replace(rec, pipeline="imagefolder")
     ok = [t for t in s.trials if t.phase == "baseline" and t.ok]
     return max(ok, key=lambda t: t.samples_per_s) if ok else None
+
+
+ROI_MODULE = "gpufeed.loader._jpegroi"
+"""gpufeed's compiled region decoder (decode = "roi"), present where gpufeed was installed with a C compiler."""
 
 
 def has_module(name: str) -> bool:

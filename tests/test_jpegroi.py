@@ -75,7 +75,7 @@ def test_a_box_decodes_to_the_whole_images_pixels_bit_for_bit(mod, name, data):
     for box in _boxes(w, h, random.Random(name)):
         l, t, r, b = box
         buf[:] = 0x5A
-        region = jpegroi.decode_region(mod, data, box, w, buf)
+        region = jpegroi.decode_region(mod, data, box, buf)
         assert region.shape == (b - t, r - l, 3)
         assert np.array_equal(region, whole[t:b, l:r]), (name, box)
 
@@ -88,10 +88,10 @@ def test_rows_below_the_box_are_never_read(mod):
     whole = _whole(data)
     buf = np.empty(480 * 160 * 3, np.uint8)
     cut = data[: len(data) // 2] + b"\xff\xd9"
-    top = jpegroi.decode_region(mod, cut, (10, 0, 150, 40), 160, buf)
+    top = jpegroi.decode_region(mod, cut, (10, 0, 150, 40), buf)
     assert np.array_equal(top, whole[0:40, 10:150])
     with pytest.raises(ValueError, match="(?i)premature end|corrupt|marker"):
-        jpegroi.decode_region(mod, cut, (10, 400, 150, 470), 160, buf)
+        jpegroi.decode_region(mod, cut, (10, 400, 150, 470), buf)
 
 
 @pytest.mark.parametrize("data,match", [
@@ -101,7 +101,7 @@ def test_rows_below_the_box_are_never_read(mod):
 ])
 def test_data_that_is_not_a_jpeg_is_refused(mod, data, match):
     with pytest.raises(ValueError, match=match):
-        jpegroi.decode_region(mod, data, (0, 0, 1, 1), 1, np.empty(3, np.uint8))
+        jpegroi.decode_region(mod, data, (0, 0, 1, 1), np.empty(3, np.uint8))
 
 
 def test_corrupt_entropy_data_is_refused_and_nothing_is_printed(mod, capfd):
@@ -115,7 +115,7 @@ def test_corrupt_entropy_data_is_refused_and_nothing_is_printed(mod, capfd):
     buf = np.empty(64 * 64 * 3, np.uint8)
     for box in ((0, 0, 64, 64), (8, 8, 40, 40)):
         try:
-            jpegroi.decode_region(mod, bytes(data), box, 64, buf)
+            jpegroi.decode_region(mod, bytes(data), box, buf)
         except ValueError:
             failures += 1
     assert failures == 2
@@ -126,32 +126,50 @@ def test_corrupt_entropy_data_is_refused_and_nothing_is_printed(mod, capfd):
 def test_a_cmyk_jpeg_is_refused(mod):
     data = encode(smooth_image(32, 32, 7).convert("CMYK"), quality=90)
     with pytest.raises(ValueError, match="not a YCbCr, grey or RGB JPEG"):
-        jpegroi.decode_region(mod, data, (0, 0, 8, 8), 32, np.empty(32 * 32 * 3, np.uint8))
+        jpegroi.decode_region(mod, data, (0, 0, 8, 8), np.empty(32 * 32 * 3, np.uint8))
 
 
-def test_boxes_strides_and_buffers_are_checked_before_anything_is_written(mod):
+def test_boxes_scales_and_buffers_are_checked_before_anything_is_written(mod):
     data = encode(smooth_image(48, 32, 8), quality=90)
     buf = np.full(48 * 32 * 3 + 16, 0x33, np.uint8)
     for box, why in (((0, 0, 49, 32), "outside"), ((0, 0, 48, 33), "outside"), ((5, 5, 5, 9), "empty"),
-                     ((9, 5, 4, 9), "empty")):
-        with pytest.raises((ValueError, OverflowError), match=why):
-            mod.decode_region(data, buf, 48 * 3, *box)
-    with pytest.raises(ValueError, match="do not fit"):  # a row wider than the stride
-        mod.decode_region(data, buf, 10 * 3, 0, 0, 48, 2)
-    with pytest.raises(ValueError, match="do not fit"):  # more rows than the buffer holds
-        mod.decode_region(data, buf[: 48 * 3 * 10], 48 * 3, 0, 0, 48, 11)
-    with pytest.raises(ValueError, match="stride"):
-        mod.decode_region(data, buf, 0, 0, 0, 4, 4)
-    for stride in (2**62, 2**63 - 1, len(buf) + 1):  # rows * stride would wrap round a 64-bit size: no product taken
-        with pytest.raises(ValueError, match="do not fit"):
-            mod.decode_region(data, buf, stride, 0, 0, 10, 5)
+                     ((9, 5, 4, 9), "empty"), ((-1, 0, 4, 4), "negative"), ((0, -3, 4, 4), "negative")):
+        with pytest.raises(ValueError, match=why):
+            mod.decode_region(data, buf, *box)
+    with pytest.raises(ValueError, match="outside"):  # 1/2 scale: 24 x 16 pixels
+        mod.decode_region(data, buf, 0, 0, 25, 16, 2)
+    for scale in (0, 3, 16, -2):
+        with pytest.raises(ValueError, match="scale"):
+            mod.decode_region(data, buf, 0, 0, 4, 4, scale)
+    with pytest.raises(ValueError, match="does not fit"):  # 11 rows of 48 into a buffer of 10
+        mod.decode_region(data, buf[: 48 * 3 * 10], 0, 0, 48, 11)
+    with pytest.raises(ValueError, match="does not fit"):
+        mod.decode_region(data, buf[:2], 0, 0, 1, 1)
     with pytest.raises(TypeError):  # a read-only output
-        mod.decode_region(data, bytes(100), 48 * 3, 0, 0, 4, 4)
-    with pytest.raises(ValueError, match="negative"):
-        mod.decode_region(data, buf, 48 * 3, -1, 0, 4, 4)
+        mod.decode_region(data, bytes(100), 0, 0, 4, 4)
     with pytest.raises(OverflowError):  # not wrapped round to a small number
-        mod.decode_region(data, buf, 48 * 3, 2**32 + 1, 0, 2**32 + 4, 4)
+        mod.decode_region(data, buf, 2**32 + 1, 0, 2**32 + 4, 4)
+    with pytest.raises(TypeError):  # a strided output (the buffer protocol refuses it)
+        mod.decode_region(data, np.zeros((64, 64, 3), np.uint8)[:, ::2], 0, 0, 4, 4)
     assert (buf == 0x33).all()  # every refusal came before a write
+    exact = np.full(10 * 7 * 3 + 8, 0x44, np.uint8)
+    mod.decode_region(data, exact[: 10 * 7 * 3], 3, 2, 13, 9)  # the box fills its bytes, and no more
+    assert (exact[10 * 7 * 3:] == 0x44).all()
+    assert np.array_equal(exact[: 10 * 7 * 3].reshape(7, 10, 3), _whole(data)[2:9, 3:13])
+
+
+@pytest.mark.parametrize("scale", [2, 4, 8])
+@pytest.mark.parametrize("name,data", _images()[:5], ids=[n for n, _ in _images()[:5]])
+def test_a_box_at_a_dct_scale_is_that_scales_whole_decode_cropped(mod, name, data, scale):
+    sj = pytest.importorskip("simplejpeg")
+    h, w = sj.decode_jpeg_header(data)[:2]
+    dw, dh = -(-w // scale), -(-h // scale)
+    whole = sj.decode_jpeg(data, colorspace="RGB", min_width=dw, min_height=dh)
+    assert whole.shape[:2] == (dh, dw)
+    buf = np.empty(dh * dw * 3, np.uint8)
+    for box in _boxes(dw, dh, random.Random(scale)):
+        l, t, r, b = box
+        assert np.array_equal(jpegroi.decode_region(mod, data, box, buf, scale), whole[t:b, l:r]), (name, box)
 
 
 def test_threads_decode_at_once_with_the_same_pixels(mod):
@@ -168,7 +186,7 @@ def test_threads_decode_at_once_with_the_same_pixels(mod):
         for _ in range(20):
             for box in boxes[k::4]:
                 l, t, r, b = box
-                if not np.array_equal(jpegroi.decode_region(mod, data, box, w, buf), whole[t:b, l:r]):
+                if not np.array_equal(jpegroi.decode_region(mod, data, box, buf), whole[t:b, l:r]):
                     wrong.append(box)
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]

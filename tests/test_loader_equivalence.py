@@ -60,8 +60,8 @@ KNOWN = {
     ("big-420", "simplejpeg"): "1/8 DCT-scaled decode of a 1400 x 1100 crop to 32 px: mean error 4.1",
     ("big-gray-progressive", "pil-draft"): "1/8 DCT-scaled decode of a 536 x 433 crop to 32 px: mean error 3.0",
     ("big-gray-progressive", "simplejpeg"): "1/8 DCT-scaled decode: mean error 2.3",
-    ("big-420", "roi"): "a DCT-scaled crop takes the simplejpeg path: as simplejpeg",
-    ("big-gray-progressive", "roi"): "a DCT-scaled crop takes the simplejpeg path: as simplejpeg",
+    ("big-420", "roi"): "a DCT-scaled crop: decoded at simplejpeg's scale, so simplejpeg's pixels",
+    ("big-gray-progressive", "roi"): "a DCT-scaled crop: decoded at simplejpeg's scale, so simplejpeg's pixels",
     **{(f"{n}.png", m): "3x upscale of a 28 px binary digit: torch's uint8 bilinear differs from PIL's by up to 13 "
                         "levels on hard edges (all paths, resize = torch)" for n in (11, 17, 19)
        for m in ("pil", "pil-draft", "simplejpeg", "roi")},
@@ -112,9 +112,9 @@ def roi_backend(request, monkeypatch):
             pytest.skip(f"gpufeed's region decoder is unavailable: {jpegroi.unavailable_reason()}")
         real = jpegroi.decode_region
 
-        def spy(mod, data, box, width, buf):
-            asked.append(tuple(box))
-            return real(mod, data, box, width, buf)
+        def spy(mod, data, box, buf, scale=1):
+            asked.append((*box, scale))
+            return real(mod, data, box, buf, scale)
 
         monkeypatch.setattr(jpegroi, "decode_region", spy)
         return asked, dec.ROI_MAX_AREA
@@ -130,19 +130,21 @@ def roi_backend(request, monkeypatch):
 
         def get_sub_code_stream(self, *, region):
             (t, l), (b, r) = tuple(region.start), tuple(region.end)
-            asked.append((l, t, r, b))
+            asked.append((l, t, r, b, 1))
             return self.stream.get_sub_code_stream(region=region)
 
     monkeypatch.setattr(nv, "CodeStream", Spy)
     return asked, dec.ROI_MAX_AREA_NVIMGCODEC
 
 
-def test_the_roi_decode_gives_simplejpegs_pixels_from_the_crops_region_only(roi_backend):
-    """decode = "roi" decodes only the crop's region: for every train crop no DCT scale reduces, the output is the
-    simplejpeg path's to the bit (the same libjpeg-turbo, upsampling and resize); and for a crop of at most the
-    region decoder's area limit the region decoded is the crop, not the image (the decoder is asked for it)."""
+def test_the_roi_decode_gives_simplejpegs_pixels_from_the_crops_region_only(roi_backend, request):
+    """decode = "roi" decodes only the crop's region: for every train crop the output is the simplejpeg path's to
+    the bit (the same libjpeg-turbo, upsampling, DCT scale and resize); and for a crop of at most the region
+    decoder's area limit the region decoded is the crop, not the image (the decoder is asked for it). gpufeed's
+    decoder takes the crops simplejpeg decodes at 1/2, 1/4 or 1/8 at that scale too; nvImageCodec's does not."""
     asked, limit = roi_backend
-    regions = 0
+    gpufeed = request.node.callspec.params["roi_backend"] == "gpufeed"
+    regions, scaled = 0, 0
     for name, ext, data in _synthetic():
         if name == "cmyk":
             continue
@@ -150,18 +152,20 @@ def test_the_roi_decode_gives_simplejpegs_pixels_from_the_crops_region_only(roi_
         rng = random.Random(7)
         for _ in range(8):
             crop = dec.train_crop(w, h, rng)
-            if dec.draft_scale(crop, 224) > 1:
-                continue
+            scale = dec.draft_scale(crop, 224)
             a, b = np.zeros((224, 224, 3), np.uint8), np.zeros((224, 224, 3), np.uint8)
             dec.decode_into(data, ext, "simplejpeg", lambda *_: crop, 224, a)
             asked.clear()
             dec.decode_into(data, ext, "roi", lambda *_: crop, 224, b)
             assert np.array_equal(a, b), (name, crop)
-            l, t, r, bt = (int(v) for v in crop.box)
-            small = (r - l) * (bt - t) <= limit * w * h  # larger crops take simplejpeg's whole decode
-            assert asked == ([(l, t, r, bt)] if small else []), (name, crop, asked)
+            dw, dh = -(-w // scale), -(-h // scale)
+            l, t, r, bt = dec.pixel_box(crop.box, dw, dh, dw / w, dh / h)
+            small = (r - l) * (bt - t) <= limit * dw * dh and (scale == 1 or gpufeed)  # else the whole decode
+            assert asked == ([(l, t, r, bt, scale)] if small else []), (name, crop, asked)
             regions += small
+            scaled += small and scale > 1
     assert regions >= 5  # the region decode itself was compared, not only the fallback
+    assert scaled >= 2 or not gpufeed
 
 
 def test_the_roi_decode_passes_what_it_cannot_do_to_simplejpeg(roi_backend):

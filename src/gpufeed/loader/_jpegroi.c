@@ -7,13 +7,15 @@
  * the decompress struct it is handed (jpeg_CreateDecompress), so a library built for another API refuses here
  * instead of reading a struct of another layout; Python then runs a self-test decode before using it.
  *
- * decode_region(data, out, stride, left, top, right, bottom) -> (x0, width)
- *   Decodes rows [top, bottom) of the JPEG in `data` as RGB into `out` (row r at out + r * stride), columns
- *   [x0, x0 + width), where x0 <= left and x0 + width >= right (libjpeg widens the crop to whole iMCUs). Rows
+ * decode_region(data, out, left, top, right, bottom, scale=1)
+ *   Decodes the box [left, right) x [top, bottom) of the JPEG in `data` as RGB into `out`, contiguous
+ *   ([bottom - top, right - left, 3] uint8). libjpeg decodes the box's columns widened to whole iMCUs into scratch
+ *   rows, and the box's columns are copied out. With scale 2, 4 or 8 the image is decoded at 1/scale of its size
+ *   (libjpeg's DCT scaling: ceil(width / scale) x ceil(height / scale) pixels) and the box is in those pixels. Rows
  *   above `top` are entropy-decoded only; rows below `bottom` are never read. Any libjpeg error or warning
  *   (corrupt or truncated data) raises ValueError with libjpeg's message, and nothing is printed. The GIL is
- *   released while decoding. Every size is checked before a byte is written: the box against the image, the row
- *   width against `stride`, the rows against `out`'s length.
+ *   released while decoding. Every size is checked before a byte is written: the box against the image, the box
+ *   against `out`'s length.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -115,12 +117,13 @@ static PyObject *jpegroi_open(PyObject *self, PyObject *args)
 
 /* The decode itself, without the GIL. Returns NULL on success, else the reason (in err->message or static). */
 static const char *decode(error_mgr *err, const unsigned char *data, size_t size, unsigned char *out,
-                          Py_ssize_t out_len, Py_ssize_t stride, JDIMENSION left, JDIMENSION top, JDIMENSION right,
-                          JDIMENSION bottom, JDIMENSION *x0_out, JDIMENSION *width_out)
+                          Py_ssize_t out_len, JDIMENSION left, JDIMENSION top, JDIMENSION right, JDIMENSION bottom,
+                          unsigned int scale)
 {
     struct jpeg_decompress_struct cinfo;
     const char *volatile failure = NULL;
     volatile int created = 0;
+    unsigned char *volatile scratch = NULL;
 
     memset(&cinfo, 0, sizeof(cinfo));
     cinfo.err = lib.std_error(&err->pub);
@@ -144,16 +147,19 @@ static const char *decode(error_mgr *err, const unsigned char *data, size_t size
         failure = "not a YCbCr, grey or RGB JPEG";
         goto done;
     }
-    if (right > cinfo.image_width || bottom > cinfo.image_height) {
+    /* the output size libjpeg will use at 1/scale, checked before it allocates anything for it */
+    JDIMENSION out_w = (cinfo.image_width + scale - 1) / scale, out_h = (cinfo.image_height + scale - 1) / scale;
+    if (right > out_w || bottom > out_h) {
         failure = "the box lies outside the image";
         goto done;
     }
     cinfo.out_color_space = JCS_RGB;
     cinfo.dct_method = JDCT_ISLOW;
     cinfo.do_fancy_upsampling = TRUE;
+    cinfo.scale_num = 1;
+    cinfo.scale_denom = scale;
     lib.start(&cinfo);
-    if (cinfo.output_components != 3 || cinfo.output_width != cinfo.image_width ||
-        cinfo.output_height != cinfo.image_height) {
+    if (cinfo.output_components != 3 || cinfo.output_width != out_w || cinfo.output_height != out_h) {
         failure = "unexpected output shape";
         goto done;
     }
@@ -161,41 +167,49 @@ static const char *decode(error_mgr *err, const unsigned char *data, size_t size
        columns then get their chroma neighbours (a crop of one chroma column is upsampled by replication, not the
        fancy filter), and the box's pixels are those of a whole-image decode, bit for bit */
     JDIMENSION x0 = left > 0 ? left - 1 : 0;
-    JDIMENSION width = (right < cinfo.image_width ? right + 1 : right) - x0;
+    JDIMENSION width = (right < out_w ? right + 1 : right) - x0;
     if (width < MIN_CROP_COLUMNS)
-        width = cinfo.image_width - x0 < MIN_CROP_COLUMNS ? cinfo.image_width - x0 : MIN_CROP_COLUMNS;
+        width = out_w - x0 < MIN_CROP_COLUMNS ? out_w - x0 : MIN_CROP_COLUMNS;
     lib.crop(&cinfo, &x0, &width);
-    Py_ssize_t rows = (Py_ssize_t)(bottom - top), row_bytes = (Py_ssize_t)width * 3;
-    /* no product that could overflow: the last row's start, (rows - 1) * stride, is compared by division */
-    if (x0 > left || x0 + width < right || row_bytes > stride || row_bytes > out_len ||
-        (rows > 1 && rows - 1 > (out_len - row_bytes) / stride)) {
-        failure = "the decoded rows do not fit the buffer";
+    Py_ssize_t rows = (Py_ssize_t)(bottom - top), box_bytes = (Py_ssize_t)(right - left) * 3;
+    /* no product that could overflow: the rows are compared by division */
+    if (x0 > left || x0 + width < right || box_bytes > out_len || rows > out_len / box_bytes) {
+        failure = "the box does not fit the buffer";
+        goto done;
+    }
+    /* libjpeg writes whole widened rows into the scratch rows; the box's columns are copied out, row after row */
+    scratch = malloc((size_t)MAX_ROWS_PER_READ * width * 3);
+    if (scratch == NULL) {
+        failure = "out of memory";
         goto done;
     }
     if (top > 0 && lib.skip(&cinfo, top) != top) {
         failure = "could not skip to the box's first row";
         goto done;
     }
+    const unsigned char *from = scratch + (size_t)(left - x0) * 3;
     /* each read returns at least one row (an in-memory source never suspends): at most bottom - top reads */
     for (JDIMENSION reads = 0; cinfo.output_scanline < bottom && reads < bottom - top; reads++) {
-        JSAMPROW rows[MAX_ROWS_PER_READ];
-        JDIMENSION n = bottom - cinfo.output_scanline;
+        JSAMPROW scan[MAX_ROWS_PER_READ];
+        JDIMENSION first = cinfo.output_scanline - top, n = bottom - cinfo.output_scanline;
         if (n > MAX_ROWS_PER_READ)
             n = MAX_ROWS_PER_READ;
         for (JDIMENSION i = 0; i < n; i++)
-            rows[i] = out + (Py_ssize_t)(cinfo.output_scanline - top + i) * stride;
-        if (lib.read(&cinfo, rows, n) == 0) {
+            scan[i] = scratch + (size_t)i * width * 3;
+        JDIMENSION got = lib.read(&cinfo, scan, n);
+        if (got == 0 || got > n) {
             failure = "libjpeg returned no rows";
             goto done;
         }
+        for (JDIMENSION i = 0; i < got; i++)
+            memcpy(out + (size_t)(first + i) * box_bytes, from + (size_t)i * width * 3, (size_t)box_bytes);
     }
     if (cinfo.output_scanline < bottom) {
         failure = "libjpeg returned too few rows";
         goto done;
     }
-    *x0_out = x0;
-    *width_out = width;
 done:
+    free(scratch);
     if (created) {
         if (setjmp(err->jump) == 0) /* abort/destroy do not fail; guarded all the same */
             lib.destroy(&cinfo);
@@ -206,31 +220,36 @@ done:
 static PyObject *jpegroi_decode_region(PyObject *self, PyObject *args)
 {
     Py_buffer src, dst;
-    Py_ssize_t stride;
-    int left, top, right, bottom;
+    int left, top, right, bottom, scale = 1;
     (void)self;
     if (lib.handle == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "no libjpeg loaded (call open first)");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "y*w*niiii", &src, &dst, &stride, &left, &top, &right, &bottom))
+    if (!PyArg_ParseTuple(args, "y*w*iiii|i", &src, &dst, &left, &top, &right, &bottom, &scale))
         return NULL;
     PyObject *result = NULL;
-    if (left < 0 || top < 0 || left >= right || top >= bottom || stride <= 0 || !PyBuffer_IsContiguous(&dst, 'C')) {
-        PyErr_SetString(PyExc_ValueError, "a negative or empty box, a stride <= 0 or a non-contiguous buffer");
+    if (left < 0 || top < 0 || left >= right || top >= bottom || !PyBuffer_IsContiguous(&dst, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "a negative or empty box, or a non-contiguous buffer");
+        goto out;
+    }
+    if (scale != 1 && scale != 2 && scale != 4 && scale != 8) {
+        PyErr_SetString(PyExc_ValueError, "scale must be 1, 2, 4 or 8");
         goto out;
     }
     error_mgr err;
-    JDIMENSION x0 = 0, width = 0;
     const char *failure;
     Py_BEGIN_ALLOW_THREADS
     failure = decode(&err, (const unsigned char *)src.buf, (size_t)src.len, (unsigned char *)dst.buf, dst.len,
-                     stride, (JDIMENSION)left, (JDIMENSION)top, (JDIMENSION)right, (JDIMENSION)bottom, &x0, &width);
+                     (JDIMENSION)left, (JDIMENSION)top, (JDIMENSION)right, (JDIMENSION)bottom, (unsigned int)scale);
     Py_END_ALLOW_THREADS
     if (failure != NULL)
         PyErr_SetString(PyExc_ValueError, failure);
     else
-        result = Py_BuildValue("(II)", (unsigned int)x0, (unsigned int)width);
+    {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
 out:
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
@@ -240,8 +259,8 @@ out:
 static PyMethodDef methods[] = {
     {"open", jpegroi_open, METH_VARARGS, "open(path): load libjpeg-turbo's libjpeg API from this shared library."},
     {"decode_region", jpegroi_decode_region, METH_VARARGS,
-     "decode_region(data, out, stride, left, top, right, bottom) -> (x0, width): RGB rows [top, bottom) of columns "
-     "[x0, x0 + width) into out (row r at r * stride); ValueError on any libjpeg error or warning."},
+     "decode_region(data, out, left, top, right, bottom, scale=1): the RGB pixels of the box of the image at "
+     "1/scale into out, contiguous [bottom - top, right - left, 3]; ValueError on any libjpeg error or warning."},
     {NULL, NULL, 0, NULL},
 };
 

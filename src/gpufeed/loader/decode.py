@@ -224,12 +224,7 @@ def resize_array_into(arr: np.ndarray, crop: Crop, size: int, out: np.ndarray, s
         torch.from_numpy(out).copy_(y[0, :, top: top + size, left: left + size].permute(1, 2, 0))
         return
     dh, dw = arr.shape[:2]
-    l, t, r, b = crop.box
-    if scale_x != 1.0 or scale_y != 1.0:
-        l, r = int(round(l * scale_x)), int(round(r * scale_x))
-        t, b = int(round(t * scale_y)), int(round(b * scale_y))
-    l, t = min(max(int(l), 0), dw - 1), min(max(int(t), 0), dh - 1)
-    r, b = min(max(int(r), l + 1), dw), min(max(int(b), t + 1), dh)
+    l, t, r, b = pixel_box(crop.box, dw, dh, scale_x, scale_y)
     region = x[t:b, l:r]
     if crop.flip:  # flipped in the copy the kernel needs anyway: the kernel is mirror-symmetric, so the same pixels
         region = region.flip(1)
@@ -237,6 +232,19 @@ def resize_array_into(arr: np.ndarray, crop: Crop, size: int, out: np.ndarray, s
     if not _resize_into(src, size, out):
         y = F.interpolate(src, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
         torch.from_numpy(out).copy_(y[0].permute(1, 2, 0))
+
+
+def pixel_box(box: tuple[float, float, float, float], dw: int, dh: int, scale_x: float = 1.0,
+              scale_y: float = 1.0) -> tuple[int, int, int, int]:
+    """A crop box of stored pixels as whole pixels of a ``dw`` x ``dh`` decode (``scale``: decoded pixels per stored
+    pixel, rounded there), at least one pixel and inside the decode."""
+    l, t, r, b = box
+    if scale_x != 1.0 or scale_y != 1.0:
+        l, r = int(round(l * scale_x)), int(round(r * scale_x))
+        t, b = int(round(t * scale_y)), int(round(b * scale_y))
+    l, t = min(max(int(l), 0), dw - 1), min(max(int(t), 0), dh - 1)
+    r, b = min(max(int(r), l + 1), dw), min(max(int(b), t + 1), dh)
+    return l, t, r, b
 
 
 def _channels_last(hwc):
@@ -450,9 +458,10 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
     """Decode only the train crop's region of a JPEG, then resize it as the simplejpeg path does. The same pixels
     as decoding the whole image and cropping. The region decoder is gpufeed's own (:mod:`gpufeed.loader.jpegroi`:
     libjpeg-turbo's scanline crop and skip, rows below the crop never read) where it built, else nvImageCodec's CPU
-    backend. Crops over the decoder's area limit (:data:`ROI_MAX_AREA`), crops a DCT scale reduces (decoded
-    smaller there), eval crops (the whole image is resized), CMYK and whatever the region decoder refuses go to
-    :func:`decode_simplejpeg`, which raises for a broken image as every path does."""
+    backend. A crop the simplejpeg path decodes at a DCT scale (1/2, 1/4, 1/8) is region-decoded at that scale by
+    gpufeed's decoder (nvImageCodec's has no scale: simplejpeg's path). Crops over the decoder's area limit
+    (:data:`ROI_MAX_AREA`), eval crops (the whole image is resized), CMYK and whatever the region decoder refuses go
+    to :func:`decode_simplejpeg`, which raises for a broken image as every path does."""
     sj = _import_simplejpeg()
     try:
         h, w, colorspace, _ = sj.decode_jpeg_header(data)
@@ -464,18 +473,18 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
     check_pixels(w, h, max_pixels)
     frame = check_jpeg(data)
     crop = crop_fn(w, h)
-    if crop.resize is not None or draft_scale(crop, size) > 1:
+    native = jpegroi.region_decoder()
+    scale = draft_scale(crop, size)  # the simplejpeg path's DCT scale, which only gpufeed's region decoder takes too
+    if crop.resize is not None or (scale > 1 and native is None):
         decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)
         return
-    l, t, r, b = crop.box
-    l, t = min(max(int(l), 0), w - 1), min(max(int(t), 0), h - 1)
-    r, b = min(max(int(r), l + 1), w), min(max(int(b), t + 1), h)
-    native = jpegroi.region_decoder()
+    dw, dh = -(-w // scale), -(-h // scale)  # libjpeg's size at 1/scale
+    l, t, r, b = pixel_box(crop.box, dw, dh, dw / w, dh / h)  # as the simplejpeg path maps the crop to its decode
     limit = ROI_MAX_AREA if native is not None else ROI_MAX_AREA_NVIMGCODEC
     arr = None
-    if (r - l) * (b - t) <= limit * w * h and ends_like_jpeg(data, frame):  # else too little to skip (the whole
+    if (r - l) * (b - t) <= limit * dw * dh and ends_like_jpeg(data, frame):  # else too little to skip (the whole
         # decode is cheaper), or no end-of-image marker near the end: a truncated file is refused whatever the crop
-        arr = _region(native, data, (l, t, r, b), w, h)
+        arr = _region(native, data, (l, t, r, b), scale)
     if arr is None:
         decode_simplejpeg(data, lambda _w, _h: crop, size, out, resize=resize, max_pixels=max_pixels)
         return
@@ -486,13 +495,13 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
         _finish(Image.fromarray(arr), region, size, out, 1.0, 1.0, resize)
 
 
-def _region(native, data: bytes, box: tuple[int, int, int, int], w: int, h: int) -> np.ndarray | None:
-    """The box's RGB pixels [b - t, r - l, 3] from the region decoder (``native``: gpufeed's; None: nvImageCodec's),
-    or None where it refused the data (the caller then decodes the whole image, which raises if it is broken)."""
+def _region(native, data: bytes, box: tuple[int, int, int, int], scale: int) -> np.ndarray | None:
+    """The box's RGB pixels [b - t, r - l, 3] of the image decoded at 1/``scale`` from the region decoder (``native``: gpufeed's; None: nvImageCodec's, scale 1 only), or None where it refused the
+    data (the caller then decodes the whole image, which raises if it is broken)."""
     l, t, r, b = box
     if native is not None:
         try:
-            return jpegroi.decode_region(native, data, box, w, _decode_buffer((b - t) * w * 3))
+            return jpegroi.decode_region(native, data, box, _decode_buffer((b - t) * (r - l) * 3), scale)
         except ValueError:
             return None
     nv = _import_nvimgcodec()

@@ -64,7 +64,7 @@ def _self_test(mod) -> str | None:
         whole = np.asarray(img.convert("RGB"))
     buf = np.zeros(40 * 56 * 3, np.uint8)
     try:
-        region = decode_region(mod, data, (9, 5, 43, 33), 56, buf)
+        region = decode_region(mod, data, (9, 5, 43, 33), buf)
     except ValueError as e:
         return f"its self-test decode failed ({e})"
     worst = int(np.abs(region.astype(np.int16) - whole[5:33, 9:43]).max())
@@ -103,12 +103,12 @@ def unavailable_reason() -> str:
     return _REASON[0]
 
 
-def decode_region(mod, data: bytes, box: tuple[int, int, int, int], image_width: int, buf: np.ndarray) -> np.ndarray:
-    """RGB pixels of ``box`` (left, top, right, bottom; whole pixels inside the image) of the JPEG ``data`` whose
-    header says ``image_width``: a [bottom - top, right - left, 3] view into ``buf`` (at least
-    ``(bottom - top) * image_width * 3`` bytes). Raises ValueError with libjpeg's reason for any error or warning."""
+def decode_region(mod, data: bytes, box: tuple[int, int, int, int], buf: np.ndarray, scale: int = 1) -> np.ndarray:
+    """RGB pixels of ``box`` (left, top, right, bottom; whole pixels inside the image at that scale) of the JPEG
+    ``data`` decoded at ``1/scale`` (1, 2, 4 or 8: libjpeg's DCT scaling): a contiguous [bottom - top, right - left,
+    3] view of ``buf`` (at least that many bytes). Raises ValueError with libjpeg's reason for any error or
+    warning."""
     left, top, right, bottom = box
-    stride = image_width * 3
-    x0, _width = mod.decode_region(data, buf, stride, left, top, right, bottom)
-    rows = buf[:(bottom - top) * stride].reshape(bottom - top, image_width, 3)
-    return rows[:, left - x0:right - x0]
+    n = (bottom - top) * (right - left) * 3
+    mod.decode_region(data, buf, left, top, right, bottom, scale)
+    return buf[:n].reshape(bottom - top, right - left, 3)

@@ -306,10 +306,12 @@ def iter_members(f: BinaryIO, want) -> Iterator[tuple[str, bytes | None]]:
             continue
         if want(name):
             check_member_size(size, _where(name, pos - padded - _BLOCK))
-            data = f.read(padded)
+            data = f.read(size)  # the data alone (no copy to drop the padding), then past the padding
             if len(data) < size:
                 raise TarFormatError(f"{_where(name, pos - padded - _BLOCK)}: truncated member")
-            yield name, data[:size] if size != len(data) else data
+            if padded != size:
+                f.seek(pos)
+            yield name, data
         else:
             f.seek(pos)
             yield name, None

@@ -131,13 +131,13 @@ def test_a_cmyk_jpeg_is_refused(mod):
 
 def test_boxes_scales_and_buffers_are_checked_before_anything_is_written(mod):
     data = encode(smooth_image(48, 32, 8), quality=90)
-    buf = np.full(48 * 32 * 3 + 16, 0x33, np.uint8)
+    buf = np.full(64 * 64 * 3, 0x33, np.uint8)  # room for any box asked below: the image is what refuses it
     for box, why in (((0, 0, 49, 32), "outside"), ((0, 0, 48, 33), "outside"), ((5, 5, 5, 9), "empty"),
                      ((9, 5, 4, 9), "empty"), ((-1, 0, 4, 4), "negative"), ((0, -3, 4, 4), "negative")):
         with pytest.raises(ValueError, match=why):
             mod.decode_region(data, buf, *box)
     with pytest.raises(ValueError, match="outside"):  # 1/2 scale: 24 x 16 pixels
-        mod.decode_region(data, buf, 0, 0, 25, 16, 2)
+        mod.decode_region(data, buf, 0, 0, 25, 16, scale=2)
     for scale in (0, 3, 16, -2):
         with pytest.raises(ValueError, match="scale"):
             mod.decode_region(data, buf, 0, 0, 4, 4, scale)

@@ -44,7 +44,6 @@ static struct {
     void (*crop)(j_decompress_ptr, JDIMENSION *, JDIMENSION *);
     JDIMENSION (*skip)(j_decompress_ptr, JDIMENSION);
     JDIMENSION (*read)(j_decompress_ptr, JSAMPARRAY, JDIMENSION);
-    void (*abort_)(j_decompress_ptr);
 } lib;
 
 typedef struct {
@@ -108,7 +107,6 @@ static PyObject *jpegroi_open(PyObject *self, PyObject *args)
     FIND(crop, "jpeg_crop_scanline");
     FIND(skip, "jpeg_skip_scanlines");
     FIND(read, "jpeg_read_scanlines");
-    FIND(abort_, "jpeg_abort_decompress");
 #undef FIND
     lib.handle = h;
     Py_RETURN_NONE;
@@ -171,14 +169,16 @@ static const char *decode(error_mgr *err, const unsigned char *data, size_t size
     if (width < MIN_CROP_COLUMNS)
         width = out_w - x0 < MIN_CROP_COLUMNS ? out_w - x0 : MIN_CROP_COLUMNS;
     lib.crop(&cinfo, &x0, &width);
-    Py_ssize_t rows = (Py_ssize_t)(bottom - top), box_bytes = (Py_ssize_t)(right - left) * 3;
-    /* no product that could overflow: the rows are compared by division */
-    if (x0 > left || x0 + width < right || box_bytes > out_len || rows > out_len / box_bytes) {
-        failure = "the box does not fit the buffer";
+    /* the caller checked the box against out's length; the widened columns must hold the box, and libjpeg writes
+       output_width pixels per row (jpeg_crop_scanline sets it to the widened width) */
+    size_t box_bytes = (size_t)(right - left) * 3, row_bytes = (size_t)cinfo.output_width * 3;
+    if (x0 > left || x0 + width < right || cinfo.output_width != width ||
+        (Py_ssize_t)(box_bytes * (bottom - top)) > out_len) {
+        failure = "the box does not fit the decoded columns";
         goto done;
     }
     /* libjpeg writes whole widened rows into the scratch rows; the box's columns are copied out, row after row */
-    scratch = malloc((size_t)MAX_ROWS_PER_READ * width * 3);
+    scratch = malloc(MAX_ROWS_PER_READ * row_bytes);
     if (scratch == NULL) {
         failure = "out of memory";
         goto done;
@@ -195,14 +195,14 @@ static const char *decode(error_mgr *err, const unsigned char *data, size_t size
         if (n > MAX_ROWS_PER_READ)
             n = MAX_ROWS_PER_READ;
         for (JDIMENSION i = 0; i < n; i++)
-            scan[i] = scratch + (size_t)i * width * 3;
+            scan[i] = scratch + i * row_bytes;
         JDIMENSION got = lib.read(&cinfo, scan, n);
         if (got == 0 || got > n) {
             failure = "libjpeg returned no rows";
             goto done;
         }
         for (JDIMENSION i = 0; i < got; i++)
-            memcpy(out + (size_t)(first + i) * box_bytes, from + (size_t)i * width * 3, (size_t)box_bytes);
+            memcpy(out + (size_t)(first + i) * box_bytes, from + i * row_bytes, box_bytes);
     }
     if (cinfo.output_scanline < bottom) {
         failure = "libjpeg returned too few rows";
@@ -217,8 +217,9 @@ done:
     return failure;
 }
 
-static PyObject *jpegroi_decode_region(PyObject *self, PyObject *args)
+static PyObject *jpegroi_decode_region(PyObject *self, PyObject *args, PyObject *kwargs)
 {
+    static char *keywords[] = {"data", "out", "left", "top", "right", "bottom", "scale", NULL};
     Py_buffer src, dst;
     int left, top, right, bottom, scale = 1;
     (void)self;
@@ -226,7 +227,8 @@ static PyObject *jpegroi_decode_region(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "no libjpeg loaded (call open first)");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "y*w*iiii|i", &src, &dst, &left, &top, &right, &bottom, &scale))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*w*iiii|i", keywords, &src, &dst, &left, &top, &right, &bottom,
+                                     &scale))
         return NULL;
     PyObject *result = NULL;
     if (left < 0 || top < 0 || left >= right || top >= bottom || !PyBuffer_IsContiguous(&dst, 'C')) {
@@ -235,6 +237,12 @@ static PyObject *jpegroi_decode_region(PyObject *self, PyObject *args)
     }
     if (scale != 1 && scale != 2 && scale != 4 && scale != 8) {
         PyErr_SetString(PyExc_ValueError, "scale must be 1, 2, 4 or 8");
+        goto out;
+    }
+    /* the box against out's length before any decoding, with no product that could overflow: rows by division */
+    Py_ssize_t box_bytes = (Py_ssize_t)(right - left) * 3;
+    if (box_bytes > dst.len || (Py_ssize_t)(bottom - top) > dst.len / box_bytes) {
+        PyErr_SetString(PyExc_ValueError, "the box does not fit the buffer");
         goto out;
     }
     error_mgr err;
@@ -258,7 +266,7 @@ out:
 
 static PyMethodDef methods[] = {
     {"open", jpegroi_open, METH_VARARGS, "open(path): load libjpeg-turbo's libjpeg API from this shared library."},
-    {"decode_region", jpegroi_decode_region, METH_VARARGS,
+    {"decode_region", (PyCFunction)(void (*)(void))jpegroi_decode_region, METH_VARARGS | METH_KEYWORDS,
      "decode_region(data, out, left, top, right, bottom, scale=1): the RGB pixels of the box of the image at "
      "1/scale into out, contiguous [bottom - top, right - left, 3]; ValueError on any libjpeg error or warning."},
     {NULL, NULL, 0, NULL},

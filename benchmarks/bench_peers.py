@@ -14,8 +14,8 @@ horizontal flip, and int64 labels [B]. Normalisation is left to the device and n
 - ``gpufeed-w2``   ``gpufeed.loader.build_loader``: 2 worker processes, simplejpeg decode, reused batch buffers
                    (``reuse_batches=True``, as ``train`` and ``tune`` build it);
 - ``gpufeed-t2``   the same with no worker process and 2 decode threads;
-- ``gpufeed-roi``  2 worker processes, ``decode = "roi"`` (only the crop's region decoded, nvImageCodec's CPU
-                   libjpeg-turbo; ``pip install 'gpufeed[roi]'``);
+- ``gpufeed-roi``  2 worker processes, ``decode = "roi"`` (only the crop's region decoded: gpufeed's compiled region
+                   decoder over Pillow's libjpeg-turbo, else nvImageCodec's CPU backend);
 - ``gpufeed-best`` the best of a small sweep of gpufeed configs (``--gpufeed-sweep``), when it is neither of those;
 - ``gpufeed-before`` with ``--before REV``: gpufeed as it was at git revision REV (its ``src/`` exported with ``git
                    archive`` into a temporary folder, imported first by the measuring process), with ``gpufeed-w2``'s
@@ -92,8 +92,12 @@ GPUFEED_FIXED = {"gpufeed-w2": {"num_workers": 2, "decode_threads": 1},
                  "gpufeed-roi": {"num_workers": 2, "decode_threads": 1, "decode": "roi"}}
 GPUFEED_SWEEP = ({"num_workers": 2, "decode_threads": 1}, {"num_workers": 3, "decode_threads": 1},
                  {"num_workers": 4, "decode_threads": 1}, {"num_workers": 0, "decode_threads": 2},
-                 {"num_workers": 1, "decode_threads": 2}, {"num_workers": 2, "decode_threads": 2})
-"""The gpufeed configs the best-of pass measures (simplejpeg decode in all)."""
+                 {"num_workers": 1, "decode_threads": 2}, {"num_workers": 2, "decode_threads": 2},
+                 {"num_workers": 2, "decode_threads": 1, "decode": "roi"},
+                 {"num_workers": 3, "decode_threads": 1, "decode": "roi"},
+                 {"num_workers": 4, "decode_threads": 1, "decode": "roi"})
+"""The gpufeed configs the best-of pass measures (simplejpeg decode, and roi with 2-4 workers), as ImageFolder's
+worker count is swept: one window each, the best measured again in the rounds."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -421,7 +421,7 @@ ROI_MAX_AREA = 0.8
 """decode = "roi" with gpufeed's region decoder decodes a crop's region only when the crop covers at most this
 fraction of the image; a larger crop takes the simplejpeg path. Measured on 500 ImageNet-like crops per set
 (full-size and 320-px shards; median per bin of region decode over simplejpeg's whole decode, the better of 3
-each): 0.59-0.65 under 20% of the area, 0.70-0.78 at 20-40%, 0.83-0.91 at 40-60%, 0.92-0.98 at 60-80%, 0.97-1.03
+each): 0.61-0.69 under 20% of the area, 0.73-0.79 at 20-40%, 0.89-0.92 at 40-60%, 0.98-0.99 at 60-80%, 1.03-1.06
 over 80%."""
 
 ROI_MAX_AREA_NVIMGCODEC = 0.5

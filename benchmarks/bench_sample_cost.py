@@ -9,6 +9,9 @@ images; every part is measured in each of ``--rounds`` interleaved rounds and th
   through gpufeed's compiled region decoder where it loaded, and through nvImageCodec's where that is installed),
   into a 224 row;
 - ``resize``: the crop + antialiased resize + flip of an already decoded image (torch's uint8 kernel);
+- ``roi by crop area`` (gpufeed's region decoder, where it loaded): per train crop no DCT scale reduces, the region
+  decode's time over simplejpeg's whole decode of the same image (each the best of 3, interleaved), median per
+  fifth of the image's area: what ``decode.ROI_MAX_AREA`` is set from;
 - with PyTurboJPEG 1.x and a system libturbojpeg (``apt-get install libturbojpeg0``, ``pip install
   'PyTurboJPEG<2'``; neither is a gpufeed dependency): the same library's RGB decode, its decode to Y/Cb/Cr planes
   (``tjDecompressToYUVPlanes``: no chroma upsampling, no colour conversion) and to GRAY, per chroma subsampling;
@@ -146,6 +149,38 @@ def parts(args: argparse.Namespace, paths: list[str], datas: list[bytes]) -> dic
     return res
 
 
+def roi_bins(datas: list[bytes]) -> dict[str, dict[str, float]]:
+    """Region decode over whole decode, median per fifth of the image's area (see the module's docstring)."""
+    import simplejpeg
+
+    from gpufeed.loader import decode as dec
+    from gpufeed.loader import jpegroi
+
+    mod = jpegroi.region_decoder()
+    if mod is None:
+        return {}
+    buf = np.empty(64 << 20, np.uint8)
+    rng = random.Random(0)
+    bins: dict[int, list[float]] = {}
+    for d in datas:
+        h, w = simplejpeg.decode_jpeg_header(d)[:2]
+        crop = dec.train_crop(w, h, rng)
+        if dec.draft_scale(crop, 224) > 1:
+            continue
+        box = dec.pixel_box(crop.box, w, h)
+        l, t, r, b = box
+        region = whole = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jpegroi.decode_region(mod, d, box, buf)
+            t1 = time.perf_counter()
+            simplejpeg.decode_jpeg(d, colorspace="RGB")
+            t2 = time.perf_counter()
+            region, whole = min(region, t1 - t0), min(whole, t2 - t1)
+        bins.setdefault(min(int((r - l) * (b - t) / (w * h) * 5), 4), []).append(region / whole)
+    return {f"{k * 20}-{k * 20 + 20}%": {"crops": len(v), "median": float(np.median(v))} for k, v in sorted(bins.items())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shards", required=True, help="a gpufeed shard folder (its *.tar)")
@@ -163,10 +198,13 @@ def main() -> None:
     datas = [d for d in jpegs(paths, args.images) if subsampling(d) is not None]
     rounds = [parts(args, paths, datas) for _ in range(args.rounds)]
     best = {k: min(r[k] for r in rounds) for k in rounds[0]}
+    bins = roi_bins(datas)
     print(f"{len(datas)} images from {args.shards}; CPU ms per image, min of {args.repeats} passes x {args.rounds} "
           f"rounds")
     for k, v in best.items():
         print(f"  {k:48s} {v:7.3f}")
+    for k, v in bins.items():
+        print(f"  roi by crop area {k:8s} region / whole decode {v['median']:.2f} ({v['crops']} crops)")
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / \
         f"sample_cost-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +214,8 @@ def main() -> None:
     out.write_text(json.dumps({"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                                "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
                                "shards": args.shards, "images": len(datas), "repeats": args.repeats,
-                               "rounds_count": args.rounds, "machine": machine, "rounds": rounds, "min": best},
+                               "rounds_count": args.rounds, "machine": machine, "rounds": rounds, "min": best,
+                               "roi_bins": bins},
                               indent=1))
     print(f"wrote {out}")
 

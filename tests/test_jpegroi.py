@@ -230,3 +230,31 @@ def test_a_library_of_another_api_or_none_is_refused_at_load(mod, path):
     refused, _, reason = res.stdout.strip().partition(" ")
     assert refused == "True", res.stdout
     assert any(s in reason for s in ("Wrong JPEG library version", "has no jpeg_", "cannot load")), reason
+
+
+_NOT_BUILT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.modules["gpufeed.loader._jpegroi"] = None  # as where the install found no C compiler: the import fails
+from gpufeed.loader import decode, jpegroi
+print(jpegroi.region_decoder() is None, "|", jpegroi.unavailable_reason())
+try:
+    decode.require_roi()
+    print("roi runs through nvImageCodec")
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_without_the_compiled_module_roi_says_why_or_uses_nvimgcodec():
+    res = subprocess.run([sys.executable, "-c", _NOT_BUILT, str(ROOT / "src")], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr[-500:]
+    first, second = res.stdout.strip().splitlines()
+    assert first.startswith("True |") and "was not built" in first
+    import importlib.util
+
+    if importlib.util.find_spec("nvidia.nvimgcodec") is not None:
+        assert second == "roi runs through nvImageCodec"
+    else:
+        assert second.startswith("ConfigError") and "was not built" in second and "gpufeed[roi]" in second

@@ -419,10 +419,11 @@ _LOAD_LOCK = threading.Lock()
 
 ROI_MAX_AREA = 0.8
 """decode = "roi" with gpufeed's region decoder decodes a crop's region only when the crop covers at most this
-fraction of the image; a larger crop takes the simplejpeg path. Measured on 500 ImageNet-like crops per set
-(full-size and 320-px shards; median per bin of region decode over simplejpeg's whole decode, the better of 3
-each): 0.61-0.69 under 20% of the area, 0.73-0.79 at 20-40%, 0.89-0.92 at 40-60%, 0.98-0.99 at 60-80%, 1.03-1.06
-over 80%."""
+fraction of the image; a larger crop takes the simplejpeg path. Measured by ``benchmarks/bench_sample_cost.py``
+(its "roi by crop area": 500 ImageNet-like images per set, full-size and 320-px shards; median per fifth of the
+area of region decode over simplejpeg's whole decode, the better of 3 each): 0.61-0.68 under 20% of the area,
+0.71-0.80 at 20-40%, 0.84-0.91 at 40-60%, 0.91-0.92 at 60-80%, 0.95-1.00 over 80% (an earlier run: 0.98-0.99 at
+60-80%, 1.03-1.06 over 80%): above 80% the two are even."""
 
 ROI_MAX_AREA_NVIMGCODEC = 0.5
 """The same limit for nvImageCodec's region decode (used where gpufeed's did not build). Measured the same way:

@@ -17,9 +17,9 @@ the crop region at least ``size`` pixels on both sides, so no resolution is lost
 
 ``decode = "roi"`` decodes only the crop's region (libjpeg-turbo's crop and skip of scanlines): through gpufeed's
 own C module over Pillow's libjpeg-turbo (:mod:`gpufeed.loader.jpegroi`, built at install), else NVIDIA
-nvImageCodec's CPU backend (``pip install 'gpufeed[roi]'``). The same pixels as a full decode cropped afterwards,
-for less decode work; crops that a DCT scale reduces, eval crops and anything the region decoder refuses take the
-simplejpeg path.
+nvImageCodec's CPU backend (``pip install 'gpufeed[roi]'``). The same pixels as the simplejpeg path (a whole
+decode, at the same DCT scale, cropped afterwards) for less decode work; eval crops, crops of most of the image and
+anything the region decoder refuses take the simplejpeg path.
 
 Every path reads the stored width x height from the image header first and refuses an image over
 ``max_pixels`` (:class:`ImageTooLarge`) before any pixel is decoded: a few KB of PNG can declare
@@ -497,8 +497,9 @@ def decode_roi(data: bytes, crop_fn, size: int, out: np.ndarray, *, resize: str 
 
 
 def _region(native, data: bytes, box: tuple[int, int, int, int], scale: int) -> np.ndarray | None:
-    """The box's RGB pixels [b - t, r - l, 3] of the image decoded at 1/``scale`` from the region decoder (``native``: gpufeed's; None: nvImageCodec's, scale 1 only), or None where it refused the
-    data (the caller then decodes the whole image, which raises if it is broken)."""
+    """The box's RGB pixels [b - t, r - l, 3] of the image decoded at 1/``scale`` from the region decoder
+    (``native``: gpufeed's; None: nvImageCodec's, scale 1 only), or None where it refused the data (the caller
+    then decodes the whole image, which raises if it is broken)."""
     l, t, r, b = box
     if native is not None:
         try:

@@ -3,7 +3,7 @@
  * (jpeg_crop_scanline, jpeg_skip_scanlines), through the libjpeg-turbo that Pillow already loaded.
  *
  * Nothing of libjpeg is linked in: open(path) dlopen()s the library Python found (the one PIL._imaging uses) and
- * looks up the eleven libjpeg API functions this file calls. The library checks the API version and the size of
+ * looks up the nine libjpeg API functions this file calls. The library checks the API version and the size of
  * the decompress struct it is handed (jpeg_CreateDecompress), so a library built for another API refuses here
  * instead of reading a struct of another layout; Python then runs a self-test decode before using it.
  *
